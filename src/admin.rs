@@ -1,0 +1,45 @@
+//! The admin HTTP server: `/metrics` (Prometheus text), `/healthz` (the process serves) and
+//! `/readyz` (every informer synced and the API server reachable).
+
+use std::sync::Arc;
+
+use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, routing::get};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::metrics::Metrics;
+
+/// Answers "why not ready", or `Ok` when ready.
+pub type Readiness = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
+
+#[derive(Clone)]
+struct AppState {
+    metrics: Arc<Metrics>,
+    readiness: Readiness,
+}
+
+/// Serves on `listener` until `cancel` fires.
+pub async fn serve(
+    listener: TcpListener,
+    metrics: Arc<Metrics>,
+    readiness: Readiness,
+    cancel: CancellationToken,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(render_metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(ready))
+        .with_state(AppState { metrics, readiness });
+    axum::serve(listener, app).with_graceful_shutdown(cancel.cancelled_owned()).await
+}
+
+async fn render_metrics(State(s): State<AppState>) -> impl IntoResponse {
+    ([("content-type", "text/plain; version=0.0.4")], s.metrics.render())
+}
+
+async fn ready(State(s): State<AppState>) -> impl IntoResponse {
+    match (s.readiness)() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+        Err(reasons) => (StatusCode::SERVICE_UNAVAILABLE, reasons.join("\n") + "\n"),
+    }
+}

@@ -1,0 +1,245 @@
+//! Builds the whole service from a [`Config`] and runs it until a shutdown signal.
+//!
+//! For every resource: discovery, one shared informer per namespace (or one for all), and for
+//! every sink the resource is routed to, one listener on each of those informers with its own
+//! delivery task. Shutdown goes in layers: stop informers (their FIFOs drain into listeners),
+//! deliver what listeners hold within the grace period, flush sinks, stop the admin server.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use kube::Client;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::{
+    admin,
+    cluster::{self, ResolvedResource},
+    config::{Config, SinkType},
+    informer::{InformerKey, ProcessorListener, SharedInformerFactory, factory::WatchOptions},
+    message::{Encoder, object_transform},
+    metrics::Metrics,
+    pipeline::Route,
+    sinks::{self, Sink, stdout::StdoutSink},
+};
+
+/// How often the API server's health is probed for `/readyz`.
+const API_PROBE_PERIOD: Duration = Duration::from_secs(5);
+
+/// Errors building or running the service.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A resource could not be resolved.
+    #[error(transparent)]
+    Cluster(#[from] cluster::Error),
+    /// A sink could not be opened.
+    #[error("sinks: {0}")]
+    Sink(#[from] sinks::Error),
+    /// The admin address could not be bound.
+    #[error("cannot listen on admin address {address}: {source}")]
+    Admin {
+        /// The configured address.
+        address: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// What shutdown left behind.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Notifications still buffered when the grace period ran out, per `resource/sink`.
+    pub undelivered: HashMap<String, usize>,
+}
+
+/// A built, not yet running service.
+pub struct App {
+    config: Config,
+    client: Client,
+    metrics: Arc<Metrics>,
+    factory: Arc<SharedInformerFactory>,
+    routes: Vec<Route>,
+    sinks: Vec<Arc<dyn Sink>>,
+    admin: TcpListener,
+}
+
+impl App {
+    /// Resolves resources, creates informers, listeners and sinks, and binds the admin port.
+    pub async fn build(config: Config, client: Client) -> Result<Self, Error> {
+        let metrics = Arc::new(Metrics::new());
+        let k = &config.kubernetes;
+        let factory = Arc::new(SharedInformerFactory::new(
+            client.clone(),
+            WatchOptions {
+                page_size: k.page_size,
+                streaming_list: k.streaming_list,
+                watch_timeout_seconds: k.watch_timeout_seconds,
+            },
+            metrics.clone(),
+        ));
+        let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
+        for s in &config.sinks {
+            let sink: Arc<dyn Sink> = match s.kind {
+                SinkType::Stdout => {
+                    let path = s.stdout.as_ref().and_then(|o| o.path.as_deref());
+                    Arc::new(StdoutSink::open(&s.name, path).await?)
+                }
+            };
+            sinks.insert(s.name.clone(), sink);
+        }
+        let mut routes = Vec::new();
+        for (index, r) in config.resources.iter().enumerate() {
+            let ResolvedResource { api_resource, namespaced } = cluster::resolve(&client, index, r).await?;
+            let name = r.effective_name();
+            info!(resource = %name, plural = %api_resource.plural, namespaced, "Resolved resource");
+            let transform = object_transform(&api_resource, &config.message);
+            let encoder = Encoder::new(&config.cluster, &api_resource, &config.message);
+            let namespaces: Vec<Option<String>> =
+                if r.namespaces.is_empty() { vec![None] } else { r.namespaces.iter().cloned().map(Some).collect() };
+            let sink_names = config.routes.iter().filter(|rt| rt.resource == name).flat_map(|rt| &rt.sinks);
+            let sink_names: Vec<&String> = sink_names.collect();
+            for namespace in namespaces {
+                let key = InformerKey {
+                    group: api_resource.group.clone(),
+                    version: api_resource.version.clone(),
+                    plural: api_resource.plural.clone(),
+                    namespace,
+                    label_selector: r.label_selector.clone(),
+                    field_selector: r.field_selector.clone(),
+                };
+                let informer = factory.informer_for(&api_resource, key, Some(transform.clone()));
+                for sink_name in &sink_names {
+                    let sink_cfg = config.sinks.iter().find(|s| &s.name == *sink_name).expect("validated");
+                    let labels = [informer.name(), sink_name.as_str()];
+                    let listener = Arc::new(ProcessorListener::new(
+                        format!("{name}/{sink_name}"),
+                        sink_cfg.buffer_capacity,
+                        &r.events,
+                        r.resync(),
+                        metrics.listener_buffered.with_label_values(&labels),
+                        metrics.listener_coalesced.with_label_values(&labels),
+                    ));
+                    informer.add_listener(listener.clone()).expect("informers start after build");
+                    routes.push(Route {
+                        resource: name.clone(),
+                        listener,
+                        encoder: encoder.clone(),
+                        sink: sinks[sink_name.as_str()].clone(),
+                    });
+                }
+            }
+        }
+        let address = config.admin.address;
+        let admin = TcpListener::bind(address).await.map_err(|source| Error::Admin { address, source })?;
+        Ok(Self { config, client, metrics, factory, routes, sinks: sinks.into_values().collect(), admin })
+    }
+
+    /// The address the admin server listens on (useful with port 0).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.local_addr().expect("bound listener has an address")
+    }
+
+    /// The informer factory.
+    pub fn factory(&self) -> &Arc<SharedInformerFactory> {
+        &self.factory
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Runs until `shutdown` resolves, then shuts down in layers (see the module docs).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Report {
+        let informers_cancel = CancellationToken::new();
+        let admin_cancel = CancellationToken::new();
+        let api_ok = Arc::new(AtomicBool::new(true));
+        let readiness: admin::Readiness = {
+            let factory = self.factory.clone();
+            let api_ok = api_ok.clone();
+            Arc::new(move || {
+                let mut reasons: Vec<String> = factory
+                    .informers()
+                    .iter()
+                    .filter(|i| !i.has_synced())
+                    .map(|i| format!("informer {} has not synced", i.name()))
+                    .collect();
+                if !api_ok.load(Ordering::Relaxed) {
+                    reasons.push("the Kubernetes API server is unreachable".into());
+                }
+                if reasons.is_empty() { Ok(()) } else { Err(reasons) }
+            })
+        };
+        let admin_addr = self.admin_addr();
+        let admin_task =
+            tokio::spawn(admin::serve(self.admin, self.metrics.clone(), readiness, admin_cancel.clone()));
+        let probe = tokio::spawn(probe_api(self.client.clone(), api_ok, self.metrics.clone(), admin_cancel.clone()));
+        let informer_tasks = self.factory.start(&informers_cancel);
+        let listeners: Vec<(String, Arc<ProcessorListener>)> =
+            self.routes.iter().map(|r| (r.listener.name().to_owned(), r.listener.clone())).collect();
+        let route_tasks: Vec<_> = self.routes.into_iter().map(|r| tokio::spawn(r.run(self.metrics.clone()))).collect();
+        info!(admin = %admin_addr, informers = informer_tasks.len(), routes = route_tasks.len(), "Started");
+
+        shutdown.await;
+        let grace = self.config.shutdown.grace_period;
+        info!(grace_period = ?grace, "Shutting down: stopping informers, then delivering what is buffered");
+        informers_cancel.cancel();
+        futures::future::join_all(informer_tasks).await;
+        let mut report = Report::default();
+        let deadline = tokio::time::Instant::now() + grace;
+        for task in route_tasks {
+            let abort = task.abort_handle();
+            if tokio::time::timeout_at(deadline, task).await.is_err() {
+                abort.abort();
+            }
+        }
+        for (name, l) in listeners {
+            if !l.is_empty() {
+                *report.undelivered.entry(name).or_default() += l.len();
+            }
+        }
+        for (name, n) in &report.undelivered {
+            warn!(route = %name, undelivered = n, "Grace period ran out; notifications left undelivered");
+        }
+        for sink in &self.sinks {
+            if let Err(err) = sink.flush().await {
+                warn!(sink = %sink.name(), error = %err, "Flush at shutdown failed");
+            }
+        }
+        admin_cancel.cancel();
+        let _ = admin_task.await;
+        let _ = probe.await;
+        info!("Stopped");
+        report
+    }
+}
+
+/// Probes the API server every few seconds so that `/readyz` reports an outage even while
+/// watches are quiet.
+async fn probe_api(client: Client, ok: Arc<AtomicBool>, metrics: Arc<Metrics>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(API_PROBE_PERIOD);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let reachable = matches!(tokio::time::timeout(API_PROBE_PERIOD, client.apiserver_version()).await, Ok(Ok(_)));
+        if ok.swap(reachable, Ordering::Relaxed) != reachable {
+            if reachable {
+                info!("Kubernetes API server reachable again");
+            } else {
+                warn!("Kubernetes API server unreachable; informers retry with backoff, the cache is kept");
+            }
+        }
+        metrics.api_reachable.set(reachable as i64);
+    }
+}

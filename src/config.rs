@@ -1,0 +1,585 @@
+//! Settings: a YAML file plus `KEB_` environment overrides, validated before anything starts.
+//!
+//! Every struct denies unknown fields and every field carries a `///` line: those lines are the
+//! README's config reference (a test keeps the two in sync). Errors name the field path
+//! (`resources[2].kind: missing field`) so that a bad config can be fixed without reading code.
+
+use std::{collections::HashSet, net::SocketAddr, path::PathBuf, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+/// Errors while loading or validating the configuration. All of them are fatal at start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file could not be read or is not valid YAML.
+    #[error("cannot load config from {path}: {source}")]
+    Load {
+        /// The file that was given.
+        path: PathBuf,
+        /// What the `config` crate reported.
+        #[source]
+        source: config::ConfigError,
+    },
+    /// One or more fields are wrong; each line names the field path and the reason.
+    #[error("invalid config:\n  {}", .0.join("\n  "))]
+    Invalid(Vec<String>),
+}
+
+/// `Result` with this module's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The whole configuration of one kube-event-bridge process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Name of the cluster, used in each message's `source` and `k8scluster` attribute.
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// How to reach the Kubernetes API.
+    #[serde(default)]
+    pub kubernetes: KubernetesConfig,
+    /// The admin HTTP server (`/metrics`, `/healthz`, `/readyz`).
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// What goes into each message.
+    #[serde(default)]
+    pub message: MessageConfig,
+    /// Shutdown behaviour.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+    /// The resources to watch; each one is served by a shared informer.
+    pub resources: Vec<ResourceConfig>,
+    /// Where notifications go.
+    pub sinks: Vec<SinkConfig>,
+    /// Which resources go to which sinks.
+    pub routes: Vec<RouteConfig>,
+}
+
+/// How to reach the Kubernetes API server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// Path of a kubeconfig file; unset means `$KUBECONFIG`, then `~/.kube/config`, then in-cluster.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context to use; unset means the file's current context.
+    #[serde(default)]
+    pub context: Option<String>,
+    /// Objects per page of a list request (client-go uses 500).
+    #[serde(default = "default_page_size")]
+    pub page_size: u32,
+    /// Use a streaming watch-list (`sendInitialEvents=true`) for the initial state instead of a
+    /// paged list; needs the WatchList feature on the server (on by default from Kubernetes 1.35).
+    #[serde(default)]
+    pub streaming_list: bool,
+    /// Server-side timeout of each watch request, in seconds (the watcher re-watches after it).
+    #[serde(default = "default_watch_timeout")]
+    pub watch_timeout_seconds: u32,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            context: None,
+            page_size: default_page_size(),
+            streaming_list: false,
+            watch_timeout_seconds: default_watch_timeout(),
+        }
+    }
+}
+
+/// The admin HTTP server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Address to listen on; port 0 picks a free port (logged at start).
+    #[serde(default = "default_admin_address")]
+    pub address: SocketAddr,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self { address: default_admin_address() }
+    }
+}
+
+/// Logging.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `pretty` for people, `json` for log collectors.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A `tracing` filter such as `info` or `info,kube_event_bridge=debug`; `RUST_LOG` overrides it.
+    #[serde(default = "default_log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self { format: LogFormat::default(), level: default_log_level() }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Pretty,
+    /// One JSON object per line.
+    Json,
+}
+
+/// What goes into each message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessageConfig {
+    /// Put the previous state in `data.oldObject` of update messages.
+    #[serde(default = "default_true")]
+    pub include_old_object: bool,
+    /// Remove `metadata.managedFields` from objects (it is large and rarely useful downstream).
+    #[serde(default = "default_true")]
+    pub strip_managed_fields: bool,
+    /// Keep the values of a Secret's `data` and `stringData`; by default they are redacted.
+    #[serde(default)]
+    pub allow_secret_data: bool,
+}
+
+impl Default for MessageConfig {
+    fn default() -> Self {
+        Self { include_old_object: true, strip_managed_fields: true, allow_secret_data: false }
+    }
+}
+
+/// Shutdown behaviour.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// How long SIGTERM/SIGINT waits for pending notifications to be delivered before giving up.
+    #[serde(default = "default_grace_period", with = "humantime_serde")]
+    pub grace_period: Duration,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        Self { grace_period: default_grace_period() }
+    }
+}
+
+/// One resource to watch.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceConfig {
+    /// Name that routes and metric labels use; defaults to the lower-case kind, with `.group`
+    /// for non-core groups (`pod`, `deployment.apps`).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// API version, `v1` for the core group or `group/version` (`apps/v1`, `example.com/v1`).
+    #[serde(alias = "apiVersion")]
+    pub api_version: String,
+    /// Kind, as in an object's `kind` field (`Pod`, `Deployment`, a CRD's kind).
+    pub kind: String,
+    /// Namespaces to watch; empty means all namespaces (and is required for cluster-scoped kinds).
+    #[serde(default)]
+    pub namespaces: Vec<String>,
+    /// Label selector, as `kubectl -l` takes it.
+    #[serde(default)]
+    pub label_selector: Option<String>,
+    /// Field selector, as `kubectl --field-selector` takes it.
+    #[serde(default)]
+    pub field_selector: Option<String>,
+    /// Period of resync notifications (`synced`) for every cached object; unset or 0 disables
+    /// them. At least 1s.
+    #[serde(default, with = "humantime_serde")]
+    pub resync_period: Option<Duration>,
+    /// Which notification types to emit.
+    #[serde(default = "all_event_types")]
+    pub events: Vec<EventType>,
+}
+
+impl ResourceConfig {
+    /// The name routes use: the explicit `name`, else `kind` lower-cased plus `.group`.
+    pub fn effective_name(&self) -> String {
+        if let Some(name) = &self.name {
+            return name.clone();
+        }
+        let kind = self.kind.to_lowercase();
+        match self.api_version.split_once('/') {
+            Some((group, _)) => format!("{kind}.{group}"),
+            None => kind,
+        }
+    }
+
+    /// The resync period, with 0 meaning none.
+    pub fn resync(&self) -> Option<Duration> {
+        self.resync_period.filter(|p| !p.is_zero())
+    }
+}
+
+/// A notification type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EventType {
+    /// An object appeared (initial list or created).
+    Added,
+    /// An object changed.
+    Updated,
+    /// An object was deleted.
+    Deleted,
+    /// Periodic resync of an unchanged object.
+    Synced,
+}
+
+impl EventType {
+    /// The lower-case name used in message types and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Added => "added",
+            Self::Updated => "updated",
+            Self::Deleted => "deleted",
+            Self::Synced => "synced",
+        }
+    }
+}
+
+/// One sink: where notifications are published.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinkConfig {
+    /// Name that routes and metric labels use.
+    pub name: String,
+    /// Sink type; the section of the same name holds its settings.
+    #[serde(rename = "type")]
+    pub kind: SinkType,
+    /// Most notifications one listener (one resource to this sink) buffers before it coalesces
+    /// pending updates of the same object; deletes and the newest state are never dropped.
+    #[serde(default = "default_buffer_capacity")]
+    pub buffer_capacity: usize,
+    /// Settings of a `stdout` sink.
+    #[serde(default)]
+    pub stdout: Option<StdoutSinkConfig>,
+}
+
+/// Sink types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SinkType {
+    /// JSON lines on standard output or in a file; needs no broker.
+    Stdout,
+}
+
+/// Settings of a `stdout` sink.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdoutSinkConfig {
+    /// Append to this file instead of writing to standard output.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+}
+
+/// Which resources go to which sinks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Name of a resource (its `name`, or the default derived from kind and group).
+    pub resource: String,
+    /// Names of the sinks that receive its notifications.
+    pub sinks: Vec<String>,
+}
+
+fn default_cluster() -> String {
+    "default".into()
+}
+// client-go's ListPager page size.
+fn default_page_size() -> u32 {
+    500
+}
+// Below kube-apiserver's 5-10 min range, so that proxies with shorter idle limits don't cut it.
+fn default_watch_timeout() -> u32 {
+    290
+}
+fn default_admin_address() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 8080))
+}
+fn default_log_level() -> String {
+    "info".into()
+}
+fn default_true() -> bool {
+    true
+}
+// Kubernetes gives a pod 30 s between SIGTERM and SIGKILL by default; leave some of it for exit.
+fn default_grace_period() -> Duration {
+    Duration::from_secs(25)
+}
+fn all_event_types() -> Vec<EventType> {
+    vec![EventType::Added, EventType::Updated, EventType::Deleted, EventType::Synced]
+}
+fn default_buffer_capacity() -> usize {
+    10_000
+}
+
+/// Environment variables with this prefix override file settings: `KEB_ADMIN__ADDRESS`,
+/// `KEB_LOG__LEVEL`, `KEB_KUBERNETES__CONTEXT`.
+pub const ENV_PREFIX: &str = "KEB";
+
+impl Config {
+    /// Loads `path`, applies `KEB_*` environment overrides, deserializes and validates.
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        let load_err = |source| Error::Load { path: path.to_owned(), source };
+        let raw = config::Config::builder()
+            .add_source(config::File::from(path).format(config::FileFormat::Yaml))
+            .add_source(
+                config::Environment::with_prefix(ENV_PREFIX)
+                    .prefix_separator("_")
+                    .separator("__")
+                    .try_parsing(true),
+            )
+            .build()
+            .map_err(load_err)?;
+        let value: serde_json::Value = raw.try_deserialize().map_err(load_err)?;
+        Self::from_value(value)
+    }
+
+    /// Deserializes an already-parsed document and validates it.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|err| {
+            let path = err.path().to_string();
+            let inner = err.into_inner().to_string();
+            Error::Invalid(vec![describe_serde_error(&path, &inner)])
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Cross-field checks that serde cannot express. Reports every problem, not just the first.
+    pub fn validate(&self) -> Result<()> {
+        let mut errors = Vec::new();
+        let mut err = |path: String, msg: String| errors.push(format!("{path}: {msg}"));
+
+        if self.cluster.trim().is_empty() {
+            err("cluster".into(), "must not be empty".into());
+        }
+        if self.kubernetes.page_size == 0 {
+            err("kubernetes.page_size".into(), "must be at least 1".into());
+        }
+        if self.kubernetes.watch_timeout_seconds == 0 {
+            err("kubernetes.watch_timeout_seconds".into(), "must be at least 1".into());
+        }
+        if self.log.level.parse::<tracing_subscriber::EnvFilter>().is_err() {
+            err("log.level".into(), format!("{:?} is not a valid tracing filter", self.log.level));
+        }
+        if self.resources.is_empty() {
+            err("resources".into(), "at least one resource is required".into());
+        }
+        let mut resource_names = HashSet::new();
+        for (i, r) in self.resources.iter().enumerate() {
+            let at = |field: &str| format!("resources[{i}].{field}");
+            let name = r.effective_name();
+            if !resource_names.insert(name.clone()) {
+                err(at("name"), format!("{name:?} is used by another resource; set distinct names"));
+            }
+            if let Err(reason) = check_api_version(&r.api_version) {
+                err(at("api_version"), reason);
+            }
+            if r.kind.is_empty() || !r.kind.chars().all(|c| c.is_ascii_alphanumeric()) {
+                err(at("kind"), format!("{:?} is not a kind (letters and digits, e.g. Pod)", r.kind));
+            }
+            let mut seen = HashSet::new();
+            for (j, ns) in r.namespaces.iter().enumerate() {
+                if !is_dns_label(ns) {
+                    err(format!("resources[{i}].namespaces[{j}]"), format!("{ns:?} is not a namespace name"));
+                } else if !seen.insert(ns) {
+                    err(format!("resources[{i}].namespaces[{j}]"), format!("{ns:?} is listed twice"));
+                }
+            }
+            if let Some(p) = r.resync() {
+                if p < Duration::from_secs(1) {
+                    err(at("resync_period"), "must be 0 (off) or at least 1s".into());
+                }
+            }
+            if r.events.is_empty() {
+                err(at("events"), "at least one event type is required".into());
+            }
+        }
+        if self.sinks.is_empty() {
+            err("sinks".into(), "at least one sink is required".into());
+        }
+        let mut sink_names = HashSet::new();
+        for (i, s) in self.sinks.iter().enumerate() {
+            let at = |field: &str| format!("sinks[{i}].{field}");
+            if s.name.is_empty() {
+                err(at("name"), "must not be empty".into());
+            } else if !sink_names.insert(s.name.as_str()) {
+                err(at("name"), format!("{:?} is used by another sink", s.name));
+            }
+            if s.buffer_capacity == 0 {
+                err(at("buffer_capacity"), "must be at least 1".into());
+            }
+        }
+        if self.routes.is_empty() {
+            err("routes".into(), "at least one route is required".into());
+        }
+        let mut routed = HashSet::new();
+        let mut pairs = HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            if !resource_names.contains(&route.resource) {
+                err(format!("routes[{i}].resource"), format!("no resource is named {:?}", route.resource));
+            }
+            routed.insert(route.resource.as_str());
+            if route.sinks.is_empty() {
+                err(format!("routes[{i}].sinks"), "at least one sink is required".into());
+            }
+            for (j, sink) in route.sinks.iter().enumerate() {
+                if !sink_names.contains(sink.as_str()) {
+                    err(format!("routes[{i}].sinks[{j}]"), format!("no sink is named {sink:?}"));
+                } else if !pairs.insert((route.resource.as_str(), sink.as_str())) {
+                    err(
+                        format!("routes[{i}].sinks[{j}]"),
+                        format!("resource {:?} is already routed to sink {sink:?}", route.resource),
+                    );
+                }
+            }
+        }
+        for (i, r) in self.resources.iter().enumerate() {
+            if !routed.contains(r.effective_name().as_str()) {
+                err(format!("resources[{i}]"), format!("{:?} is not used by any route", r.effective_name()));
+            }
+        }
+        if errors.is_empty() { Ok(()) } else { Err(Error::Invalid(errors)) }
+    }
+
+    /// The config as pretty JSON, for `check-config`.
+    pub fn to_pretty_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("config serializes")
+    }
+}
+
+/// Turns serde's messages into `path: reason`; a missing field is reported at its own path.
+fn describe_serde_error(path: &str, message: &str) -> String {
+    if let Some(rest) = message.strip_prefix("missing field `") {
+        let field = rest.split('`').next().unwrap_or_default();
+        let full = if path == "." || path.is_empty() { field.to_owned() } else { format!("{path}.{field}") };
+        return format!("{full}: missing field");
+    }
+    let path = if path == "." || path.is_empty() { "(top level)" } else { path };
+    format!("{path}: {message}")
+}
+
+fn check_api_version(v: &str) -> std::result::Result<(), String> {
+    let (group, version) = match v.split_once('/') {
+        Some((g, ver)) => (Some(g), ver),
+        None => (None, v),
+    };
+    let version_ok = version.starts_with('v')
+        && !version.is_empty()
+        && version.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    let group_ok = group.is_none_or(|g| !g.is_empty() && g.split('.').all(is_dns_label));
+    if version_ok && group_ok {
+        Ok(())
+    } else {
+        Err(format!("{v:?} is not an API version (`v1` or `group/version`, e.g. `apps/v1`)"))
+    }
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn minimal() -> serde_json::Value {
+        json!({
+            "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+            "sinks": [{"name": "out", "type": "stdout"}],
+            "routes": [{"resource": "configmap", "sinks": ["out"]}],
+        })
+    }
+
+    fn errors_of(v: serde_json::Value) -> Vec<String> {
+        match Config::from_value(v) {
+            Err(Error::Invalid(e)) => e,
+            other => panic!("expected invalid config, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_value(minimal()).unwrap();
+        assert_eq!(c.cluster, "default");
+        assert_eq!(c.kubernetes.page_size, 500);
+        assert_eq!(c.resources[0].events.len(), 4);
+        assert!(c.message.strip_managed_fields && !c.message.allow_secret_data);
+    }
+
+    #[test]
+    fn missing_field_is_named_with_its_path() {
+        let mut v = minimal();
+        v["resources"] = json!([{"api_version": "v1", "kind": "Pod"}, {"api_version": "v1"}]);
+        assert_eq!(errors_of(v), ["resources[1].kind: missing field"]);
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let mut v = minimal();
+        v["sinks"][0]["bufer_capacity"] = json!(3);
+        let e = errors_of(v);
+        assert!(e[0].starts_with("sinks[0].bufer_capacity: unknown field `bufer_capacity`"), "{e:?}");
+    }
+
+    #[test]
+    fn cross_field_errors_are_all_reported() {
+        let mut v = minimal();
+        v["routes"] = json!([{"resource": "pods", "sinks": ["nowhere"]}]);
+        v["resources"][0]["resync_period"] = json!("200ms");
+        let e = errors_of(v);
+        assert!(e.contains(&"routes[0].resource: no resource is named \"pods\"".to_string()), "{e:?}");
+        assert!(e.contains(&"routes[0].sinks[0]: no sink is named \"nowhere\"".to_string()), "{e:?}");
+        assert!(e.contains(&"resources[0].resync_period: must be 0 (off) or at least 1s".to_string()), "{e:?}");
+        assert!(e.iter().any(|l| l.starts_with("resources[0]: \"configmap\" is not used")), "{e:?}");
+    }
+
+    #[test]
+    fn bad_api_version_and_namespace() {
+        let mut v = minimal();
+        v["resources"][0]["api_version"] = json!("apps/");
+        v["resources"][0]["namespaces"] = json!(["Default"]);
+        let e = errors_of(v);
+        assert!(e.iter().any(|l| l.starts_with("resources[0].api_version:")), "{e:?}");
+        assert!(e.iter().any(|l| l.starts_with("resources[0].namespaces[0]:")), "{e:?}");
+    }
+
+    #[test]
+    fn default_names_include_the_group() {
+        let mut v = minimal();
+        v["resources"] = json!([{"apiVersion": "apps/v1", "kind": "Deployment"}]);
+        v["routes"][0]["resource"] = json!("deployment.apps");
+        Config::from_value(v).unwrap();
+    }
+
+    #[test]
+    fn every_shipped_config_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "yaml") {
+                Config::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                n += 1;
+            }
+        }
+        assert!(n > 0, "no config files found");
+    }
+}

@@ -1,0 +1,427 @@
+//! client-go's `DeltaFIFO`: a per-object queue of deltas between the reflector and the informer.
+//!
+//! # Contract
+//! - `items` maps a key to its deltas (oldest first, never empty); `queue` holds each key once,
+//!   in FIFO order. A key that is already queued keeps its place when more deltas arrive.
+//! - Two consecutive `Deleted` deltas collapse into one: the older is kept, unless it is a
+//!   final-state-unknown tombstone, then the newer (real) one is kept.
+//! - `delete` of a key that is neither queued nor cached is ignored.
+//! - `replace` (every list and relist) queues `Replaced` for every listed object and a
+//!   final-state-unknown `Deleted` for every queued or cached key the list no longer holds:
+//!   objects that vanished while the watch was down are not forgotten.
+//! - `resync` queues `Sync` only for cached keys with nothing queued, so a stale cached copy is
+//!   never queued behind a newer event.
+//! - `pop` hands the head key's deltas to a closure that runs under the FIFO lock, like
+//!   client-go: while the informer applies deltas to the cache, `resync` and `replace` cannot
+//!   observe a cache that is behind a popped delta.
+//! - `has_synced` is true once every key of the first `replace` (tombstones included) was
+//!   popped, or once an add/update/delete came before any replace.
+//!
+//! Unlike client-go, nothing here transforms objects (the reflector does, before enqueueing),
+//! and the rv argument of `Replace` does not exist.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{Arc, Mutex},
+    time::Instant,
+};
+
+use tokio::sync::Notify;
+
+use super::{Indexer, ObjectRef, meta_namespace_key};
+
+/// client-go's delta types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeltaType {
+    /// The watch reported a new object.
+    Added,
+    /// The watch reported a change.
+    Updated,
+    /// The object is gone.
+    Deleted,
+    /// The object was in a (re)list.
+    Replaced,
+    /// Periodic resync of a cached object.
+    Sync,
+}
+
+/// One change of one object.
+#[derive(Debug, Clone)]
+pub struct Delta {
+    /// What happened.
+    pub kind: DeltaType,
+    /// The object's state; for deletes the last known state.
+    pub object: ObjectRef,
+    /// Only for `Deleted`: inferred by a relist, not seen on the watch
+    /// (client-go's `DeletedFinalStateUnknown`).
+    pub final_state_unknown: bool,
+    /// When the change was received.
+    pub received: Instant,
+    /// Wall-clock time of `received`.
+    pub observed: jiff::Timestamp,
+}
+
+impl Delta {
+    fn new(kind: DeltaType, object: ObjectRef) -> Self {
+        Self { kind, object, final_state_unknown: false, received: Instant::now(), observed: jiff::Timestamp::now() }
+    }
+
+    fn tombstone(object: ObjectRef) -> Self {
+        Self { final_state_unknown: true, ..Self::new(DeltaType::Deleted, object) }
+    }
+}
+
+/// The deltas of one key, oldest first.
+pub type Deltas = Vec<Delta>;
+
+/// See the module docs for the contract.
+pub struct DeltaFifo {
+    state: Mutex<State>,
+    notify: Notify,
+    known: Arc<Indexer>,
+}
+
+#[derive(Default)]
+struct State {
+    items: HashMap<String, Deltas>,
+    queue: VecDeque<String>,
+    populated: bool,
+    initial_population_count: usize,
+    closed: bool,
+}
+
+impl std::fmt::Debug for DeltaFifo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeltaFifo").field("len", &self.len()).finish()
+    }
+}
+
+impl DeltaFifo {
+    /// A FIFO whose known objects (for deletes, replace and resync) are `known`.
+    pub fn new(known: Arc<Indexer>) -> Self {
+        Self { state: Mutex::new(State::default()), notify: Notify::new(), known }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `Added`.
+    pub fn add(&self, obj: ObjectRef) {
+        let mut s = self.lock();
+        s.populated = true;
+        s.enqueue(meta_namespace_key(&obj), Delta::new(DeltaType::Added, obj));
+        drop(s);
+        self.notify.notify_one();
+    }
+
+    /// Queues `Updated`.
+    pub fn update(&self, obj: ObjectRef) {
+        let mut s = self.lock();
+        s.populated = true;
+        s.enqueue(meta_namespace_key(&obj), Delta::new(DeltaType::Updated, obj));
+        drop(s);
+        self.notify.notify_one();
+    }
+
+    /// Queues `Deleted(obj)`, unless the key is neither queued nor known.
+    pub fn delete(&self, obj: ObjectRef) {
+        let key = meta_namespace_key(&obj);
+        let mut s = self.lock();
+        s.populated = true;
+        if !s.items.contains_key(&key) && !self.known.contains(&key) {
+            return;
+        }
+        s.enqueue(key, Delta::new(DeltaType::Deleted, obj));
+        drop(s);
+        self.notify.notify_one();
+    }
+
+    /// A (re)list result: `Replaced` for each listed object, and a final-state-unknown
+    /// `Deleted` for every queued or known key the list does not hold.
+    pub fn replace(&self, list: Vec<ObjectRef>) {
+        let mut s = self.lock();
+        let mut listed = std::collections::HashSet::with_capacity(list.len());
+        for obj in list {
+            let key = meta_namespace_key(&obj);
+            listed.insert(key.clone());
+            s.enqueue(key, Delta::new(DeltaType::Replaced, obj));
+        }
+        let mut queued_deletions = 0;
+        // Keys only in the queue: tombstone carries the newest queued object.
+        let queued_only: Vec<(String, ObjectRef)> = s
+            .items
+            .iter()
+            .filter(|(k, _)| !listed.contains(*k))
+            .map(|(k, d)| (k.clone(), d.last().expect("deltas are never empty").object.clone()))
+            .collect();
+        for (key, newest) in queued_only {
+            queued_deletions += 1;
+            s.enqueue(key, Delta::tombstone(newest));
+        }
+        // Keys only in the cache, with nothing queued.
+        for (key, cached) in self.known.entries() {
+            if listed.contains(&key) || s.items.contains_key(&key) {
+                continue;
+            }
+            queued_deletions += 1;
+            s.enqueue(key, Delta::tombstone(cached));
+        }
+        if !s.populated {
+            s.populated = true;
+            s.initial_population_count = listed.len() + queued_deletions;
+        }
+        drop(s);
+        self.notify.notify_one();
+    }
+
+    /// Queues `Sync(cached)` for every known key with nothing queued.
+    pub fn resync(&self) {
+        let mut s = self.lock();
+        let mut any = false;
+        for (key, cached) in self.known.entries() {
+            if !s.items.contains_key(&key) {
+                s.enqueue(key, Delta::new(DeltaType::Sync, cached));
+                any = true;
+            }
+        }
+        drop(s);
+        if any {
+            self.notify.notify_one();
+        }
+    }
+
+    /// True once the first list has been popped entirely (see the module docs).
+    pub fn has_synced(&self) -> bool {
+        let s = self.lock();
+        s.populated && s.initial_population_count == 0
+    }
+
+    /// Number of queued keys.
+    pub fn len(&self) -> usize {
+        self.lock().queue.len()
+    }
+
+    /// Whether no key is queued.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Wakes `pop` for good: once the queue is empty it returns `None`.
+    pub fn close(&self) {
+        self.lock().closed = true;
+        self.notify.notify_waiters();
+        self.notify.notify_one();
+    }
+
+    /// Removes the head key's deltas and calls `process(deltas, is_in_initial_list)` under the
+    /// FIFO lock. Waits while the queue is empty; `None` once closed and empty.
+    pub async fn pop<R>(&self, mut process: impl FnMut(Deltas, bool) -> R) -> Option<R> {
+        loop {
+            if let Some(r) = self.try_pop(&mut process) {
+                return Some(r);
+            }
+            if self.lock().closed {
+                return None;
+            }
+            // `notify_one` stores a permit when nobody waits, so a push between the check above
+            // and this await is not missed.
+            self.notify.notified().await;
+        }
+    }
+
+    /// `pop` without waiting: `None` when the queue is empty.
+    pub fn try_pop<R>(&self, mut process: impl FnMut(Deltas, bool) -> R) -> Option<R> {
+        let mut s = self.lock();
+        let key = s.queue.pop_front()?;
+        let deltas = s.items.remove(&key).expect("queued keys have deltas");
+        let is_in_initial_list = !(s.populated && s.initial_population_count == 0);
+        if s.initial_population_count > 0 {
+            s.initial_population_count -= 1;
+        }
+        Some(process(deltas, is_in_initial_list))
+    }
+}
+
+impl State {
+    fn enqueue(&mut self, key: String, delta: Delta) {
+        match self.items.get_mut(&key) {
+            Some(deltas) => {
+                deltas.push(delta);
+                dedup_deletes(deltas);
+            }
+            None => {
+                self.queue.push_back(key.clone());
+                self.items.insert(key, vec![delta]);
+            }
+        }
+    }
+}
+
+/// Collapses two trailing `Deleted` deltas; keeps the older unless it is a tombstone.
+fn dedup_deletes(deltas: &mut Deltas) {
+    let n = deltas.len();
+    if n < 2 || deltas[n - 1].kind != DeltaType::Deleted || deltas[n - 2].kind != DeltaType::Deleted {
+        return;
+    }
+    if deltas[n - 2].final_state_unknown {
+        deltas.remove(n - 2);
+    } else {
+        deltas.pop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::informer::testing::obj;
+
+    fn fifo() -> (DeltaFifo, Arc<Indexer>) {
+        let known = Arc::new(Indexer::new());
+        (DeltaFifo::new(known.clone()), known)
+    }
+
+    fn pop_all(f: &DeltaFifo) -> Vec<(String, Vec<(DeltaType, String, bool)>, bool)> {
+        let mut out = Vec::new();
+        while let Some(entry) = f.try_pop(|deltas, initial| {
+            let key = meta_namespace_key(&deltas[0].object);
+            let ds = deltas
+                .iter()
+                .map(|d| (d.kind, crate::informer::resource_version(&d.object).to_owned(), d.final_state_unknown))
+                .collect();
+            (key, ds, initial)
+        }) {
+            out.push(entry);
+        }
+        out
+    }
+
+    #[test]
+    fn deltas_accumulate_per_key_and_keys_keep_their_place() {
+        let (f, _) = fifo();
+        f.add(obj("ns", "a", "1"));
+        f.add(obj("ns", "b", "2"));
+        f.update(obj("ns", "a", "3"));
+        let out = pop_all(&f);
+        assert_eq!(out[0].0, "ns/a", "a queued key keeps its place (no line jumping)");
+        assert_eq!(out[0].1, [(DeltaType::Added, "1".into(), false), (DeltaType::Updated, "3".into(), false)]);
+        assert_eq!(out[1].0, "ns/b");
+        assert!(!out[0].2, "add before any replace means synced");
+    }
+
+    #[test]
+    fn consecutive_deletes_collapse() {
+        let (f, known) = fifo();
+        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        f.delete(obj("ns", "a", "2"));
+        f.delete(obj("ns", "a", "3"));
+        assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "2".into(), false)], "older real delete is kept");
+    }
+
+    #[test]
+    fn real_delete_replaces_a_preceding_tombstone() {
+        let (f, known) = fifo();
+        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        f.replace(vec![]);
+        f.delete(obj("ns", "a", "5"));
+        assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "5".into(), false)]);
+    }
+
+    #[test]
+    fn delete_of_unknown_key_is_ignored() {
+        let (f, _) = fifo();
+        f.delete(obj("ns", "ghost", "1"));
+        assert!(f.is_empty());
+    }
+
+    #[test]
+    fn replace_makes_deletions_for_known_and_queued_objects() {
+        let (f, known) = fifo();
+        known.upsert("ns/cached".into(), obj("ns", "cached", "1"));
+        known.upsert("ns/kept".into(), obj("ns", "kept", "1"));
+        f.add(obj("ns", "queued", "2"));
+        f.update(obj("ns", "queued", "3"));
+        f.replace(vec![obj("ns", "kept", "1")]);
+        let out = pop_all(&f);
+        let by_key: HashMap<_, _> = out.into_iter().map(|(k, d, _)| (k, d)).collect();
+        assert_eq!(
+            by_key["ns/queued"].last().unwrap(),
+            &(DeltaType::Deleted, "3".into(), true),
+            "tombstone carries the newest queued object"
+        );
+        assert_eq!(by_key["ns/cached"], [(DeltaType::Deleted, "1".into(), true)]);
+        assert_eq!(by_key["ns/kept"], [(DeltaType::Replaced, "1".into(), false)]);
+    }
+
+    #[test]
+    fn replace_does_not_tombstone_a_queued_real_delete_twice() {
+        let (f, known) = fifo();
+        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        f.delete(obj("ns", "a", "2"));
+        f.replace(vec![]);
+        assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "2".into(), false)]);
+    }
+
+    #[test]
+    fn resync_skips_keys_with_queued_deltas() {
+        let (f, known) = fifo();
+        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        known.upsert("ns/b".into(), obj("ns", "b", "1"));
+        f.update(obj("ns", "a", "2"));
+        f.resync();
+        let out = pop_all(&f);
+        assert_eq!(out.len(), 2);
+        let a = out.iter().find(|e| e.0 == "ns/a").unwrap();
+        assert_eq!(a.1, [(DeltaType::Updated, "2".into(), false)], "no stale Sync behind an Update");
+        let b = out.iter().find(|e| e.0 == "ns/b").unwrap();
+        assert_eq!(b.1, [(DeltaType::Sync, "1".into(), false)]);
+    }
+
+    #[test]
+    fn resync_without_known_objects_does_nothing() {
+        let (f, _) = fifo();
+        f.resync();
+        assert!(f.is_empty());
+    }
+
+    #[test]
+    fn has_synced_counts_first_replace_including_deletions() {
+        let (f, known) = fifo();
+        known.upsert("ns/gone".into(), obj("ns", "gone", "1"));
+        assert!(!f.has_synced());
+        f.replace(vec![obj("ns", "a", "1"), obj("ns", "b", "1")]);
+        assert!(!f.has_synced());
+        let initial: Vec<bool> = pop_all(&f).into_iter().map(|e| e.2).collect();
+        assert_eq!(initial, [true, true, true], "the synthetic delete counts as initial");
+        assert!(f.has_synced());
+        f.replace(vec![obj("ns", "a", "2")]);
+        assert!(f.has_synced(), "later relists do not unsync");
+    }
+
+    #[test]
+    fn empty_first_replace_is_synced_at_once() {
+        let (f, _) = fifo();
+        f.replace(vec![]);
+        assert!(f.has_synced());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pop_waits_for_items_and_returns_none_when_closed() {
+        let (f, _) = fifo();
+        let f = Arc::new(f);
+        let popper = tokio::spawn({
+            let f = f.clone();
+            async move { f.pop(|d, _| d.len()).await }
+        });
+        tokio::task::yield_now().await;
+        f.add(obj("ns", "a", "1"));
+        assert_eq!(popper.await.unwrap(), Some(1));
+        let popper = tokio::spawn({
+            let f = f.clone();
+            async move { f.pop(|d, _| d.len()).await }
+        });
+        tokio::task::yield_now().await;
+        f.close();
+        assert_eq!(popper.await.unwrap(), None);
+    }
+}

@@ -1,0 +1,159 @@
+//! client-go's `SharedInformerFactory`: one informer per (resource, namespace, selectors),
+//! handed to every route that asks for it, so that one list+watch serves them all.
+
+use std::{
+    fmt,
+    sync::{Arc, Mutex},
+};
+
+use kube::{
+    Api, Client,
+    api::{ApiResource, DynamicObject},
+    runtime::watcher,
+};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    DeltaFifo, Indexer, SharedIndexInformer,
+    reflector::{Reflector, ReflectorMetrics, Transform},
+    shared_informer::InformerMetrics,
+};
+use crate::metrics::Metrics;
+
+/// What makes two informers the same: resource, namespace (`None`: all) and selectors.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct InformerKey {
+    /// API group, `""` for core.
+    pub group: String,
+    /// API version.
+    pub version: String,
+    /// Plural resource name.
+    pub plural: String,
+    /// One namespace, or `None` for all namespaces (and cluster-scoped resources).
+    pub namespace: Option<String>,
+    /// Label selector.
+    pub label_selector: Option<String>,
+    /// Field selector.
+    pub field_selector: Option<String>,
+}
+
+impl fmt::Display for InformerKey {
+    /// `apps/v1/deployments`, then `@namespace` and `{l=…,f=…}` when set: a bounded metric label.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.group.is_empty() {
+            write!(f, "{}/", self.group)?;
+        }
+        write!(f, "{}/{}", self.version, self.plural)?;
+        if let Some(ns) = &self.namespace {
+            write!(f, "@{ns}")?;
+        }
+        match (&self.label_selector, &self.field_selector) {
+            (None, None) => Ok(()),
+            (l, fs) => write!(f, "{{l={},f={}}}", l.as_deref().unwrap_or(""), fs.as_deref().unwrap_or("")),
+        }
+    }
+}
+
+/// How reflectors list and watch.
+#[derive(Debug, Clone)]
+pub struct WatchOptions {
+    /// Objects per list page.
+    pub page_size: u32,
+    /// Streaming watch-list instead of a paged list.
+    pub streaming_list: bool,
+    /// Server-side timeout of each watch request, in seconds.
+    pub watch_timeout_seconds: u32,
+}
+
+/// Hands out shared informers and starts them. See the module docs.
+pub struct SharedInformerFactory {
+    client: Client,
+    options: WatchOptions,
+    metrics: Arc<Metrics>,
+    informers: Mutex<Vec<(InformerKey, Arc<SharedIndexInformer>)>>,
+}
+
+impl SharedInformerFactory {
+    /// A factory whose informers use `client` and list/watch with `options`.
+    pub fn new(client: Client, options: WatchOptions, metrics: Arc<Metrics>) -> Self {
+        Self { client, options, metrics, informers: Mutex::new(Vec::new()) }
+    }
+
+    /// The informer for `key` (whose resource is `resource`), created on first request; a new
+    /// informer rewrites every object with `transform` before caching it.
+    pub fn informer_for(
+        &self,
+        resource: &ApiResource,
+        key: InformerKey,
+        transform: Option<Transform>,
+    ) -> Arc<SharedIndexInformer> {
+        let mut informers = self.informers.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, informer)) = informers.iter().find(|(k, _)| *k == key) {
+            return informer.clone();
+        }
+        let name = key.to_string();
+        let api: Api<DynamicObject> = match &key.namespace {
+            Some(ns) => Api::namespaced_with(self.client.clone(), ns, resource),
+            None => Api::all_with(self.client.clone(), resource),
+        };
+        let mut config = watcher::Config::default().page_size(self.options.page_size);
+        config.timeout = Some(self.options.watch_timeout_seconds);
+        if self.options.streaming_list {
+            config = config.streaming_lists();
+        }
+        if let Some(l) = &key.label_selector {
+            config = config.labels(l);
+        }
+        if let Some(f) = &key.field_selector {
+            config = config.fields(f);
+        }
+        let indexer = Arc::new(Indexer::new());
+        let fifo = Arc::new(DeltaFifo::new(indexer.clone()));
+        let m = &self.metrics;
+        let reflector = Reflector::new(
+            name.clone(),
+            api,
+            config,
+            fifo.clone(),
+            transform,
+            ReflectorMetrics {
+                watch_errors: m.informer_watch_errors.with_label_values(&[&name]),
+                relists: m.informer_relists.with_label_values(&[&name]),
+                listed: m.informer_watch_events.with_label_values(&[&name, "listed"]),
+                applied: m.informer_watch_events.with_label_values(&[&name, "applied"]),
+                deleted: m.informer_watch_events.with_label_values(&[&name, "deleted"]),
+            },
+        );
+        let informer = Arc::new(SharedIndexInformer::new(
+            name.clone(),
+            indexer,
+            fifo,
+            reflector,
+            InformerMetrics {
+                cached_objects: m.informer_cached_objects.with_label_values(&[&name]),
+                synced: m.informer_synced.with_label_values(&[&name]),
+                notifications: ["added", "updated", "deleted", "synced"]
+                    .map(|t| m.informer_notifications.with_label_values(&[&name, t])),
+            },
+        ));
+        m.informer_synced.with_label_values(&[&name]).set(0);
+        informers.push((key, informer.clone()));
+        informer
+    }
+
+    /// Every informer handed out so far.
+    pub fn informers(&self) -> Vec<Arc<SharedIndexInformer>> {
+        self.informers.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(_, i)| i.clone()).collect()
+    }
+
+    /// Starts every informer; each task ends after `cancel` fires and its FIFO is drained.
+    pub fn start(&self, cancel: &CancellationToken) -> Vec<JoinHandle<()>> {
+        self.informers().into_iter().map(|i| tokio::spawn(i.run(cancel.clone()))).collect()
+    }
+
+    /// Whether every informer has synced.
+    pub fn has_synced(&self) -> bool {
+        self.informers().iter().all(|i| i.has_synced())
+    }
+}

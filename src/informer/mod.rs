@@ -1,0 +1,154 @@
+//! The informer machinery of client-go's `tools/cache`, over `DynamicObject`s.
+//!
+//! ```text
+//! Reflector ──deltas──▶ DeltaFifo ──pop──▶ SharedIndexInformer ──▶ Indexer
+//!                                               │ distribute (never blocks)
+//!                                               ▼
+//!                                  ProcessorListener (one per route and sink)
+//! ```
+//!
+//! Names and contracts are client-go's so that anyone who knows informers finds their way;
+//! where behaviour differs, the type's doc says so.
+
+pub mod delta_fifo;
+pub mod factory;
+pub mod indexer;
+pub mod listener;
+pub mod reflector;
+pub mod shared_informer;
+
+use std::{sync::Arc, time::Instant};
+
+use kube::api::DynamicObject;
+
+pub use delta_fifo::{Delta, DeltaFifo, DeltaType};
+pub use factory::{InformerKey, SharedInformerFactory};
+pub use indexer::Indexer;
+pub use listener::ProcessorListener;
+pub use shared_informer::SharedIndexInformer;
+
+/// A cached object. Shared between the cache, queues and encoders, and never mutated.
+pub type ObjectRef = Arc<DynamicObject>;
+
+/// client-go's `MetaNamespaceKeyFunc`: `namespace/name`, or `name` for cluster-scoped objects.
+pub fn meta_namespace_key(obj: &DynamicObject) -> String {
+    let name = obj.metadata.name.as_deref().unwrap_or_default();
+    match obj.metadata.namespace.as_deref() {
+        Some(ns) if !ns.is_empty() => format!("{ns}/{name}"),
+        _ => name.to_owned(),
+    }
+}
+
+/// The object's `metadata.resourceVersion`, or `""`.
+pub fn resource_version(obj: &DynamicObject) -> &str {
+    obj.metadata.resource_version.as_deref().unwrap_or_default()
+}
+
+/// What a listener receives: client-go's `addNotification`, `updateNotification` and
+/// `deleteNotification`, stamped with when the reflector received the change.
+#[derive(Debug, Clone)]
+pub struct Notification {
+    /// What happened.
+    pub kind: NotificationKind,
+    /// When the watch event (or list) that caused it was received; for end-to-end latency.
+    pub received: Instant,
+    /// Wall-clock time of the same moment; the message's `time`.
+    pub observed: jiff::Timestamp,
+}
+
+/// The three notifications of `ResourceEventHandler`.
+#[derive(Debug, Clone)]
+pub enum NotificationKind {
+    /// `OnAdd(obj, isInInitialList)`.
+    Add {
+        /// The new object.
+        obj: ObjectRef,
+        /// True while the informer delivers its first list.
+        is_initial_list: bool,
+    },
+    /// `OnUpdate(old, new)`. When both carry the same resourceVersion this is a resync.
+    Update {
+        /// The cached state before.
+        old: ObjectRef,
+        /// The state now.
+        new: ObjectRef,
+    },
+    /// `OnDelete(obj)`.
+    Delete {
+        /// The last known state.
+        obj: ObjectRef,
+        /// The deletion was inferred by a relist (client-go's `DeletedFinalStateUnknown`): the
+        /// object vanished while the watch was down and `obj` is the last state the cache saw.
+        final_state_unknown: bool,
+    },
+}
+
+impl Notification {
+    /// The object the notification is about (the newest state).
+    pub fn object(&self) -> &ObjectRef {
+        match &self.kind {
+            NotificationKind::Add { obj, .. } | NotificationKind::Delete { obj, .. } => obj,
+            NotificationKind::Update { new, .. } => new,
+        }
+    }
+
+    /// `namespace/name` of the object.
+    pub fn key(&self) -> String {
+        meta_namespace_key(self.object())
+    }
+
+    /// The event type a message reports: an update that did not change the
+    /// resourceVersion is a resync.
+    pub fn event_type(&self) -> crate::config::EventType {
+        use crate::config::EventType;
+        match &self.kind {
+            NotificationKind::Add { .. } => EventType::Added,
+            NotificationKind::Update { old, new } if resource_version(old) == resource_version(new) => {
+                EventType::Synced
+            }
+            NotificationKind::Update { .. } => EventType::Updated,
+            NotificationKind::Delete { .. } => EventType::Deleted,
+        }
+    }
+}
+
+/// client-go's `ResourceEventHandler`, for code that wants callbacks instead of a listener.
+pub trait ResourceEventHandler: Send + Sync {
+    /// An object was added; `is_initial_list` during the first list.
+    fn on_add(&self, obj: &ObjectRef, is_initial_list: bool);
+    /// An object changed (or was resynced, when the resourceVersions are equal).
+    fn on_update(&self, old: &ObjectRef, new: &ObjectRef);
+    /// An object was deleted; `final_state_unknown` when a relist inferred it.
+    fn on_delete(&self, obj: &ObjectRef, final_state_unknown: bool);
+}
+
+impl Notification {
+    /// Calls the matching method of `handler`.
+    pub fn dispatch(&self, handler: &dyn ResourceEventHandler) {
+        match &self.kind {
+            NotificationKind::Add { obj, is_initial_list } => handler.on_add(obj, *is_initial_list),
+            NotificationKind::Update { old, new } => handler.on_update(old, new),
+            NotificationKind::Delete { obj, final_state_unknown } => handler.on_delete(obj, *final_state_unknown),
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! Object builders for unit tests.
+    use super::*;
+
+    /// A namespaced ConfigMap-like object with the given resourceVersion.
+    pub fn obj(ns: &str, name: &str, rv: &str) -> ObjectRef {
+        let mut o = DynamicObject {
+            types: Some(kube::api::TypeMeta { api_version: "v1".into(), kind: "ConfigMap".into() }),
+            metadata: Default::default(),
+            data: serde_json::json!({}),
+        };
+        o.metadata.namespace = (!ns.is_empty()).then(|| ns.to_owned());
+        o.metadata.name = Some(name.to_owned());
+        o.metadata.resource_version = Some(rv.to_owned());
+        o.metadata.uid = Some(format!("uid-{ns}-{name}"));
+        Arc::new(o)
+    }
+}

@@ -1,0 +1,208 @@
+//! client-go's `SharedIndexInformer`: one reflector, one FIFO, one cache, many listeners.
+//!
+//! # Contract
+//! - Deltas are applied oldest first. Added, Updated, Replaced and Sync are upserts: a key
+//!   already cached gives `Update(old, new)`, an unknown key `Add(new, is_initial_list)`;
+//!   Deleted removes the key and gives `Delete(last, final_state_unknown)`.
+//! - An update whose old and new resourceVersions are equal is a *resync* notification. It
+//!   reaches only listeners whose resync is due (see [`ProcessorListener::is_syncing`]); every
+//!   other notification reaches every listener.
+//! - Distribution never blocks: listeners buffer.
+//! - `has_synced` is true once the first list has been applied to the cache.
+//! - Listeners are registered before `run`; registering after is an error (client-go allows it
+//!   and replays the cache; nothing here needs that yet).
+
+use std::{
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use prometheus::{IntCounter, IntGauge};
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use super::{
+    DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ProcessorListener, delta_fifo::Deltas,
+    meta_namespace_key, reflector::Reflector, resource_version,
+};
+
+/// Errors of informer registration.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// `add_listener` after `run`.
+    #[error("informer {0} is already running; listeners must be added before it starts")]
+    AlreadyStarted(String),
+}
+
+/// Gauges and counters one informer keeps.
+#[derive(Clone)]
+pub struct InformerMetrics {
+    /// Objects in the cache.
+    pub cached_objects: IntGauge,
+    /// 1 once the first list is in the cache.
+    pub synced: IntGauge,
+    /// Notifications distributed, by type: `added`, `updated`, `deleted`, `synced`.
+    pub notifications: [IntCounter; 4],
+}
+
+/// See the module docs for the contract.
+pub struct SharedIndexInformer {
+    name: String,
+    indexer: Arc<Indexer>,
+    fifo: Arc<DeltaFifo>,
+    reflector: Reflector,
+    listeners: RwLock<Vec<Arc<ProcessorListener>>>,
+    started: AtomicBool,
+    metrics: InformerMetrics,
+}
+
+impl std::fmt::Debug for SharedIndexInformer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedIndexInformer").field("name", &self.name).finish()
+    }
+}
+
+impl SharedIndexInformer {
+    /// An informer named `name` whose reflector feeds `fifo`, which must be backed by `indexer`.
+    pub(crate) fn new(
+        name: String,
+        indexer: Arc<Indexer>,
+        fifo: Arc<DeltaFifo>,
+        reflector: Reflector,
+        metrics: InformerMetrics,
+    ) -> Self {
+        Self {
+            name,
+            indexer,
+            fifo,
+            reflector,
+            listeners: RwLock::new(Vec::new()),
+            started: AtomicBool::new(false),
+            metrics,
+        }
+    }
+
+    /// The informer's name: resource path, namespace and selectors.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The cache.
+    pub fn indexer(&self) -> &Arc<Indexer> {
+        &self.indexer
+    }
+
+    /// Whether the first list has been applied to the cache.
+    pub fn has_synced(&self) -> bool {
+        self.fifo.has_synced()
+    }
+
+    /// resourceVersion of the newest object the reflector saw.
+    pub fn last_sync_resource_version(&self) -> String {
+        self.reflector.last_sync_resource_version()
+    }
+
+    /// Registers a listener; only before `run`.
+    pub fn add_listener(&self, listener: Arc<ProcessorListener>) -> Result<(), Error> {
+        let mut listeners = self.listeners.write().unwrap_or_else(|e| e.into_inner());
+        if self.started.load(Ordering::SeqCst) {
+            return Err(Error::AlreadyStarted(self.name.clone()));
+        }
+        listeners.push(listener);
+        Ok(())
+    }
+
+    fn listeners(&self) -> Vec<Arc<ProcessorListener>> {
+        self.listeners.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Lists, watches and distributes until `cancel` fires; then drains the FIFO into the
+    /// listeners and closes them, so that their consumers deliver what is buffered and stop.
+    /// Each listener belongs to exactly one informer.
+    pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
+        self.started.store(true, Ordering::SeqCst);
+        let listeners = self.listeners();
+        let process = tokio::spawn({
+            let this = self.clone();
+            async move {
+                while this.fifo.pop(|deltas, initial| this.handle_deltas(deltas, initial)).await.is_some() {
+                    this.metrics.cached_objects.set(this.indexer.len() as i64);
+                    this.metrics.synced.set(this.has_synced() as i64);
+                }
+            }
+        });
+        let resync = resync_check_period(&listeners).map(|period| {
+            let this = self.clone();
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        now = tick.tick() => this.resync_tick(now),
+                    }
+                }
+            })
+        });
+        self.reflector.run(cancel.clone()).await;
+        // The reflector has stopped: let the FIFO drain into the listeners, then close them.
+        self.fifo.close();
+        let _ = process.await;
+        if let Some(r) = resync {
+            let _ = r.await;
+        }
+        for l in &listeners {
+            l.close();
+        }
+        debug!(informer = %self.name, "Informer stopped");
+    }
+
+    fn resync_tick(&self, now: tokio::time::Instant) {
+        // Every listener must be asked (no short-circuit): asking moves its next resync.
+        let due = self.listeners().iter().fold(false, |any, l| l.should_resync(now) | any);
+        if due && self.has_synced() {
+            self.fifo.resync();
+        }
+    }
+
+    /// client-go's `HandleDeltas` (`processDeltas`): apply to the cache, then distribute.
+    fn handle_deltas(&self, deltas: Deltas, is_initial_list: bool) {
+        for delta in deltas {
+            let key = meta_namespace_key(&delta.object);
+            let kind = match delta.kind {
+                DeltaType::Added | DeltaType::Updated | DeltaType::Replaced | DeltaType::Sync => {
+                    match self.indexer.upsert(key, delta.object.clone()) {
+                        Some(old) => NotificationKind::Update { old, new: delta.object },
+                        None => NotificationKind::Add { obj: delta.object, is_initial_list },
+                    }
+                }
+                DeltaType::Deleted => {
+                    self.indexer.delete(&key);
+                    NotificationKind::Delete { obj: delta.object, final_state_unknown: delta.final_state_unknown }
+                }
+            };
+            self.distribute(Notification { kind, received: delta.received, observed: delta.observed });
+        }
+    }
+
+    fn distribute(&self, n: Notification) {
+        let is_sync =
+            matches!(&n.kind, NotificationKind::Update { old, new } if resource_version(old) == resource_version(new));
+        self.metrics.notifications[n.event_type() as usize].inc();
+        for l in self.listeners.read().unwrap_or_else(|e| e.into_inner()).iter() {
+            if !is_sync || l.is_syncing() {
+                l.add(n.clone());
+            }
+        }
+    }
+}
+
+/// client-go's `resyncCheckPeriod`: the shortest listener period, at least 1 s; `None` when no
+/// listener resyncs.
+fn resync_check_period(listeners: &[Arc<ProcessorListener>]) -> Option<Duration> {
+    listeners.iter().filter_map(|l| l.resync_period()).min().map(|p| p.max(Duration::from_secs(1)))
+}

@@ -1,0 +1,117 @@
+//! The `kube-event-bridge` command: parse the CLI, load the config, set up logging, run the
+//! service until SIGTERM or SIGINT.
+//!
+//! Exit codes: 0 after a clean shutdown, 2 for a bad config or command line, 1 for anything
+//! else (no reachable cluster, a kind that cannot be watched, a port in use).
+
+use std::{path::PathBuf, process::ExitCode};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use kube_event_bridge::{
+    app::App,
+    cluster,
+    config::{Config, LogConfig, LogFormat},
+};
+use tracing::{error, info};
+
+#[derive(Parser)]
+#[command(name = "kube-event-bridge", version, about = "Exports Kubernetes informer events to message brokers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the service.
+    Run {
+        /// Config file (YAML); `KEB_*` environment variables override it.
+        #[arg(long, short, default_value = "config/default.yaml")]
+        config: PathBuf,
+    },
+    /// Load and validate a config file, then print the effective config as JSON.
+    CheckConfig {
+        /// Config file (YAML).
+        file: PathBuf,
+    },
+}
+
+const EXIT_BAD_CONFIG: u8 = 2;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { file } => match Config::load(&file) {
+            Ok(config) => {
+                println!("{}", config.to_pretty_json());
+                ExitCode::SUCCESS
+            }
+            Err(err) => {
+                eprintln!("{}: {err}", file.display());
+                ExitCode::from(EXIT_BAD_CONFIG)
+            }
+        },
+        Command::Run { config } => {
+            let config = match Config::load(&config) {
+                Ok(c) => c,
+                Err(err) => {
+                    eprintln!("{}: {err}", config.display());
+                    return ExitCode::from(EXIT_BAD_CONFIG);
+                }
+            };
+            init_logging(&config.log);
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            match runtime.block_on(run(config)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(err) => {
+                    error!("{err:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+async fn run(config: Config) -> anyhow::Result<()> {
+    let (client, target) = cluster::connect(&config.kubernetes).await?;
+    info!(
+        server = %target.server,
+        kubeconfig = %target.kubeconfig.as_ref().map_or("in-cluster".into(), |p| p.display().to_string()),
+        context = target.context.as_deref().unwrap_or("-"),
+        "Connected to the Kubernetes API"
+    );
+    let app = App::build(config, client).await.context("cannot start")?;
+    let report = app.run(shutdown_signal()).await;
+    if !report.undelivered.is_empty() {
+        anyhow::bail!("shutdown left {} notifications undelivered", report.undelivered.values().sum::<usize>());
+    }
+    Ok(())
+}
+
+/// Resolves on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => info!("SIGINT received"),
+            _ = term.recv() => info!("SIGTERM received"),
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+fn init_logging(log: &LogConfig) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
+    // Logs go to stderr: stdout belongs to the stdout sink.
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Pretty => builder.init(),
+    }
+}

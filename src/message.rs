@@ -1,0 +1,296 @@
+//! Notification → message: the CloudEvents 1.0 envelope, the key, and the object transform
+//! (managedFields stripped, Secret data redacted) applied before objects are cached.
+//!
+//! The envelope is the product's public interface; README.md documents it field by field.
+
+use kube::api::{ApiResource, DynamicObject, TypeMeta};
+use serde::Serialize;
+
+use crate::{
+    config::{EventType, MessageConfig},
+    informer::{Notification, NotificationKind, reflector::Transform},
+};
+
+/// Errors encoding a notification. They are final: retrying cannot fix the object.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The object lacks a field the message id needs.
+    #[error("object {key} has no metadata.{field}")]
+    MissingField {
+        /// `namespace/name` of the object.
+        key: String,
+        /// The missing field.
+        field: &'static str,
+    },
+    /// serde_json failed (an object with a non-string map key, for example).
+    #[error("cannot serialize object {key}: {source}")]
+    Serialize {
+        /// `namespace/name` of the object.
+        key: String,
+        /// The serializer's error.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// `Result` with this module's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Prefix of the CloudEvents `type` attribute; the event type follows (`….added`).
+pub const TYPE_PREFIX: &str = "io.github.kube-event-bridge.object";
+
+/// Value that replaces each redacted Secret value.
+pub const REDACTED: &str = "<redacted>";
+
+/// An encoded notification, ready for a sink.
+#[derive(Debug, Clone)]
+pub struct Message {
+    /// Deterministic id `uid:resourceVersion:type`; brokers and consumers deduplicate on it.
+    pub id: String,
+    /// Partition/ordering key, `namespace/name` (or `name`).
+    pub key: String,
+    /// The notification type.
+    pub event_type: EventType,
+    /// The structured-mode CloudEvent, JSON.
+    pub payload: Vec<u8>,
+    /// When the change was received from the API server.
+    pub received: std::time::Instant,
+}
+
+/// Builds messages for one resource.
+#[derive(Debug, Clone)]
+pub struct Encoder {
+    cluster: String,
+    resource: ApiResource,
+    source_prefix: String,
+    include_old_object: bool,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    specversion: &'static str,
+    id: &'a str,
+    source: String,
+    #[serde(rename = "type")]
+    ty: String,
+    subject: &'a str,
+    time: jiff::Timestamp,
+    datacontenttype: &'static str,
+    k8scluster: &'a str,
+    k8sgroup: &'a str,
+    k8sversion: &'a str,
+    k8skind: &'a str,
+    k8sresource: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    k8snamespace: Option<&'a str>,
+    k8sname: &'a str,
+    k8suid: &'a str,
+    k8sresourceversion: &'a str,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    k8sinitial: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    k8sfinalstateunknown: bool,
+    data: Data<'a>,
+}
+
+#[derive(Serialize)]
+struct Data<'a> {
+    object: &'a DynamicObject,
+    #[serde(rename = "oldObject", skip_serializing_if = "Option::is_none")]
+    old_object: Option<&'a DynamicObject>,
+}
+
+impl Encoder {
+    /// An encoder for objects of `resource` in `cluster`.
+    pub fn new(cluster: &str, resource: &ApiResource, options: &MessageConfig) -> Self {
+        let source_prefix = if resource.group.is_empty() {
+            format!("/clusters/{cluster}/api/{}", resource.version)
+        } else {
+            format!("/clusters/{cluster}/apis/{}/{}", resource.group, resource.version)
+        };
+        Self {
+            cluster: cluster.to_owned(),
+            resource: resource.clone(),
+            source_prefix,
+            include_old_object: options.include_old_object,
+        }
+    }
+
+    /// Encodes one notification.
+    pub fn encode(&self, n: &Notification) -> Result<Message> {
+        let event_type = n.event_type();
+        let obj = n.object();
+        let key = n.key();
+        let meta = &obj.metadata;
+        let missing = |field| Error::MissingField { key: key.clone(), field };
+        let uid = meta.uid.as_deref().ok_or_else(|| missing("uid"))?;
+        let rv = meta.resource_version.as_deref().ok_or_else(|| missing("resourceVersion"))?;
+        let name = meta.name.as_deref().ok_or_else(|| missing("name"))?;
+        let namespace = meta.namespace.as_deref().filter(|ns| !ns.is_empty());
+        let id = format!("{uid}:{rv}:{}", event_type.as_str());
+        let (initial, final_state_unknown, old) = match &n.kind {
+            NotificationKind::Add { is_initial_list, .. } => (*is_initial_list, false, None),
+            NotificationKind::Update { old, .. } => {
+                (false, false, (self.include_old_object && event_type == EventType::Updated).then_some(&**old))
+            }
+            NotificationKind::Delete { final_state_unknown, .. } => (false, *final_state_unknown, None),
+        };
+        let source = match namespace {
+            Some(ns) => format!("{}/namespaces/{ns}/{}", self.source_prefix, self.resource.plural),
+            None => format!("{}/{}", self.source_prefix, self.resource.plural),
+        };
+        let envelope = Envelope {
+            specversion: "1.0",
+            id: &id,
+            source,
+            ty: format!("{TYPE_PREFIX}.{}", event_type.as_str()),
+            subject: &key,
+            time: n.observed,
+            datacontenttype: "application/json",
+            k8scluster: &self.cluster,
+            k8sgroup: &self.resource.group,
+            k8sversion: &self.resource.version,
+            k8skind: &self.resource.kind,
+            k8sresource: &self.resource.plural,
+            k8snamespace: namespace,
+            k8sname: name,
+            k8suid: uid,
+            k8sresourceversion: rv,
+            k8sinitial: initial,
+            k8sfinalstateunknown: final_state_unknown,
+            data: Data { object: obj, old_object: old },
+        };
+        let payload = serde_json::to_vec(&envelope).map_err(|source| Error::Serialize { key: key.clone(), source })?;
+        Ok(Message { id, key, event_type, payload, received: n.received })
+    }
+}
+
+/// The transform every informer applies before caching (client-go's `TransformFunc`):
+/// restores `apiVersion`/`kind` (list items of built-in types omit them), strips
+/// `metadata.managedFields`, and redacts Secrets unless allowed. Doing it before the cache
+/// means redacted data never sits in memory and stripped fields cost nothing.
+pub fn object_transform(resource: &ApiResource, options: &MessageConfig) -> Transform {
+    let types = TypeMeta { api_version: resource.api_version.clone(), kind: resource.kind.clone() };
+    let strip = options.strip_managed_fields;
+    let redact = !options.allow_secret_data && resource.group.is_empty() && resource.kind == "Secret";
+    std::sync::Arc::new(move |obj: &mut DynamicObject| {
+        if obj.types.as_ref().is_none_or(|t| t.kind.is_empty()) {
+            obj.types = Some(types.clone());
+        }
+        if strip {
+            obj.metadata.managed_fields = None;
+        }
+        if redact {
+            redact_secret(obj);
+        }
+    })
+}
+
+/// Replaces every value of `data` and `stringData` with [`REDACTED`] (keys stay, so consumers
+/// see which entries exist), and drops the last-applied-configuration annotation, which holds
+/// the same data in clear.
+pub fn redact_secret(obj: &mut DynamicObject) {
+    for field in ["data", "stringData"] {
+        if let Some(map) = obj.data.get_mut(field).and_then(|v| v.as_object_mut()) {
+            for value in map.values_mut() {
+                *value = serde_json::Value::String(REDACTED.to_owned());
+            }
+        }
+    }
+    if let Some(annotations) = obj.metadata.annotations.as_mut() {
+        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::informer::testing::obj;
+    use kube::api::GroupVersionKind;
+    use std::sync::Arc;
+
+    fn configmaps() -> ApiResource {
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
+    }
+
+    fn note(kind: NotificationKind) -> Notification {
+        Notification { kind, received: std::time::Instant::now(), observed: "2026-01-02T03:04:05Z".parse().unwrap() }
+    }
+
+    fn decode(m: &Message) -> serde_json::Value {
+        serde_json::from_slice(&m.payload).unwrap()
+    }
+
+    #[test]
+    fn update_envelope_has_every_attribute() {
+        let enc = Encoder::new("prod", &configmaps(), &MessageConfig::default());
+        let m = enc
+            .encode(&note(NotificationKind::Update { old: obj("ns", "a", "1"), new: obj("ns", "a", "2") }))
+            .unwrap();
+        assert_eq!(m.id, "uid-ns-a:2:updated");
+        assert_eq!(m.key, "ns/a");
+        let v = decode(&m);
+        assert_eq!(v["specversion"], "1.0");
+        assert_eq!(v["type"], "io.github.kube-event-bridge.object.updated");
+        assert_eq!(v["source"], "/clusters/prod/api/v1/namespaces/ns/configmaps");
+        assert_eq!(v["subject"], "ns/a");
+        assert_eq!(v["time"], "2026-01-02T03:04:05Z");
+        assert_eq!(v["k8skind"], "ConfigMap");
+        assert_eq!(v["k8sgroup"], "");
+        assert_eq!(v["k8snamespace"], "ns");
+        assert_eq!(v["k8sresourceversion"], "2");
+        assert_eq!(v["data"]["object"]["metadata"]["resourceVersion"], "2");
+        assert_eq!(v["data"]["oldObject"]["metadata"]["resourceVersion"], "1");
+        assert!(v.get("k8sinitial").is_none());
+    }
+
+    #[test]
+    fn resync_and_delete_flags() {
+        let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
+        let sync = enc.encode(&note(NotificationKind::Update { old: obj("ns", "a", "1"), new: obj("ns", "a", "1") }));
+        let sync = sync.unwrap();
+        assert_eq!(sync.id, "uid-ns-a:1:synced");
+        assert!(decode(&sync)["data"].get("oldObject").is_none());
+        let del = enc.encode(&note(NotificationKind::Delete { obj: obj("ns", "a", "3"), final_state_unknown: true }));
+        let v = decode(&del.unwrap());
+        assert_eq!(v["k8sfinalstateunknown"], true);
+        assert_eq!(v["type"], "io.github.kube-event-bridge.object.deleted");
+        let add = enc.encode(&note(NotificationKind::Add { obj: obj("", "cluster-wide", "4"), is_initial_list: true }));
+        let v = decode(&add.unwrap());
+        assert_eq!(v["k8sinitial"], true);
+        assert!(v.get("k8snamespace").is_none());
+        assert_eq!(v["source"], "/clusters/c/api/v1/configmaps");
+    }
+
+    #[test]
+    fn missing_uid_is_an_error_naming_the_object() {
+        let mut o = (*obj("ns", "a", "1")).clone();
+        o.metadata.uid = None;
+        let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
+        let err = enc.encode(&note(NotificationKind::Add { obj: Arc::new(o), is_initial_list: false })).unwrap_err();
+        assert_eq!(err.to_string(), "object ns/a has no metadata.uid");
+    }
+
+    #[test]
+    fn secrets_are_redacted_unless_allowed() {
+        let secrets = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Secret"), "secrets");
+        let mut s = (*obj("ns", "s", "1")).clone();
+        s.types = None;
+        s.data = serde_json::json!({"data": {"password": "aHVudGVyMg=="}, "stringData": {"token": "t0p"}});
+        s.metadata.annotations =
+            Some([("kubectl.kubernetes.io/last-applied-configuration".to_string(), "{...}".to_string())].into());
+        s.metadata.managed_fields = Some(vec![Default::default()]);
+        let mut redacted = s.clone();
+        object_transform(&secrets, &MessageConfig::default())(&mut redacted);
+        assert_eq!(redacted.data["data"]["password"], REDACTED);
+        assert_eq!(redacted.data["stringData"]["token"], REDACTED);
+        assert!(redacted.metadata.annotations.unwrap().is_empty());
+        assert!(redacted.metadata.managed_fields.is_none());
+        assert_eq!(redacted.types.unwrap().kind, "Secret", "list items get their kind back");
+        let allowed = MessageConfig { allow_secret_data: true, strip_managed_fields: false, ..Default::default() };
+        let mut kept = s.clone();
+        object_transform(&secrets, &allowed)(&mut kept);
+        assert_eq!(kept.data["data"]["password"], "aHVudGVyMg==");
+        assert!(kept.metadata.managed_fields.is_some());
+    }
+}

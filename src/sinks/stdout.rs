@@ -1,0 +1,89 @@
+//! The `stdout` sink: one structured CloudEvent per line, on standard output or appended to a
+//! file. It needs no broker, so it is the default. A message counts as delivered once its line
+//! has been written and flushed to the operating system.
+
+use std::path::Path;
+
+use futures::{FutureExt, future::BoxFuture};
+use tokio::{
+    io::{AsyncWrite, AsyncWriteExt, BufWriter},
+    sync::Mutex,
+};
+
+use super::{Error, Result, Sink};
+use crate::message::Message;
+
+/// See the module docs.
+pub struct StdoutSink {
+    name: String,
+    out: Mutex<BufWriter<Box<dyn AsyncWrite + Send + Unpin>>>,
+}
+
+impl StdoutSink {
+    /// Writes to standard output, or appends to `path` when given.
+    pub async fn open(name: &str, path: Option<&Path>) -> Result<Self> {
+        let out: Box<dyn AsyncWrite + Send + Unpin> = match path {
+            None => Box::new(tokio::io::stdout()),
+            Some(path) => Box::new(
+                tokio::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .await
+                    .map_err(|source| Error::Open { what: path.display().to_string(), source })?,
+            ),
+        };
+        Ok(Self { name: name.to_owned(), out: Mutex::new(BufWriter::new(out)) })
+    }
+}
+
+impl Sink for StdoutSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<()>> {
+        async move {
+            let mut out = self.out.lock().await;
+            out.write_all(&message.payload).await.map_err(Error::Io)?;
+            out.write_all(b"\n").await.map_err(Error::Io)?;
+            out.flush().await.map_err(Error::Io)
+        }
+        .boxed()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<()>> {
+        async move { self.out.lock().await.flush().await.map_err(Error::Io) }.boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EventType;
+
+    #[tokio::test]
+    async fn appends_one_line_per_message_to_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        let sink = StdoutSink::open("file", Some(&path)).await.unwrap();
+        for i in 0..3 {
+            let m = Message {
+                id: format!("u:{i}:added"),
+                key: "ns/a".into(),
+                event_type: EventType::Added,
+                payload: format!("{{\"n\":{i}}}").into_bytes(),
+                received: std::time::Instant::now(),
+            };
+            sink.publish(&m).await.unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"n\":0}\n{\"n\":1}\n{\"n\":2}\n");
+    }
+
+    #[tokio::test]
+    async fn unopenable_path_is_a_final_error_naming_it() {
+        let err = StdoutSink::open("file", Some(Path::new("/nonexistent-dir/x"))).await.err().unwrap();
+        assert!(!err.is_retriable());
+        assert!(err.to_string().contains("/nonexistent-dir/x"), "{err}");
+    }
+}
