@@ -1,0 +1,253 @@
+//! Informer behaviour against the local Kubernetes API test server, one behaviour per test.
+
+mod support;
+
+use std::{sync::Arc, time::Duration};
+
+use kube::api::{ApiResource, GroupVersionKind};
+use kube_event_bridge::{
+    config::EventType,
+    informer::{
+        InformerKey, ProcessorListener, SharedIndexInformer, SharedInformerFactory, factory::WatchOptions,
+    },
+    metrics::Metrics,
+};
+use prometheus::{IntCounter, IntGauge};
+use support::{ApiServer, configmap, describe, eventually, next, take, typed};
+use tokio_util::sync::CancellationToken;
+
+const ALL: &[EventType] = &[EventType::Added, EventType::Updated, EventType::Deleted, EventType::Synced];
+
+fn configmaps() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
+}
+
+fn key(namespace: Option<&str>) -> InformerKey {
+    InformerKey {
+        group: String::new(),
+        version: "v1".into(),
+        plural: "configmaps".into(),
+        namespace: namespace.map(Into::into),
+        label_selector: None,
+        field_selector: None,
+    }
+}
+
+fn listener(name: &str, resync: Option<Duration>) -> Arc<ProcessorListener> {
+    Arc::new(ProcessorListener::new(
+        name,
+        100_000,
+        ALL,
+        resync,
+        IntGauge::new("b", "b").unwrap(),
+        IntCounter::new("c", "c").unwrap(),
+    ))
+}
+
+struct Running {
+    informer: Arc<SharedIndexInformer>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// One ConfigMap informer (page size 10) with the given listeners, started.
+fn start(server: &ApiServer, listeners: &[Arc<ProcessorListener>], streaming_list: bool) -> Running {
+    let metrics = Arc::new(Metrics::new());
+    let factory = SharedInformerFactory::new(
+        server.client(),
+        WatchOptions { page_size: 10, streaming_list, watch_timeout_seconds: 290 },
+        metrics.clone(),
+    );
+    let informer = factory.informer_for(&configmaps(), key(None), None);
+    for l in listeners {
+        informer.add_listener(l.clone()).unwrap();
+    }
+    let cancel = CancellationToken::new();
+    factory.start(&cancel);
+    Running { informer, metrics, cancel }
+}
+
+fn relists(r: &Running) -> u64 {
+    r.metrics.informer_relists.with_label_values(&[r.informer.name()]).get()
+}
+
+#[tokio::test]
+async fn initial_paged_list_of_n_objects_gives_n_initial_adds() {
+    let server = ApiServer::start().await;
+    for i in 0..25 {
+        server.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], false);
+    let mut got = take(&l, 25).await;
+    got.sort();
+    let want: Vec<String> = (0..25).map(|i| format!("add ns/cm-{i:02} v=1 initial")).collect();
+    assert_eq!(got, want);
+    eventually("has_synced", || r.informer.has_synced()).await;
+    assert_eq!(r.informer.indexer().len(), 25);
+    assert_eq!(server.counts("/api/v1/configmaps").lists, 3, "25 objects in pages of 10");
+}
+
+#[tokio::test]
+async fn updates_carry_old_and_new_and_deletes_carry_the_last_state() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], false);
+    assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
+    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    server.update(typed(&configmap("ns", "a", "2")));
+    server.create(typed(&configmap("ns", "b", "1")));
+    server.delete("v1", "ConfigMap", "ns", "a");
+    assert_eq!(take(&l, 3).await, ["update ns/a v=1->2", "add ns/b v=1", "delete ns/a v=2"]);
+    assert!(r.informer.indexer().get("ns/a").is_none());
+    assert!(r.informer.indexer().get("ns/b").is_some());
+}
+
+#[tokio::test]
+async fn a_dropped_watch_loses_nothing_and_does_not_relist() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    server.create(typed(&configmap("ns", "c", "1")));
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], false);
+    take(&l, 2).await;
+    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    // Cut the connection, keep the reflector out while things change, then let it back in.
+    server.block_watches(true);
+    server.drop_watches();
+    server.create(typed(&configmap("ns", "b", "1")));
+    server.update(typed(&configmap("ns", "a", "2")));
+    server.delete("v1", "ConfigMap", "ns", "c");
+    server.block_watches(false);
+    assert_eq!(take(&l, 3).await, ["add ns/b v=1", "update ns/a v=1->2", "delete ns/c v=1"]);
+    assert_eq!(server.counts("/api/v1/configmaps").lists, 1, "re-watch from the last RV, no relist");
+    assert_eq!(relists(&r), 0);
+}
+
+#[tokio::test]
+async fn objects_deleted_while_the_watch_was_gone_come_out_as_final_state_unknown_deletes() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    server.create(typed(&configmap("ns", "b", "1")));
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], false);
+    take(&l, 2).await;
+    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    server.block_watches(true);
+    server.drop_watches();
+    server.delete("v1", "ConfigMap", "ns", "b");
+    server.create(typed(&configmap("ns", "c", "1")));
+    server.update(typed(&configmap("ns", "a", "2")));
+    server.compact(); // the re-watch from the old RV gets ERROR 410 → relist
+    server.block_watches(false);
+    let mut got = take(&l, 3).await;
+    got.sort();
+    assert_eq!(got, ["add ns/c v=1", "delete ns/b v=1 final-state-unknown", "update ns/a v=1->2"]);
+    assert_eq!(relists(&r), 1);
+    let mut keys = r.informer.indexer().list_keys();
+    keys.sort();
+    assert_eq!(keys, ["ns/a", "ns/c"]);
+}
+
+#[tokio::test]
+async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
+    let server = ApiServer::start().await;
+    for name in ["a", "b", "c"] {
+        server.create(typed(&configmap("ns", name, "1")));
+    }
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], false);
+    take(&l, 3).await;
+    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    server.block_watches(true);
+    server.drop_watches();
+    // A write to another resource moves the (cluster-wide) resourceVersion past the
+    // reflector's, so after compaction its re-watch gets 410 and it relists: same objects.
+    let mut secret = k8s_openapi::api::core::v1::Secret::default();
+    secret.metadata.name = Some("unrelated".into());
+    server.create(typed(&secret));
+    server.compact();
+    server.block_watches(false);
+    eventually("relist", || relists(&r) == 1 && server.counts("/api/v1/configmaps").watches >= 3).await;
+    // The first notification after the relist is the next real change, not a phantom update.
+    server.create(typed(&configmap("ns", "z", "1")));
+    assert_eq!(take(&l, 1).await, ["add ns/z v=1"]);
+    assert!(l.is_empty());
+}
+
+#[tokio::test]
+async fn resync_notifications_arrive_at_each_listeners_own_period() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    let fast = listener("fast", Some(Duration::from_secs(1)));
+    let slow = listener("slow", Some(Duration::from_secs(3)));
+    let none = listener("none", None);
+    let _r = start(&server, &[fast.clone(), slow.clone(), none.clone()], false);
+    for l in [&fast, &slow, &none] {
+        assert_eq!(take(l, 1).await, ["add ns/a v=1 initial"]);
+    }
+    // Wait for the slow listener's first resync, counting the fast one's meanwhile.
+    assert_eq!(describe(&next(&slow).await), "sync ns/a v=1");
+    let mut fast_syncs = 0;
+    while let Some(n) = fast.try_pop() {
+        assert_eq!(describe(&n), "sync ns/a v=1");
+        fast_syncs += 1;
+    }
+    assert!(fast_syncs >= 2, "1 s listener resynced {fast_syncs} times before the 3 s one resynced once");
+    assert!(none.is_empty(), "a listener without a resync period gets no resyncs");
+}
+
+#[tokio::test]
+async fn list_429_is_retried_with_backoff() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    server.fail_next_lists(2);
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], false);
+    assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
+    // kube-client retries a 429 itself (as client-go's REST client does), so the reflector
+    // never sees these errors; the server saw every attempt.
+    assert_eq!(server.counts("/api/v1/configmaps").lists, 3);
+    eventually("has_synced", || r.informer.has_synced()).await;
+}
+
+#[tokio::test]
+async fn streaming_watch_list_gives_initial_adds_then_changes_on_the_same_stream() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    server.create(typed(&configmap("ns", "b", "1")));
+    let l = listener("l", None);
+    let r = start(&server, &[l.clone()], true);
+    let mut got = take(&l, 2).await;
+    got.sort();
+    assert_eq!(got, ["add ns/a v=1 initial", "add ns/b v=1 initial"]);
+    eventually("has_synced", || r.informer.has_synced()).await;
+    server.update(typed(&configmap("ns", "b", "2")));
+    assert_eq!(take(&l, 1).await, ["update ns/b v=1->2"]);
+    let counts = server.counts("/api/v1/configmaps");
+    assert_eq!((counts.lists, counts.watches), (0, 1), "no list request; one watch");
+}
+
+#[tokio::test]
+async fn factory_hands_out_one_informer_per_key() {
+    let server = ApiServer::start().await;
+    let factory = SharedInformerFactory::new(
+        server.client(),
+        WatchOptions { page_size: 500, streaming_list: false, watch_timeout_seconds: 290 },
+        Arc::new(Metrics::new()),
+    );
+    let a = factory.informer_for(&configmaps(), key(None), None);
+    let b = factory.informer_for(&configmaps(), key(None), None);
+    let c = factory.informer_for(&configmaps(), key(Some("ns")), None);
+    assert!(Arc::ptr_eq(&a, &b));
+    assert!(!Arc::ptr_eq(&a, &c));
+    assert_eq!(factory.informers().len(), 2);
+    assert_eq!(c.name(), "v1/configmaps@ns");
+}

@@ -1,0 +1,688 @@
+//! A local Kubernetes API test server: axum on 127.0.0.1:0, speaking the real HTTP protocol
+//! (CLIENT-GO-SEMANTICS.md §6) over real Kubernetes JSON objects, with fault injection.
+//!
+//! Served: `/version`, discovery (`/api`, `/apis`, `/api/v1`, `/apis/{g}/{v}`), and for every
+//! registered resource, list (limit/continue with one snapshot per paged list, resourceVersion
+//! semantics, 410 for expired RVs and continue tokens, 504 "too large") and watch (chunked JSON
+//! lines, history replay from an RV, synthetic ADDEDs for RV ""/"0", `sendInitialEvents` with
+//! the initial-events-end bookmark, bookmarks, ERROR 410 for compacted RVs, `timeoutSeconds`,
+//! selectors with ADDED/DELETED when an object starts/stops matching).
+//!
+//! Faults: `drop_watches` (connections cut mid-stream), `block_watches` (429 with Retry-After),
+//! `fail_next_lists` (429), `compact` (history gone: old RVs get 410), `expire_continue_tokens`.
+//! Test code only; never shipped.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    extract::{Query, State},
+    http::{Response, StatusCode, Uri},
+};
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{Value, json};
+use tokio::sync::{broadcast, watch};
+
+/// A kind the server serves.
+#[derive(Clone, Debug)]
+pub struct ResourceDef {
+    pub group: &'static str,
+    pub version: &'static str,
+    pub kind: &'static str,
+    pub plural: &'static str,
+    pub namespaced: bool,
+    pub verbs: &'static [&'static str],
+    /// Custom resources carry kind/apiVersion on list items; built-ins do not.
+    pub custom: bool,
+}
+
+impl ResourceDef {
+    fn group_version(&self) -> String {
+        if self.group.is_empty() { self.version.to_owned() } else { format!("{}/{}", self.group, self.version) }
+    }
+}
+
+const RW: &[&str] = &["create", "delete", "get", "list", "patch", "update", "watch"];
+
+/// The kinds every server serves.
+pub fn default_resources() -> Vec<ResourceDef> {
+    let d = |group, version, kind, plural, namespaced, custom| ResourceDef {
+        group,
+        version,
+        kind,
+        plural,
+        namespaced,
+        verbs: RW,
+        custom,
+    };
+    vec![
+        d("", "v1", "ConfigMap", "configmaps", true, false),
+        d("", "v1", "Secret", "secrets", true, false),
+        d("", "v1", "Namespace", "namespaces", false, false),
+        d("apps", "v1", "Deployment", "deployments", true, false),
+        d("example.com", "v1", "Widget", "widgets", true, true),
+        ResourceDef { verbs: &["create"], ..d("", "v1", "Binding", "bindings", true, false) },
+    ]
+}
+
+#[derive(Clone, Debug)]
+struct HistoryEvent {
+    rv: u64,
+    resource: usize,
+    ty: &'static str,
+    old: Option<Value>,
+    obj: Value,
+}
+
+#[derive(Default)]
+struct Store {
+    rv: u64,
+    compacted: u64,
+    next_uid: u64,
+    // (resource index, namespace, name) → object
+    objects: BTreeMap<(usize, String, String), Value>,
+    history: Vec<HistoryEvent>,
+    snapshots: HashMap<u64, (u64, Vec<Value>)>,
+    next_snapshot: u64,
+}
+
+#[derive(Default)]
+struct Faults {
+    block_watches: bool,
+    fail_next_lists: u32,
+}
+
+/// Requests seen per collection path.
+#[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Counts {
+    pub lists: u32,
+    pub watches: u32,
+}
+
+struct Shared {
+    resources: Vec<ResourceDef>,
+    store: Mutex<Store>,
+    events: broadcast::Sender<HistoryEvent>,
+    kill: watch::Sender<u64>,
+    faults: Mutex<Faults>,
+    counts: Mutex<HashMap<String, Counts>>,
+    addr: Mutex<Option<SocketAddr>>,
+}
+
+/// A running test server; stops when dropped.
+pub struct ApiServer {
+    pub addr: SocketAddr,
+    shared: Arc<Shared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ApiServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn status(code: u16, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code})
+}
+
+fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap()
+}
+
+fn too_many_requests() -> Response<Body> {
+    let mut body = status(429, "TooManyRequests", "too many requests, please try again later");
+    body["details"] = json!({"retryAfterSeconds": 1});
+    let mut r = json_response(StatusCode::TOO_MANY_REQUESTS, &body);
+    r.headers_mut().insert("retry-after", "1".parse().unwrap());
+    r
+}
+
+impl ApiServer {
+    /// Starts a server with [`default_resources`].
+    pub async fn start() -> Self {
+        Self::with_resources(default_resources()).await
+    }
+
+    pub async fn with_resources(resources: Vec<ResourceDef>) -> Self {
+        let shared = Arc::new(Shared {
+            resources,
+            store: Mutex::new(Store { rv: 100, next_uid: 1, ..Default::default() }),
+            events: broadcast::channel(100_000).0,
+            kill: watch::channel(0).0,
+            faults: Mutex::default(),
+            counts: Mutex::default(),
+            addr: Mutex::default(),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        *shared.addr.lock().unwrap() = Some(addr);
+        let app = Router::new().fallback(handle).with_state(shared.clone());
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app).await.unwrap();
+        });
+        Self { addr, shared, task }
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// A kube client for this server.
+    pub fn client(&self) -> kube::Client {
+        let config = kube::Config::new(self.url().parse().unwrap());
+        kube::Client::try_from(config).unwrap()
+    }
+
+    /// Writes a kubeconfig pointing at this server into `dir`; returns its path.
+    pub fn write_kubeconfig(&self, dir: &std::path::Path) -> std::path::PathBuf {
+        let path = dir.join("kubeconfig");
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n\
+             contexts:\n- name: test\n  context:\n    cluster: test\n    user: test\n\
+             current-context: test\nusers:\n- name: test\n  user:\n    token: not-a-secret\n",
+            self.url()
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    fn resource_of(&self, api_version: &str, kind: &str) -> usize {
+        self.shared
+            .resources
+            .iter()
+            .position(|r| r.group_version() == api_version && r.kind == kind)
+            .unwrap_or_else(|| panic!("test server does not serve {api_version} {kind}"))
+    }
+
+    fn write(&self, ty: &'static str, obj: impl Serialize) -> Value {
+        let mut obj = serde_json::to_value(obj).unwrap();
+        let res = self.resource_of(obj["apiVersion"].as_str().unwrap(), obj["kind"].as_str().unwrap());
+        let def = &self.shared.resources[res];
+        let ns = if def.namespaced { obj["metadata"]["namespace"].as_str().unwrap_or("default").to_owned() } else { String::new() };
+        let name = obj["metadata"]["name"].as_str().expect("objects need a name").to_owned();
+        let mut store = self.shared.store.lock().unwrap();
+        store.rv += 1;
+        let rv = store.rv;
+        let key = (res, ns.clone(), name);
+        let old = store.objects.get(&key).cloned();
+        match (ty, &old) {
+            ("ADDED", Some(_)) => panic!("{key:?} already exists"),
+            ("MODIFIED", None) => panic!("{key:?} does not exist"),
+            _ => {}
+        }
+        let meta = obj["metadata"].as_object_mut().unwrap();
+        if def.namespaced {
+            meta.insert("namespace".into(), json!(ns));
+        }
+        meta.insert("resourceVersion".into(), json!(rv.to_string()));
+        let uid = match &old {
+            Some(o) => o["metadata"]["uid"].clone(),
+            None => {
+                store.next_uid += 1;
+                json!(format!("00000000-0000-0000-0000-{:012}", store.next_uid))
+            }
+        };
+        let meta = obj["metadata"].as_object_mut().unwrap();
+        meta.insert("uid".into(), uid);
+        meta.entry("creationTimestamp").or_insert(json!("2026-01-01T00:00:00Z"));
+        store.objects.insert(key, obj.clone());
+        let ev = HistoryEvent { rv, resource: res, ty, old, obj: obj.clone() };
+        store.history.push(ev.clone());
+        let _ = self.shared.events.send(ev);
+        obj
+    }
+
+    /// Creates an object (any serializable object with apiVersion, kind, metadata.name).
+    pub fn create(&self, obj: impl Serialize) -> Value {
+        self.write("ADDED", obj)
+    }
+
+    /// Replaces an existing object; it gets a new resourceVersion.
+    pub fn update(&self, obj: impl Serialize) -> Value {
+        self.write("MODIFIED", obj)
+    }
+
+    /// Deletes an object; watchers get its last state with the deletion's resourceVersion.
+    pub fn delete(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Value {
+        let res = self.resource_of(api_version, kind);
+        let ns = if self.shared.resources[res].namespaced { namespace } else { "" };
+        let mut store = self.shared.store.lock().unwrap();
+        let mut obj = store
+            .objects
+            .remove(&(res, ns.to_owned(), name.to_owned()))
+            .unwrap_or_else(|| panic!("{namespace}/{name} does not exist"));
+        store.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(store.rv.to_string());
+        let ev = HistoryEvent { rv: store.rv, resource: res, ty: "DELETED", old: None, obj: obj.clone() };
+        store.history.push(ev.clone());
+        let _ = self.shared.events.send(ev);
+        obj
+    }
+
+    /// Forgets all history: watches from any earlier resourceVersion get ERROR 410.
+    pub fn compact(&self) {
+        let mut store = self.shared.store.lock().unwrap();
+        store.compacted = store.rv;
+        store.history.clear();
+    }
+
+    /// Cuts every open watch connection mid-stream (no clean end).
+    pub fn drop_watches(&self) {
+        self.shared.kill.send_modify(|g| *g += 1);
+    }
+
+    /// While set, new watch requests get 429 with Retry-After.
+    pub fn block_watches(&self, blocked: bool) {
+        self.shared.faults.lock().unwrap().block_watches = blocked;
+    }
+
+    /// The next `n` list requests get 429 with Retry-After.
+    pub fn fail_next_lists(&self, n: u32) {
+        self.shared.faults.lock().unwrap().fail_next_lists = n;
+    }
+
+    /// Continue tokens handed out so far become invalid (410 Expired).
+    pub fn expire_continue_tokens(&self) {
+        self.shared.store.lock().unwrap().snapshots.clear();
+    }
+
+    /// Lists and watches seen on a collection path such as `/api/v1/configmaps`.
+    pub fn counts(&self, path: &str) -> Counts {
+        self.shared.counts.lock().unwrap().get(path).copied().unwrap_or_default()
+    }
+
+    /// Every collection path with its counts.
+    pub fn all_counts(&self) -> HashMap<String, Counts> {
+        self.shared.counts.lock().unwrap().clone()
+    }
+}
+
+struct Collection {
+    resource: usize,
+    namespace: Option<String>,
+}
+
+fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (gv, rest): (String, &[&str]) = match segs.as_slice() {
+        ["api", v, rest @ ..] => (v.to_string(), rest),
+        ["apis", g, v, rest @ ..] => (format!("{g}/{v}"), rest),
+        _ => return None,
+    };
+    let (namespace, plural) = match rest {
+        [plural] => (None, *plural),
+        ["namespaces", ns, plural] => (Some(ns.to_string()), *plural),
+        _ => return None,
+    };
+    let resource = shared.resources.iter().position(|r| r.group_version() == gv && r.plural == plural)?;
+    if namespace.is_some() && !shared.resources[resource].namespaced {
+        return None;
+    }
+    Some(Collection { resource, namespace })
+}
+
+fn selector_matches(obj: &Value, labels: Option<&String>, fields: Option<&String>) -> bool {
+    let pairs = |s: Option<&String>| -> Vec<(String, String)> {
+        s.map(|s| {
+            s.split(',')
+                .filter(|p| !p.is_empty())
+                .map(|p| {
+                    let (k, v) = p.split_once('=').expect("test server supports k=v selectors only");
+                    (k.trim_end_matches('=').to_owned(), v.to_owned())
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+    };
+    let labels_ok = pairs(labels).iter().all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v));
+    let fields_ok = pairs(fields).iter().all(|(k, v)| match k.as_str() {
+        "metadata.name" => obj["metadata"]["name"].as_str() == Some(v),
+        "metadata.namespace" => obj["metadata"]["namespace"].as_str() == Some(v),
+        other => panic!("test server does not support field selector {other}"),
+    });
+    labels_ok && fields_ok
+}
+
+struct Filter {
+    resource: usize,
+    namespace: Option<String>,
+    labels: Option<String>,
+    fields: Option<String>,
+}
+
+impl Filter {
+    fn matches(&self, res: usize, obj: &Value) -> bool {
+        res == self.resource
+            && self.namespace.as_deref().is_none_or(|ns| obj["metadata"]["namespace"].as_str() == Some(ns))
+            && selector_matches(obj, self.labels.as_ref(), self.fields.as_ref())
+    }
+
+    /// The event a watcher with this filter sees, if any.
+    fn translate(&self, ev: &HistoryEvent) -> Option<(&'static str, Value)> {
+        if ev.resource != self.resource {
+            return None;
+        }
+        let now = self.matches(ev.resource, &ev.obj);
+        match ev.ty {
+            "MODIFIED" => {
+                let before = ev.old.as_ref().is_some_and(|o| self.matches(ev.resource, o));
+                match (before, now) {
+                    (true, true) => Some(("MODIFIED", ev.obj.clone())),
+                    (false, true) => Some(("ADDED", ev.obj.clone())),
+                    (true, false) => Some(("DELETED", ev.obj.clone())),
+                    (false, false) => None,
+                }
+            }
+            ty => now.then(|| (ty, ev.obj.clone())),
+        }
+    }
+}
+
+async fn handle(State(shared): State<Arc<Shared>>, uri: Uri, Query(q): Query<HashMap<String, String>>) -> Response<Body> {
+    let path = uri.path();
+    match path {
+        "/version" => {
+            return json_response(StatusCode::OK, &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-test"}));
+        }
+        "/api" => {
+            let addr = shared.addr.lock().unwrap().unwrap();
+            return json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIVersions", "versions": ["v1"],
+                        "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": addr.to_string()}]}),
+            );
+        }
+        "/apis" => {
+            let mut groups: BTreeMap<&str, &str> = BTreeMap::new();
+            for r in shared.resources.iter().filter(|r| !r.group.is_empty()) {
+                groups.insert(r.group, r.version);
+            }
+            let groups: Vec<Value> = groups
+                .iter()
+                .map(|(g, v)| {
+                    let gv = json!({"groupVersion": format!("{g}/{v}"), "version": v});
+                    json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
+                })
+                .collect();
+            return json_response(StatusCode::OK, &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}));
+        }
+        _ => {}
+    }
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let discovery_gv = match segs.as_slice() {
+        ["api", v] => Some(v.to_string()),
+        ["apis", g, v] => Some(format!("{g}/{v}")),
+        _ => None,
+    };
+    if let Some(gv) = discovery_gv {
+        let resources: Vec<Value> = shared
+            .resources
+            .iter()
+            .filter(|r| r.group_version() == gv)
+            .map(|r| {
+                json!({"name": r.plural, "singularName": r.kind.to_lowercase(), "namespaced": r.namespaced,
+                       "kind": r.kind, "verbs": r.verbs})
+            })
+            .collect();
+        if resources.is_empty() {
+            return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", "the server could not find the requested resource"));
+        }
+        return json_response(
+            StatusCode::OK,
+            &json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": gv, "resources": resources}),
+        );
+    }
+    let Some(collection) = parse_collection(&shared, path) else {
+        return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", "the server could not find the requested resource"));
+    };
+    let is_watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
+    {
+        let mut counts = shared.counts.lock().unwrap();
+        let c = counts.entry(path.to_owned()).or_default();
+        if is_watch { c.watches += 1 } else { c.lists += 1 }
+    }
+    let filter = Filter {
+        resource: collection.resource,
+        namespace: collection.namespace,
+        labels: q.get("labelSelector").cloned(),
+        fields: q.get("fieldSelector").cloned(),
+    };
+    if is_watch { watch(shared, filter, &q).await } else { list(shared, filter, &q).await }
+}
+
+fn list_item(def: &ResourceDef, obj: &Value) -> Value {
+    let mut item = obj.clone();
+    if !def.custom {
+        let m = item.as_object_mut().unwrap();
+        m.remove("kind");
+        m.remove("apiVersion");
+    }
+    item
+}
+
+async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) -> Response<Body> {
+    {
+        let mut faults = shared.faults.lock().unwrap();
+        if faults.fail_next_lists > 0 {
+            faults.fail_next_lists -= 1;
+            return too_many_requests();
+        }
+    }
+    let def = shared.resources[filter.resource].clone();
+    let rv_param = q.get("resourceVersion").map(String::as_str).unwrap_or("");
+    let version_match = q.get("resourceVersionMatch").map(String::as_str);
+    let limit: Option<usize> = q.get("limit").and_then(|l| l.parse().ok()).filter(|l| *l > 0);
+    let cont = q.get("continue").filter(|c| !c.is_empty());
+    let invalid = |msg: &str| json_response(StatusCode::UNPROCESSABLE_ENTITY, &status(422, "Invalid", msg));
+    if version_match.is_some() && rv_param.is_empty() {
+        return invalid("resourceVersionMatch is forbidden unless resourceVersion is provided");
+    }
+    if version_match.is_some() && cont.is_some() {
+        return invalid("resourceVersionMatch is forbidden for continue");
+    }
+    if version_match == Some("Exact") && rv_param == "0" {
+        return invalid("resourceVersionMatch \"Exact\" is forbidden for resourceVersion \"0\"");
+    }
+    let (snapshot_rv, items, offset) = if let Some(token) = cont {
+        if !(rv_param.is_empty() || rv_param == "0") {
+            return json_response(
+                StatusCode::BAD_REQUEST,
+                &status(400, "BadRequest", "specifying resource version is not allowed when using continue"),
+            );
+        }
+        let (id, offset) = token.split_once(':').and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<usize>().ok()?))).unwrap_or((u64::MAX, 0));
+        let store = shared.store.lock().unwrap();
+        match store.snapshots.get(&id) {
+            Some((rv, items)) => (*rv, items.clone(), offset),
+            None => {
+                return json_response(
+                    StatusCode::GONE,
+                    &status(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter."),
+                );
+            }
+        }
+    } else {
+        let store = shared.store.lock().unwrap();
+        if let Ok(n) = rv_param.parse::<u64>() && n != 0 {
+            if n > store.rv {
+                let mut body = status(504, "Timeout", "Too large resource version");
+                body["details"] = json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1});
+                return json_response(StatusCode::GATEWAY_TIMEOUT, &body);
+            }
+            let exact = version_match == Some("Exact") || (limit.is_some() && version_match.is_none());
+            // Only the current state is kept, so an exact read of an older RV is "too old".
+            if exact && n != store.rv {
+                return json_response(StatusCode::GONE, &status(410, "Expired", "The resourceVersion for the provided list is too old."));
+            }
+        }
+        let items: Vec<Value> = store
+            .objects
+            .iter()
+            .filter(|((res, _, _), obj)| filter.matches(*res, obj))
+            .map(|(_, obj)| list_item(&def, obj))
+            .collect();
+        (store.rv, items, 0)
+    };
+    let end = limit.map_or(items.len(), |l| (offset + l).min(items.len()));
+    let page: Vec<Value> = items[offset.min(items.len())..end].to_vec();
+    let mut metadata = json!({"resourceVersion": snapshot_rv.to_string()});
+    if end < items.len() {
+        let mut store = shared.store.lock().unwrap();
+        let id = match cont.and_then(|t| t.split_once(':')).and_then(|(a, _)| a.parse::<u64>().ok()) {
+            Some(id) => id,
+            None => {
+                store.next_snapshot += 1;
+                let id = store.next_snapshot;
+                store.snapshots.insert(id, (snapshot_rv, items.clone()));
+                id
+            }
+        };
+        metadata["continue"] = json!(format!("{id}:{end}"));
+        if filter.labels.is_none() && filter.fields.is_none() {
+            metadata["remainingItemCount"] = json!(items.len() - end);
+        }
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"kind": format!("{}List", def.kind), "apiVersion": def.group_version(), "metadata": metadata, "items": page}),
+    )
+}
+
+fn line(ty: &str, obj: &Value) -> Bytes {
+    let mut s = json!({"type": ty, "object": obj}).to_string();
+    s.push('\n');
+    Bytes::from(s)
+}
+
+fn bookmark(def: &ResourceDef, rv: u64, initial_end: bool) -> Bytes {
+    let mut meta = json!({"resourceVersion": rv.to_string()});
+    if initial_end {
+        meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
+    }
+    line("BOOKMARK", &json!({"kind": def.kind, "apiVersion": def.group_version(), "metadata": meta}))
+}
+
+async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) -> Response<Body> {
+    if shared.faults.lock().unwrap().block_watches {
+        return too_many_requests();
+    }
+    let def = shared.resources[filter.resource].clone();
+    let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
+    let send_initial = q.get("sendInitialEvents").is_some_and(|v| v == "true");
+    if send_initial && q.get("resourceVersionMatch").map(String::as_str) != Some("NotOlderThan") {
+        return json_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &status(422, "Invalid", "sendInitialEvents is forbidden unless resourceVersionMatch=NotOlderThan"),
+        );
+    }
+    let timeout = q.get("timeoutSeconds").and_then(|t| t.parse::<u64>().ok()).unwrap_or(1800);
+    let rv_param = q.get("resourceVersion").cloned().unwrap_or_default();
+    let mut kill = shared.kill.subscribe();
+    kill.borrow_and_update();
+    // Subscribe and read the state under one lock, so no event falls between the two.
+    let (mut live, mut first, mut last_rv) = {
+        let store = shared.store.lock().unwrap();
+        let live = shared.events.subscribe();
+        let mut first: Vec<Bytes> = Vec::new();
+        let from = rv_param.parse::<u64>().ok().filter(|n| *n != 0 && !send_initial);
+        match from {
+            None => {
+                for ((res, _, _), obj) in &store.objects {
+                    if filter.matches(*res, obj) {
+                        first.push(line("ADDED", obj));
+                    }
+                }
+                if send_initial {
+                    first.push(bookmark(&def, store.rv, true));
+                }
+            }
+            Some(n) if n < store.compacted => {
+                let msg = format!("too old resource version: {n} ({})", store.compacted);
+                let body = line("ERROR", &status(410, "Expired", &msg));
+                return Response::builder()
+                    .header("content-type", "application/json")
+                    .body(Body::from(body))
+                    .unwrap();
+            }
+            Some(n) => {
+                for ev in store.history.iter().filter(|e| e.rv > n) {
+                    if let Some((ty, obj)) = filter.translate(ev) {
+                        first.push(line(ty, &obj));
+                    }
+                }
+            }
+        }
+        (live, first, store.rv)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(timeout);
+    let stream = async_stream_lines(move |tx| async move {
+        for b in first.drain(..) {
+            if tx.send(Ok(b)).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(deadline) => {
+                    if bookmarks {
+                        let _ = tx.send(Ok(bookmark(&def, last_rv, false))).await;
+                    }
+                    return; // clean end, like a server-side timeout
+                }
+                _ = kill.changed() => {
+                    let _ = tx.send(Err(std::io::Error::other("connection dropped by test"))).await;
+                    return;
+                }
+                ev = live.recv() => match ev {
+                    Ok(ev) => {
+                        if ev.rv <= last_rv { continue; }
+                        last_rv = ev.rv;
+                        if let Some((ty, obj)) = filter.translate(&ev)
+                            && tx.send(Ok(line(ty, &obj))).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(_) => {
+                        let _ = tx.send(Err(std::io::Error::other("watch fell behind"))).await;
+                        return;
+                    }
+                }
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
+/// A body stream fed by a task through a small channel.
+fn async_stream_lines<F, Fut>(f: F) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>>
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<Bytes, std::io::Error>>) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(f(tx));
+    tokio_stream_from(rx)
+}
+
+fn tokio_stream_from(
+    mut rx: tokio::sync::mpsc::Receiver<Result<Bytes, std::io::Error>>,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    futures::stream::poll_fn(move |cx| rx.poll_recv(cx)).fuse()
+}

@@ -1,0 +1,85 @@
+//! Shared test support: the Kubernetes API test server, object builders, and helpers to read
+//! what listeners and the admin server say.
+#![allow(dead_code)] // each test binary uses a different part
+
+pub mod api_server;
+
+use std::{sync::Arc, time::Duration};
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube_event_bridge::informer::{Notification, NotificationKind, ProcessorListener};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub use api_server::ApiServer;
+
+/// How long a test waits for something that should happen.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// A ConfigMap with `data.v = value`.
+pub fn configmap(ns: &str, name: &str, value: &str) -> ConfigMap {
+    let mut cm = ConfigMap::default();
+    cm.metadata.name = Some(name.into());
+    cm.metadata.namespace = Some(ns.into());
+    cm.data = Some([("v".to_string(), value.to_string())].into());
+    cm
+}
+
+/// Serializes a typed object with its apiVersion and kind (k8s-openapi omits them by default).
+pub fn typed<K: k8s_openapi::Resource + serde::Serialize>(obj: &K) -> serde_json::Value {
+    let mut v = serde_json::to_value(obj).unwrap();
+    v["apiVersion"] = K::API_VERSION.into();
+    v["kind"] = K::KIND.into();
+    v
+}
+
+/// A short description of a notification: `add ns/a v=1 initial`, `update ns/a v=1->2`,
+/// `sync ns/a v=2`, `delete ns/a v=2 final-state-unknown`.
+pub fn describe(n: &Notification) -> String {
+    let v = |o: &kube::api::DynamicObject| o.data["data"]["v"].as_str().unwrap_or("-").to_owned();
+    match &n.kind {
+        NotificationKind::Add { obj, is_initial_list } => {
+            format!("add {} v={}{}", n.key(), v(obj), if *is_initial_list { " initial" } else { "" })
+        }
+        NotificationKind::Update { old, new } if old.metadata.resource_version == new.metadata.resource_version => {
+            format!("sync {} v={}", n.key(), v(new))
+        }
+        NotificationKind::Update { old, new } => format!("update {} v={}->{}", n.key(), v(old), v(new)),
+        NotificationKind::Delete { obj, final_state_unknown } => {
+            format!("delete {} v={}{}", n.key(), v(obj), if *final_state_unknown { " final-state-unknown" } else { "" })
+        }
+    }
+}
+
+/// The next notification of `l`, or a panic after [`PATIENCE`].
+pub async fn next(l: &Arc<ProcessorListener>) -> Notification {
+    tokio::time::timeout(PATIENCE, l.pop()).await.expect("no notification in time").expect("listener closed")
+}
+
+/// The next `n` notifications, described.
+pub async fn take(l: &Arc<ProcessorListener>, n: usize) -> Vec<String> {
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(describe(&next(l).await));
+    }
+    out
+}
+
+/// Waits until `cond` holds, polling; panics after [`PATIENCE`] naming `what`.
+pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A plain HTTP/1.0 GET; returns (status code, body).
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let code = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (code, body)
+}
