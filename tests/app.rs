@@ -1,0 +1,213 @@
+//! The whole service built from a config (discovery → informers → listeners → file sinks)
+//! against the local Kubernetes API test server.
+
+mod support;
+
+use std::{path::Path, time::Duration};
+
+use kube_event_bridge::{
+    app::{self, App},
+    config::Config,
+};
+use serde_json::{Value, json};
+use support::{ApiServer, configmap, eventually, http_get, typed};
+
+fn config(sinks_dir: &Path, resources: Value, sinks: &[&str], routes: Value) -> Config {
+    let sinks: Vec<Value> = sinks
+        .iter()
+        .map(|s| json!({"name": s, "type": "stdout", "stdout": {"path": sinks_dir.join(format!("{s}.jsonl"))}}))
+        .collect();
+    Config::from_value(json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "shutdown": {"grace_period": "5s"},
+        "resources": resources,
+        "sinks": sinks,
+        "routes": routes,
+    }))
+    .unwrap()
+}
+
+fn lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect()
+}
+
+async fn wait_for_lines(path: &Path, n: usize) -> Vec<Value> {
+    eventually(&format!("{n} lines in {}", path.display()), || lines(path).len() >= n).await;
+    lines(path)
+}
+
+#[tokio::test]
+async fn two_routes_on_one_resource_share_one_informer() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    // Two resource entries for the same kind (different names and event filters) and two
+    // sinks: one informer serves all three routes.
+    let cfg = config(
+        dir.path(),
+        json!([
+            {"name": "cms", "api_version": "v1", "kind": "ConfigMap"},
+            {"name": "cm-deletes", "api_version": "v1", "kind": "ConfigMap", "events": ["deleted"]},
+        ]),
+        &["one", "two"],
+        json!([{"resource": "cms", "sinks": ["one", "two"]}, {"resource": "cm-deletes", "sinks": ["two"]}]),
+    );
+    let app = App::build(cfg, server.client()).await.unwrap();
+    assert_eq!(app.factory().informers().len(), 1);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    wait_for_lines(&dir.path().join("one.jsonl"), 1).await;
+    server.delete("v1", "ConfigMap", "ns", "a");
+    let one = wait_for_lines(&dir.path().join("one.jsonl"), 2).await;
+    let two = wait_for_lines(&dir.path().join("two.jsonl"), 3).await;
+    let types = |ls: &[Value]| ls.iter().map(|l| l["type"].as_str().unwrap().rsplit('.').next().unwrap().to_owned()).collect::<Vec<_>>();
+    assert_eq!(types(&one), ["added", "deleted"]);
+    let mut t2 = types(&two);
+    t2.sort();
+    assert_eq!(t2, ["added", "deleted", "deleted"], "two gets both routes, one of them deletes only");
+    let counts = server.counts("/api/v1/configmaps");
+    assert_eq!((counts.lists, counts.watches), (1, 1), "one list and one watch on the server");
+    stop.send(()).unwrap();
+    let report = run.await.unwrap();
+    assert!(report.undelivered.is_empty());
+}
+
+#[tokio::test]
+async fn a_custom_resource_works_like_a_built_in() {
+    let server = ApiServer::start().await;
+    server.create(json!({"apiVersion": "example.com/v1", "kind": "Widget",
+                         "metadata": {"name": "w1", "namespace": "ns"}, "spec": {"size": 3}}));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        json!([{"api_version": "example.com/v1", "kind": "Widget", "namespaces": ["ns"]}]),
+        &["out"],
+        json!([{"resource": "widget.example.com", "sinks": ["out"]}]),
+    );
+    let app = App::build(cfg, server.client()).await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    let path = dir.path().join("out.jsonl");
+    let first = &wait_for_lines(&path, 1).await[0];
+    assert_eq!(first["type"], "io.github.kube-event-bridge.object.added");
+    assert_eq!(first["k8sgroup"], "example.com");
+    assert_eq!(first["k8skind"], "Widget");
+    assert_eq!(first["k8sresource"], "widgets");
+    assert_eq!(first["k8sinitial"], true);
+    assert_eq!(first["source"], "/clusters/test/apis/example.com/v1/namespaces/ns/widgets");
+    assert_eq!(first["data"]["object"]["spec"]["size"], 3);
+    server.update(json!({"apiVersion": "example.com/v1", "kind": "Widget",
+                         "metadata": {"name": "w1", "namespace": "ns"}, "spec": {"size": 5}}));
+    let second = &wait_for_lines(&path, 2).await[1];
+    assert_eq!(second["data"]["oldObject"]["spec"]["size"], 3);
+    assert_eq!(second["data"]["object"]["spec"]["size"], 5);
+    let id = second["id"].as_str().unwrap();
+    assert_eq!(id, format!("{}:{}:updated", second["k8suid"].as_str().unwrap(), second["k8sresourceversion"].as_str().unwrap()));
+    assert_eq!(server.counts("/apis/example.com/v1/namespaces/ns/widgets").lists, 1);
+    stop.send(()).unwrap();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn secrets_are_redacted_and_managed_fields_stripped() {
+    let server = ApiServer::start().await;
+    server.create(json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "s", "namespace": "ns", "managedFields": [{"manager": "kubectl"}]},
+        "data": {"password": "aHVudGVyMg=="}}));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        json!([{"api_version": "v1", "kind": "Secret"}]),
+        &["out"],
+        json!([{"resource": "secret", "sinks": ["out"]}]),
+    );
+    let app = App::build(cfg, server.client()).await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    let line = &wait_for_lines(&dir.path().join("out.jsonl"), 1).await[0];
+    assert_eq!(line["data"]["object"]["data"]["password"], "<redacted>");
+    assert_eq!(line["data"]["object"]["kind"], "Secret", "list items get their kind back");
+    assert!(line["data"]["object"]["metadata"].get("managedFields").is_none());
+    stop.send(()).unwrap();
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn unknown_kinds_and_unwatchable_resources_fail_at_build_naming_them() {
+    let server = ApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let build = |resources: Value, name: &str| {
+        let cfg = config(dir.path(), resources, &["out"], json!([{"resource": name, "sinks": ["out"]}]));
+        App::build(cfg, server.client())
+    };
+    let err = |r: Result<App, app::Error>| r.err().expect("build must fail").to_string();
+    let e = err(build(json!([{"api_version": "v1", "kind": "Gadget"}]), "gadget").await);
+    assert_eq!(e, "resources[0] (v1 Gadget): v1 has no kind \"Gadget\"");
+    let e = err(build(json!([{"api_version": "nothere.io/v1", "kind": "Thing"}]), "thing.nothere.io").await);
+    assert_eq!(e, "resources[0] (nothere.io/v1 Thing): the API server does not serve nothere.io/v1");
+    let e = err(build(json!([{"api_version": "v1", "kind": "Binding"}]), "binding").await);
+    assert_eq!(e, "resources[0] (v1 Binding): resource \"bindings\" does not support list");
+    let e = err(build(json!([{"api_version": "v1", "kind": "Namespace", "namespaces": ["a"]}]), "namespace").await);
+    assert_eq!(e, "resources[0] (v1 Namespace): is cluster-scoped; remove `namespaces`");
+}
+
+#[tokio::test]
+async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outage() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        json!([{"api_version": "v1", "kind": "ConfigMap"}]),
+        &["out"],
+        json!([{"resource": "configmap", "sinks": ["out"]}]),
+    );
+    let app = App::build(cfg, server.client()).await.unwrap();
+    let admin = app.admin_addr();
+    let factory = app.factory().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    wait_for_lines(&dir.path().join("out.jsonl"), 1).await;
+    let mut ready = (0, String::new());
+    for _ in 0..100 {
+        ready = http_get(admin, "/readyz").await;
+        if ready.0 == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ready.0, 200, "{}", ready.1);
+    assert_eq!(http_get(admin, "/healthz").await.0, 200);
+    let (code, metrics) = http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
+    assert!(metrics.contains("keb_informer_synced{resource=\"v1/configmaps\"} 1"), "{metrics}");
+    assert!(metrics.contains("keb_sink_published_total{resource=\"configmap\",sink=\"out\",type=\"added\"} 1"), "{metrics}");
+
+    drop(server); // the API server goes away
+    let mut not_ready = (0, String::new());
+    for _ in 0..300 {
+        not_ready = http_get(admin, "/readyz").await;
+        if not_ready.0 == 503 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(not_ready.0, 503);
+    assert!(not_ready.1.contains("unreachable"), "{}", not_ready.1);
+    assert_eq!(factory.informers()[0].indexer().len(), 1, "the cache is kept");
+    stop.send(()).unwrap();
+    run.await.unwrap();
+}
