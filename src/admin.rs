@@ -30,11 +30,16 @@ pub async fn serve(
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready))
         .with_state(AppState { metrics, readiness });
-    axum::serve(listener, app).with_graceful_shutdown(cancel.cancelled_owned()).await
+    axum::serve(listener, app)
+        .with_graceful_shutdown(cancel.cancelled_owned())
+        .await
 }
 
 async fn render_metrics(State(s): State<AppState>) -> impl IntoResponse {
-    ([("content-type", "text/plain; version=0.0.4")], s.metrics.render())
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        s.metrics.render(),
+    )
 }
 
 async fn ready(State(s): State<AppState>) -> impl IntoResponse {

@@ -98,14 +98,24 @@ impl App {
         }
         let mut routes = Vec::new();
         for (index, r) in config.resources.iter().enumerate() {
-            let ResolvedResource { api_resource, namespaced } = cluster::resolve(&client, index, r).await?;
+            let ResolvedResource {
+                api_resource,
+                namespaced,
+            } = cluster::resolve(&client, index, r).await?;
             let name = r.effective_name();
             info!(resource = %name, plural = %api_resource.plural, namespaced, "Resolved resource");
             let transform = object_transform(&api_resource, &config.message);
             let encoder = Encoder::new(&config.cluster, &api_resource, &config.message);
-            let namespaces: Vec<Option<String>> =
-                if r.namespaces.is_empty() { vec![None] } else { r.namespaces.iter().cloned().map(Some).collect() };
-            let sink_names = config.routes.iter().filter(|rt| rt.resource == name).flat_map(|rt| &rt.sinks);
+            let namespaces: Vec<Option<String>> = if r.namespaces.is_empty() {
+                vec![None]
+            } else {
+                r.namespaces.iter().cloned().map(Some).collect()
+            };
+            let sink_names = config
+                .routes
+                .iter()
+                .filter(|rt| rt.resource == name)
+                .flat_map(|rt| &rt.sinks);
             let sink_names: Vec<&String> = sink_names.collect();
             for namespace in namespaces {
                 let key = InformerKey {
@@ -118,7 +128,11 @@ impl App {
                 };
                 let informer = factory.informer_for(&api_resource, key, Some(transform.clone()));
                 for sink_name in &sink_names {
-                    let sink_cfg = config.sinks.iter().find(|s| &s.name == *sink_name).expect("validated");
+                    let sink_cfg = config
+                        .sinks
+                        .iter()
+                        .find(|s| &s.name == *sink_name)
+                        .expect("validated");
                     let labels = [informer.name(), sink_name.as_str()];
                     let listener = Arc::new(ProcessorListener::new(
                         format!("{name}/{sink_name}"),
@@ -128,7 +142,9 @@ impl App {
                         metrics.listener_buffered.with_label_values(&labels),
                         metrics.listener_coalesced.with_label_values(&labels),
                     ));
-                    informer.add_listener(listener.clone()).expect("informers start after build");
+                    informer
+                        .add_listener(listener.clone())
+                        .expect("informers start after build");
                     routes.push(Route {
                         resource: name.clone(),
                         listener,
@@ -139,13 +155,25 @@ impl App {
             }
         }
         let address = config.admin.address;
-        let admin = TcpListener::bind(address).await.map_err(|source| Error::Admin { address, source })?;
-        Ok(Self { config, client, metrics, factory, routes, sinks: sinks.into_values().collect(), admin })
+        let admin = TcpListener::bind(address)
+            .await
+            .map_err(|source| Error::Admin { address, source })?;
+        Ok(Self {
+            config,
+            client,
+            metrics,
+            factory,
+            routes,
+            sinks: sinks.into_values().collect(),
+            admin,
+        })
     }
 
     /// The address the admin server listens on (useful with port 0).
     pub fn admin_addr(&self) -> SocketAddr {
-        self.admin.local_addr().expect("bound listener has an address")
+        self.admin
+            .local_addr()
+            .expect("bound listener has an address")
     }
 
     /// The informer factory.
@@ -176,17 +204,37 @@ impl App {
                 if !api_ok.load(Ordering::Relaxed) {
                     reasons.push("the Kubernetes API server is unreachable".into());
                 }
-                if reasons.is_empty() { Ok(()) } else { Err(reasons) }
+                if reasons.is_empty() {
+                    Ok(())
+                } else {
+                    Err(reasons)
+                }
             })
         };
         let admin_addr = self.admin_addr();
-        let admin_task =
-            tokio::spawn(admin::serve(self.admin, self.metrics.clone(), readiness, admin_cancel.clone()));
-        let probe = tokio::spawn(probe_api(self.client.clone(), api_ok, self.metrics.clone(), admin_cancel.clone()));
+        let admin_task = tokio::spawn(admin::serve(
+            self.admin,
+            self.metrics.clone(),
+            readiness,
+            admin_cancel.clone(),
+        ));
+        let probe = tokio::spawn(probe_api(
+            self.client.clone(),
+            api_ok,
+            self.metrics.clone(),
+            admin_cancel.clone(),
+        ));
         let informer_tasks = self.factory.start(&informers_cancel);
-        let listeners: Vec<(String, Arc<ProcessorListener>)> =
-            self.routes.iter().map(|r| (r.listener.name().to_owned(), r.listener.clone())).collect();
-        let route_tasks: Vec<_> = self.routes.into_iter().map(|r| tokio::spawn(r.run(self.metrics.clone()))).collect();
+        let listeners: Vec<(String, Arc<ProcessorListener>)> = self
+            .routes
+            .iter()
+            .map(|r| (r.listener.name().to_owned(), r.listener.clone()))
+            .collect();
+        let route_tasks: Vec<_> = self
+            .routes
+            .into_iter()
+            .map(|r| tokio::spawn(r.run(self.metrics.clone())))
+            .collect();
         info!(admin = %admin_addr, informers = informer_tasks.len(), routes = route_tasks.len(), "Started");
 
         shutdown.await;
@@ -225,19 +273,29 @@ impl App {
 
 /// Probes the API server every few seconds so that `/readyz` reports an outage even while
 /// watches are quiet.
-async fn probe_api(client: Client, ok: Arc<AtomicBool>, metrics: Arc<Metrics>, cancel: CancellationToken) {
+async fn probe_api(
+    client: Client,
+    ok: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) {
     let mut tick = tokio::time::interval(API_PROBE_PERIOD);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let reachable = matches!(tokio::time::timeout(API_PROBE_PERIOD, client.apiserver_version()).await, Ok(Ok(_)));
+        let reachable = matches!(
+            tokio::time::timeout(API_PROBE_PERIOD, client.apiserver_version()).await,
+            Ok(Ok(_))
+        );
         if ok.swap(reachable, Ordering::Relaxed) != reachable {
             if reachable {
                 info!("Kubernetes API server reachable again");
             } else {
-                warn!("Kubernetes API server unreachable; informers retry with backoff, the cache is kept");
+                warn!(
+                    "Kubernetes API server unreachable; informers retry with backoff, the cache is kept"
+                );
             }
         }
         metrics.api_reachable.set(reachable as i64);

@@ -103,7 +103,9 @@ pub struct AdminConfig {
 
 impl Default for AdminConfig {
     fn default() -> Self {
-        Self { address: default_admin_address() }
+        Self {
+            address: default_admin_address(),
+        }
     }
 }
 
@@ -121,7 +123,10 @@ pub struct LogConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        Self { format: LogFormat::default(), level: default_log_level() }
+        Self {
+            format: LogFormat::default(),
+            level: default_log_level(),
+        }
     }
 }
 
@@ -153,7 +158,11 @@ pub struct MessageConfig {
 
 impl Default for MessageConfig {
     fn default() -> Self {
-        Self { include_old_object: true, strip_managed_fields: true, allow_secret_data: false }
+        Self {
+            include_old_object: true,
+            strip_managed_fields: true,
+            allow_secret_data: false,
+        }
     }
 }
 
@@ -168,7 +177,9 @@ pub struct ShutdownConfig {
 
 impl Default for ShutdownConfig {
     fn default() -> Self {
-        Self { grace_period: default_grace_period() }
+        Self {
+            grace_period: default_grace_period(),
+        }
     }
 }
 
@@ -318,7 +329,12 @@ fn default_grace_period() -> Duration {
     Duration::from_secs(25)
 }
 fn all_event_types() -> Vec<EventType> {
-    vec![EventType::Added, EventType::Updated, EventType::Deleted, EventType::Synced]
+    vec![
+        EventType::Added,
+        EventType::Updated,
+        EventType::Deleted,
+        EventType::Synced,
+    ]
 }
 fn default_buffer_capacity() -> usize {
     10_000
@@ -331,7 +347,10 @@ pub const ENV_PREFIX: &str = "KEB";
 impl Config {
     /// Loads `path`, applies `KEB_*` environment overrides, deserializes and validates.
     pub fn load(path: &std::path::Path) -> Result<Self> {
-        let load_err = |source| Error::Load { path: path.to_owned(), source };
+        let load_err = |source| Error::Load {
+            path: path.to_owned(),
+            source,
+        };
         let raw = config::Config::builder()
             .add_source(config::File::from(path).format(config::FileFormat::Yaml))
             .add_source(
@@ -369,39 +388,63 @@ impl Config {
             err("kubernetes.page_size".into(), "must be at least 1".into());
         }
         if self.kubernetes.watch_timeout_seconds == 0 {
-            err("kubernetes.watch_timeout_seconds".into(), "must be at least 1".into());
+            err(
+                "kubernetes.watch_timeout_seconds".into(),
+                "must be at least 1".into(),
+            );
         }
-        if self.log.level.parse::<tracing_subscriber::EnvFilter>().is_err() {
-            err("log.level".into(), format!("{:?} is not a valid tracing filter", self.log.level));
+        if self
+            .log
+            .level
+            .parse::<tracing_subscriber::EnvFilter>()
+            .is_err()
+        {
+            err(
+                "log.level".into(),
+                format!("{:?} is not a valid tracing filter", self.log.level),
+            );
         }
         if self.resources.is_empty() {
-            err("resources".into(), "at least one resource is required".into());
+            err(
+                "resources".into(),
+                "at least one resource is required".into(),
+            );
         }
         let mut resource_names = HashSet::new();
         for (i, r) in self.resources.iter().enumerate() {
             let at = |field: &str| format!("resources[{i}].{field}");
             let name = r.effective_name();
             if !resource_names.insert(name.clone()) {
-                err(at("name"), format!("{name:?} is used by another resource; set distinct names"));
+                err(
+                    at("name"),
+                    format!("{name:?} is used by another resource; set distinct names"),
+                );
             }
             if let Err(reason) = check_api_version(&r.api_version) {
                 err(at("api_version"), reason);
             }
             if r.kind.is_empty() || !r.kind.chars().all(|c| c.is_ascii_alphanumeric()) {
-                err(at("kind"), format!("{:?} is not a kind (letters and digits, e.g. Pod)", r.kind));
+                err(
+                    at("kind"),
+                    format!("{:?} is not a kind (letters and digits, e.g. Pod)", r.kind),
+                );
             }
             let mut seen = HashSet::new();
             for (j, ns) in r.namespaces.iter().enumerate() {
                 if !is_dns_label(ns) {
-                    err(format!("resources[{i}].namespaces[{j}]"), format!("{ns:?} is not a namespace name"));
+                    err(
+                        format!("resources[{i}].namespaces[{j}]"),
+                        format!("{ns:?} is not a namespace name"),
+                    );
                 } else if !seen.insert(ns) {
-                    err(format!("resources[{i}].namespaces[{j}]"), format!("{ns:?} is listed twice"));
+                    err(
+                        format!("resources[{i}].namespaces[{j}]"),
+                        format!("{ns:?} is listed twice"),
+                    );
                 }
             }
-            if let Some(p) = r.resync() {
-                if p < Duration::from_secs(1) {
-                    err(at("resync_period"), "must be 0 (off) or at least 1s".into());
-                }
+            if r.resync().is_some_and(|p| p < Duration::from_secs(1)) {
+                err(at("resync_period"), "must be 0 (off) or at least 1s".into());
             }
             if r.events.is_empty() {
                 err(at("events"), "at least one event type is required".into());
@@ -429,29 +472,48 @@ impl Config {
         let mut pairs = HashSet::new();
         for (i, route) in self.routes.iter().enumerate() {
             if !resource_names.contains(&route.resource) {
-                err(format!("routes[{i}].resource"), format!("no resource is named {:?}", route.resource));
+                err(
+                    format!("routes[{i}].resource"),
+                    format!("no resource is named {:?}", route.resource),
+                );
             }
             routed.insert(route.resource.as_str());
             if route.sinks.is_empty() {
-                err(format!("routes[{i}].sinks"), "at least one sink is required".into());
+                err(
+                    format!("routes[{i}].sinks"),
+                    "at least one sink is required".into(),
+                );
             }
             for (j, sink) in route.sinks.iter().enumerate() {
                 if !sink_names.contains(sink.as_str()) {
-                    err(format!("routes[{i}].sinks[{j}]"), format!("no sink is named {sink:?}"));
+                    err(
+                        format!("routes[{i}].sinks[{j}]"),
+                        format!("no sink is named {sink:?}"),
+                    );
                 } else if !pairs.insert((route.resource.as_str(), sink.as_str())) {
                     err(
                         format!("routes[{i}].sinks[{j}]"),
-                        format!("resource {:?} is already routed to sink {sink:?}", route.resource),
+                        format!(
+                            "resource {:?} is already routed to sink {sink:?}",
+                            route.resource
+                        ),
                     );
                 }
             }
         }
         for (i, r) in self.resources.iter().enumerate() {
             if !routed.contains(r.effective_name().as_str()) {
-                err(format!("resources[{i}]"), format!("{:?} is not used by any route", r.effective_name()));
+                err(
+                    format!("resources[{i}]"),
+                    format!("{:?} is not used by any route", r.effective_name()),
+                );
             }
         }
-        if errors.is_empty() { Ok(()) } else { Err(Error::Invalid(errors)) }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Invalid(errors))
+        }
     }
 
     /// The config as pretty JSON, for `check-config`.
@@ -464,10 +526,18 @@ impl Config {
 fn describe_serde_error(path: &str, message: &str) -> String {
     if let Some(rest) = message.strip_prefix("missing field `") {
         let field = rest.split('`').next().unwrap_or_default();
-        let full = if path == "." || path.is_empty() { field.to_owned() } else { format!("{path}.{field}") };
+        let full = if path == "." || path.is_empty() {
+            field.to_owned()
+        } else {
+            format!("{path}.{field}")
+        };
         return format!("{full}: missing field");
     }
-    let path = if path == "." || path.is_empty() { "(top level)" } else { path };
+    let path = if path == "." || path.is_empty() {
+        "(top level)"
+    } else {
+        path
+    };
     format!("{path}: {message}")
 }
 
@@ -478,19 +548,24 @@ fn check_api_version(v: &str) -> std::result::Result<(), String> {
     };
     let version_ok = version.starts_with('v')
         && !version.is_empty()
-        && version.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+        && version
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
     let group_ok = group.is_none_or(|g| !g.is_empty() && g.split('.').all(is_dns_label));
     if version_ok && group_ok {
         Ok(())
     } else {
-        Err(format!("{v:?} is not an API version (`v1` or `group/version`, e.g. `apps/v1`)"))
+        Err(format!(
+            "{v:?} is not an API version (`v1` or `group/version`, e.g. `apps/v1`)"
+        ))
     }
 }
 
 fn is_dns_label(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 63
-        && s.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         && !s.starts_with('-')
         && !s.ends_with('-')
 }
@@ -536,7 +611,10 @@ mod tests {
         let mut v = minimal();
         v["sinks"][0]["bufer_capacity"] = json!(3);
         let e = errors_of(v);
-        assert!(e[0].starts_with("sinks[0].bufer_capacity: unknown field `bufer_capacity`"), "{e:?}");
+        assert!(
+            e[0].starts_with("sinks[0].bufer_capacity: unknown field `bufer_capacity`"),
+            "{e:?}"
+        );
     }
 
     #[test]
@@ -545,10 +623,23 @@ mod tests {
         v["routes"] = json!([{"resource": "pods", "sinks": ["nowhere"]}]);
         v["resources"][0]["resync_period"] = json!("200ms");
         let e = errors_of(v);
-        assert!(e.contains(&"routes[0].resource: no resource is named \"pods\"".to_string()), "{e:?}");
-        assert!(e.contains(&"routes[0].sinks[0]: no sink is named \"nowhere\"".to_string()), "{e:?}");
-        assert!(e.contains(&"resources[0].resync_period: must be 0 (off) or at least 1s".to_string()), "{e:?}");
-        assert!(e.iter().any(|l| l.starts_with("resources[0]: \"configmap\" is not used")), "{e:?}");
+        assert!(
+            e.contains(&"routes[0].resource: no resource is named \"pods\"".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.contains(&"routes[0].sinks[0]: no sink is named \"nowhere\"".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.contains(&"resources[0].resync_period: must be 0 (off) or at least 1s".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("resources[0]: \"configmap\" is not used")),
+            "{e:?}"
+        );
     }
 
     #[test]
@@ -557,8 +648,15 @@ mod tests {
         v["resources"][0]["api_version"] = json!("apps/");
         v["resources"][0]["namespaces"] = json!(["Default"]);
         let e = errors_of(v);
-        assert!(e.iter().any(|l| l.starts_with("resources[0].api_version:")), "{e:?}");
-        assert!(e.iter().any(|l| l.starts_with("resources[0].namespaces[0]:")), "{e:?}");
+        assert!(
+            e.iter().any(|l| l.starts_with("resources[0].api_version:")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("resources[0].namespaces[0]:")),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -16,7 +16,11 @@ use kube_event_bridge::{
 use tracing::{error, info};
 
 #[derive(Parser)]
-#[command(name = "kube-event-bridge", version, about = "Exports Kubernetes informer events to message brokers")]
+#[command(
+    name = "kube-event-bridge",
+    version,
+    about = "Exports Kubernetes informer events to message brokers"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -61,7 +65,10 @@ fn main() -> ExitCode {
                 }
             };
             init_logging(&config.log);
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime");
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
             match runtime.block_on(run(config)) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(err) => {
@@ -84,7 +91,10 @@ async fn run(config: Config) -> anyhow::Result<()> {
     let app = App::build(config, client).await.context("cannot start")?;
     let report = app.run(shutdown_signal()).await;
     if !report.undelivered.is_empty() {
-        anyhow::bail!("shutdown left {} notifications undelivered", report.undelivered.values().sum::<usize>());
+        anyhow::bail!(
+            "shutdown left {} notifications undelivered",
+            report.undelivered.values().sum::<usize>()
+        );
     }
     Ok(())
 }
@@ -94,8 +104,8 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = ctrl_c => info!("SIGINT received"),
             _ = term.recv() => info!("SIGTERM received"),
@@ -109,7 +119,9 @@ fn init_logging(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
     // Logs go to stderr: stdout belongs to the stdout sink.
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Pretty => builder.init(),

@@ -106,7 +106,10 @@ impl Encoder {
         let source_prefix = if resource.group.is_empty() {
             format!("/clusters/{cluster}/api/{}", resource.version)
         } else {
-            format!("/clusters/{cluster}/apis/{}/{}", resource.group, resource.version)
+            format!(
+                "/clusters/{cluster}/apis/{}/{}",
+                resource.group, resource.version
+            )
         };
         Self {
             cluster: cluster.to_owned(),
@@ -122,21 +125,37 @@ impl Encoder {
         let obj = n.object();
         let key = n.key();
         let meta = &obj.metadata;
-        let missing = |field| Error::MissingField { key: key.clone(), field };
+        let missing = |field| Error::MissingField {
+            key: key.clone(),
+            field,
+        };
         let uid = meta.uid.as_deref().ok_or_else(|| missing("uid"))?;
-        let rv = meta.resource_version.as_deref().ok_or_else(|| missing("resourceVersion"))?;
+        let rv = meta
+            .resource_version
+            .as_deref()
+            .ok_or_else(|| missing("resourceVersion"))?;
         let name = meta.name.as_deref().ok_or_else(|| missing("name"))?;
         let namespace = meta.namespace.as_deref().filter(|ns| !ns.is_empty());
         let id = format!("{uid}:{rv}:{}", event_type.as_str());
         let (initial, final_state_unknown, old) = match &n.kind {
-            NotificationKind::Add { is_initial_list, .. } => (*is_initial_list, false, None),
-            NotificationKind::Update { old, .. } => {
-                (false, false, (self.include_old_object && event_type == EventType::Updated).then_some(&**old))
-            }
-            NotificationKind::Delete { final_state_unknown, .. } => (false, *final_state_unknown, None),
+            NotificationKind::Add {
+                is_initial_list, ..
+            } => (*is_initial_list, false, None),
+            NotificationKind::Update { old, .. } => (
+                false,
+                false,
+                (self.include_old_object && event_type == EventType::Updated).then_some(&**old),
+            ),
+            NotificationKind::Delete {
+                final_state_unknown,
+                ..
+            } => (false, *final_state_unknown, None),
         };
         let source = match namespace {
-            Some(ns) => format!("{}/namespaces/{ns}/{}", self.source_prefix, self.resource.plural),
+            Some(ns) => format!(
+                "{}/namespaces/{ns}/{}",
+                self.source_prefix, self.resource.plural
+            ),
             None => format!("{}/{}", self.source_prefix, self.resource.plural),
         };
         let envelope = Envelope {
@@ -158,10 +177,22 @@ impl Encoder {
             k8sresourceversion: rv,
             k8sinitial: initial,
             k8sfinalstateunknown: final_state_unknown,
-            data: Data { object: obj, old_object: old },
+            data: Data {
+                object: obj,
+                old_object: old,
+            },
         };
-        let payload = serde_json::to_vec(&envelope).map_err(|source| Error::Serialize { key: key.clone(), source })?;
-        Ok(Message { id, key, event_type, payload, received: n.received })
+        let payload = serde_json::to_vec(&envelope).map_err(|source| Error::Serialize {
+            key: key.clone(),
+            source,
+        })?;
+        Ok(Message {
+            id,
+            key,
+            event_type,
+            payload,
+            received: n.received,
+        })
     }
 }
 
@@ -170,9 +201,13 @@ impl Encoder {
 /// `metadata.managedFields`, and redacts Secrets unless allowed. Doing it before the cache
 /// means redacted data never sits in memory and stripped fields cost nothing.
 pub fn object_transform(resource: &ApiResource, options: &MessageConfig) -> Transform {
-    let types = TypeMeta { api_version: resource.api_version.clone(), kind: resource.kind.clone() };
+    let types = TypeMeta {
+        api_version: resource.api_version.clone(),
+        kind: resource.kind.clone(),
+    };
     let strip = options.strip_managed_fields;
-    let redact = !options.allow_secret_data && resource.group.is_empty() && resource.kind == "Secret";
+    let redact =
+        !options.allow_secret_data && resource.group.is_empty() && resource.kind == "Secret";
     std::sync::Arc::new(move |obj: &mut DynamicObject| {
         if obj.types.as_ref().is_none_or(|t| t.kind.is_empty()) {
             obj.types = Some(types.clone());
@@ -210,11 +245,18 @@ mod tests {
     use std::sync::Arc;
 
     fn configmaps() -> ApiResource {
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
+        ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("", "v1", "ConfigMap"),
+            "configmaps",
+        )
     }
 
     fn note(kind: NotificationKind) -> Notification {
-        Notification { kind, received: std::time::Instant::now(), observed: "2026-01-02T03:04:05Z".parse().unwrap() }
+        Notification {
+            kind,
+            received: std::time::Instant::now(),
+            observed: "2026-01-02T03:04:05Z".parse().unwrap(),
+        }
     }
 
     fn decode(m: &Message) -> serde_json::Value {
@@ -225,14 +267,20 @@ mod tests {
     fn update_envelope_has_every_attribute() {
         let enc = Encoder::new("prod", &configmaps(), &MessageConfig::default());
         let m = enc
-            .encode(&note(NotificationKind::Update { old: obj("ns", "a", "1"), new: obj("ns", "a", "2") }))
+            .encode(&note(NotificationKind::Update {
+                old: obj("ns", "a", "1"),
+                new: obj("ns", "a", "2"),
+            }))
             .unwrap();
         assert_eq!(m.id, "uid-ns-a:2:updated");
         assert_eq!(m.key, "ns/a");
         let v = decode(&m);
         assert_eq!(v["specversion"], "1.0");
         assert_eq!(v["type"], "io.github.kube-event-bridge.object.updated");
-        assert_eq!(v["source"], "/clusters/prod/api/v1/namespaces/ns/configmaps");
+        assert_eq!(
+            v["source"],
+            "/clusters/prod/api/v1/namespaces/ns/configmaps"
+        );
         assert_eq!(v["subject"], "ns/a");
         assert_eq!(v["time"], "2026-01-02T03:04:05Z");
         assert_eq!(v["k8skind"], "ConfigMap");
@@ -247,15 +295,24 @@ mod tests {
     #[test]
     fn resync_and_delete_flags() {
         let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
-        let sync = enc.encode(&note(NotificationKind::Update { old: obj("ns", "a", "1"), new: obj("ns", "a", "1") }));
+        let sync = enc.encode(&note(NotificationKind::Update {
+            old: obj("ns", "a", "1"),
+            new: obj("ns", "a", "1"),
+        }));
         let sync = sync.unwrap();
         assert_eq!(sync.id, "uid-ns-a:1:synced");
         assert!(decode(&sync)["data"].get("oldObject").is_none());
-        let del = enc.encode(&note(NotificationKind::Delete { obj: obj("ns", "a", "3"), final_state_unknown: true }));
+        let del = enc.encode(&note(NotificationKind::Delete {
+            obj: obj("ns", "a", "3"),
+            final_state_unknown: true,
+        }));
         let v = decode(&del.unwrap());
         assert_eq!(v["k8sfinalstateunknown"], true);
         assert_eq!(v["type"], "io.github.kube-event-bridge.object.deleted");
-        let add = enc.encode(&note(NotificationKind::Add { obj: obj("", "cluster-wide", "4"), is_initial_list: true }));
+        let add = enc.encode(&note(NotificationKind::Add {
+            obj: obj("", "cluster-wide", "4"),
+            is_initial_list: true,
+        }));
         let v = decode(&add.unwrap());
         assert_eq!(v["k8sinitial"], true);
         assert!(v.get("k8snamespace").is_none());
@@ -267,18 +324,31 @@ mod tests {
         let mut o = (*obj("ns", "a", "1")).clone();
         o.metadata.uid = None;
         let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
-        let err = enc.encode(&note(NotificationKind::Add { obj: Arc::new(o), is_initial_list: false })).unwrap_err();
+        let err = enc
+            .encode(&note(NotificationKind::Add {
+                obj: Arc::new(o),
+                is_initial_list: false,
+            }))
+            .unwrap_err();
         assert_eq!(err.to_string(), "object ns/a has no metadata.uid");
     }
 
     #[test]
     fn secrets_are_redacted_unless_allowed() {
-        let secrets = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "Secret"), "secrets");
+        let secrets = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("", "v1", "Secret"),
+            "secrets",
+        );
         let mut s = (*obj("ns", "s", "1")).clone();
         s.types = None;
         s.data = serde_json::json!({"data": {"password": "aHVudGVyMg=="}, "stringData": {"token": "t0p"}});
-        s.metadata.annotations =
-            Some([("kubectl.kubernetes.io/last-applied-configuration".to_string(), "{...}".to_string())].into());
+        s.metadata.annotations = Some(
+            [(
+                "kubectl.kubernetes.io/last-applied-configuration".to_string(),
+                "{...}".to_string(),
+            )]
+            .into(),
+        );
         s.metadata.managed_fields = Some(vec![Default::default()]);
         let mut redacted = s.clone();
         object_transform(&secrets, &MessageConfig::default())(&mut redacted);
@@ -286,8 +356,16 @@ mod tests {
         assert_eq!(redacted.data["stringData"]["token"], REDACTED);
         assert!(redacted.metadata.annotations.unwrap().is_empty());
         assert!(redacted.metadata.managed_fields.is_none());
-        assert_eq!(redacted.types.unwrap().kind, "Secret", "list items get their kind back");
-        let allowed = MessageConfig { allow_secret_data: true, strip_managed_fields: false, ..Default::default() };
+        assert_eq!(
+            redacted.types.unwrap().kind,
+            "Secret",
+            "list items get their kind back"
+        );
+        let allowed = MessageConfig {
+            allow_secret_data: true,
+            strip_managed_fields: false,
+            ..Default::default()
+        };
         let mut kept = s.clone();
         object_transform(&secrets, &allowed)(&mut kept);
         assert_eq!(kept.data["data"]["password"], "aHVudGVyMg==");

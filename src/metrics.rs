@@ -3,7 +3,8 @@
 //! object names.
 
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, exponential_buckets,
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    exponential_buckets,
 };
 
 /// The process's metrics. One instance per process (tests make their own).
@@ -52,31 +53,44 @@ impl Metrics {
         let registry = Registry::new();
         let counter = |name: &str, help: &str, labels: &[&str]| {
             let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry.register(Box::new(c.clone())).expect("unique metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
             c
         };
         let gauge = |name: &str, help: &str, labels: &[&str]| {
             let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid metric");
-            registry.register(Box::new(g.clone())).expect("unique metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
             g
         };
         // 1 ms .. ~65 s: from a local stdout write to a broker under stress.
         let latency = |name: &str, help: &str, labels: &[&str]| {
             let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(exponential_buckets(0.001, 2.0, 17).expect("valid buckets")),
+                HistogramOpts::new(name, help)
+                    .buckets(exponential_buckets(0.001, 2.0, 17).expect("valid buckets")),
                 labels,
             )
             .expect("valid metric");
-            registry.register(Box::new(h.clone())).expect("unique metric");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
             h
         };
-        let api_reachable =
-            IntGauge::new("keb_kubernetes_api_reachable", "1 while the last Kubernetes API health probe succeeded")
-                .expect("valid metric");
-        registry.register(Box::new(api_reachable.clone())).expect("unique metric");
+        let api_reachable = IntGauge::new(
+            "keb_kubernetes_api_reachable",
+            "1 while the last Kubernetes API health probe succeeded",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(api_reachable.clone()))
+            .expect("unique metric");
         #[cfg(target_os = "linux")]
         registry
-            .register(Box::new(prometheus::process_collector::ProcessCollector::for_self()))
+            .register(Box::new(
+                prometheus::process_collector::ProcessCollector::for_self(),
+            ))
             .expect("unique metric");
         Self {
             informer_notifications: counter(
@@ -94,9 +108,21 @@ impl Metrics {
                 "List or watch failures; each is retried with backoff",
                 &["resource"],
             ),
-            informer_relists: counter("keb_informer_relists_total", "Lists after the first one", &["resource"]),
-            informer_cached_objects: gauge("keb_informer_cached_objects", "Objects in the informer cache", &["resource"]),
-            informer_synced: gauge("keb_informer_synced", "1 once the informer's first list is cached", &["resource"]),
+            informer_relists: counter(
+                "keb_informer_relists_total",
+                "Lists after the first one",
+                &["resource"],
+            ),
+            informer_cached_objects: gauge(
+                "keb_informer_cached_objects",
+                "Objects in the informer cache",
+                &["resource"],
+            ),
+            informer_synced: gauge(
+                "keb_informer_synced",
+                "1 once the informer's first list is cached",
+                &["resource"],
+            ),
             listener_buffered: gauge(
                 "keb_listener_buffered_notifications",
                 "Notifications buffered by a listener",
@@ -112,8 +138,16 @@ impl Metrics {
                 "Messages acknowledged by the sink",
                 &["sink", "resource", "type"],
             ),
-            sink_failed: counter("keb_sink_failed_total", "Failed publish attempts", &["sink", "resource", "reason"]),
-            sink_bytes: counter("keb_sink_bytes_total", "Payload bytes acknowledged by the sink", &["sink", "resource"]),
+            sink_failed: counter(
+                "keb_sink_failed_total",
+                "Failed publish attempts",
+                &["sink", "resource", "reason"],
+            ),
+            sink_bytes: counter(
+                "keb_sink_bytes_total",
+                "Payload bytes acknowledged by the sink",
+                &["sink", "resource"],
+            ),
             sink_publish_duration: latency(
                 "keb_sink_publish_duration_seconds",
                 "Time from publish to acknowledgement",
@@ -131,6 +165,8 @@ impl Metrics {
 
     /// The Prometheus text exposition of every family.
     pub fn render(&self) -> String {
-        prometheus::TextEncoder::new().encode_to_string(&self.registry.gather()).unwrap_or_else(|e| format!("# {e}\n"))
+        prometheus::TextEncoder::new()
+            .encode_to_string(&self.registry.gather())
+            .unwrap_or_else(|e| format!("# {e}\n"))
     }
 }

@@ -13,12 +13,7 @@ use std::{sync::Arc, time::Duration};
 use prometheus::{Histogram, IntCounter};
 use tracing::{error, warn};
 
-use crate::{
-    informer::ProcessorListener,
-    message::Encoder,
-    metrics::Metrics,
-    sinks::Sink,
-};
+use crate::{informer::ProcessorListener, message::Encoder, metrics::Metrics, sinks::Sink};
 
 const RETRY_BASE: Duration = Duration::from_millis(100);
 const RETRY_MAX: Duration = Duration::from_secs(30);
@@ -48,13 +43,25 @@ impl Route {
         let sink_name = self.sink.name().to_owned();
         let labels = [sink_name.as_str(), self.resource.as_str()];
         let m = RouteMetrics {
-            published: ["added", "updated", "deleted", "synced"]
-                .map(|t| metrics.sink_published.with_label_values(&[labels[0], labels[1], t])),
+            published: ["added", "updated", "deleted", "synced"].map(|t| {
+                metrics
+                    .sink_published
+                    .with_label_values(&[labels[0], labels[1], t])
+            }),
             bytes: metrics.sink_bytes.with_label_values(&labels),
-            publish_duration: metrics.sink_publish_duration.with_label_values(&[labels[0]]),
-            end_to_end: metrics.end_to_end_latency.with_label_values(&[labels[1], labels[0]]),
+            publish_duration: metrics
+                .sink_publish_duration
+                .with_label_values(&[labels[0]]),
+            end_to_end: metrics
+                .end_to_end_latency
+                .with_label_values(&[labels[1], labels[0]]),
         };
-        let failed = |reason: &str| metrics.sink_failed.with_label_values(&[labels[0], labels[1], reason]).inc();
+        let failed = |reason: &str| {
+            metrics
+                .sink_failed
+                .with_label_values(&[labels[0], labels[1], reason])
+                .inc()
+        };
         while let Some(n) = self.listener.pop().await {
             let message = match self.encoder.encode(&n) {
                 Ok(m) => m,
@@ -70,7 +77,8 @@ impl Route {
                 match self.sink.publish(&message).await {
                     Ok(()) => {
                         m.publish_duration.observe(started.elapsed().as_secs_f64());
-                        m.end_to_end.observe(message.received.elapsed().as_secs_f64());
+                        m.end_to_end
+                            .observe(message.received.elapsed().as_secs_f64());
                         m.published[message.event_type as usize].inc();
                         m.bytes.inc_by(message.payload.len() as u64);
                         break;

@@ -37,7 +37,10 @@ fn lines(path: &Path) -> Vec<Value> {
 }
 
 async fn wait_for_lines(path: &Path, n: usize) -> Vec<Value> {
-    eventually(&format!("{n} lines in {}", path.display()), || lines(path).len() >= n).await;
+    eventually(&format!("{n} lines in {}", path.display()), || {
+        lines(path).len() >= n
+    })
+    .await;
     lines(path)
 }
 
@@ -67,13 +70,33 @@ async fn two_routes_on_one_resource_share_one_informer() {
     server.delete("v1", "ConfigMap", "ns", "a");
     let one = wait_for_lines(&dir.path().join("one.jsonl"), 2).await;
     let two = wait_for_lines(&dir.path().join("two.jsonl"), 3).await;
-    let types = |ls: &[Value]| ls.iter().map(|l| l["type"].as_str().unwrap().rsplit('.').next().unwrap().to_owned()).collect::<Vec<_>>();
+    let types = |ls: &[Value]| {
+        ls.iter()
+            .map(|l| {
+                l["type"]
+                    .as_str()
+                    .unwrap()
+                    .rsplit('.')
+                    .next()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect::<Vec<_>>()
+    };
     assert_eq!(types(&one), ["added", "deleted"]);
     let mut t2 = types(&two);
     t2.sort();
-    assert_eq!(t2, ["added", "deleted", "deleted"], "two gets both routes, one of them deletes only");
+    assert_eq!(
+        t2,
+        ["added", "deleted", "deleted"],
+        "two gets both routes, one of them deletes only"
+    );
     let counts = server.counts("/api/v1/configmaps");
-    assert_eq!((counts.lists, counts.watches), (1, 1), "one list and one watch on the server");
+    assert_eq!(
+        (counts.lists, counts.watches),
+        (1, 1),
+        "one list and one watch on the server"
+    );
     stop.send(()).unwrap();
     let report = run.await.unwrap();
     assert!(report.undelivered.is_empty());
@@ -103,7 +126,10 @@ async fn a_custom_resource_works_like_a_built_in() {
     assert_eq!(first["k8skind"], "Widget");
     assert_eq!(first["k8sresource"], "widgets");
     assert_eq!(first["k8sinitial"], true);
-    assert_eq!(first["source"], "/clusters/test/apis/example.com/v1/namespaces/ns/widgets");
+    assert_eq!(
+        first["source"],
+        "/clusters/test/apis/example.com/v1/namespaces/ns/widgets"
+    );
     assert_eq!(first["data"]["object"]["spec"]["size"], 3);
     server.update(json!({"apiVersion": "example.com/v1", "kind": "Widget",
                          "metadata": {"name": "w1", "namespace": "ns"}, "spec": {"size": 5}}));
@@ -111,8 +137,20 @@ async fn a_custom_resource_works_like_a_built_in() {
     assert_eq!(second["data"]["oldObject"]["spec"]["size"], 3);
     assert_eq!(second["data"]["object"]["spec"]["size"], 5);
     let id = second["id"].as_str().unwrap();
-    assert_eq!(id, format!("{}:{}:updated", second["k8suid"].as_str().unwrap(), second["k8sresourceversion"].as_str().unwrap()));
-    assert_eq!(server.counts("/apis/example.com/v1/namespaces/ns/widgets").lists, 1);
+    assert_eq!(
+        id,
+        format!(
+            "{}:{}:updated",
+            second["k8suid"].as_str().unwrap(),
+            second["k8sresourceversion"].as_str().unwrap()
+        )
+    );
+    assert_eq!(
+        server
+            .counts("/apis/example.com/v1/namespaces/ns/widgets")
+            .lists,
+        1
+    );
     stop.send(()).unwrap();
     run.await.unwrap();
 }
@@ -137,8 +175,15 @@ async fn secrets_are_redacted_and_managed_fields_stripped() {
     }));
     let line = &wait_for_lines(&dir.path().join("out.jsonl"), 1).await[0];
     assert_eq!(line["data"]["object"]["data"]["password"], "<redacted>");
-    assert_eq!(line["data"]["object"]["kind"], "Secret", "list items get their kind back");
-    assert!(line["data"]["object"]["metadata"].get("managedFields").is_none());
+    assert_eq!(
+        line["data"]["object"]["kind"], "Secret",
+        "list items get their kind back"
+    );
+    assert!(
+        line["data"]["object"]["metadata"]
+            .get("managedFields")
+            .is_none()
+    );
     stop.send(()).unwrap();
     run.await.unwrap();
 }
@@ -148,18 +193,40 @@ async fn unknown_kinds_and_unwatchable_resources_fail_at_build_naming_them() {
     let server = ApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
     let build = |resources: Value, name: &str| {
-        let cfg = config(dir.path(), resources, &["out"], json!([{"resource": name, "sinks": ["out"]}]));
+        let cfg = config(
+            dir.path(),
+            resources,
+            &["out"],
+            json!([{"resource": name, "sinks": ["out"]}]),
+        );
         App::build(cfg, server.client())
     };
     let err = |r: Result<App, app::Error>| r.err().expect("build must fail").to_string();
     let e = err(build(json!([{"api_version": "v1", "kind": "Gadget"}]), "gadget").await);
     assert_eq!(e, "resources[0] (v1 Gadget): v1 has no kind \"Gadget\"");
-    let e = err(build(json!([{"api_version": "nothere.io/v1", "kind": "Thing"}]), "thing.nothere.io").await);
-    assert_eq!(e, "resources[0] (nothere.io/v1 Thing): the API server does not serve nothere.io/v1");
+    let e = err(build(
+        json!([{"api_version": "nothere.io/v1", "kind": "Thing"}]),
+        "thing.nothere.io",
+    )
+    .await);
+    assert_eq!(
+        e,
+        "resources[0] (nothere.io/v1 Thing): the API server does not serve nothere.io/v1"
+    );
     let e = err(build(json!([{"api_version": "v1", "kind": "Binding"}]), "binding").await);
-    assert_eq!(e, "resources[0] (v1 Binding): resource \"bindings\" does not support list");
-    let e = err(build(json!([{"api_version": "v1", "kind": "Namespace", "namespaces": ["a"]}]), "namespace").await);
-    assert_eq!(e, "resources[0] (v1 Namespace): is cluster-scoped; remove `namespaces`");
+    assert_eq!(
+        e,
+        "resources[0] (v1 Binding): resource \"bindings\" does not support list"
+    );
+    let e = err(build(
+        json!([{"api_version": "v1", "kind": "Namespace", "namespaces": ["a"]}]),
+        "namespace",
+    )
+    .await);
+    assert_eq!(
+        e,
+        "resources[0] (v1 Namespace): is cluster-scoped; remove `namespaces`"
+    );
 }
 
 #[tokio::test]
@@ -193,8 +260,16 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
     assert_eq!(http_get(admin, "/healthz").await.0, 200);
     let (code, metrics) = http_get(admin, "/metrics").await;
     assert_eq!(code, 200);
-    assert!(metrics.contains("keb_informer_synced{resource=\"v1/configmaps\"} 1"), "{metrics}");
-    assert!(metrics.contains("keb_sink_published_total{resource=\"configmap\",sink=\"out\",type=\"added\"} 1"), "{metrics}");
+    assert!(
+        metrics.contains("keb_informer_synced{resource=\"v1/configmaps\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "keb_sink_published_total{resource=\"configmap\",sink=\"out\",type=\"added\"} 1"
+        ),
+        "{metrics}"
+    );
 
     drop(server); // the API server goes away
     let mut not_ready = (0, String::new());
@@ -207,7 +282,11 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
     }
     assert_eq!(not_ready.0, 503);
     assert!(not_ready.1.contains("unreachable"), "{}", not_ready.1);
-    assert_eq!(factory.informers()[0].indexer().len(), 1, "the cache is kept");
+    assert_eq!(
+        factory.informers()[0].indexer().len(),
+        1,
+        "the cache is kept"
+    );
     stop.send(()).unwrap();
     run.await.unwrap();
 }

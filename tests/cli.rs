@@ -17,44 +17,95 @@ fn check_config(yaml: &str) -> (i32, String) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.yaml");
     std::fs::write(&path, yaml).unwrap();
-    let out = Command::new(BIN).arg("check-config").arg(&path).output().unwrap();
-    (out.status.code().unwrap(), String::from_utf8_lossy(&out.stderr).into_owned())
+    let out = Command::new(BIN)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 const GOOD: &str = "resources:\n  - {api_version: v1, kind: ConfigMap}\nsinks:\n  - {name: out, type: stdout}\nroutes:\n  - {resource: configmap, sinks: [out]}\n";
 
 #[test]
 fn shipped_default_config_is_valid() {
-    let out = Command::new(BIN).args(["check-config", "config/default.yaml"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(BIN)
+        .args(["check-config", "config/default.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let effective: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(effective["kubernetes"]["page_size"], 500, "defaults are filled in");
+    assert_eq!(
+        effective["kubernetes"]["page_size"], 500,
+        "defaults are filled in"
+    );
 }
 
 #[test]
 fn each_kind_of_bad_config_exits_2_naming_the_field() {
     let cases = [
-        (GOOD.replace("kind: ConfigMap", "kind: ConfigMap, namespacs: [a]"), "resources[0].namespacs: unknown field"),
-        (GOOD.replace(", kind: ConfigMap", ""), "resources[0].kind: missing field"),
-        (GOOD.replace("type: stdout", "type: carrier-pigeon"), "sinks[0].type: unknown variant `carrier-pigeon`"),
-        (GOOD.replace("sinks: [out]", "sinks: [elsewhere]"), "routes[0].sinks[0]: no sink is named \"elsewhere\""),
-        (GOOD.replace("resource: configmap", "resource: pods"), "routes[0].resource: no resource is named \"pods\""),
-        (format!("{GOOD}kubernetes: {{page_size: many}}\n"), "kubernetes.page_size: invalid type"),
-        (format!("{GOOD}shutdown: {{grace_period: soon}}\n"), "shutdown.grace_period:"),
-        (format!("{GOOD}admin: {{address: nowhere}}\n"), "admin.address: invalid socket address"),
-        (GOOD.replace("v1, kind", "v1, resync_period: 10ms, kind"), "resources[0].resync_period: must be 0 (off) or at least 1s"),
+        (
+            GOOD.replace("kind: ConfigMap", "kind: ConfigMap, namespacs: [a]"),
+            "resources[0].namespacs: unknown field",
+        ),
+        (
+            GOOD.replace(", kind: ConfigMap", ""),
+            "resources[0].kind: missing field",
+        ),
+        (
+            GOOD.replace("type: stdout", "type: carrier-pigeon"),
+            "sinks[0].type: unknown variant `carrier-pigeon`",
+        ),
+        (
+            GOOD.replace("sinks: [out]", "sinks: [elsewhere]"),
+            "routes[0].sinks[0]: no sink is named \"elsewhere\"",
+        ),
+        (
+            GOOD.replace("resource: configmap", "resource: pods"),
+            "routes[0].resource: no resource is named \"pods\"",
+        ),
+        (
+            format!("{GOOD}kubernetes: {{page_size: many}}\n"),
+            "kubernetes.page_size: invalid type",
+        ),
+        (
+            format!("{GOOD}shutdown: {{grace_period: soon}}\n"),
+            "shutdown.grace_period:",
+        ),
+        (
+            format!("{GOOD}admin: {{address: nowhere}}\n"),
+            "admin.address: invalid socket address",
+        ),
+        (
+            GOOD.replace("v1, kind", "v1, resync_period: 10ms, kind"),
+            "resources[0].resync_period: must be 0 (off) or at least 1s",
+        ),
         ("resources: [\n".to_string(), "cannot load config"),
     ];
     for (yaml, expected) in cases {
         let (code, stderr) = check_config(&yaml);
         assert_eq!(code, 2, "{expected}: {stderr}");
-        assert!(stderr.contains(expected), "expected {expected:?} in:\n{stderr}");
+        assert!(
+            stderr.contains(expected),
+            "expected {expected:?} in:\n{stderr}"
+        );
     }
 }
 
 #[test]
 fn run_with_a_bad_config_exits_2_and_starts_nothing() {
-    let out = Command::new(BIN).args(["run", "--config", "/nonexistent/config.yaml"]).output().unwrap();
+    let out = Command::new(BIN)
+        .args(["run", "--config", "/nonexistent/config.yaml"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/config.yaml"));
 }
@@ -78,7 +129,11 @@ fn an_unreachable_cluster_is_reported_with_kubeconfig_context_and_server() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    for needle in ["cannot reach the Kubernetes API server http://127.0.0.1:9/", kubeconfig.to_str().unwrap(), "context: gone-ctx"] {
+    for needle in [
+        "cannot reach the Kubernetes API server http://127.0.0.1:9/",
+        kubeconfig.to_str().unwrap(),
+        "context: gone-ctx",
+    ] {
         assert!(stderr.contains(needle), "expected {needle:?} in:\n{stderr}");
     }
 }
@@ -108,7 +163,10 @@ async fn the_binary_streams_cloudevents_to_stdout_and_stops_cleanly_on_sigterm()
         }
     });
     let next = async |rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>| -> serde_json::Value {
-        let line = tokio::time::timeout(support::PATIENCE, rx.recv()).await.expect("a line in time").expect("stdout open");
+        let line = tokio::time::timeout(support::PATIENCE, rx.recv())
+            .await
+            .expect("a line in time")
+            .expect("stdout open");
         serde_json::from_str(&line).expect("stdout holds only JSON lines")
     };
     let added = next(&mut rx).await;
@@ -118,16 +176,31 @@ async fn the_binary_streams_cloudevents_to_stdout_and_stops_cleanly_on_sigterm()
     assert_eq!(added["k8sinitial"], true);
     server.update(typed(&configmap("ns", "a", "2")));
     let updated = next(&mut rx).await;
-    assert_eq!(updated["type"], "io.github.kube-event-bridge.object.updated");
+    assert_eq!(
+        updated["type"],
+        "io.github.kube-event-bridge.object.updated"
+    );
     assert_eq!(updated["data"]["oldObject"]["data"]["v"], "1");
     assert_eq!(updated["data"]["object"]["data"]["v"], "2");
 
-    let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
     assert!(status.success());
-    let out = tokio::task::spawn_blocking(move || child.wait_with_output()).await.unwrap().unwrap();
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "{stderr}");
-    assert!(stderr.contains("SIGTERM received") && stderr.contains("Stopped"), "{stderr}");
-    assert!(!stderr.contains("not-a-secret"), "credentials never reach the logs");
+    assert!(
+        stderr.contains("SIGTERM received") && stderr.contains("Stopped"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("not-a-secret"),
+        "credentials never reach the logs"
+    );
     assert!(Path::new(&kubeconfig).exists());
 }

@@ -8,7 +8,8 @@ use kube::api::{ApiResource, GroupVersionKind};
 use kube_event_bridge::{
     config::EventType,
     informer::{
-        InformerKey, ProcessorListener, SharedIndexInformer, SharedInformerFactory, factory::WatchOptions,
+        InformerKey, ProcessorListener, SharedIndexInformer, SharedInformerFactory,
+        factory::WatchOptions,
     },
     metrics::Metrics,
 };
@@ -16,7 +17,12 @@ use prometheus::{IntCounter, IntGauge};
 use support::{ApiServer, configmap, describe, eventually, next, take, typed};
 use tokio_util::sync::CancellationToken;
 
-const ALL: &[EventType] = &[EventType::Added, EventType::Updated, EventType::Deleted, EventType::Synced];
+const ALL: &[EventType] = &[
+    EventType::Added,
+    EventType::Updated,
+    EventType::Deleted,
+    EventType::Synced,
+];
 
 fn configmaps() -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
@@ -57,11 +63,19 @@ impl Drop for Running {
 }
 
 /// One ConfigMap informer (page size 10) with the given listeners, started.
-fn start(server: &ApiServer, listeners: &[Arc<ProcessorListener>], streaming_list: bool) -> Running {
+fn start(
+    server: &ApiServer,
+    listeners: &[Arc<ProcessorListener>],
+    streaming_list: bool,
+) -> Running {
     let metrics = Arc::new(Metrics::new());
     let factory = SharedInformerFactory::new(
         server.client(),
-        WatchOptions { page_size: 10, streaming_list, watch_timeout_seconds: 290 },
+        WatchOptions {
+            page_size: 10,
+            streaming_list,
+            watch_timeout_seconds: 290,
+        },
         metrics.clone(),
     );
     let informer = factory.informer_for(&configmaps(), key(None), None);
@@ -70,11 +84,18 @@ fn start(server: &ApiServer, listeners: &[Arc<ProcessorListener>], streaming_lis
     }
     let cancel = CancellationToken::new();
     factory.start(&cancel);
-    Running { informer, metrics, cancel }
+    Running {
+        informer,
+        metrics,
+        cancel,
+    }
 }
 
 fn relists(r: &Running) -> u64 {
-    r.metrics.informer_relists.with_label_values(&[r.informer.name()]).get()
+    r.metrics
+        .informer_relists
+        .with_label_values(&[r.informer.name()])
+        .get()
 }
 
 #[tokio::test]
@@ -84,14 +105,20 @@ async fn initial_paged_list_of_n_objects_gives_n_initial_adds() {
         server.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], false);
+    let r = start(&server, std::slice::from_ref(&l), false);
     let mut got = take(&l, 25).await;
     got.sort();
-    let want: Vec<String> = (0..25).map(|i| format!("add ns/cm-{i:02} v=1 initial")).collect();
+    let want: Vec<String> = (0..25)
+        .map(|i| format!("add ns/cm-{i:02} v=1 initial"))
+        .collect();
     assert_eq!(got, want);
     eventually("has_synced", || r.informer.has_synced()).await;
     assert_eq!(r.informer.indexer().len(), 25);
-    assert_eq!(server.counts("/api/v1/configmaps").lists, 3, "25 objects in pages of 10");
+    assert_eq!(
+        server.counts("/api/v1/configmaps").lists,
+        3,
+        "25 objects in pages of 10"
+    );
 }
 
 #[tokio::test]
@@ -99,13 +126,16 @@ async fn updates_carry_old_and_new_and_deletes_carry_the_last_state() {
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], false);
+    let r = start(&server, std::slice::from_ref(&l), false);
     assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     server.update(typed(&configmap("ns", "a", "2")));
     server.create(typed(&configmap("ns", "b", "1")));
     server.delete("v1", "ConfigMap", "ns", "a");
-    assert_eq!(take(&l, 3).await, ["update ns/a v=1->2", "add ns/b v=1", "delete ns/a v=2"]);
+    assert_eq!(
+        take(&l, 3).await,
+        ["update ns/a v=1->2", "add ns/b v=1", "delete ns/a v=2"]
+    );
     assert!(r.informer.indexer().get("ns/a").is_none());
     assert!(r.informer.indexer().get("ns/b").is_some());
 }
@@ -116,7 +146,7 @@ async fn a_dropped_watch_loses_nothing_and_does_not_relist() {
     server.create(typed(&configmap("ns", "a", "1")));
     server.create(typed(&configmap("ns", "c", "1")));
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], false);
+    let r = start(&server, std::slice::from_ref(&l), false);
     take(&l, 2).await;
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     // Cut the connection, keep the reflector out while things change, then let it back in.
@@ -126,8 +156,15 @@ async fn a_dropped_watch_loses_nothing_and_does_not_relist() {
     server.update(typed(&configmap("ns", "a", "2")));
     server.delete("v1", "ConfigMap", "ns", "c");
     server.block_watches(false);
-    assert_eq!(take(&l, 3).await, ["add ns/b v=1", "update ns/a v=1->2", "delete ns/c v=1"]);
-    assert_eq!(server.counts("/api/v1/configmaps").lists, 1, "re-watch from the last RV, no relist");
+    assert_eq!(
+        take(&l, 3).await,
+        ["add ns/b v=1", "update ns/a v=1->2", "delete ns/c v=1"]
+    );
+    assert_eq!(
+        server.counts("/api/v1/configmaps").lists,
+        1,
+        "re-watch from the last RV, no relist"
+    );
     assert_eq!(relists(&r), 0);
 }
 
@@ -137,7 +174,7 @@ async fn objects_deleted_while_the_watch_was_gone_come_out_as_final_state_unknow
     server.create(typed(&configmap("ns", "a", "1")));
     server.create(typed(&configmap("ns", "b", "1")));
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], false);
+    let r = start(&server, std::slice::from_ref(&l), false);
     take(&l, 2).await;
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     server.block_watches(true);
@@ -149,7 +186,14 @@ async fn objects_deleted_while_the_watch_was_gone_come_out_as_final_state_unknow
     server.block_watches(false);
     let mut got = take(&l, 3).await;
     got.sort();
-    assert_eq!(got, ["add ns/c v=1", "delete ns/b v=1 final-state-unknown", "update ns/a v=1->2"]);
+    assert_eq!(
+        got,
+        [
+            "add ns/c v=1",
+            "delete ns/b v=1 final-state-unknown",
+            "update ns/a v=1->2"
+        ]
+    );
     assert_eq!(relists(&r), 1);
     let mut keys = r.informer.indexer().list_keys();
     keys.sort();
@@ -163,7 +207,7 @@ async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
         server.create(typed(&configmap("ns", name, "1")));
     }
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], false);
+    let r = start(&server, std::slice::from_ref(&l), false);
     take(&l, 3).await;
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     server.block_watches(true);
@@ -175,7 +219,10 @@ async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
     server.create(typed(&secret));
     server.compact();
     server.block_watches(false);
-    eventually("relist", || relists(&r) == 1 && server.counts("/api/v1/configmaps").watches >= 3).await;
+    eventually("relist", || {
+        relists(&r) == 1 && server.counts("/api/v1/configmaps").watches >= 3
+    })
+    .await;
     // The first notification after the relist is the next real change, not a phantom update.
     server.create(typed(&configmap("ns", "z", "1")));
     assert_eq!(take(&l, 1).await, ["add ns/z v=1"]);
@@ -200,8 +247,14 @@ async fn resync_notifications_arrive_at_each_listeners_own_period() {
         assert_eq!(describe(&n), "sync ns/a v=1");
         fast_syncs += 1;
     }
-    assert!(fast_syncs >= 2, "1 s listener resynced {fast_syncs} times before the 3 s one resynced once");
-    assert!(none.is_empty(), "a listener without a resync period gets no resyncs");
+    assert!(
+        fast_syncs >= 2,
+        "1 s listener resynced {fast_syncs} times before the 3 s one resynced once"
+    );
+    assert!(
+        none.is_empty(),
+        "a listener without a resync period gets no resyncs"
+    );
 }
 
 #[tokio::test]
@@ -210,7 +263,7 @@ async fn list_429_is_retried_with_backoff() {
     server.create(typed(&configmap("ns", "a", "1")));
     server.fail_next_lists(2);
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], false);
+    let r = start(&server, std::slice::from_ref(&l), false);
     assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
     // kube-client retries a 429 itself (as client-go's REST client does), so the reflector
     // never sees these errors; the server saw every attempt.
@@ -224,7 +277,7 @@ async fn streaming_watch_list_gives_initial_adds_then_changes_on_the_same_stream
     server.create(typed(&configmap("ns", "a", "1")));
     server.create(typed(&configmap("ns", "b", "1")));
     let l = listener("l", None);
-    let r = start(&server, &[l.clone()], true);
+    let r = start(&server, std::slice::from_ref(&l), true);
     let mut got = take(&l, 2).await;
     got.sort();
     assert_eq!(got, ["add ns/a v=1 initial", "add ns/b v=1 initial"]);
@@ -232,7 +285,11 @@ async fn streaming_watch_list_gives_initial_adds_then_changes_on_the_same_stream
     server.update(typed(&configmap("ns", "b", "2")));
     assert_eq!(take(&l, 1).await, ["update ns/b v=1->2"]);
     let counts = server.counts("/api/v1/configmaps");
-    assert_eq!((counts.lists, counts.watches), (0, 1), "no list request; one watch");
+    assert_eq!(
+        (counts.lists, counts.watches),
+        (0, 1),
+        "no list request; one watch"
+    );
 }
 
 #[tokio::test]
@@ -240,7 +297,11 @@ async fn factory_hands_out_one_informer_per_key() {
     let server = ApiServer::start().await;
     let factory = SharedInformerFactory::new(
         server.client(),
-        WatchOptions { page_size: 500, streaming_list: false, watch_timeout_seconds: 290 },
+        WatchOptions {
+            page_size: 500,
+            streaming_list: false,
+            watch_timeout_seconds: 290,
+        },
         Arc::new(Metrics::new()),
     );
     let a = factory.informer_for(&configmaps(), key(None), None);

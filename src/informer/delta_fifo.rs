@@ -63,11 +63,20 @@ pub struct Delta {
 
 impl Delta {
     fn new(kind: DeltaType, object: ObjectRef) -> Self {
-        Self { kind, object, final_state_unknown: false, received: Instant::now(), observed: jiff::Timestamp::now() }
+        Self {
+            kind,
+            object,
+            final_state_unknown: false,
+            received: Instant::now(),
+            observed: jiff::Timestamp::now(),
+        }
     }
 
     fn tombstone(object: ObjectRef) -> Self {
-        Self { final_state_unknown: true, ..Self::new(DeltaType::Deleted, object) }
+        Self {
+            final_state_unknown: true,
+            ..Self::new(DeltaType::Deleted, object)
+        }
     }
 }
 
@@ -92,14 +101,20 @@ struct State {
 
 impl std::fmt::Debug for DeltaFifo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeltaFifo").field("len", &self.len()).finish()
+        f.debug_struct("DeltaFifo")
+            .field("len", &self.len())
+            .finish()
     }
 }
 
 impl DeltaFifo {
     /// A FIFO whose known objects (for deletes, replace and resync) are `known`.
     pub fn new(known: Arc<Indexer>) -> Self {
-        Self { state: Mutex::new(State::default()), notify: Notify::new(), known }
+        Self {
+            state: Mutex::new(State::default()),
+            notify: Notify::new(),
+            known,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -119,7 +134,10 @@ impl DeltaFifo {
     pub fn update(&self, obj: ObjectRef) {
         let mut s = self.lock();
         s.populated = true;
-        s.enqueue(meta_namespace_key(&obj), Delta::new(DeltaType::Updated, obj));
+        s.enqueue(
+            meta_namespace_key(&obj),
+            Delta::new(DeltaType::Updated, obj),
+        );
         drop(s);
         self.notify.notify_one();
     }
@@ -153,7 +171,12 @@ impl DeltaFifo {
             .items
             .iter()
             .filter(|(k, _)| !listed.contains(*k))
-            .map(|(k, d)| (k.clone(), d.last().expect("deltas are never empty").object.clone()))
+            .map(|(k, d)| {
+                (
+                    k.clone(),
+                    d.last().expect("deltas are never empty").object.clone(),
+                )
+            })
             .collect();
         for (key, newest) in queued_only {
             queued_deletions += 1;
@@ -261,7 +284,8 @@ impl State {
 /// Collapses two trailing `Deleted` deltas; keeps the older unless it is a tombstone.
 fn dedup_deletes(deltas: &mut Deltas) {
     let n = deltas.len();
-    if n < 2 || deltas[n - 1].kind != DeltaType::Deleted || deltas[n - 2].kind != DeltaType::Deleted {
+    if n < 2 || deltas[n - 1].kind != DeltaType::Deleted || deltas[n - 2].kind != DeltaType::Deleted
+    {
         return;
     }
     if deltas[n - 2].final_state_unknown {
@@ -281,13 +305,22 @@ mod tests {
         (DeltaFifo::new(known.clone()), known)
     }
 
-    fn pop_all(f: &DeltaFifo) -> Vec<(String, Vec<(DeltaType, String, bool)>, bool)> {
+    /// (key, [(type, resourceVersion, final_state_unknown)], is_in_initial_list)
+    type Popped = (String, Vec<(DeltaType, String, bool)>, bool);
+
+    fn pop_all(f: &DeltaFifo) -> Vec<Popped> {
         let mut out = Vec::new();
         while let Some(entry) = f.try_pop(|deltas, initial| {
             let key = meta_namespace_key(&deltas[0].object);
             let ds = deltas
                 .iter()
-                .map(|d| (d.kind, crate::informer::resource_version(&d.object).to_owned(), d.final_state_unknown))
+                .map(|d| {
+                    (
+                        d.kind,
+                        crate::informer::resource_version(&d.object).to_owned(),
+                        d.final_state_unknown,
+                    )
+                })
                 .collect();
             (key, ds, initial)
         }) {
@@ -303,8 +336,17 @@ mod tests {
         f.add(obj("ns", "b", "2"));
         f.update(obj("ns", "a", "3"));
         let out = pop_all(&f);
-        assert_eq!(out[0].0, "ns/a", "a queued key keeps its place (no line jumping)");
-        assert_eq!(out[0].1, [(DeltaType::Added, "1".into(), false), (DeltaType::Updated, "3".into(), false)]);
+        assert_eq!(
+            out[0].0, "ns/a",
+            "a queued key keeps its place (no line jumping)"
+        );
+        assert_eq!(
+            out[0].1,
+            [
+                (DeltaType::Added, "1".into(), false),
+                (DeltaType::Updated, "3".into(), false)
+            ]
+        );
         assert_eq!(out[1].0, "ns/b");
         assert!(!out[0].2, "add before any replace means synced");
     }
@@ -315,7 +357,11 @@ mod tests {
         known.upsert("ns/a".into(), obj("ns", "a", "1"));
         f.delete(obj("ns", "a", "2"));
         f.delete(obj("ns", "a", "3"));
-        assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "2".into(), false)], "older real delete is kept");
+        assert_eq!(
+            pop_all(&f)[0].1,
+            [(DeltaType::Deleted, "2".into(), false)],
+            "older real delete is kept"
+        );
     }
 
     #[test]
@@ -349,8 +395,14 @@ mod tests {
             &(DeltaType::Deleted, "3".into(), true),
             "tombstone carries the newest queued object"
         );
-        assert_eq!(by_key["ns/cached"], [(DeltaType::Deleted, "1".into(), true)]);
-        assert_eq!(by_key["ns/kept"], [(DeltaType::Replaced, "1".into(), false)]);
+        assert_eq!(
+            by_key["ns/cached"],
+            [(DeltaType::Deleted, "1".into(), true)]
+        );
+        assert_eq!(
+            by_key["ns/kept"],
+            [(DeltaType::Replaced, "1".into(), false)]
+        );
     }
 
     #[test]
@@ -372,7 +424,11 @@ mod tests {
         let out = pop_all(&f);
         assert_eq!(out.len(), 2);
         let a = out.iter().find(|e| e.0 == "ns/a").unwrap();
-        assert_eq!(a.1, [(DeltaType::Updated, "2".into(), false)], "no stale Sync behind an Update");
+        assert_eq!(
+            a.1,
+            [(DeltaType::Updated, "2".into(), false)],
+            "no stale Sync behind an Update"
+        );
         let b = out.iter().find(|e| e.0 == "ns/b").unwrap();
         assert_eq!(b.1, [(DeltaType::Sync, "1".into(), false)]);
     }
@@ -392,7 +448,11 @@ mod tests {
         f.replace(vec![obj("ns", "a", "1"), obj("ns", "b", "1")]);
         assert!(!f.has_synced());
         let initial: Vec<bool> = pop_all(&f).into_iter().map(|e| e.2).collect();
-        assert_eq!(initial, [true, true, true], "the synthetic delete counts as initial");
+        assert_eq!(
+            initial,
+            [true, true, true],
+            "the synthetic delete counts as initial"
+        );
         assert!(f.has_synced());
         f.replace(vec![obj("ns", "a", "2")]);
         assert!(f.has_synced(), "later relists do not unsync");

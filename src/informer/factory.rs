@@ -50,7 +50,12 @@ impl fmt::Display for InformerKey {
         }
         match (&self.label_selector, &self.field_selector) {
             (None, None) => Ok(()),
-            (l, fs) => write!(f, "{{l={},f={}}}", l.as_deref().unwrap_or(""), fs.as_deref().unwrap_or("")),
+            (l, fs) => write!(
+                f,
+                "{{l={},f={}}}",
+                l.as_deref().unwrap_or(""),
+                fs.as_deref().unwrap_or("")
+            ),
         }
     }
 }
@@ -77,7 +82,12 @@ pub struct SharedInformerFactory {
 impl SharedInformerFactory {
     /// A factory whose informers use `client` and list/watch with `options`.
     pub fn new(client: Client, options: WatchOptions, metrics: Arc<Metrics>) -> Self {
-        Self { client, options, metrics, informers: Mutex::new(Vec::new()) }
+        Self {
+            client,
+            options,
+            metrics,
+            informers: Mutex::new(Vec::new()),
+        }
     }
 
     /// The informer for `key` (whose resource is `resource`), created on first request; a new
@@ -120,9 +130,15 @@ impl SharedInformerFactory {
             ReflectorMetrics {
                 watch_errors: m.informer_watch_errors.with_label_values(&[&name]),
                 relists: m.informer_relists.with_label_values(&[&name]),
-                listed: m.informer_watch_events.with_label_values(&[&name, "listed"]),
-                applied: m.informer_watch_events.with_label_values(&[&name, "applied"]),
-                deleted: m.informer_watch_events.with_label_values(&[&name, "deleted"]),
+                listed: m
+                    .informer_watch_events
+                    .with_label_values(&[&name, "listed"]),
+                applied: m
+                    .informer_watch_events
+                    .with_label_values(&[&name, "applied"]),
+                deleted: m
+                    .informer_watch_events
+                    .with_label_values(&[&name, "deleted"]),
             },
         );
         let informer = Arc::new(SharedIndexInformer::new(
@@ -144,12 +160,20 @@ impl SharedInformerFactory {
 
     /// Every informer handed out so far.
     pub fn informers(&self) -> Vec<Arc<SharedIndexInformer>> {
-        self.informers.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|(_, i)| i.clone()).collect()
+        self.informers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(_, i)| i.clone())
+            .collect()
     }
 
     /// Starts every informer; each task ends after `cancel` fires and its FIFO is drained.
     pub fn start(&self, cancel: &CancellationToken) -> Vec<JoinHandle<()>> {
-        self.informers().into_iter().map(|i| tokio::spawn(i.run(cancel.clone()))).collect()
+        self.informers()
+            .into_iter()
+            .map(|i| tokio::spawn(i.run(cancel.clone())))
+            .collect()
     }
 
     /// Whether every informer has synced.

@@ -71,7 +71,9 @@ impl std::fmt::Debug for Indexer {
 impl Indexer {
     /// An empty cache with the namespace index.
     pub fn new() -> Self {
-        let indexer = Self { inner: RwLock::new(Inner::default()) };
+        let indexer = Self {
+            inner: RwLock::new(Inner::default()),
+        };
         indexer
             .add_indexer(NAMESPACE_INDEX, Arc::new(namespace_index_func))
             .expect("fresh indexer has no indices");
@@ -125,7 +127,11 @@ impl Indexer {
     pub fn replace(&self, items: impl IntoIterator<Item = (String, ObjectRef)>) {
         let mut inner = self.write();
         inner.items = items.into_iter().collect();
-        let Inner { items, indexers, indices } = &mut *inner;
+        let Inner {
+            items,
+            indexers,
+            indices,
+        } = &mut *inner;
         for (name, func) in indexers.iter() {
             let mut index: HashMap<String, HashSet<String>> = HashMap::new();
             for (key, obj) in items.iter() {
@@ -154,7 +160,11 @@ impl Indexer {
 
     /// Every cached key with its object, in no particular order.
     pub fn entries(&self) -> Vec<(String, ObjectRef)> {
-        self.read().items.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        self.read()
+            .items
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     /// Every cached key, in no particular order.
@@ -175,18 +185,31 @@ impl Indexer {
     /// The objects with `value` in index `name`.
     pub fn by_index(&self, name: &str, value: &str) -> Result<Vec<ObjectRef>> {
         let inner = self.read();
-        let index = inner.indices.get(name).ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
+        let index = inner
+            .indices
+            .get(name)
+            .ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
         Ok(index
             .get(value)
-            .map(|keys| keys.iter().filter_map(|k| inner.items.get(k).cloned()).collect())
+            .map(|keys| {
+                keys.iter()
+                    .filter_map(|k| inner.items.get(k).cloned())
+                    .collect()
+            })
             .unwrap_or_default())
     }
 
     /// The keys with `value` in index `name`, sorted.
     pub fn index_keys(&self, name: &str, value: &str) -> Result<Vec<String>> {
         let inner = self.read();
-        let index = inner.indices.get(name).ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
-        let mut keys: Vec<String> = index.get(value).map(|s| s.iter().cloned().collect()).unwrap_or_default();
+        let index = inner
+            .indices
+            .get(name)
+            .ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
+        let mut keys: Vec<String> = index
+            .get(value)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default();
         keys.sort();
         Ok(keys)
     }
@@ -194,22 +217,40 @@ impl Indexer {
     /// The objects sharing any of `obj`'s values in index `name`, without duplicates.
     pub fn index(&self, name: &str, obj: &DynamicObject) -> Result<Vec<ObjectRef>> {
         let inner = self.read();
-        let func = inner.indexers.get(name).ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
+        let func = inner
+            .indexers
+            .get(name)
+            .ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
         let index = &inner.indices[name];
-        let keys: HashSet<&String> = func(obj).iter().filter_map(|v| index.get(v)).flatten().collect();
-        Ok(keys.into_iter().filter_map(|k| inner.items.get(k).cloned()).collect())
+        let keys: HashSet<&String> = func(obj)
+            .iter()
+            .filter_map(|v| index.get(v))
+            .flatten()
+            .collect();
+        Ok(keys
+            .into_iter()
+            .filter_map(|k| inner.items.get(k).cloned())
+            .collect())
     }
 
     /// The values currently present in index `name`.
     pub fn list_index_func_values(&self, name: &str) -> Result<Vec<String>> {
         let inner = self.read();
-        let index = inner.indices.get(name).ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
+        let index = inner
+            .indices
+            .get(name)
+            .ok_or_else(|| Error::UnknownIndex(name.to_owned()))?;
         Ok(index.keys().cloned().collect())
     }
 }
 
 impl Inner {
-    fn update_indices(&mut self, old: Option<&DynamicObject>, new: Option<&DynamicObject>, key: &str) {
+    fn update_indices(
+        &mut self,
+        old: Option<&DynamicObject>,
+        new: Option<&DynamicObject>,
+        key: &str,
+    ) {
         for (name, func) in &self.indexers {
             let old_values = old.map(|o| func(o)).unwrap_or_default();
             let new_values = new.map(|o| func(o)).unwrap_or_default();
@@ -217,7 +258,10 @@ impl Inner {
             if old_values.len() == 1 && new_values.len() == 1 && old_values[0] == new_values[0] {
                 continue;
             }
-            let index = self.indices.get_mut(name).expect("every indexer has an index");
+            let index = self
+                .indices
+                .get_mut(name)
+                .expect("every indexer has an index");
             for value in &old_values {
                 if let Some(set) = index.get_mut(value) {
                     set.remove(key);
@@ -239,12 +283,22 @@ mod tests {
     use crate::informer::testing::obj;
 
     fn labels_index(o: &DynamicObject) -> Vec<String> {
-        o.metadata.labels.iter().flatten().map(|(k, v)| format!("{k}={v}")).collect()
+        o.metadata
+            .labels
+            .iter()
+            .flatten()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect()
     }
 
     fn with_labels(ns: &str, name: &str, labels: &[(&str, &str)]) -> ObjectRef {
         let mut o = (*obj(ns, name, "1")).clone();
-        o.metadata.labels = Some(labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
+        o.metadata.labels = Some(
+            labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        );
         Arc::new(o)
     }
 
@@ -254,9 +308,15 @@ mod tests {
         assert!(idx.upsert("a/x".into(), obj("a", "x", "1")).is_none());
         let old = idx.upsert("a/x".into(), obj("a", "x", "2")).unwrap();
         assert_eq!(old.metadata.resource_version.as_deref(), Some("1"));
-        assert_eq!(idx.get("a/x").unwrap().metadata.resource_version.as_deref(), Some("2"));
+        assert_eq!(
+            idx.get("a/x").unwrap().metadata.resource_version.as_deref(),
+            Some("2")
+        );
         assert!(idx.delete("a/x").is_some());
-        assert!(idx.delete("a/x").is_none(), "deleting a missing key is no error");
+        assert!(
+            idx.delete("a/x").is_none(),
+            "deleting a missing key is no error"
+        );
         assert!(idx.is_empty());
     }
 
@@ -267,28 +327,49 @@ mod tests {
         idx.upsert("a/y".into(), obj("a", "y", "1"));
         idx.upsert("b/z".into(), obj("b", "z", "1"));
         idx.upsert("n".into(), obj("", "n", "1"));
-        assert_eq!(idx.index_keys(NAMESPACE_INDEX, "a").unwrap(), ["a/x", "a/y"]);
+        assert_eq!(
+            idx.index_keys(NAMESPACE_INDEX, "a").unwrap(),
+            ["a/x", "a/y"]
+        );
         assert_eq!(idx.index_keys(NAMESPACE_INDEX, "").unwrap(), ["n"]);
         idx.delete("b/z");
         let mut values = idx.list_index_func_values(NAMESPACE_INDEX).unwrap();
         values.sort();
         assert_eq!(values, ["", "a"], "the empty set of b is removed");
         idx.delete("a/x");
-        assert_eq!(idx.by_index(NAMESPACE_INDEX, "a").unwrap().len(), 1, "a keeps its non-empty set");
+        assert_eq!(
+            idx.by_index(NAMESPACE_INDEX, "a").unwrap().len(),
+            1,
+            "a keeps its non-empty set"
+        );
     }
 
     #[test]
     fn multi_value_index_functions() {
         let idx = Indexer::new();
         idx.add_indexer("labels", Arc::new(labels_index)).unwrap();
-        idx.upsert("a/x".into(), with_labels("a", "x", &[("app", "web"), ("tier", "front")]));
+        idx.upsert(
+            "a/x".into(),
+            with_labels("a", "x", &[("app", "web"), ("tier", "front")]),
+        );
         idx.upsert("a/y".into(), with_labels("a", "y", &[("app", "web")]));
         assert_eq!(idx.index_keys("labels", "app=web").unwrap(), ["a/x", "a/y"]);
         assert_eq!(idx.index_keys("labels", "tier=front").unwrap(), ["a/x"]);
         // x shares app=web with y and tier=front with itself: two distinct objects.
-        assert_eq!(idx.index("labels", &with_labels("a", "q", &[("app", "web"), ("tier", "front")])).unwrap().len(), 2);
+        assert_eq!(
+            idx.index(
+                "labels",
+                &with_labels("a", "q", &[("app", "web"), ("tier", "front")])
+            )
+            .unwrap()
+            .len(),
+            2
+        );
         idx.upsert("a/x".into(), with_labels("a", "x", &[("app", "db")]));
-        assert_eq!(idx.index_keys("labels", "tier=front").unwrap(), Vec::<String>::new());
+        assert_eq!(
+            idx.index_keys("labels", "tier=front").unwrap(),
+            Vec::<String>::new()
+        );
         assert_eq!(idx.index_keys("labels", "app=web").unwrap(), ["a/y"]);
     }
 
@@ -298,8 +379,14 @@ mod tests {
         idx.upsert("a/x".into(), with_labels("a", "x", &[("app", "web")]));
         idx.add_indexer("labels", Arc::new(labels_index)).unwrap();
         assert_eq!(idx.index_keys("labels", "app=web").unwrap(), ["a/x"]);
-        assert_eq!(idx.add_indexer("labels", Arc::new(labels_index)), Err(Error::IndexExists("labels".into())));
-        assert_eq!(idx.by_index("nope", "x").unwrap_err(), Error::UnknownIndex("nope".into()));
+        assert_eq!(
+            idx.add_indexer("labels", Arc::new(labels_index)),
+            Err(Error::IndexExists("labels".into()))
+        );
+        assert_eq!(
+            idx.by_index("nope", "x").unwrap_err(),
+            Error::UnknownIndex("nope".into())
+        );
     }
 
     #[test]

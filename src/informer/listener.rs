@@ -57,7 +57,10 @@ struct ResyncState {
 
 impl std::fmt::Debug for ProcessorListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProcessorListener").field("name", &self.name).field("len", &self.len()).finish()
+        f.debug_struct("ProcessorListener")
+            .field("name", &self.name)
+            .field("len", &self.len())
+            .finish()
     }
 }
 
@@ -92,7 +95,10 @@ impl ProcessorListener {
             accepts,
             resync_period,
             buffer: Mutex::new(Buffer::default()),
-            resync: Mutex::new(ResyncState { next: Instant::now() + resync_period.unwrap_or_default(), syncing: false }),
+            resync: Mutex::new(ResyncState {
+                next: Instant::now() + resync_period.unwrap_or_default(),
+                syncing: false,
+            }),
             notify: Notify::new(),
             buffered,
             coalesced,
@@ -204,7 +210,10 @@ impl ProcessorListener {
     /// objects of a relist reach every listener while resync is off), it starts unset: a relist
     /// never produces phantom updates.
     pub fn is_syncing(&self) -> bool {
-        self.resync.lock().unwrap_or_else(|e| e.into_inner()).syncing
+        self.resync
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .syncing
     }
 }
 
@@ -213,14 +222,32 @@ impl ProcessorListener {
 fn coalesce(pending: &mut Notification, incoming: Notification) -> bool {
     use NotificationKind::*;
     let merged = match (&pending.kind, incoming.kind) {
-        (Add { is_initial_list, .. }, Update { new, .. }) => Add { obj: new, is_initial_list: *is_initial_list },
-        (Update { old, new: pending_new }, Update { new, .. }) => {
+        (
+            Add {
+                is_initial_list, ..
+            },
+            Update { new, .. },
+        ) => Add {
+            obj: new,
+            is_initial_list: *is_initial_list,
+        },
+        (
+            Update {
+                old,
+                new: pending_new,
+            },
+            Update { new, .. },
+        ) => {
             // Resync of the state already pending adds nothing.
-            if resource_version(pending_new) == resource_version(&new) && resource_version(old) != resource_version(&new)
+            if resource_version(pending_new) == resource_version(&new)
+                && resource_version(old) != resource_version(&new)
             {
                 return true;
             }
-            Update { old: old.clone(), new }
+            Update {
+                old: old.clone(),
+                new,
+            }
         }
         _ => return false,
     };
@@ -235,7 +262,11 @@ mod tests {
     use super::*;
     use crate::informer::{ObjectRef, testing::obj};
 
-    fn listener(capacity: usize, accepted: &[EventType], resync: Option<Duration>) -> ProcessorListener {
+    fn listener(
+        capacity: usize,
+        accepted: &[EventType],
+        resync: Option<Duration>,
+    ) -> ProcessorListener {
         ProcessorListener::new(
             "test",
             capacity,
@@ -246,31 +277,57 @@ mod tests {
         )
     }
 
-    const ALL: &[EventType] = &[EventType::Added, EventType::Updated, EventType::Deleted, EventType::Synced];
+    const ALL: &[EventType] = &[
+        EventType::Added,
+        EventType::Updated,
+        EventType::Deleted,
+        EventType::Synced,
+    ];
 
     fn note(kind: NotificationKind) -> Notification {
-        Notification { kind, received: std::time::Instant::now(), observed: jiff::Timestamp::now() }
+        Notification {
+            kind,
+            received: std::time::Instant::now(),
+            observed: jiff::Timestamp::now(),
+        }
     }
     fn add(o: ObjectRef) -> Notification {
-        note(NotificationKind::Add { obj: o, is_initial_list: false })
+        note(NotificationKind::Add {
+            obj: o,
+            is_initial_list: false,
+        })
     }
     fn update(old: ObjectRef, new: ObjectRef) -> Notification {
         note(NotificationKind::Update { old, new })
     }
     fn delete(o: ObjectRef) -> Notification {
-        note(NotificationKind::Delete { obj: o, final_state_unknown: false })
+        note(NotificationKind::Delete {
+            obj: o,
+            final_state_unknown: false,
+        })
     }
     fn describe(n: &Notification) -> String {
         match &n.kind {
-            NotificationKind::Add { obj, .. } => format!("add {} {}", n.key(), resource_version(obj)),
-            NotificationKind::Update { old, new } => {
-                format!("update {} {}->{}", n.key(), resource_version(old), resource_version(new))
+            NotificationKind::Add { obj, .. } => {
+                format!("add {} {}", n.key(), resource_version(obj))
             }
-            NotificationKind::Delete { obj, .. } => format!("delete {} {}", n.key(), resource_version(obj)),
+            NotificationKind::Update { old, new } => {
+                format!(
+                    "update {} {}->{}",
+                    n.key(),
+                    resource_version(old),
+                    resource_version(new)
+                )
+            }
+            NotificationKind::Delete { obj, .. } => {
+                format!("delete {} {}", n.key(), resource_version(obj))
+            }
         }
     }
     fn drain(l: &ProcessorListener) -> Vec<String> {
-        std::iter::from_fn(|| l.try_pop()).map(|n| describe(&n)).collect()
+        std::iter::from_fn(|| l.try_pop())
+            .map(|n| describe(&n))
+            .collect()
     }
 
     #[test]
@@ -296,7 +353,15 @@ mod tests {
         // Still full: a delete and an unseen object are kept beyond capacity.
         l.add(delete(obj("ns", "a", "6")));
         l.add(add(obj("ns", "c", "7")));
-        assert_eq!(drain(&l), ["add ns/a 3", "update ns/b 1->5", "delete ns/a 6", "add ns/c 7"]);
+        assert_eq!(
+            drain(&l),
+            [
+                "add ns/a 3",
+                "update ns/b 1->5",
+                "delete ns/a 6",
+                "add ns/c 7"
+            ]
+        );
     }
 
     #[test]
@@ -306,7 +371,10 @@ mod tests {
         l.add(delete(obj("ns", "a", "3")));
         l.add(add(obj("ns", "a", "4")));
         l.add(update(obj("ns", "a", "4"), obj("ns", "a", "5")));
-        assert_eq!(drain(&l), ["update ns/a 1->2", "delete ns/a 3", "add ns/a 5"]);
+        assert_eq!(
+            drain(&l),
+            ["update ns/a 1->2", "delete ns/a 3", "add ns/a 5"]
+        );
         // After draining, the index is empty and nothing coalesces into popped entries.
         l.add(update(obj("ns", "a", "5"), obj("ns", "a", "6")));
         assert_eq!(drain(&l), ["update ns/a 5->6"]);
@@ -326,7 +394,10 @@ mod tests {
         let fast = listener(10, ALL, Some(Duration::from_secs(2)));
         let slow = listener(10, ALL, Some(Duration::from_secs(5)));
         let off = listener(10, ALL, None);
-        assert!(!fast.is_syncing(), "no listener starts syncing (no phantom updates on relist)");
+        assert!(
+            !fast.is_syncing(),
+            "no listener starts syncing (no phantom updates on relist)"
+        );
         let mut due = (0, 0, 0);
         for _ in 0..10 {
             tokio::time::advance(Duration::from_secs(1)).await;
@@ -344,7 +415,10 @@ mod tests {
         l.add(add(obj("ns", "a", "1")));
         l.close();
         l.add(add(obj("ns", "b", "1")));
-        assert_eq!(l.pop().await.map(|n| describe(&n)).as_deref(), Some("add ns/a 1"));
+        assert_eq!(
+            l.pop().await.map(|n| describe(&n)).as_deref(),
+            Some("add ns/a 1")
+        );
         assert!(l.pop().await.is_none());
     }
 }

@@ -103,7 +103,9 @@ impl Notification {
         use crate::config::EventType;
         match &self.kind {
             NotificationKind::Add { .. } => EventType::Added,
-            NotificationKind::Update { old, new } if resource_version(old) == resource_version(new) => {
+            NotificationKind::Update { old, new }
+                if resource_version(old) == resource_version(new) =>
+            {
                 EventType::Synced
             }
             NotificationKind::Update { .. } => EventType::Updated,
@@ -126,9 +128,15 @@ impl Notification {
     /// Calls the matching method of `handler`.
     pub fn dispatch(&self, handler: &dyn ResourceEventHandler) {
         match &self.kind {
-            NotificationKind::Add { obj, is_initial_list } => handler.on_add(obj, *is_initial_list),
+            NotificationKind::Add {
+                obj,
+                is_initial_list,
+            } => handler.on_add(obj, *is_initial_list),
             NotificationKind::Update { old, new } => handler.on_update(old, new),
-            NotificationKind::Delete { obj, final_state_unknown } => handler.on_delete(obj, *final_state_unknown),
+            NotificationKind::Delete {
+                obj,
+                final_state_unknown,
+            } => handler.on_delete(obj, *final_state_unknown),
         }
     }
 }
@@ -141,7 +149,10 @@ pub(crate) mod testing {
     /// A namespaced ConfigMap-like object with the given resourceVersion.
     pub fn obj(ns: &str, name: &str, rv: &str) -> ObjectRef {
         let mut o = DynamicObject {
-            types: Some(kube::api::TypeMeta { api_version: "v1".into(), kind: "ConfigMap".into() }),
+            types: Some(kube::api::TypeMeta {
+                api_version: "v1".into(),
+                kind: "ConfigMap".into(),
+            }),
             metadata: Default::default(),
             data: serde_json::json!({}),
         };

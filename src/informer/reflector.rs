@@ -72,20 +72,33 @@ impl Reflector {
         transform: Option<Transform>,
         metrics: ReflectorMetrics,
     ) -> Self {
-        Self { name, api, config, fifo, transform, metrics, last_sync_resource_version: Mutex::new(String::new()) }
+        Self {
+            name,
+            api,
+            config,
+            fifo,
+            transform,
+            metrics,
+            last_sync_resource_version: Mutex::new(String::new()),
+        }
     }
 
     /// The resourceVersion of the newest object seen (list or watch event).
     pub fn last_sync_resource_version(&self) -> String {
-        self.last_sync_resource_version.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.last_sync_resource_version
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn prepare(&self, mut obj: DynamicObject) -> ObjectRef {
         if let Some(t) = &self.transform {
             t(&mut obj);
         }
-        *self.last_sync_resource_version.lock().unwrap_or_else(|e| e.into_inner()) =
-            resource_version(&obj).to_owned();
+        *self
+            .last_sync_resource_version
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = resource_version(&obj).to_owned();
         Arc::new(obj)
     }
 

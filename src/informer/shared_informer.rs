@@ -25,8 +25,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::{
-    DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ProcessorListener, delta_fifo::Deltas,
-    meta_namespace_key, reflector::Reflector, resource_version,
+    DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ProcessorListener,
+    delta_fifo::Deltas, meta_namespace_key, reflector::Reflector, resource_version,
 };
 
 /// Errors of informer registration.
@@ -61,7 +61,9 @@ pub struct SharedIndexInformer {
 
 impl std::fmt::Debug for SharedIndexInformer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedIndexInformer").field("name", &self.name).finish()
+        f.debug_struct("SharedIndexInformer")
+            .field("name", &self.name)
+            .finish()
     }
 }
 
@@ -116,7 +118,10 @@ impl SharedIndexInformer {
     }
 
     fn listeners(&self) -> Vec<Arc<ProcessorListener>> {
-        self.listeners.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.listeners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Lists, watches and distributes until `cancel` fires; then drains the FIFO into the
@@ -128,7 +133,12 @@ impl SharedIndexInformer {
         let process = tokio::spawn({
             let this = self.clone();
             async move {
-                while this.fifo.pop(|deltas, initial| this.handle_deltas(deltas, initial)).await.is_some() {
+                while this
+                    .fifo
+                    .pop(|deltas, initial| this.handle_deltas(deltas, initial))
+                    .await
+                    .is_some()
+                {
                     this.metrics.cached_objects.set(this.indexer.len() as i64);
                     this.metrics.synced.set(this.has_synced() as i64);
                 }
@@ -138,7 +148,8 @@ impl SharedIndexInformer {
             let this = self.clone();
             let cancel = cancel.clone();
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+                let mut tick =
+                    tokio::time::interval_at(tokio::time::Instant::now() + period, period);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tokio::select! {
@@ -163,7 +174,10 @@ impl SharedIndexInformer {
 
     fn resync_tick(&self, now: tokio::time::Instant) {
         // Every listener must be asked (no short-circuit): asking moves its next resync.
-        let due = self.listeners().iter().fold(false, |any, l| l.should_resync(now) | any);
+        let due = self
+            .listeners()
+            .iter()
+            .fold(false, |any, l| l.should_resync(now) | any);
         if due && self.has_synced() {
             self.fifo.resync();
         }
@@ -176,24 +190,41 @@ impl SharedIndexInformer {
             let kind = match delta.kind {
                 DeltaType::Added | DeltaType::Updated | DeltaType::Replaced | DeltaType::Sync => {
                     match self.indexer.upsert(key, delta.object.clone()) {
-                        Some(old) => NotificationKind::Update { old, new: delta.object },
-                        None => NotificationKind::Add { obj: delta.object, is_initial_list },
+                        Some(old) => NotificationKind::Update {
+                            old,
+                            new: delta.object,
+                        },
+                        None => NotificationKind::Add {
+                            obj: delta.object,
+                            is_initial_list,
+                        },
                     }
                 }
                 DeltaType::Deleted => {
                     self.indexer.delete(&key);
-                    NotificationKind::Delete { obj: delta.object, final_state_unknown: delta.final_state_unknown }
+                    NotificationKind::Delete {
+                        obj: delta.object,
+                        final_state_unknown: delta.final_state_unknown,
+                    }
                 }
             };
-            self.distribute(Notification { kind, received: delta.received, observed: delta.observed });
+            self.distribute(Notification {
+                kind,
+                received: delta.received,
+                observed: delta.observed,
+            });
         }
     }
 
     fn distribute(&self, n: Notification) {
-        let is_sync =
-            matches!(&n.kind, NotificationKind::Update { old, new } if resource_version(old) == resource_version(new));
+        let is_sync = matches!(&n.kind, NotificationKind::Update { old, new } if resource_version(old) == resource_version(new));
         self.metrics.notifications[n.event_type() as usize].inc();
-        for l in self.listeners.read().unwrap_or_else(|e| e.into_inner()).iter() {
+        for l in self
+            .listeners
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
             if !is_sync || l.is_syncing() {
                 l.add(n.clone());
             }
@@ -204,5 +235,9 @@ impl SharedIndexInformer {
 /// client-go's `resyncCheckPeriod`: the shortest listener period, at least 1 s; `None` when no
 /// listener resyncs.
 fn resync_check_period(listeners: &[Arc<ProcessorListener>]) -> Option<Duration> {
-    listeners.iter().filter_map(|l| l.resync_period()).min().map(|p| p.max(Duration::from_secs(1)))
+    listeners
+        .iter()
+        .filter_map(|l| l.resync_period())
+        .min()
+        .map(|p| p.max(Duration::from_secs(1)))
 }

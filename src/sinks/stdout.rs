@@ -30,10 +30,16 @@ impl StdoutSink {
                     .append(true)
                     .open(path)
                     .await
-                    .map_err(|source| Error::Open { what: path.display().to_string(), source })?,
+                    .map_err(|source| Error::Open {
+                        what: path.display().to_string(),
+                        source,
+                    })?,
             ),
         };
-        Ok(Self { name: name.to_owned(), out: Mutex::new(BufWriter::new(out)) })
+        Ok(Self {
+            name: name.to_owned(),
+            out: Mutex::new(BufWriter::new(out)),
+        })
     }
 }
 
@@ -77,12 +83,18 @@ mod tests {
             };
             sink.publish(&m).await.unwrap();
         }
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"n\":0}\n{\"n\":1}\n{\"n\":2}\n");
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"n\":0}\n{\"n\":1}\n{\"n\":2}\n"
+        );
     }
 
     #[tokio::test]
     async fn unopenable_path_is_a_final_error_naming_it() {
-        let err = StdoutSink::open("file", Some(Path::new("/nonexistent-dir/x"))).await.err().unwrap();
+        let err = StdoutSink::open("file", Some(Path::new("/nonexistent-dir/x")))
+            .await
+            .err()
+            .unwrap();
         assert!(!err.is_retriable());
         assert!(err.to_string().contains("/nonexistent-dir/x"), "{err}");
     }

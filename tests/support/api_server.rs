@@ -45,11 +45,17 @@ pub struct ResourceDef {
 
 impl ResourceDef {
     fn group_version(&self) -> String {
-        if self.group.is_empty() { self.version.to_owned() } else { format!("{}/{}", self.group, self.version) }
+        if self.group.is_empty() {
+            self.version.to_owned()
+        } else {
+            format!("{}/{}", self.group, self.version)
+        }
     }
 }
 
-const RW: &[&str] = &["create", "delete", "get", "list", "patch", "update", "watch"];
+const RW: &[&str] = &[
+    "create", "delete", "get", "list", "patch", "update", "watch",
+];
 
 /// The kinds every server serves.
 pub fn default_resources() -> Vec<ResourceDef> {
@@ -68,7 +74,10 @@ pub fn default_resources() -> Vec<ResourceDef> {
         d("", "v1", "Namespace", "namespaces", false, false),
         d("apps", "v1", "Deployment", "deployments", true, false),
         d("example.com", "v1", "Widget", "widgets", true, true),
-        ResourceDef { verbs: &["create"], ..d("", "v1", "Binding", "bindings", true, false) },
+        ResourceDef {
+            verbs: &["create"],
+            ..d("", "v1", "Binding", "bindings", true, false)
+        },
     ]
 }
 
@@ -143,7 +152,11 @@ fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
 }
 
 fn too_many_requests() -> Response<Body> {
-    let mut body = status(429, "TooManyRequests", "too many requests, please try again later");
+    let mut body = status(
+        429,
+        "TooManyRequests",
+        "too many requests, please try again later",
+    );
     body["details"] = json!({"retryAfterSeconds": 1});
     let mut r = json_response(StatusCode::TOO_MANY_REQUESTS, &body);
     r.headers_mut().insert("retry-after", "1".parse().unwrap());
@@ -159,7 +172,11 @@ impl ApiServer {
     pub async fn with_resources(resources: Vec<ResourceDef>) -> Self {
         let shared = Arc::new(Shared {
             resources,
-            store: Mutex::new(Store { rv: 100, next_uid: 1, ..Default::default() }),
+            store: Mutex::new(Store {
+                rv: 100,
+                next_uid: 1,
+                ..Default::default()
+            }),
             events: broadcast::channel(100_000).0,
             kill: watch::channel(0).0,
             faults: Mutex::default(),
@@ -210,10 +227,23 @@ impl ApiServer {
 
     fn write(&self, ty: &'static str, obj: impl Serialize) -> Value {
         let mut obj = serde_json::to_value(obj).unwrap();
-        let res = self.resource_of(obj["apiVersion"].as_str().unwrap(), obj["kind"].as_str().unwrap());
+        let res = self.resource_of(
+            obj["apiVersion"].as_str().unwrap(),
+            obj["kind"].as_str().unwrap(),
+        );
         let def = &self.shared.resources[res];
-        let ns = if def.namespaced { obj["metadata"]["namespace"].as_str().unwrap_or("default").to_owned() } else { String::new() };
-        let name = obj["metadata"]["name"].as_str().expect("objects need a name").to_owned();
+        let ns = if def.namespaced {
+            obj["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("default")
+                .to_owned()
+        } else {
+            String::new()
+        };
+        let name = obj["metadata"]["name"]
+            .as_str()
+            .expect("objects need a name")
+            .to_owned();
         let mut store = self.shared.store.lock().unwrap();
         store.rv += 1;
         let rv = store.rv;
@@ -238,9 +268,16 @@ impl ApiServer {
         };
         let meta = obj["metadata"].as_object_mut().unwrap();
         meta.insert("uid".into(), uid);
-        meta.entry("creationTimestamp").or_insert(json!("2026-01-01T00:00:00Z"));
+        meta.entry("creationTimestamp")
+            .or_insert(json!("2026-01-01T00:00:00Z"));
         store.objects.insert(key, obj.clone());
-        let ev = HistoryEvent { rv, resource: res, ty, old, obj: obj.clone() };
+        let ev = HistoryEvent {
+            rv,
+            resource: res,
+            ty,
+            old,
+            obj: obj.clone(),
+        };
         store.history.push(ev.clone());
         let _ = self.shared.events.send(ev);
         obj
@@ -259,7 +296,11 @@ impl ApiServer {
     /// Deletes an object; watchers get its last state with the deletion's resourceVersion.
     pub fn delete(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Value {
         let res = self.resource_of(api_version, kind);
-        let ns = if self.shared.resources[res].namespaced { namespace } else { "" };
+        let ns = if self.shared.resources[res].namespaced {
+            namespace
+        } else {
+            ""
+        };
         let mut store = self.shared.store.lock().unwrap();
         let mut obj = store
             .objects
@@ -267,7 +308,13 @@ impl ApiServer {
             .unwrap_or_else(|| panic!("{namespace}/{name} does not exist"));
         store.rv += 1;
         obj["metadata"]["resourceVersion"] = json!(store.rv.to_string());
-        let ev = HistoryEvent { rv: store.rv, resource: res, ty: "DELETED", old: None, obj: obj.clone() };
+        let ev = HistoryEvent {
+            rv: store.rv,
+            resource: res,
+            ty: "DELETED",
+            old: None,
+            obj: obj.clone(),
+        };
         store.history.push(ev.clone());
         let _ = self.shared.events.send(ev);
         obj
@@ -302,7 +349,13 @@ impl ApiServer {
 
     /// Lists and watches seen on a collection path such as `/api/v1/configmaps`.
     pub fn counts(&self, path: &str) -> Counts {
-        self.shared.counts.lock().unwrap().get(path).copied().unwrap_or_default()
+        self.shared
+            .counts
+            .lock()
+            .unwrap()
+            .get(path)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// Every collection path with its counts.
@@ -328,11 +381,17 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
         ["namespaces", ns, plural] => (Some(ns.to_string()), *plural),
         _ => return None,
     };
-    let resource = shared.resources.iter().position(|r| r.group_version() == gv && r.plural == plural)?;
+    let resource = shared
+        .resources
+        .iter()
+        .position(|r| r.group_version() == gv && r.plural == plural)?;
     if namespace.is_some() && !shared.resources[resource].namespaced {
         return None;
     }
-    Some(Collection { resource, namespace })
+    Some(Collection {
+        resource,
+        namespace,
+    })
 }
 
 fn selector_matches(obj: &Value, labels: Option<&String>, fields: Option<&String>) -> bool {
@@ -341,14 +400,18 @@ fn selector_matches(obj: &Value, labels: Option<&String>, fields: Option<&String
             s.split(',')
                 .filter(|p| !p.is_empty())
                 .map(|p| {
-                    let (k, v) = p.split_once('=').expect("test server supports k=v selectors only");
+                    let (k, v) = p
+                        .split_once('=')
+                        .expect("test server supports k=v selectors only");
                     (k.trim_end_matches('=').to_owned(), v.to_owned())
                 })
                 .collect()
         })
         .unwrap_or_default()
     };
-    let labels_ok = pairs(labels).iter().all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v));
+    let labels_ok = pairs(labels)
+        .iter()
+        .all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v));
     let fields_ok = pairs(fields).iter().all(|(k, v)| match k.as_str() {
         "metadata.name" => obj["metadata"]["name"].as_str() == Some(v),
         "metadata.namespace" => obj["metadata"]["namespace"].as_str() == Some(v),
@@ -367,7 +430,10 @@ struct Filter {
 impl Filter {
     fn matches(&self, res: usize, obj: &Value) -> bool {
         res == self.resource
-            && self.namespace.as_deref().is_none_or(|ns| obj["metadata"]["namespace"].as_str() == Some(ns))
+            && self
+                .namespace
+                .as_deref()
+                .is_none_or(|ns| obj["metadata"]["namespace"].as_str() == Some(ns))
             && selector_matches(obj, self.labels.as_ref(), self.fields.as_ref())
     }
 
@@ -379,7 +445,10 @@ impl Filter {
         let now = self.matches(ev.resource, &ev.obj);
         match ev.ty {
             "MODIFIED" => {
-                let before = ev.old.as_ref().is_some_and(|o| self.matches(ev.resource, o));
+                let before = ev
+                    .old
+                    .as_ref()
+                    .is_some_and(|o| self.matches(ev.resource, o));
                 match (before, now) {
                     (true, true) => Some(("MODIFIED", ev.obj.clone())),
                     (false, true) => Some(("ADDED", ev.obj.clone())),
@@ -392,11 +461,18 @@ impl Filter {
     }
 }
 
-async fn handle(State(shared): State<Arc<Shared>>, uri: Uri, Query(q): Query<HashMap<String, String>>) -> Response<Body> {
+async fn handle(
+    State(shared): State<Arc<Shared>>,
+    uri: Uri,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response<Body> {
     let path = uri.path();
     match path {
         "/version" => {
-            return json_response(StatusCode::OK, &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-test"}));
+            return json_response(
+                StatusCode::OK,
+                &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-test"}),
+            );
         }
         "/api" => {
             let addr = shared.addr.lock().unwrap().unwrap();
@@ -418,7 +494,10 @@ async fn handle(State(shared): State<Arc<Shared>>, uri: Uri, Query(q): Query<Has
                     json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
                 })
                 .collect();
-            return json_response(StatusCode::OK, &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}));
+            return json_response(
+                StatusCode::OK,
+                &json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}),
+            );
         }
         _ => {}
     }
@@ -439,7 +518,14 @@ async fn handle(State(shared): State<Arc<Shared>>, uri: Uri, Query(q): Query<Has
             })
             .collect();
         if resources.is_empty() {
-            return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", "the server could not find the requested resource"));
+            return json_response(
+                StatusCode::NOT_FOUND,
+                &status(
+                    404,
+                    "NotFound",
+                    "the server could not find the requested resource",
+                ),
+            );
         }
         return json_response(
             StatusCode::OK,
@@ -447,13 +533,24 @@ async fn handle(State(shared): State<Arc<Shared>>, uri: Uri, Query(q): Query<Has
         );
     }
     let Some(collection) = parse_collection(&shared, path) else {
-        return json_response(StatusCode::NOT_FOUND, &status(404, "NotFound", "the server could not find the requested resource"));
+        return json_response(
+            StatusCode::NOT_FOUND,
+            &status(
+                404,
+                "NotFound",
+                "the server could not find the requested resource",
+            ),
+        );
     };
     let is_watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
     {
         let mut counts = shared.counts.lock().unwrap();
         let c = counts.entry(path.to_owned()).or_default();
-        if is_watch { c.watches += 1 } else { c.lists += 1 }
+        if is_watch {
+            c.watches += 1
+        } else {
+            c.lists += 1
+        }
     }
     let filter = Filter {
         resource: collection.resource,
@@ -461,7 +558,11 @@ async fn handle(State(shared): State<Arc<Shared>>, uri: Uri, Query(q): Query<Has
         labels: q.get("labelSelector").cloned(),
         fields: q.get("fieldSelector").cloned(),
     };
-    if is_watch { watch(shared, filter, &q).await } else { list(shared, filter, &q).await }
+    if is_watch {
+        watch(shared, filter, &q).await
+    } else {
+        list(shared, filter, &q).await
+    }
 }
 
 fn list_item(def: &ResourceDef, obj: &Value) -> Value {
@@ -485,9 +586,17 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
     let def = shared.resources[filter.resource].clone();
     let rv_param = q.get("resourceVersion").map(String::as_str).unwrap_or("");
     let version_match = q.get("resourceVersionMatch").map(String::as_str);
-    let limit: Option<usize> = q.get("limit").and_then(|l| l.parse().ok()).filter(|l| *l > 0);
+    let limit: Option<usize> = q
+        .get("limit")
+        .and_then(|l| l.parse().ok())
+        .filter(|l| *l > 0);
     let cont = q.get("continue").filter(|c| !c.is_empty());
-    let invalid = |msg: &str| json_response(StatusCode::UNPROCESSABLE_ENTITY, &status(422, "Invalid", msg));
+    let invalid = |msg: &str| {
+        json_response(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            &status(422, "Invalid", msg),
+        )
+    };
     if version_match.is_some() && rv_param.is_empty() {
         return invalid("resourceVersionMatch is forbidden unless resourceVersion is provided");
     }
@@ -501,32 +610,53 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
         if !(rv_param.is_empty() || rv_param == "0") {
             return json_response(
                 StatusCode::BAD_REQUEST,
-                &status(400, "BadRequest", "specifying resource version is not allowed when using continue"),
+                &status(
+                    400,
+                    "BadRequest",
+                    "specifying resource version is not allowed when using continue",
+                ),
             );
         }
-        let (id, offset) = token.split_once(':').and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<usize>().ok()?))).unwrap_or((u64::MAX, 0));
+        let (id, offset) = token
+            .split_once(':')
+            .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<usize>().ok()?)))
+            .unwrap_or((u64::MAX, 0));
         let store = shared.store.lock().unwrap();
         match store.snapshots.get(&id) {
             Some((rv, items)) => (*rv, items.clone(), offset),
             None => {
                 return json_response(
                     StatusCode::GONE,
-                    &status(410, "Expired", "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter."),
+                    &status(
+                        410,
+                        "Expired",
+                        "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                    ),
                 );
             }
         }
     } else {
         let store = shared.store.lock().unwrap();
-        if let Ok(n) = rv_param.parse::<u64>() && n != 0 {
+        if let Ok(n) = rv_param.parse::<u64>()
+            && n != 0
+        {
             if n > store.rv {
                 let mut body = status(504, "Timeout", "Too large resource version");
                 body["details"] = json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1});
                 return json_response(StatusCode::GATEWAY_TIMEOUT, &body);
             }
-            let exact = version_match == Some("Exact") || (limit.is_some() && version_match.is_none());
+            let exact =
+                version_match == Some("Exact") || (limit.is_some() && version_match.is_none());
             // Only the current state is kept, so an exact read of an older RV is "too old".
             if exact && n != store.rv {
-                return json_response(StatusCode::GONE, &status(410, "Expired", "The resourceVersion for the provided list is too old."));
+                return json_response(
+                    StatusCode::GONE,
+                    &status(
+                        410,
+                        "Expired",
+                        "The resourceVersion for the provided list is too old.",
+                    ),
+                );
             }
         }
         let items: Vec<Value> = store
@@ -542,7 +672,10 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
     let mut metadata = json!({"resourceVersion": snapshot_rv.to_string()});
     if end < items.len() {
         let mut store = shared.store.lock().unwrap();
-        let id = match cont.and_then(|t| t.split_once(':')).and_then(|(a, _)| a.parse::<u64>().ok()) {
+        let id = match cont
+            .and_then(|t| t.split_once(':'))
+            .and_then(|(a, _)| a.parse::<u64>().ok())
+        {
             Some(id) => id,
             None => {
                 store.next_snapshot += 1;
@@ -573,7 +706,10 @@ fn bookmark(def: &ResourceDef, rv: u64, initial_end: bool) -> Bytes {
     if initial_end {
         meta["annotations"] = json!({"k8s.io/initial-events-end": "true"});
     }
-    line("BOOKMARK", &json!({"kind": def.kind, "apiVersion": def.group_version(), "metadata": meta}))
+    line(
+        "BOOKMARK",
+        &json!({"kind": def.kind, "apiVersion": def.group_version(), "metadata": meta}),
+    )
 }
 
 async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) -> Response<Body> {
@@ -586,10 +722,17 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
     if send_initial && q.get("resourceVersionMatch").map(String::as_str) != Some("NotOlderThan") {
         return json_response(
             StatusCode::UNPROCESSABLE_ENTITY,
-            &status(422, "Invalid", "sendInitialEvents is forbidden unless resourceVersionMatch=NotOlderThan"),
+            &status(
+                422,
+                "Invalid",
+                "sendInitialEvents is forbidden unless resourceVersionMatch=NotOlderThan",
+            ),
         );
     }
-    let timeout = q.get("timeoutSeconds").and_then(|t| t.parse::<u64>().ok()).unwrap_or(1800);
+    let timeout = q
+        .get("timeoutSeconds")
+        .and_then(|t| t.parse::<u64>().ok())
+        .unwrap_or(1800);
     let rv_param = q.get("resourceVersion").cloned().unwrap_or_default();
     let mut kill = shared.kill.subscribe();
     kill.borrow_and_update();
@@ -598,7 +741,10 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
         let store = shared.store.lock().unwrap();
         let live = shared.events.subscribe();
         let mut first: Vec<Bytes> = Vec::new();
-        let from = rv_param.parse::<u64>().ok().filter(|n| *n != 0 && !send_initial);
+        let from = rv_param
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n != 0 && !send_initial);
         match from {
             None => {
                 for ((res, _, _), obj) in &store.objects {

@@ -37,22 +37,49 @@ pub fn typed<K: k8s_openapi::Resource + serde::Serialize>(obj: &K) -> serde_json
 pub fn describe(n: &Notification) -> String {
     let v = |o: &kube::api::DynamicObject| o.data["data"]["v"].as_str().unwrap_or("-").to_owned();
     match &n.kind {
-        NotificationKind::Add { obj, is_initial_list } => {
-            format!("add {} v={}{}", n.key(), v(obj), if *is_initial_list { " initial" } else { "" })
+        NotificationKind::Add {
+            obj,
+            is_initial_list,
+        } => {
+            format!(
+                "add {} v={}{}",
+                n.key(),
+                v(obj),
+                if *is_initial_list { " initial" } else { "" }
+            )
         }
-        NotificationKind::Update { old, new } if old.metadata.resource_version == new.metadata.resource_version => {
+        NotificationKind::Update { old, new }
+            if old.metadata.resource_version == new.metadata.resource_version =>
+        {
             format!("sync {} v={}", n.key(), v(new))
         }
-        NotificationKind::Update { old, new } => format!("update {} v={}->{}", n.key(), v(old), v(new)),
-        NotificationKind::Delete { obj, final_state_unknown } => {
-            format!("delete {} v={}{}", n.key(), v(obj), if *final_state_unknown { " final-state-unknown" } else { "" })
+        NotificationKind::Update { old, new } => {
+            format!("update {} v={}->{}", n.key(), v(old), v(new))
+        }
+        NotificationKind::Delete {
+            obj,
+            final_state_unknown,
+        } => {
+            format!(
+                "delete {} v={}{}",
+                n.key(),
+                v(obj),
+                if *final_state_unknown {
+                    " final-state-unknown"
+                } else {
+                    ""
+                }
+            )
         }
     }
 }
 
 /// The next notification of `l`, or a panic after [`PATIENCE`].
 pub async fn next(l: &Arc<ProcessorListener>) -> Notification {
-    tokio::time::timeout(PATIENCE, l.pop()).await.expect("no notification in time").expect("listener closed")
+    tokio::time::timeout(PATIENCE, l.pop())
+        .await
+        .expect("no notification in time")
+        .expect("listener closed")
 }
 
 /// The next `n` notifications, described.
@@ -68,7 +95,10 @@ pub async fn take(l: &Arc<ProcessorListener>, n: usize) -> Vec<String> {
 pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + PATIENCE;
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -76,10 +106,19 @@ pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 /// A plain HTTP/1.0 GET; returns (status code, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes()).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
     let mut buf = String::new();
     s.read_to_string(&mut buf).await.unwrap();
-    let code = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let code = buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
     (code, body)
 }

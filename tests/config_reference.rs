@@ -1,0 +1,119 @@
+//! Keeps README.md's configuration reference in sync with `src/config.rs`: every field's
+//! `///` line and default must appear in the README table, verbatim. On failure the test
+//! prints the table to paste.
+
+use kube_event_bridge::config::Config;
+use serde_json::{Value, json};
+
+/// Where each config struct sits in the YAML document.
+const SECTIONS: &[(&str, &str)] = &[
+    ("Config", ""),
+    ("KubernetesConfig", "kubernetes."),
+    ("AdminConfig", "admin."),
+    ("LogConfig", "log."),
+    ("MessageConfig", "message."),
+    ("ShutdownConfig", "shutdown."),
+    ("ResourceConfig", "resources[]."),
+    ("SinkConfig", "sinks[]."),
+    ("StdoutSinkConfig", "sinks[].stdout."),
+    ("RouteConfig", "routes[]."),
+];
+
+fn minimal_input() -> Value {
+    json!({
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [{"name": "out", "type": "stdout"}],
+        "routes": [{"resource": "configmap", "sinks": ["out"]}],
+    })
+}
+
+fn lookup<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
+    path.split('.')
+        .try_fold(v, |v, seg| match seg.strip_suffix("[]") {
+            Some(list) => v.get(list)?.get(0),
+            None => v.get(seg),
+        })
+}
+
+/// `(yaml path, doc, default)` for every field, from the source.
+fn fields() -> Vec<(String, String, String)> {
+    let src = include_str!("../src/config.rs");
+    let input = minimal_input();
+    let effective = serde_json::to_value(Config::from_value(input.clone()).unwrap()).unwrap();
+    let mut out = Vec::new();
+    let mut prefix: Option<&str> = None;
+    let mut doc: Vec<String> = Vec::new();
+    let mut rename: Option<String> = None;
+    let mut seen_structs = Vec::new();
+    for line in src.lines().map(str::trim) {
+        if let Some(name) = line
+            .strip_prefix("pub struct ")
+            .and_then(|l| l.strip_suffix(" {"))
+        {
+            prefix = SECTIONS.iter().find(|(s, _)| *s == name).map(|(_, p)| *p);
+            if line.starts_with("pub struct")
+                && src.contains(&format!("#[serde(deny_unknown_fields)]\npub struct {name}"))
+            {
+                assert!(
+                    prefix.is_some(),
+                    "config struct {name} is missing from SECTIONS in this test"
+                );
+                seen_structs.push(name.to_owned());
+            }
+            doc.clear();
+            continue;
+        }
+        if line == "}" {
+            prefix = None;
+        }
+        let Some(prefix) = prefix else { continue };
+        if let Some(d) = line.strip_prefix("///") {
+            doc.push(d.trim().to_owned());
+        } else if let Some(r) = line
+            .strip_prefix("#[serde(rename = \"")
+            .and_then(|r| r.split('"').next())
+        {
+            rename = Some(r.to_owned());
+        } else if let Some(field) = line.strip_prefix("pub ").and_then(|l| l.split(':').next()) {
+            let name = rename.take().unwrap_or_else(|| field.to_owned());
+            let path = format!("{prefix}{name}");
+            let default = if lookup(&input, &path).is_some() {
+                "required".to_owned()
+            } else {
+                match lookup(&effective, &path) {
+                    None | Some(Value::Null) => "unset".to_owned(),
+                    Some(Value::Object(_)) => "see below".to_owned(),
+                    Some(v) => format!("`{v}`"),
+                }
+            };
+            out.push((path, doc.join(" "), default));
+            doc.clear();
+        } else if !line.starts_with("#[") {
+            doc.clear();
+        }
+    }
+    assert_eq!(
+        seen_structs.len(),
+        SECTIONS.len(),
+        "every section maps to a struct: {seen_structs:?}"
+    );
+    out
+}
+
+#[test]
+fn readme_config_reference_matches_the_code() {
+    let readme = include_str!("../README.md");
+    let rows: Vec<String> = fields()
+        .into_iter()
+        .map(|(path, doc, default)| format!("| `{path}` | {default} | {doc} |"))
+        .collect();
+    let missing: Vec<&String> = rows
+        .iter()
+        .filter(|r| !readme.contains(r.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "README.md's configuration reference is out of date. Expected table:\n\n| field | default | meaning |\n|---|---|---|\n{}\n",
+        rows.join("\n")
+    );
+}
