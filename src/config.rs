@@ -233,12 +233,12 @@ impl ResourceConfig {
     }
 }
 
-/// A notification type.
+/// A notification type. The discriminants index per-type arrays (metrics, filters).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EventType {
     /// An object appeared (initial list or created).
-    Added,
+    Added = 0,
     /// An object changed.
     Updated,
     /// An object was deleted.

@@ -64,15 +64,6 @@ impl std::fmt::Debug for ProcessorListener {
     }
 }
 
-fn event_index(t: EventType) -> usize {
-    match t {
-        EventType::Added => 0,
-        EventType::Updated => 1,
-        EventType::Deleted => 2,
-        EventType::Synced => 3,
-    }
-}
-
 impl ProcessorListener {
     /// A listener named `name` (for logs) that buffers up to `capacity` notifications of the
     /// `accepted` types, resyncing every `resync_period` if set.
@@ -86,7 +77,7 @@ impl ProcessorListener {
     ) -> Self {
         let mut accepts = [false; 4];
         for t in accepted {
-            accepts[event_index(*t)] = true;
+            accepts[*t as usize] = true;
         }
         let resync_period = resync_period.filter(|p| !p.is_zero());
         Self {
@@ -116,7 +107,7 @@ impl ProcessorListener {
 
     /// Buffers a notification without blocking (see the module docs for what happens when full).
     pub fn add(&self, n: Notification) {
-        if !self.accepts[event_index(n.event_type())] {
+        if !self.accepts[n.event_type() as usize] {
             return;
         }
         let key = n.key();
