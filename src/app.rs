@@ -1,9 +1,10 @@
 //! Builds the whole service from a [`Config`] and runs it until a shutdown signal.
 //!
-//! For every resource: discovery, one shared informer per namespace (or one for all), and for
-//! every sink the resource is routed to, one listener on each of those informers with its own
-//! delivery task. Shutdown goes in layers: stop informers (their FIFOs drain into listeners),
-//! deliver what listeners hold within the grace period, flush sinks, stop the admin server.
+//! For every resource: discovery, and one shared informer per namespace (or one for all). For
+//! every sink the resource is routed to: one route queue with its workers, fed by one
+//! listener on each of those informers. Shutdown goes in layers: stop informers (their FIFOs
+//! drain into the route queues), drain every queue within the grace period
+//! (`shut_down_with_drain`), report what is left per route, flush sinks, stop the admin server.
 
 use std::{
     collections::HashMap,
@@ -27,8 +28,12 @@ use crate::{
     informer::{InformerKey, ProcessorListener, SharedInformerFactory, factory::WatchOptions},
     message::{Encoder, object_transform},
     metrics::Metrics,
-    pipeline::Route,
+    pipeline::{self, Budget, Delivery, Route, RouteQueue},
     sinks::{self, Sink, stdout::StdoutSink},
+    workqueue::{
+        TokenBucket,
+        rate_limiter::{RetrySettings, controller_rate_limiter},
+    },
 };
 
 /// How often the API server's health is probed for `/readyz`.
@@ -57,7 +62,7 @@ pub enum Error {
 /// What shutdown left behind.
 #[derive(Debug, Default)]
 pub struct Report {
-    /// Notifications still buffered when the grace period ran out, per `resource/sink`.
+    /// Notifications not delivered when shutdown ended, per route (`resource/sink`).
     pub undelivered: HashMap<String, usize>,
 }
 
@@ -67,13 +72,14 @@ pub struct App {
     client: Client,
     metrics: Arc<Metrics>,
     factory: Arc<SharedInformerFactory>,
-    routes: Vec<Route>,
+    routes: Vec<(Arc<Route>, usize)>,
     sinks: Vec<Arc<dyn Sink>>,
     admin: TcpListener,
 }
 
 impl App {
-    /// Resolves resources, creates informers, listeners and sinks, and binds the admin port.
+    /// Resolves resources, creates informers, route queues, listeners and sinks, and binds the
+    /// admin port.
     pub async fn build(config: Config, client: Client) -> Result<Self, Error> {
         let metrics = Arc::new(Metrics::new());
         let k = &config.kubernetes;
@@ -96,6 +102,22 @@ impl App {
             };
             sinks.insert(s.name.clone(), sink);
         }
+        let mut deliveries: HashMap<&str, (Arc<Delivery>, Arc<Budget>)> = HashMap::new();
+        for s in &config.sinks {
+            let delivery = Delivery {
+                sink: sinks[&s.name].clone(),
+                dead_letter: s.dead_letter.as_ref().map(|d| sinks[d].clone()),
+                publish_limit: s
+                    .rate_limit
+                    .as_ref()
+                    .map(|l| TokenBucket::new(l.qps, l.burst)),
+                max_retries: s.retry.max_retries,
+            };
+            deliveries.insert(
+                s.name.as_str(),
+                (Arc::new(delivery), Arc::new(Budget::new(s.max_pending))),
+            );
+        }
         let mut routes = Vec::new();
         for (index, r) in config.resources.iter().enumerate() {
             let ResolvedResource {
@@ -111,47 +133,67 @@ impl App {
             } else {
                 r.namespaces.iter().cloned().map(Some).collect()
             };
+            let informers: Vec<_> = namespaces
+                .into_iter()
+                .map(|namespace| {
+                    let key = InformerKey {
+                        group: api_resource.group.clone(),
+                        version: api_resource.version.clone(),
+                        plural: api_resource.plural.clone(),
+                        namespace,
+                        label_selector: r.label_selector.clone(),
+                        field_selector: r.field_selector.clone(),
+                    };
+                    factory.informer_for(&api_resource, key, Some(transform.clone()))
+                })
+                .collect();
             let sink_names = config
                 .routes
                 .iter()
                 .filter(|rt| rt.resource == name)
                 .flat_map(|rt| &rt.sinks);
-            let sink_names: Vec<&String> = sink_names.collect();
-            for namespace in namespaces {
-                let key = InformerKey {
-                    group: api_resource.group.clone(),
-                    version: api_resource.version.clone(),
-                    plural: api_resource.plural.clone(),
-                    namespace,
-                    label_selector: r.label_selector.clone(),
-                    field_selector: r.field_selector.clone(),
-                };
-                let informer = factory.informer_for(&api_resource, key, Some(transform.clone()));
-                for sink_name in &sink_names {
-                    let sink_cfg = config
-                        .sinks
-                        .iter()
-                        .find(|s| &s.name == *sink_name)
-                        .expect("validated");
-                    let labels = [informer.name(), sink_name.as_str()];
-                    let listener = Arc::new(ProcessorListener::new(
-                        format!("{name}/{sink_name}"),
-                        sink_cfg.buffer_capacity,
+            for sink_name in sink_names {
+                let sink_cfg = config
+                    .sinks
+                    .iter()
+                    .find(|s| &s.name == sink_name)
+                    .expect("validated");
+                let (delivery, budget) = &deliveries[sink_name.as_str()];
+                let route_name = format!("{name}/{sink_name}");
+                let labels = [name.as_str(), sink_name.as_str()];
+                let retry = &sink_cfg.retry;
+                let queue = Arc::new(RouteQueue::new(
+                    route_name.clone(),
+                    Box::new(controller_rate_limiter(RetrySettings {
+                        base: retry.base_delay,
+                        max: retry.max_delay,
+                        qps: retry.qps,
+                        burst: retry.burst,
+                    })),
+                    metrics.workqueue.for_queue(&route_name),
+                    budget.clone(),
+                    metrics.listener_buffered.with_label_values(&labels),
+                    metrics.listener_coalesced.with_label_values(&labels),
+                ));
+                for informer in &informers {
+                    let listener = ProcessorListener::new(
+                        format!("{route_name}@{}", informer.name()),
                         &r.events,
                         r.resync(),
-                        metrics.listener_buffered.with_label_values(&labels),
-                        metrics.listener_coalesced.with_label_values(&labels),
-                    ));
+                        queue.clone(),
+                    );
                     informer
-                        .add_listener(listener.clone())
+                        .add_listener(Arc::new(listener))
                         .expect("informers start after build");
-                    routes.push(Route {
-                        resource: name.clone(),
-                        listener,
-                        encoder: encoder.clone(),
-                        sink: sinks[sink_name.as_str()].clone(),
-                    });
                 }
+                let route = Route::new(
+                    name.clone(),
+                    queue,
+                    encoder.clone(),
+                    delivery.clone(),
+                    &metrics,
+                );
+                routes.push((Arc::new(route), sink_cfg.workers));
             }
         }
         let address = config.admin.address;
@@ -224,38 +266,21 @@ impl App {
             self.metrics.clone(),
             admin_cancel.clone(),
         ));
+        let queues: Vec<Arc<RouteQueue>> =
+            self.routes.iter().map(|(r, _)| r.queue().clone()).collect();
+        let gauges = tokio::spawn(update_unfinished_work(queues.clone(), admin_cancel.clone()));
+        let running = pipeline::start(&self.routes);
         let informer_tasks = self.factory.start(&informers_cancel);
-        let listeners: Vec<(String, Arc<ProcessorListener>)> = self
-            .routes
-            .iter()
-            .map(|r| (r.listener.name().to_owned(), r.listener.clone()))
-            .collect();
-        let route_tasks: Vec<_> = self
-            .routes
-            .into_iter()
-            .map(|r| tokio::spawn(r.run(self.metrics.clone())))
-            .collect();
-        info!(admin = %admin_addr, informers = informer_tasks.len(), routes = route_tasks.len(), "Started");
+        info!(admin = %admin_addr, informers = informer_tasks.len(), routes = queues.len(), "Started");
 
         shutdown.await;
         let grace = self.config.shutdown.grace_period;
-        info!(grace_period = ?grace, "Shutting down: stopping informers, then delivering what is buffered");
+        info!(grace_period = ?grace, "Shutting down: stopping informers, then draining the queues");
         informers_cancel.cancel();
         futures::future::join_all(informer_tasks).await;
-        let mut report = Report::default();
-        let deadline = tokio::time::Instant::now() + grace;
-        for (task, (name, listener)) in route_tasks.into_iter().zip(&listeners) {
-            let abort = task.abort_handle();
-            if tokio::time::timeout_at(deadline, task).await.is_err() {
-                abort.abort();
-                // A route that did not finish was publishing one notification it had already
-                // taken from its listener: count it with what the listener still holds.
-                *report.undelivered.entry(name.clone()).or_default() += listener.len() + 1;
-            }
-        }
-        for (name, n) in &report.undelivered {
-            warn!(route = %name, undelivered = n, "Grace period ran out; notifications left undelivered");
-        }
+        let report = Report {
+            undelivered: running.drain(tokio::time::Instant::now() + grace).await,
+        };
         for sink in &self.sinks {
             if let Err(err) = sink.flush().await {
                 warn!(sink = %sink.name(), error = %err, "Flush at shutdown failed");
@@ -264,8 +289,20 @@ impl App {
         admin_cancel.cancel();
         let _ = admin_task.await;
         let _ = probe.await;
+        let _ = gauges.await;
         info!("Stopped");
         report
+    }
+}
+
+/// client-go refreshes the unfinished-work gauges of every queue every 500 ms.
+async fn update_unfinished_work(queues: Vec<Arc<RouteQueue>>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => queues.iter().for_each(|q| q.queue().update_unfinished_work()),
+        }
     }
 }
 

@@ -268,13 +268,74 @@ pub struct SinkConfig {
     /// Sink type; the section of the same name holds its settings.
     #[serde(rename = "type")]
     pub kind: SinkType,
-    /// Most notifications one listener (one resource to this sink) buffers before it coalesces
-    /// pending updates of the same object; deletes and the newest state are never dropped.
-    #[serde(default = "default_buffer_capacity")]
-    pub buffer_capacity: usize,
+    /// Most notifications waiting for this sink (all its routes together, being published
+    /// included); beyond it, pending updates of an object are coalesced into one. Deletes and
+    /// the newest state of each object are never dropped.
+    #[serde(default = "default_max_pending")]
+    pub max_pending: usize,
+    /// Delivery workers per route (resource to this sink); each publishes one object's
+    /// notifications at a time, in order.
+    #[serde(default = "default_workers")]
+    pub workers: usize,
+    /// How failed publishes are retried.
+    #[serde(default)]
+    pub retry: RetryConfig,
+    /// Optional limit on publishes per second, to protect the destination.
+    #[serde(default)]
+    pub rate_limit: Option<RateLimitConfig>,
+    /// Name of another sink that receives a small reference record (id, key, reason, size)
+    /// for every message that fails for good.
+    #[serde(default)]
+    pub dead_letter: Option<String>,
     /// Settings of a `stdout` sink.
     #[serde(default)]
     pub stdout: Option<StdoutSinkConfig>,
+}
+
+/// Retries of failed publishes: client-go's default controller rate limiter, max of a per-object
+/// exponential backoff and an overall token bucket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetryConfig {
+    /// First delay of an object's retries; it doubles with each failure.
+    #[serde(default = "default_retry_base", with = "humantime_serde")]
+    pub base_delay: Duration,
+    /// Longest delay of an object's retries.
+    #[serde(default = "default_retry_max", with = "humantime_serde")]
+    pub max_delay: Duration,
+    /// Retries per second over all objects of a route, after `burst`.
+    #[serde(default = "default_retry_qps")]
+    pub qps: f64,
+    /// Retries allowed at once over all objects of a route.
+    #[serde(default = "default_retry_burst")]
+    pub burst: u32,
+    /// Retries of one notification before it fails for good (and goes to the dead-letter
+    /// sink); unset means retry forever.
+    #[serde(default)]
+    pub max_retries: Option<u32>,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            base_delay: default_retry_base(),
+            max_delay: default_retry_max(),
+            qps: default_retry_qps(),
+            burst: default_retry_burst(),
+            max_retries: None,
+        }
+    }
+}
+
+/// A publish rate limit.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateLimitConfig {
+    /// Publishes per second, sustained.
+    pub qps: f64,
+    /// Publishes allowed at once after a quiet period.
+    #[serde(default = "default_rate_limit_burst")]
+    pub burst: u32,
 }
 
 /// Sink types.
@@ -336,8 +397,28 @@ fn all_event_types() -> Vec<EventType> {
         EventType::Synced,
     ]
 }
-fn default_buffer_capacity() -> usize {
-    10_000
+// About 100 MB of 1 KB objects: a sink may lag by that much before updates are coalesced.
+fn default_max_pending() -> usize {
+    100_000
+}
+fn default_workers() -> usize {
+    8
+}
+// client-go's DefaultControllerRateLimiter: 5 ms .. 1000 s per item, 10 qps burst 100 overall.
+fn default_retry_base() -> Duration {
+    Duration::from_millis(5)
+}
+fn default_retry_max() -> Duration {
+    Duration::from_secs(1000)
+}
+fn default_retry_qps() -> f64 {
+    10.0
+}
+fn default_retry_burst() -> u32 {
+    100
+}
+fn default_rate_limit_burst() -> u32 {
+    1
 }
 
 /// Environment variables with this prefix override file settings: `KEB_ADMIN__ADDRESS`,
@@ -461,8 +542,46 @@ impl Config {
             } else if !sink_names.insert(s.name.as_str()) {
                 err(at("name"), format!("{:?} is used by another sink", s.name));
             }
-            if s.buffer_capacity == 0 {
-                err(at("buffer_capacity"), "must be at least 1".into());
+            if s.max_pending == 0 {
+                err(at("max_pending"), "must be at least 1".into());
+            }
+            if s.workers == 0 {
+                err(at("workers"), "must be at least 1".into());
+            }
+            if s.retry.base_delay.is_zero() || s.retry.base_delay > s.retry.max_delay {
+                err(
+                    at("retry.base_delay"),
+                    "must be above 0 and at most retry.max_delay".into(),
+                );
+            }
+            if !(s.retry.qps > 0.0 && s.retry.qps.is_finite()) {
+                err(at("retry.qps"), "must be a positive number".into());
+            }
+            if s.retry.burst == 0 {
+                err(at("retry.burst"), "must be at least 1".into());
+            }
+            if let Some(limit) = &s.rate_limit {
+                if !(limit.qps > 0.0 && limit.qps.is_finite()) {
+                    err(at("rate_limit.qps"), "must be a positive number".into());
+                }
+                if limit.burst == 0 {
+                    err(at("rate_limit.burst"), "must be at least 1".into());
+                }
+            }
+        }
+        for (i, s) in self.sinks.iter().enumerate() {
+            if let Some(dlq) = &s.dead_letter {
+                if dlq == &s.name {
+                    err(
+                        format!("sinks[{i}].dead_letter"),
+                        "a sink cannot be its own dead-letter sink".into(),
+                    );
+                } else if !sink_names.contains(dlq.as_str()) {
+                    err(
+                        format!("sinks[{i}].dead_letter"),
+                        format!("no sink is named {dlq:?}"),
+                    );
+                }
             }
         }
         if self.routes.is_empty() {
@@ -609,10 +728,10 @@ mod tests {
     #[test]
     fn unknown_field_is_named() {
         let mut v = minimal();
-        v["sinks"][0]["bufer_capacity"] = json!(3);
+        v["sinks"][0]["max_pendng"] = json!(3);
         let e = errors_of(v);
         assert!(
-            e[0].starts_with("sinks[0].bufer_capacity: unknown field `bufer_capacity`"),
+            e[0].starts_with("sinks[0].max_pendng: unknown field `max_pendng`"),
             "{e:?}"
         );
     }

@@ -30,3 +30,4 @@ pub mod message;
 pub mod metrics;
 pub mod pipeline;
 pub mod sinks;
+pub mod workqueue;

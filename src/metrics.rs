@@ -2,6 +2,7 @@
 //! (dashboards and alerts use them); labels are bounded sets taken from the config, never
 //! object names.
 
+use crate::workqueue::metrics::WorkqueueMetricFamilies;
 use prometheus::{
     HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     exponential_buckets,
@@ -23,9 +24,11 @@ pub struct Metrics {
     pub informer_cached_objects: IntGaugeVec,
     /// `keb_informer_synced{resource}`: 1 once the first list is cached.
     pub informer_synced: IntGaugeVec,
-    /// `keb_listener_buffered_notifications{resource,sink}`: notifications a listener holds.
+    /// `keb_listener_buffered_notifications{resource,sink}`: notifications a route holds
+    /// (pending or being published).
     pub listener_buffered: IntGaugeVec,
-    /// `keb_listener_coalesced_total{resource,sink}`: updates merged because a listener was full.
+    /// `keb_listener_coalesced_total{resource,sink}`: updates merged because the sink was at
+    /// its `max_pending` cap.
     pub listener_coalesced: IntCounterVec,
     /// `keb_sink_published_total{sink,resource,type}`: messages the sink acknowledged.
     pub sink_published: IntCounterVec,
@@ -39,6 +42,8 @@ pub struct Metrics {
     pub end_to_end_latency: HistogramVec,
     /// `keb_kubernetes_api_reachable`: 1 while the last API health probe succeeded.
     pub api_reachable: IntGauge,
+    /// client-go's `workqueue_*` families, one queue per route (`name="resource/sink"`).
+    pub workqueue: WorkqueueMetricFamilies,
 }
 
 impl Default for Metrics {
@@ -125,12 +130,12 @@ impl Metrics {
             ),
             listener_buffered: gauge(
                 "keb_listener_buffered_notifications",
-                "Notifications buffered by a listener",
+                "Notifications a route holds, pending or being published",
                 &["resource", "sink"],
             ),
             listener_coalesced: counter(
                 "keb_listener_coalesced_total",
-                "Updates merged into a pending notification because the listener was full",
+                "Updates merged into a pending notification because the sink was at its cap",
                 &["resource", "sink"],
             ),
             sink_published: counter(
@@ -159,6 +164,7 @@ impl Metrics {
                 &["resource", "sink"],
             ),
             api_reachable,
+            workqueue: WorkqueueMetricFamilies::register(&registry).expect("unique metrics"),
             registry,
         }
     }

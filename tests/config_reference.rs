@@ -15,6 +15,8 @@ const SECTIONS: &[(&str, &str)] = &[
     ("ShutdownConfig", "shutdown."),
     ("ResourceConfig", "resources[]."),
     ("SinkConfig", "sinks[]."),
+    ("RetryConfig", "sinks[].retry."),
+    ("RateLimitConfig", "sinks[].rate_limit."),
     ("StdoutSinkConfig", "sinks[].stdout."),
     ("RouteConfig", "routes[]."),
 ];
@@ -35,11 +37,22 @@ fn lookup<'a>(v: &'a Value, path: &str) -> Option<&'a Value> {
         })
 }
 
+/// Optional sections, with their required fields, so that their own fields' defaults show.
+fn with_optional_sections() -> Value {
+    let mut v = minimal_input();
+    v["sinks"][0]["rate_limit"] = json!({"qps": 100.0});
+    v["sinks"][0]["stdout"] = json!({});
+    v
+}
+
 /// `(yaml path, doc, default)` for every field, from the source.
 fn fields() -> Vec<(String, String, String)> {
     let src = include_str!("../src/config.rs");
-    let input = minimal_input();
-    let effective = serde_json::to_value(Config::from_value(input.clone()).unwrap()).unwrap();
+    let minimal = minimal_input();
+    let sections = with_optional_sections();
+    let effective_of =
+        |v: &Value| serde_json::to_value(Config::from_value(v.clone()).unwrap()).unwrap();
+    let (minimal_effective, sections_effective) = (effective_of(&minimal), effective_of(&sections));
     let mut out = Vec::new();
     let mut prefix: Option<&str> = None;
     let mut doc: Vec<String> = Vec::new();
@@ -77,10 +90,17 @@ fn fields() -> Vec<(String, String, String)> {
         } else if let Some(field) = line.strip_prefix("pub ").and_then(|l| l.split(':').next()) {
             let name = rename.take().unwrap_or_else(|| field.to_owned());
             let path = format!("{prefix}{name}");
-            let default = if lookup(&input, &path).is_some() {
+            // A field of an optional section is described as if the section were present.
+            let in_optional_section = path.matches('.').count() > 1;
+            let (input, effective) = if in_optional_section {
+                (&sections, &sections_effective)
+            } else {
+                (&minimal, &minimal_effective)
+            };
+            let default = if lookup(input, &path).is_some() {
                 "required".to_owned()
             } else {
-                match lookup(&effective, &path) {
+                match lookup(effective, &path) {
                     None | Some(Value::Null) => "unset".to_owned(),
                     Some(Value::Object(_)) => "see below".to_owned(),
                     Some(v) => format!("`{v}`"),

@@ -13,8 +13,7 @@ use kube_event_bridge::{
     },
     metrics::Metrics,
 };
-use prometheus::{IntCounter, IntGauge};
-use support::{ApiServer, configmap, describe, eventually, next, take, typed};
+use support::{ApiServer, Collector, configmap, describe, eventually, next, take, typed};
 use tokio_util::sync::CancellationToken;
 
 const ALL: &[EventType] = &[
@@ -39,16 +38,8 @@ fn key(namespace: Option<&str>) -> InformerKey {
     }
 }
 
-fn listener(name: &str, resync: Option<Duration>) -> Arc<ProcessorListener> {
-    Arc::new(ProcessorListener::new(
-        name,
-        100_000,
-        ALL,
-        resync,
-        IntGauge::new("b", "b").unwrap(),
-        IntCounter::new("c", "c").unwrap(),
-    ))
-}
+/// A collector and the resync period of the listener that feeds it.
+type Probe<'a> = (&'a Arc<Collector>, Option<Duration>);
 
 struct Running {
     informer: Arc<SharedIndexInformer>,
@@ -63,11 +54,7 @@ impl Drop for Running {
 }
 
 /// One ConfigMap informer (page size 10) with the given listeners, started.
-fn start(
-    server: &ApiServer,
-    listeners: &[Arc<ProcessorListener>],
-    streaming_list: bool,
-) -> Running {
+fn start(server: &ApiServer, probes: &[Probe], streaming_list: bool) -> Running {
     let metrics = Arc::new(Metrics::new());
     let factory = SharedInformerFactory::new(
         server.client(),
@@ -79,8 +66,9 @@ fn start(
         metrics.clone(),
     );
     let informer = factory.informer_for(&configmaps(), key(None), None);
-    for l in listeners {
-        informer.add_listener(l.clone()).unwrap();
+    for (i, (collector, resync)) in probes.iter().enumerate() {
+        let l = ProcessorListener::new(format!("l{i}"), ALL, *resync, (*collector).clone());
+        informer.add_listener(Arc::new(l)).unwrap();
     }
     let cancel = CancellationToken::new();
     factory.start(&cancel);
@@ -104,8 +92,8 @@ async fn initial_paged_list_of_n_objects_gives_n_initial_adds() {
     for i in 0..25 {
         server.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), false);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
     let mut got = take(&l, 25).await;
     got.sort();
     let want: Vec<String> = (0..25)
@@ -125,8 +113,8 @@ async fn initial_paged_list_of_n_objects_gives_n_initial_adds() {
 async fn updates_carry_old_and_new_and_deletes_carry_the_last_state() {
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), false);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
     assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     server.update(typed(&configmap("ns", "a", "2")));
@@ -145,8 +133,8 @@ async fn a_dropped_watch_loses_nothing_and_does_not_relist() {
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     server.create(typed(&configmap("ns", "c", "1")));
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), false);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
     take(&l, 2).await;
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     // Cut the connection, keep the reflector out while things change, then let it back in.
@@ -173,8 +161,8 @@ async fn objects_deleted_while_the_watch_was_gone_come_out_as_final_state_unknow
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     server.create(typed(&configmap("ns", "b", "1")));
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), false);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
     take(&l, 2).await;
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     server.block_watches(true);
@@ -206,8 +194,8 @@ async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
     for name in ["a", "b", "c"] {
         server.create(typed(&configmap("ns", name, "1")));
     }
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), false);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
     take(&l, 3).await;
     eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
     server.block_watches(true);
@@ -233,10 +221,13 @@ async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
 async fn resync_notifications_arrive_at_each_listeners_own_period() {
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
-    let fast = listener("fast", Some(Duration::from_secs(1)));
-    let slow = listener("slow", Some(Duration::from_secs(3)));
-    let none = listener("none", None);
-    let _r = start(&server, &[fast.clone(), slow.clone(), none.clone()], false);
+    let (fast, slow, none) = (Collector::new(), Collector::new(), Collector::new());
+    let probes = [
+        (&fast, Some(Duration::from_secs(1))),
+        (&slow, Some(Duration::from_secs(3))),
+        (&none, None),
+    ];
+    let _r = start(&server, &probes, false);
     for l in [&fast, &slow, &none] {
         assert_eq!(take(l, 1).await, ["add ns/a v=1 initial"]);
     }
@@ -262,8 +253,8 @@ async fn list_429_is_retried_with_backoff() {
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     server.fail_next_lists(2);
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), false);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
     assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
     // kube-client retries a 429 itself (as client-go's REST client does), so the reflector
     // never sees these errors; the server saw every attempt.
@@ -276,8 +267,8 @@ async fn streaming_watch_list_gives_initial_adds_then_changes_on_the_same_stream
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     server.create(typed(&configmap("ns", "b", "1")));
-    let l = listener("l", None);
-    let r = start(&server, std::slice::from_ref(&l), true);
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], true);
     let mut got = take(&l, 2).await;
     got.sort();
     assert_eq!(got, ["add ns/a v=1 initial", "add ns/b v=1 initial"]);

@@ -4,7 +4,7 @@
 //! Reflector ──deltas──▶ DeltaFifo ──pop──▶ SharedIndexInformer ──▶ Indexer
 //!                                               │ distribute (never blocks)
 //!                                               ▼
-//!                                  ProcessorListener (one per route and sink)
+//!                       ProcessorListener (one per informer and sink) ─▶ NotificationHandler
 //! ```
 //!
 //! Names and contracts are client-go's so that anyone who knows informers finds their way;
@@ -24,7 +24,7 @@ use kube::api::DynamicObject;
 pub use delta_fifo::{Delta, DeltaFifo, DeltaType};
 pub use factory::{InformerKey, SharedInformerFactory};
 pub use indexer::Indexer;
-pub use listener::ProcessorListener;
+pub use listener::{NotificationHandler, ProcessorListener};
 pub use shared_informer::SharedIndexInformer;
 
 /// A cached object. Shared between the cache, queues and encoders, and never mutated.
@@ -110,33 +110,6 @@ impl Notification {
             }
             NotificationKind::Update { .. } => EventType::Updated,
             NotificationKind::Delete { .. } => EventType::Deleted,
-        }
-    }
-}
-
-/// client-go's `ResourceEventHandler`, for code that wants callbacks instead of a listener.
-pub trait ResourceEventHandler: Send + Sync {
-    /// An object was added; `is_initial_list` during the first list.
-    fn on_add(&self, obj: &ObjectRef, is_initial_list: bool);
-    /// An object changed (or was resynced, when the resourceVersions are equal).
-    fn on_update(&self, old: &ObjectRef, new: &ObjectRef);
-    /// An object was deleted; `final_state_unknown` when a relist inferred it.
-    fn on_delete(&self, obj: &ObjectRef, final_state_unknown: bool);
-}
-
-impl Notification {
-    /// Calls the matching method of `handler`.
-    pub fn dispatch(&self, handler: &dyn ResourceEventHandler) {
-        match &self.kind {
-            NotificationKind::Add {
-                obj,
-                is_initial_list,
-            } => handler.on_add(obj, *is_initial_list),
-            NotificationKind::Update { old, new } => handler.on_update(old, new),
-            NotificationKind::Delete {
-                obj,
-                final_state_unknown,
-            } => handler.on_delete(obj, *final_state_unknown),
         }
     }
 }

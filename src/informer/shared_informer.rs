@@ -125,8 +125,7 @@ impl SharedIndexInformer {
     }
 
     /// Lists, watches and distributes until `cancel` fires; then drains the FIFO into the
-    /// listeners and closes them, so that their consumers deliver what is buffered and stop.
-    /// Each listener belongs to exactly one informer.
+    /// listeners. What the listeners' handlers hold is theirs to deliver.
     pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
         self.started.store(true, Ordering::SeqCst);
         let listeners = self.listeners();
@@ -160,14 +159,11 @@ impl SharedIndexInformer {
             })
         });
         self.reflector.run(cancel.clone()).await;
-        // The reflector has stopped: let the FIFO drain into the listeners, then close them.
+        // The reflector has stopped: let the FIFO drain into the listeners.
         self.fifo.close();
         let _ = process.await;
         if let Some(r) = resync {
             let _ = r.await;
-        }
-        for l in &listeners {
-            l.close();
         }
         debug!(informer = %self.name, "Informer stopped");
     }

@@ -13,6 +13,14 @@ pub enum Error {
     /// Writing failed (a closed pipe, a full disk); worth retrying.
     #[error("write failed: {0}")]
     Io(#[source] std::io::Error),
+    /// The destination will never take this message: it is larger than it accepts.
+    #[error("message of {size} bytes is larger than the {max} bytes the destination accepts")]
+    TooLarge {
+        /// The message's size.
+        size: usize,
+        /// The destination's limit.
+        max: usize,
+    },
     /// The sink could not be set up at start.
     #[error("cannot open {what}: {source}")]
     Open {
@@ -29,7 +37,7 @@ impl Error {
     pub fn is_retriable(&self) -> bool {
         match self {
             Self::Io(_) => true,
-            Self::Open { .. } => false,
+            Self::TooLarge { .. } | Self::Open { .. } => false,
         }
     }
 
@@ -37,6 +45,7 @@ impl Error {
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Io(_) => "io",
+            Self::TooLarge { .. } => "too_large",
             Self::Open { .. } => "open",
         }
     }

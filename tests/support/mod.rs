@@ -4,10 +4,14 @@
 
 pub mod api_server;
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    collections::VecDeque,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube_event_bridge::informer::{Notification, NotificationKind, ProcessorListener};
+use kube_event_bridge::informer::{Notification, NotificationHandler, NotificationKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub use api_server::ApiServer;
@@ -74,16 +78,52 @@ pub fn describe(n: &Notification) -> String {
     }
 }
 
+/// A listener's handler that keeps every notification for the test to read.
+#[derive(Default)]
+pub struct Collector {
+    items: Mutex<VecDeque<Notification>>,
+    notify: tokio::sync::Notify,
+}
+
+impl NotificationHandler for Collector {
+    fn on_notification(&self, n: Notification) {
+        self.items.lock().unwrap().push_back(n);
+        self.notify.notify_one();
+    }
+}
+
+impl Collector {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    pub fn try_pop(&self) -> Option<Notification> {
+        self.items.lock().unwrap().pop_front()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.lock().unwrap().is_empty()
+    }
+
+    pub async fn pop(&self) -> Notification {
+        loop {
+            if let Some(n) = self.try_pop() {
+                return n;
+            }
+            self.notify.notified().await;
+        }
+    }
+}
+
 /// The next notification of `l`, or a panic after [`PATIENCE`].
-pub async fn next(l: &Arc<ProcessorListener>) -> Notification {
+pub async fn next(l: &Arc<Collector>) -> Notification {
     tokio::time::timeout(PATIENCE, l.pop())
         .await
         .expect("no notification in time")
-        .expect("listener closed")
 }
 
 /// The next `n` notifications, described.
-pub async fn take(l: &Arc<ProcessorListener>, n: usize) -> Vec<String> {
+pub async fn take(l: &Arc<Collector>, n: usize) -> Vec<String> {
     let mut out = Vec::with_capacity(n);
     for _ in 0..n {
         out.push(describe(&next(l).await));

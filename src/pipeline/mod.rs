@@ -1,0 +1,71 @@
+//! Delivery: listener → route queue → N workers → encoder → sink, per (resource, sink).
+//!
+//! # Contract (what consumers may rely on)
+//! - **At least once**: a notification is settled only when the sink accepted it or failed
+//!   it for good. Retriable failures go back through the rate-limited work queue
+//!   (per-key exponential backoff plus an overall token bucket) until they succeed, or until
+//!   `max_retries` if set.
+//! - **Per-object order**: one key is never handled by two workers at once, and a key's
+//!   notifications are published in informer order, a failed one before any later one.
+//! - **Bounded memory**: see [`RouteQueue`]: at the sink's cap updates are coalesced; deletes
+//!   and the newest state are never dropped.
+//! - **Final failures** (an object that cannot be encoded, a message the sink can never take)
+//!   are logged with the object key, counted in `keb_sink_failed_total`, and, when the sink has
+//!   a dead-letter sink, recorded there as a small reference (id, key, reason, size).
+
+pub mod route_queue;
+pub mod worker;
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use tokio::task::JoinHandle;
+use tracing::warn;
+
+pub use route_queue::{Budget, RouteQueue};
+pub use worker::{Delivery, Route};
+
+/// Routes whose workers are running.
+pub struct Running {
+    routes: Vec<(Arc<Route>, Vec<JoinHandle<()>>)>,
+}
+
+/// Starts `workers` workers for each route.
+pub fn start(routes: &[(Arc<Route>, usize)]) -> Running {
+    Running {
+        routes: routes
+            .iter()
+            .map(|(r, n)| (r.clone(), r.spawn_workers(*n)))
+            .collect(),
+    }
+}
+
+impl Running {
+    /// Drains every route queue (`shut_down_with_drain`) until `deadline`, then stops the
+    /// workers (aborting any still stuck in a publish) and returns what each route still
+    /// holds, by route name. Call it once the informers have stopped feeding the queues.
+    pub async fn drain(self, deadline: tokio::time::Instant) -> HashMap<String, usize> {
+        let drains = self.routes.iter().map(|(r, _)| {
+            tokio::time::timeout_at(deadline, r.queue().queue().shut_down_with_drain())
+        });
+        futures::future::join_all(drains).await;
+        let mut left = HashMap::new();
+        for (route, handles) in self.routes {
+            route.queue().queue().shut_down(); // releases a drain that timed out
+            for h in handles {
+                let abort = h.abort_handle();
+                if tokio::time::timeout(Duration::from_millis(100), h)
+                    .await
+                    .is_err()
+                {
+                    abort.abort(); // stuck in a publish past the deadline
+                }
+            }
+            let held = route.queue().held();
+            if held > 0 {
+                warn!(route = %route.queue().name(), undelivered = held, "Shutdown left notifications undelivered");
+                left.insert(route.queue().name().to_owned(), held);
+            }
+        }
+        left
+    }
+}

@@ -1,0 +1,255 @@
+//! The workers of one route: take a key, publish its notifications in order, settle or retry.
+
+use std::{collections::VecDeque, sync::Arc};
+
+use prometheus::{Histogram, IntCounter, IntCounterVec};
+use serde_json::json;
+use tokio::task::JoinHandle;
+use tracing::{debug, error, warn};
+
+use super::RouteQueue;
+use crate::{
+    informer::Notification,
+    message::{Encoder, Message},
+    metrics::Metrics,
+    sinks::Sink,
+    workqueue::TokenBucket,
+};
+
+/// How one sink is published to; shared by the sink's routes.
+pub struct Delivery {
+    /// The destination.
+    pub sink: Arc<dyn Sink>,
+    /// Receives a reference record for each message that fails for good.
+    pub dead_letter: Option<Arc<dyn Sink>>,
+    /// Optional publish rate limit protecting the destination.
+    pub publish_limit: Option<TokenBucket>,
+    /// Retries of one notification before it fails for good; `None`: forever.
+    pub max_retries: Option<u32>,
+}
+
+struct RouteMetrics {
+    published: [IntCounter; 4],
+    bytes: IntCounter,
+    publish_duration: Histogram,
+    end_to_end: Histogram,
+    failed: IntCounterVec,
+}
+
+/// One (resource, sink) route. See the module docs of [`super`].
+pub struct Route {
+    resource: String,
+    queue: Arc<RouteQueue>,
+    encoder: Encoder,
+    delivery: Arc<Delivery>,
+    metrics: RouteMetrics,
+}
+
+enum Outcome {
+    Settled,
+    Retry,
+}
+
+impl Route {
+    /// A route delivering `queue`'s notifications of `resource` with `encoder` through `delivery`.
+    pub fn new(
+        resource: String,
+        queue: Arc<RouteQueue>,
+        encoder: Encoder,
+        delivery: Arc<Delivery>,
+        metrics: &Metrics,
+    ) -> Self {
+        let sink = delivery.sink.name().to_owned();
+        let labels = [sink.as_str(), resource.as_str()];
+        let metrics = RouteMetrics {
+            published: ["added", "updated", "deleted", "synced"].map(|t| {
+                metrics
+                    .sink_published
+                    .with_label_values(&[labels[0], labels[1], t])
+            }),
+            bytes: metrics.sink_bytes.with_label_values(&labels),
+            publish_duration: metrics
+                .sink_publish_duration
+                .with_label_values(&[labels[0]]),
+            end_to_end: metrics
+                .end_to_end_latency
+                .with_label_values(&[labels[1], labels[0]]),
+            failed: metrics.sink_failed.clone(),
+        };
+        Self {
+            resource,
+            queue,
+            encoder,
+            delivery,
+            metrics,
+        }
+    }
+
+    /// The route's queue.
+    pub fn queue(&self) -> &Arc<RouteQueue> {
+        &self.queue
+    }
+
+    /// Starts `n` workers; each ends when the work queue is shut down and empty.
+    pub fn spawn_workers(self: &Arc<Self>, n: usize) -> Vec<JoinHandle<()>> {
+        (0..n.max(1))
+            .map(|_| tokio::spawn(self.clone().work()))
+            .collect()
+    }
+
+    fn failed(&self, reason: &str) {
+        self.metrics
+            .failed
+            .with_label_values(&[self.delivery.sink.name(), &self.resource, reason])
+            .inc();
+    }
+
+    async fn work(self: Arc<Self>) {
+        let queue = self.queue.queue();
+        while let Some(key) = queue.get().await {
+            let mut batch = self.queue.take(&key);
+            loop {
+                let failed = self.deliver_in_order(&key, &mut batch).await;
+                if failed
+                    && self
+                        .delivery
+                        .max_retries
+                        .is_some_and(|max| queue.num_requeues(&key) >= max)
+                {
+                    self.give_up(&key, &mut batch).await;
+                    // The rest (and what arrived meanwhile) goes on, without the delay earned
+                    // by the one that failed; with nothing left the key is simply released.
+                    self.queue.retry(&key, std::mem::take(&mut batch));
+                    break;
+                }
+                if failed {
+                    self.queue.retry(&key, std::mem::take(&mut batch));
+                    break;
+                }
+                queue.forget(&key);
+                match self.queue.finish(&key) {
+                    Some(more) => batch = more, // shutting down: deliver what arrived, now
+                    None => break,
+                }
+            }
+            queue.done(&key);
+        }
+    }
+
+    /// Publishes `batch` front to back; stops at the first retriable failure, leaving it and
+    /// what follows in `batch`. Returns whether it stopped on a failure.
+    async fn deliver_in_order(&self, key: &str, batch: &mut VecDeque<Notification>) -> bool {
+        while let Some(n) = batch.front() {
+            match self.deliver(key, n).await {
+                Outcome::Settled => {
+                    batch.pop_front();
+                    self.queue.settle(1);
+                }
+                Outcome::Retry => return true,
+            }
+        }
+        false
+    }
+
+    /// Fails the front notification of `batch` for good after `max_retries`.
+    async fn give_up(&self, key: &str, batch: &mut VecDeque<Notification>) {
+        let queue = self.queue.queue();
+        let n = batch.pop_front().expect("a failed notification");
+        self.failed("max_retries");
+        error!(sink = %self.delivery.sink.name(), resource = %self.resource, key,
+               retries = queue.num_requeues(&key.to_owned()), "Giving up on a notification after max_retries");
+        self.dead_letter(key, &n, None, "max_retries").await;
+        self.queue.settle(1);
+        queue.forget(&key.to_owned());
+    }
+
+    async fn deliver(&self, key: &str, n: &Notification) -> Outcome {
+        let sink = &self.delivery.sink;
+        let message = match self.encoder.encode(n) {
+            Ok(m) => m,
+            Err(err) => {
+                self.failed("encode");
+                error!(error = %err, sink = %sink.name(), resource = %self.resource, key, "Cannot encode notification");
+                self.dead_letter(key, n, None, "encode").await;
+                return Outcome::Settled;
+            }
+        };
+        if let Some(limit) = &self.delivery.publish_limit {
+            let wait = limit.reserve();
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+        }
+        let started = std::time::Instant::now();
+        match sink.publish(&message).await {
+            Ok(()) => {
+                self.metrics
+                    .publish_duration
+                    .observe(started.elapsed().as_secs_f64());
+                self.metrics
+                    .end_to_end
+                    .observe(message.received.elapsed().as_secs_f64());
+                self.metrics.published[message.event_type as usize].inc();
+                self.metrics.bytes.inc_by(message.payload.len() as u64);
+                Outcome::Settled
+            }
+            Err(err) if err.is_retriable() => {
+                self.failed(err.reason());
+                let attempt = self.queue.queue().num_requeues(&key.to_owned());
+                if attempt == 0 {
+                    warn!(error = %err, sink = %sink.name(), key, "Publish failed; retrying with backoff");
+                } else {
+                    debug!(error = %err, sink = %sink.name(), key, attempt, "Publish failed again");
+                }
+                Outcome::Retry
+            }
+            Err(err) => {
+                self.failed(err.reason());
+                error!(error = %err, sink = %sink.name(), key, id = %message.id, "Publish failed for good");
+                self.dead_letter(key, n, Some(&message), err.reason()).await;
+                Outcome::Settled
+            }
+        }
+    }
+
+    /// Publishes a small reference record for a notification that failed for good.
+    async fn dead_letter(
+        &self,
+        key: &str,
+        n: &Notification,
+        message: Option<&Message>,
+        reason: &str,
+    ) {
+        let Some(dlq) = &self.delivery.dead_letter else {
+            return;
+        };
+        let meta = &n.object().metadata;
+        let id = message.map(|m| m.id.clone()).unwrap_or_else(|| {
+            format!(
+                "{}:{}:{}",
+                meta.uid.as_deref().unwrap_or_default(),
+                meta.resource_version.as_deref().unwrap_or_default(),
+                n.event_type().as_str()
+            )
+        });
+        let record = json!({
+            "id": id,
+            "key": key,
+            "resource": self.resource,
+            "sink": self.delivery.sink.name(),
+            "type": n.event_type().as_str(),
+            "reason": reason,
+            "size": message.map(|m| m.payload.len()),
+        });
+        let dead = Message {
+            id,
+            key: key.to_owned(),
+            event_type: n.event_type(),
+            payload: record.to_string().into_bytes(),
+            received: n.received,
+        };
+        if let Err(err) = dlq.publish(&dead).await {
+            error!(error = %err, sink = %dlq.name(), key, "Dead-letter publish failed; the record is lost");
+        }
+    }
+}

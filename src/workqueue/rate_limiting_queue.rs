@@ -1,0 +1,81 @@
+//! client-go's `RateLimitingInterface`: a [`Queue`] whose retries wait as a
+//! [`RateLimiter`] says.
+
+use std::{hash::Hash, ops::Deref};
+
+use super::{Queue, QueueMetrics, RateLimiter};
+
+/// A queue plus a rate limiter. Derefs to the [`Queue`] for add/get/done/shut_down.
+pub struct RateLimitingQueue<T> {
+    queue: Queue<T>,
+    limiter: Box<dyn RateLimiter<T>>,
+}
+
+impl<T> Deref for RateLimitingQueue<T> {
+    type Target = Queue<T>;
+    fn deref(&self) -> &Queue<T> {
+        &self.queue
+    }
+}
+
+impl<T: Clone + Eq + Hash + Ord> RateLimitingQueue<T> {
+    /// A queue whose retries `limiter` paces.
+    pub fn new(limiter: Box<dyn RateLimiter<T>>, metrics: QueueMetrics) -> Self {
+        Self {
+            queue: Queue::new(metrics),
+            limiter,
+        }
+    }
+
+    /// Adds `x` after the limiter's delay for it.
+    pub fn add_rate_limited(&self, x: T) {
+        let delay = self.limiter.when(&x);
+        self.queue.add_after(x, delay);
+    }
+
+    /// Clears `x`'s retry history (it does not call `done`).
+    pub fn forget(&self, x: &T) {
+        self.limiter.forget(x);
+    }
+
+    /// How many times `x` was retried since it was last forgotten.
+    pub fn num_requeues(&self, x: &T) -> u32 {
+        self.limiter.num_requeues(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::workqueue::rate_limiter::ItemExponentialFailureRateLimiter;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    #[tokio::test(start_paused = true)]
+    async fn retries_back_off_per_item_until_forgotten() {
+        let q = RateLimitingQueue::new(
+            Box::new(ItemExponentialFailureRateLimiter::new(
+                Duration::from_millis(100),
+                Duration::from_secs(10),
+            )),
+            QueueMetrics::unregistered(),
+        );
+        let start = Instant::now();
+        for expected_ms in [100, 300, 700] {
+            q.add_rate_limited("x");
+            let x = q.get().await.unwrap();
+            q.done(&x);
+            assert_eq!(start.elapsed(), Duration::from_millis(expected_ms));
+        }
+        assert_eq!(q.num_requeues(&"x"), 3);
+        q.forget(&"x");
+        assert_eq!(q.num_requeues(&"x"), 0);
+        q.add_rate_limited("x");
+        q.get().await.unwrap();
+        assert_eq!(
+            start.elapsed(),
+            Duration::from_millis(800),
+            "back to the base delay"
+        );
+    }
+}

@@ -1,0 +1,530 @@
+//! The delivery pipeline with test sinks that fail, are slow, stall or reject: route queue →
+//! workers → encoder → sink, fed by a synthetic informer (notifications pushed directly).
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use futures::{FutureExt, future::BoxFuture};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
+use kube_event_bridge::{
+    config::MessageConfig,
+    informer::{Notification, NotificationKind, ObjectRef},
+    message::{Encoder, Message},
+    metrics::Metrics,
+    pipeline::{self, Budget, Delivery, Route, RouteQueue},
+    sinks::{self, Sink},
+    workqueue::{
+        TokenBucket,
+        rate_limiter::{RetrySettings, controller_rate_limiter},
+    },
+};
+
+/// A sink whose behaviour a test chooses.
+#[derive(Default)]
+struct TestSink {
+    name: String,
+    /// Every n-th attempt fails with a retriable error (0: never).
+    fail_every: u64,
+    /// Keys whose publishes always fail (retriable).
+    always_fail: Vec<String>,
+    /// Payloads above this size fail for good.
+    max_size: Option<usize>,
+    /// Time each publish takes.
+    delay: Duration,
+    /// Publishes never complete.
+    stall: bool,
+    attempts: AtomicU64,
+    /// (key, id, payload) of every accepted message, in acceptance order.
+    accepted: Mutex<Vec<(String, String, serde_json::Value)>>,
+}
+
+impl Sink for TestSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<()>> {
+        async move {
+            if self.stall {
+                futures::future::pending::<()>().await;
+            }
+            if !self.delay.is_zero() {
+                tokio::time::sleep(self.delay).await;
+            }
+            let attempt = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
+            if (self.fail_every > 0 && attempt % self.fail_every == 0)
+                || self.always_fail.contains(&m.key)
+            {
+                return Err(sinks::Error::Io(std::io::Error::other("injected failure")));
+            }
+            if let Some(max) = self.max_size.filter(|max| m.payload.len() > *max) {
+                return Err(sinks::Error::TooLarge {
+                    size: m.payload.len(),
+                    max,
+                });
+            }
+            let payload = serde_json::from_slice(&m.payload).unwrap();
+            self.accepted
+                .lock()
+                .unwrap()
+                .push((m.key.clone(), m.id.clone(), payload));
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
+        async { Ok(()) }.boxed()
+    }
+}
+
+impl TestSink {
+    fn named(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Accepted messages per key: (resourceVersion, type) in acceptance order.
+    fn by_key(&self) -> HashMap<String, Vec<(u64, String)>> {
+        let mut out: HashMap<String, Vec<(u64, String)>> = HashMap::new();
+        for (key, _, v) in self.accepted.lock().unwrap().iter() {
+            let rv = v["k8sresourceversion"].as_str().unwrap().parse().unwrap();
+            let ty = v["type"]
+                .as_str()
+                .unwrap()
+                .rsplit('.')
+                .next()
+                .unwrap()
+                .to_owned();
+            out.entry(key.clone()).or_default().push((rv, ty));
+        }
+        out
+    }
+}
+
+fn configmaps() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
+}
+
+fn object(name: &str, rv: u64, padding: usize) -> ObjectRef {
+    Arc::new(DynamicObject {
+        types: Some(TypeMeta {
+            api_version: "v1".into(),
+            kind: "ConfigMap".into(),
+        }),
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("ns".into()),
+            uid: Some(format!("uid-{name}")),
+            resource_version: Some(rv.to_string()),
+            ..Default::default()
+        },
+        data: serde_json::json!({"data": {"pad": "x".repeat(padding)}}),
+    })
+}
+
+fn note(kind: NotificationKind) -> Notification {
+    Notification {
+        kind,
+        received: std::time::Instant::now(),
+        observed: jiff::Timestamp::now(),
+    }
+}
+
+struct Harness {
+    queue: Arc<RouteQueue>,
+    route: Arc<Route>,
+    budget: Arc<Budget>,
+    metrics: Arc<Metrics>,
+}
+
+fn fast_retries() -> RetrySettings {
+    RetrySettings {
+        base: Duration::from_millis(1),
+        max: Duration::from_millis(20),
+        qps: 10_000.0,
+        burst: 10_000,
+    }
+}
+
+fn harness(
+    sink: Arc<TestSink>,
+    dead_letter: Option<Arc<TestSink>>,
+    cap: usize,
+    max_retries: Option<u32>,
+) -> Harness {
+    harness_with(sink, dead_letter, cap, max_retries, None)
+}
+
+fn harness_with(
+    sink: Arc<TestSink>,
+    dead_letter: Option<Arc<TestSink>>,
+    cap: usize,
+    max_retries: Option<u32>,
+    publish_limit: Option<TokenBucket>,
+) -> Harness {
+    let metrics = Arc::new(Metrics::new());
+    let budget = Arc::new(Budget::new(cap));
+    let queue = Arc::new(RouteQueue::new(
+        "configmap/test".into(),
+        Box::new(controller_rate_limiter(fast_retries())),
+        metrics.workqueue.for_queue("configmap/test"),
+        budget.clone(),
+        metrics
+            .listener_buffered
+            .with_label_values(&["configmap", "test"]),
+        metrics
+            .listener_coalesced
+            .with_label_values(&["configmap", "test"]),
+    ));
+    let delivery = Arc::new(Delivery {
+        sink,
+        dead_letter: dead_letter.map(|d| d as Arc<dyn Sink>),
+        publish_limit,
+        max_retries,
+    });
+    let encoder = Encoder::new("test", &configmaps(), &MessageConfig::default());
+    let route = Arc::new(Route::new(
+        "configmap".into(),
+        queue.clone(),
+        encoder,
+        delivery,
+        &metrics,
+    ));
+    Harness {
+        queue,
+        route,
+        budget,
+        metrics,
+    }
+}
+
+/// Pushes, per object: add(1), updates 2..=updates+1, and for every third object a delete.
+/// Returns per key the (rv, type) sequence pushed.
+fn push_load(
+    q: &RouteQueue,
+    objects: usize,
+    updates: u64,
+    padding: usize,
+) -> HashMap<String, Vec<(u64, String)>> {
+    push_load_sampled(q, objects, updates, padding, &mut 0)
+}
+
+/// [`push_load`], recording in `peak` the most notifications the queue held after any push.
+fn push_load_sampled(
+    q: &RouteQueue,
+    objects: usize,
+    updates: u64,
+    padding: usize,
+    peak: &mut usize,
+) -> HashMap<String, Vec<(u64, String)>> {
+    let mut pushed: HashMap<String, Vec<(u64, String)>> = HashMap::new();
+    let mut rv = 0;
+    for round in 0..=updates {
+        for i in 0..objects {
+            let name = format!("o{i:04}");
+            rv += 1;
+            let obj = object(&name, rv, padding);
+            let kind = if round == 0 {
+                NotificationKind::Add {
+                    obj,
+                    is_initial_list: false,
+                }
+            } else {
+                let prev = pushed[&format!("ns/{name}")].last().unwrap().0;
+                NotificationKind::Update {
+                    old: object(&name, prev, padding),
+                    new: obj,
+                }
+            };
+            let ty = if round == 0 { "added" } else { "updated" };
+            pushed
+                .entry(format!("ns/{name}"))
+                .or_default()
+                .push((rv, ty.into()));
+            q.push(note(kind));
+            *peak = (*peak).max(q.held());
+        }
+    }
+    for i in (0..objects).step_by(3) {
+        let name = format!("o{i:04}");
+        rv += 1;
+        pushed
+            .entry(format!("ns/{name}"))
+            .or_default()
+            .push((rv, "deleted".into()));
+        q.push(note(NotificationKind::Delete {
+            obj: object(&name, rv, padding),
+            final_state_unknown: false,
+        }));
+        *peak = (*peak).max(q.held());
+    }
+    pushed
+}
+
+async fn settled(budget: &Budget) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while budget.held() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} notifications never settled",
+            budget.held()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_flaky_sink_every_notification_arrives_in_order_per_object() {
+    let sink = Arc::new(TestSink {
+        fail_every: 3,
+        ..TestSink::named("test")
+    });
+    let h = harness(sink.clone(), None, 1_000_000, None);
+    let running = pipeline::start(&[(h.route.clone(), 4)]);
+    let pushed = push_load(&h.queue, 50, 10, 10);
+    settled(&h.budget).await;
+    assert_eq!(
+        sink.by_key(),
+        pushed,
+        "all notifications, in order per object, nothing coalesced"
+    );
+    let failures = h
+        .metrics
+        .sink_failed
+        .with_label_values(&["test", "configmap", "io"])
+        .get();
+    assert!(failures > 100, "a third of the attempts failed: {failures}");
+    assert_eq!(
+        h.metrics
+            .workqueue
+            .for_queue("configmap/test")
+            .retries
+            .get(),
+        failures
+    );
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_ten_times_slower_than_the_input_keeps_memory_under_the_cap_by_coalescing() {
+    // 2 workers × 1 ms per publish: at most ~2000 notifications/s; the input comes at once.
+    let sink = Arc::new(TestSink {
+        delay: Duration::from_millis(1),
+        ..TestSink::named("test")
+    });
+    let cap = 100;
+    let objects = 200;
+    let h = harness(sink.clone(), None, cap, None);
+    let running = pipeline::start(&[(h.route.clone(), 2)]);
+    let mut peak = 0;
+    // Adds, then 20 waves of updates of every object, then deletes of every third.
+    let pushed = push_load_sampled(&h.queue, objects, 20, 10, &mut peak);
+    assert_eq!(
+        pushed.values().map(Vec::len).sum::<usize>(),
+        objects * 21 + objects.div_ceil(3)
+    );
+    // Bound: the cap, plus the newest state and the delete of each object.
+    assert!(
+        peak <= cap + 2 * objects,
+        "held {peak} with a cap of {cap} and {objects} objects"
+    );
+    settled(&h.budget).await;
+    let coalesced = h
+        .metrics
+        .listener_coalesced
+        .with_label_values(&["configmap", "test"])
+        .get();
+    assert!(coalesced > 1000, "coalesced {coalesced}");
+    let delivered = sink.by_key();
+    for (key, seq) in &delivered {
+        assert!(
+            seq.windows(2).all(|w| w[0].0 < w[1].0),
+            "{key}: out of order {seq:?}"
+        );
+    }
+    // Every object's newest state arrived last (an add merged with later updates stays an
+    // add, carrying the newest state); every delete arrived.
+    for (key, seq) in &pushed {
+        let (last_rv, last_type) = delivered[key].last().unwrap();
+        assert_eq!(*last_rv, seq.last().unwrap().0, "{key}");
+        if seq.last().unwrap().1 == "deleted" {
+            assert_eq!(last_type, "deleted", "{key}");
+        }
+    }
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_sink_never_takes_goes_to_the_dead_letter_sink_and_the_rest_goes_on() {
+    let sink = Arc::new(TestSink {
+        max_size: Some(4_000),
+        ..TestSink::named("test")
+    });
+    let dlq = Arc::new(TestSink::named("dlq"));
+    let h = harness(sink.clone(), Some(dlq.clone()), 1_000, None);
+    let running = pipeline::start(&[(h.route.clone(), 2)]);
+    h.queue.push(note(NotificationKind::Add {
+        obj: object("small", 1, 10),
+        is_initial_list: false,
+    }));
+    h.queue.push(note(NotificationKind::Add {
+        obj: object("huge", 2, 10_000),
+        is_initial_list: false,
+    }));
+    h.queue.push(note(NotificationKind::Update {
+        old: object("small", 1, 10),
+        new: object("small", 3, 10),
+    }));
+    settled(&h.budget).await;
+    assert_eq!(
+        sink.by_key()["ns/small"],
+        [(1, "added".to_string()), (3, "updated".to_string())]
+    );
+    assert!(!sink.by_key().contains_key("ns/huge"));
+    let records = dlq.accepted.lock().unwrap().clone();
+    assert_eq!(records.len(), 1);
+    let (key, id, record) = &records[0];
+    assert_eq!((key.as_str(), id.as_str()), ("ns/huge", "uid-huge:2:added"));
+    assert_eq!(record["reason"], "too_large");
+    assert_eq!(record["sink"], "test");
+    assert!(record["size"].as_u64().unwrap() > 10_000);
+    assert_eq!(
+        h.metrics
+            .sink_failed
+            .with_label_values(&["test", "configmap", "too_large"])
+            .get(),
+        1
+    );
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
+    let sink = Arc::new(TestSink {
+        always_fail: vec!["ns/bad".into()],
+        ..TestSink::named("test")
+    });
+    let dlq = Arc::new(TestSink::named("dlq"));
+    let h = harness(sink.clone(), Some(dlq.clone()), 1_000, Some(3));
+    let running = pipeline::start(&[(h.route.clone(), 2)]);
+    h.queue.push(note(NotificationKind::Add {
+        obj: object("bad", 1, 10),
+        is_initial_list: false,
+    }));
+    h.queue.push(note(NotificationKind::Add {
+        obj: object("good", 2, 10),
+        is_initial_list: false,
+    }));
+    settled(&h.budget).await;
+    assert_eq!(sink.by_key()["ns/good"].len(), 1);
+    let records = dlq.accepted.lock().unwrap().clone();
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].2["reason"], "max_retries");
+    // The key is released: its next notification is tried (and, still failing, given up).
+    h.queue.push(note(NotificationKind::Update {
+        old: object("bad", 1, 10),
+        new: object("bad", 3, 10),
+    }));
+    settled(&h.budget).await;
+    assert_eq!(dlq.accepted.lock().unwrap().len(), 2);
+    assert_eq!(
+        h.metrics
+            .sink_failed
+            .with_label_values(&["test", "configmap", "io"])
+            .get(),
+        8,
+        "twice 1 try + 3 retries"
+    );
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_delivers_everything_pending_within_the_grace_period() {
+    let sink = Arc::new(TestSink {
+        delay: Duration::from_micros(200),
+        ..TestSink::named("test")
+    });
+    let h = harness(sink.clone(), None, 1_000_000, None);
+    let running = pipeline::start(&[(h.route.clone(), 4)]);
+    let pushed = push_load(&h.queue, 100, 3, 10);
+    let total: usize = pushed.values().map(Vec::len).sum();
+    // Shut down at once, mid-load.
+    let left = running
+        .drain(tokio::time::Instant::now() + Duration::from_secs(30))
+        .await;
+    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(sink.by_key(), pushed);
+    assert_eq!(sink.accepted.lock().unwrap().len(), total);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_sink_at_shutdown_is_reported_not_waited_for_forever() {
+    let sink = Arc::new(TestSink {
+        stall: true,
+        ..TestSink::named("test")
+    });
+    let h = harness(sink.clone(), None, 1_000, None);
+    let running = pipeline::start(&[(h.route.clone(), 2)]);
+    push_load(&h.queue, 10, 0, 10);
+    let left = running
+        .drain(tokio::time::Instant::now() + Duration::from_millis(200))
+        .await;
+    assert_eq!(
+        left,
+        HashMap::from([("configmap/test".to_string(), 14)]),
+        "10 adds and 4 deletes"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_publish_rate_limit_spaces_publishes() {
+    let sink = Arc::new(TestSink::named("test"));
+    let h = harness_with(
+        sink.clone(),
+        None,
+        1_000,
+        None,
+        Some(TokenBucket::new(10.0, 1)),
+    );
+    let running = pipeline::start(&[(h.route.clone(), 4)]);
+    let start = tokio::time::Instant::now();
+    push_load(&h.queue, 11, 0, 10);
+    settled(&h.budget).await;
+    // 11 adds and 4 deletes at 10/s with a burst of 1: the 15th publish waits 1.4 s.
+    let elapsed = start.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(1400) && elapsed < Duration::from_millis(1500),
+        "{elapsed:?}"
+    );
+    assert_eq!(sink.accepted.lock().unwrap().len(), 15);
+    drop(running);
+}
