@@ -58,7 +58,7 @@ impl Sink for TestSink {
                 tokio::time::sleep(self.delay).await;
             }
             let attempt = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
-            if (self.fail_every > 0 && attempt % self.fail_every == 0)
+            if (self.fail_every > 0 && attempt.is_multiple_of(self.fail_every))
                 || self.always_fail.contains(&m.key)
             {
                 return Err(sinks::Error::Io(std::io::Error::other("injected failure")));
