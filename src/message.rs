@@ -3,6 +3,8 @@
 //!
 //! The envelope is the product's public interface; README.md documents it field by field.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use kube::api::{ApiResource, DynamicObject, TypeMeta};
 use serde::Serialize;
 
@@ -58,21 +60,38 @@ pub struct Message {
 }
 
 /// Builds messages for one resource.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Encoder {
     cluster: String,
     resource: ApiResource,
     source_prefix: String,
+    types: [String; 4],
     include_old_object: bool,
+    // Size of the last payload: the next buffer starts that large, so serializing rarely
+    // reallocates.
+    size_hint: AtomicUsize,
+}
+
+impl Clone for Encoder {
+    fn clone(&self) -> Self {
+        Self {
+            cluster: self.cluster.clone(),
+            resource: self.resource.clone(),
+            source_prefix: self.source_prefix.clone(),
+            types: self.types.clone(),
+            include_old_object: self.include_old_object,
+            size_hint: AtomicUsize::new(self.size_hint.load(Ordering::Relaxed)),
+        }
+    }
 }
 
 #[derive(Serialize)]
 struct Envelope<'a> {
     specversion: &'static str,
     id: &'a str,
-    source: String,
+    source: Source<'a>,
     #[serde(rename = "type")]
-    ty: String,
+    ty: &'a str,
     subject: &'a str,
     time: jiff::Timestamp,
     datacontenttype: &'static str,
@@ -93,6 +112,28 @@ struct Envelope<'a> {
     data: Data<'a>,
 }
 
+/// `{prefix}[/namespaces/{ns}]/{plural}`, written straight into the output.
+struct Source<'a> {
+    prefix: &'a str,
+    namespace: Option<&'a str>,
+    plural: &'a str,
+}
+
+impl std::fmt::Display for Source<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.namespace {
+            Some(ns) => write!(f, "{}/namespaces/{ns}/{}", self.prefix, self.plural),
+            None => write!(f, "{}/{}", self.prefix, self.plural),
+        }
+    }
+}
+
+impl Serialize for Source<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
 #[derive(Serialize)]
 struct Data<'a> {
     object: &'a DynamicObject,
@@ -111,22 +152,31 @@ impl Encoder {
                 resource.group, resource.version
             )
         };
+        let types = [
+            EventType::Added,
+            EventType::Updated,
+            EventType::Deleted,
+            EventType::Synced,
+        ]
+        .map(|t| format!("{TYPE_PREFIX}.{}", t.as_str()));
         Self {
             cluster: cluster.to_owned(),
             resource: resource.clone(),
             source_prefix,
+            types,
             include_old_object: options.include_old_object,
+            size_hint: AtomicUsize::new(1024),
         }
     }
 
-    /// Encodes one notification.
-    pub fn encode(&self, n: &Notification) -> Result<Message> {
+    /// Encodes one notification about the object at `key` (`namespace/name`, as
+    /// [`Notification::key`] gives it).
+    pub fn encode(&self, key: &str, n: &Notification) -> Result<Message> {
         let event_type = n.event_type();
         let obj = n.object();
-        let key = n.key();
         let meta = &obj.metadata;
         let missing = |field| Error::MissingField {
-            key: key.clone(),
+            key: key.to_owned(),
             field,
         };
         let uid = meta.uid.as_deref().ok_or_else(|| missing("uid"))?;
@@ -151,19 +201,16 @@ impl Encoder {
                 ..
             } => (false, *final_state_unknown, None),
         };
-        let source = match namespace {
-            Some(ns) => format!(
-                "{}/namespaces/{ns}/{}",
-                self.source_prefix, self.resource.plural
-            ),
-            None => format!("{}/{}", self.source_prefix, self.resource.plural),
-        };
         let envelope = Envelope {
             specversion: "1.0",
             id: &id,
-            source,
-            ty: format!("{TYPE_PREFIX}.{}", event_type.as_str()),
-            subject: &key,
+            source: Source {
+                prefix: &self.source_prefix,
+                namespace,
+                plural: &self.resource.plural,
+            },
+            ty: &self.types[event_type as usize],
+            subject: key,
             time: n.observed,
             datacontenttype: "application/json",
             k8scluster: &self.cluster,
@@ -182,13 +229,15 @@ impl Encoder {
                 old_object: old,
             },
         };
-        let payload = serde_json::to_vec(&envelope).map_err(|source| Error::Serialize {
-            key: key.clone(),
+        let mut payload = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed) + 256);
+        serde_json::to_writer(&mut payload, &envelope).map_err(|source| Error::Serialize {
+            key: key.to_owned(),
             source,
         })?;
+        self.size_hint.store(payload.len(), Ordering::Relaxed);
         Ok(Message {
             id,
-            key,
+            key: key.to_owned(),
             event_type,
             payload,
             received: n.received,
@@ -267,10 +316,13 @@ mod tests {
     fn update_envelope_has_every_attribute() {
         let enc = Encoder::new("prod", &configmaps(), &MessageConfig::default());
         let m = enc
-            .encode(&note(NotificationKind::Update {
-                old: obj("ns", "a", "1"),
-                new: obj("ns", "a", "2"),
-            }))
+            .encode(
+                "ns/a",
+                &note(NotificationKind::Update {
+                    old: obj("ns", "a", "1"),
+                    new: obj("ns", "a", "2"),
+                }),
+            )
             .unwrap();
         assert_eq!(m.id, "uid-ns-a:2:updated");
         assert_eq!(m.key, "ns/a");
@@ -295,24 +347,33 @@ mod tests {
     #[test]
     fn resync_and_delete_flags() {
         let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
-        let sync = enc.encode(&note(NotificationKind::Update {
-            old: obj("ns", "a", "1"),
-            new: obj("ns", "a", "1"),
-        }));
+        let sync = enc.encode(
+            "ns/a",
+            &note(NotificationKind::Update {
+                old: obj("ns", "a", "1"),
+                new: obj("ns", "a", "1"),
+            }),
+        );
         let sync = sync.unwrap();
         assert_eq!(sync.id, "uid-ns-a:1:synced");
         assert!(decode(&sync)["data"].get("oldObject").is_none());
-        let del = enc.encode(&note(NotificationKind::Delete {
-            obj: obj("ns", "a", "3"),
-            final_state_unknown: true,
-        }));
+        let del = enc.encode(
+            "ns/a",
+            &note(NotificationKind::Delete {
+                obj: obj("ns", "a", "3"),
+                final_state_unknown: true,
+            }),
+        );
         let v = decode(&del.unwrap());
         assert_eq!(v["k8sfinalstateunknown"], true);
         assert_eq!(v["type"], "io.github.kube-event-bridge.object.deleted");
-        let add = enc.encode(&note(NotificationKind::Add {
-            obj: obj("", "cluster-wide", "4"),
-            is_initial_list: true,
-        }));
+        let add = enc.encode(
+            "cluster-wide",
+            &note(NotificationKind::Add {
+                obj: obj("", "cluster-wide", "4"),
+                is_initial_list: true,
+            }),
+        );
         let v = decode(&add.unwrap());
         assert_eq!(v["k8sinitial"], true);
         assert!(v.get("k8snamespace").is_none());
@@ -325,10 +386,13 @@ mod tests {
         o.metadata.uid = None;
         let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
         let err = enc
-            .encode(&note(NotificationKind::Add {
-                obj: Arc::new(o),
-                is_initial_list: false,
-            }))
+            .encode(
+                "ns/a",
+                &note(NotificationKind::Add {
+                    obj: Arc::new(o),
+                    is_initial_list: false,
+                }),
+            )
             .unwrap_err();
         assert_eq!(err.to_string(), "object ns/a has no metadata.uid");
     }

@@ -165,7 +165,7 @@ impl Route {
 
     async fn deliver(&self, key: &str, n: &Notification) -> Outcome {
         let sink = &self.delivery.sink;
-        let message = match self.encoder.encode(n) {
+        let message = match self.encoder.encode(key, n) {
             Ok(m) => m,
             Err(err) => {
                 self.failed("encode");
