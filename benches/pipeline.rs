@@ -40,7 +40,7 @@ impl Sink for AckSink {
         let n = self.count.fetch_add(1, Ordering::Relaxed);
         self.bytes
             .fetch_add(m.payload.len() as u64, Ordering::Relaxed);
-        if n % 32 == 0 {
+        if n.is_multiple_of(32) {
             let micros = m.received.elapsed().as_micros().min(u32::MAX as u128) as u32;
             self.samples.lock().unwrap().push(micros);
         }
