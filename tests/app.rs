@@ -3,7 +3,7 @@
 
 mod support;
 
-use std::{path::Path, time::Duration};
+use std::{path::Path, sync::Arc, time::Duration};
 
 use kube_event_bridge::{
     app::{self, App},
@@ -289,4 +289,49 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
     );
     stop.send(()).unwrap();
     run.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_mid_load_delivers_everything_the_informers_distributed() {
+    let server = Arc::new(ApiServer::start().await);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        dir.path(),
+        json!([{"api_version": "v1", "kind": "ConfigMap"}]),
+        &["out"],
+        json!([{"resource": "configmap", "sinks": ["out"]}]),
+    );
+    let app = App::build(cfg, server.client()).await.unwrap();
+    let metrics = app.metrics().clone();
+    let factory = app.factory().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    eventually("sync", || factory.has_synced()).await;
+    let writer = tokio::spawn({
+        let server = server.clone();
+        async move {
+            for i in 0..400 {
+                server.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+                server.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    let path = dir.path().join("out.jsonl");
+    wait_for_lines(&path, 100).await;
+    stop.send(()).unwrap(); // SIGTERM, mid-load
+    let report = run.await.unwrap();
+    writer.await.unwrap();
+    assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
+    let distributed: u64 = ["added", "updated", "deleted", "synced"]
+        .iter()
+        .map(|t| metrics.informer_notifications.with_label_values(&["v1/configmaps", t]).get())
+        .sum();
+    let delivered = lines(&path);
+    assert!(distributed >= 100);
+    assert_eq!(delivered.len() as u64, distributed, "every distributed notification was delivered");
+    let ids: std::collections::HashSet<&str> = delivered.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), delivered.len(), "no duplicates");
 }
