@@ -18,7 +18,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMe
 use kube_event_bridge::{
     config::{EventType, MessageConfig},
     informer::{Notification, NotificationKind, ProcessorListener},
-    message::{Encoder, Message},
+    message::{Encoder, Encoding, Message},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteQueue},
     sinks::{self, Sink},
@@ -132,7 +132,12 @@ fn main() {
     let route = Arc::new(Route::new(
         "configmap".into(),
         queue.clone(),
-        Encoder::new("bench", &resource, &MessageConfig::default()),
+        Encoder::new(
+            "bench",
+            &resource,
+            &MessageConfig::default(),
+            Encoding::Structured,
+        ),
         Arc::new(Delivery {
             sink: sink.clone(),
             dead_letter: None,

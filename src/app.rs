@@ -29,7 +29,7 @@ use crate::{
     message::{Encoder, object_transform},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteQueue},
-    sinks::{self, Sink, stdout::StdoutSink},
+    sinks::{self, Sink, nats::NatsSink, stdout::StdoutSink},
     workqueue::{
         TokenBucket,
         rate_limiter::{RetrySettings, controller_rate_limiter},
@@ -99,6 +99,9 @@ impl App {
                     let path = s.stdout.as_ref().and_then(|o| o.path.as_deref());
                     Arc::new(StdoutSink::open(&s.name, path).await?)
                 }
+                SinkType::Nats => {
+                    Arc::new(NatsSink::connect(&s.name, s.nats.as_ref().expect("validated")).await?)
+                }
             };
             sinks.insert(s.name.clone(), sink);
         }
@@ -127,7 +130,6 @@ impl App {
             let name = r.effective_name();
             info!(resource = %name, plural = %api_resource.plural, namespaced, "Resolved resource");
             let transform = object_transform(&api_resource, &config.message);
-            let encoder = Encoder::new(&config.cluster, &api_resource, &config.message);
             let namespaces: Vec<Option<String>> = if r.namespaces.is_empty() {
                 vec![None]
             } else {
@@ -186,13 +188,13 @@ impl App {
                         .add_listener(Arc::new(listener))
                         .expect("informers start after build");
                 }
-                let route = Route::new(
-                    name.clone(),
-                    queue,
-                    encoder.clone(),
-                    delivery.clone(),
-                    &metrics,
+                let encoder = Encoder::new(
+                    &config.cluster,
+                    &api_resource,
+                    &config.message,
+                    sink_cfg.encoding(),
                 );
+                let route = Route::new(name.clone(), queue, encoder, delivery.clone(), &metrics);
                 routes.push((Arc::new(route), sink_cfg.workers));
             }
         }
@@ -236,6 +238,7 @@ impl App {
         let readiness: admin::Readiness = {
             let factory = self.factory.clone();
             let api_ok = api_ok.clone();
+            let sinks = self.sinks.clone();
             Arc::new(move || {
                 let mut reasons: Vec<String> = factory
                     .informers()
@@ -246,6 +249,7 @@ impl App {
                 if !api_ok.load(Ordering::Relaxed) {
                     reasons.push("the Kubernetes API server is unreachable".into());
                 }
+                reasons.extend(sinks.iter().filter_map(|s| s.health().err()));
                 if reasons.is_empty() {
                     Ok(())
                 } else {

@@ -290,6 +290,19 @@ pub struct SinkConfig {
     /// Settings of a `stdout` sink.
     #[serde(default)]
     pub stdout: Option<StdoutSinkConfig>,
+    /// Settings of a `nats` sink.
+    #[serde(default)]
+    pub nats: Option<crate::sinks::nats::NatsSinkConfig>,
+}
+
+impl SinkConfig {
+    /// The CloudEvents content mode of this sink's messages.
+    pub fn encoding(&self) -> crate::message::Encoding {
+        match (self.kind, &self.nats) {
+            (SinkType::Nats, Some(n)) => n.encoding,
+            _ => crate::message::Encoding::Structured,
+        }
+    }
 }
 
 /// Retries of failed publishes: client-go's default controller rate limiter, max of a per-object
@@ -338,12 +351,50 @@ pub struct RateLimitConfig {
     pub burst: u32,
 }
 
+/// A secret, read at start from a file or an environment variable. Secrets are never written
+/// inline in the config, so `check-config` and logs can show the config safely.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecretRef {
+    /// Read the secret from this file (surrounding whitespace is trimmed).
+    #[serde(default)]
+    pub file: Option<PathBuf>,
+    /// Read the secret from this environment variable.
+    #[serde(default)]
+    pub env: Option<String>,
+}
+
+impl SecretRef {
+    /// Why this reference is unusable, if it is: exactly one of `file` and `env` is needed.
+    pub fn problem(&self) -> Option<String> {
+        match (&self.file, &self.env) {
+            (Some(_), None) | (None, Some(_)) => None,
+            _ => Some("give exactly one of `file` and `env`".into()),
+        }
+    }
+
+    /// Reads the secret. The error names where it looked, never the value.
+    pub fn resolve(&self) -> std::result::Result<String, String> {
+        match (&self.file, &self.env) {
+            (Some(path), None) => std::fs::read_to_string(path)
+                .map(|s| s.trim().to_owned())
+                .map_err(|e| format!("cannot read secret file {}: {e}", path.display())),
+            (None, Some(var)) => {
+                std::env::var(var).map_err(|_| format!("environment variable {var} is not set"))
+            }
+            _ => Err("give exactly one of `file` and `env`".into()),
+        }
+    }
+}
+
 /// Sink types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SinkType {
     /// JSON lines on standard output or in a file; needs no broker.
     Stdout,
+    /// NATS subjects, JetStream (default) or core NATS.
+    Nats,
 }
 
 /// Settings of a `stdout` sink.
@@ -541,6 +592,31 @@ impl Config {
                 err(at("name"), "must not be empty".into());
             } else if !sink_names.insert(s.name.as_str()) {
                 err(at("name"), format!("{:?} is used by another sink", s.name));
+            }
+            let sections = [
+                (SinkType::Stdout, "stdout", s.stdout.is_some()),
+                (SinkType::Nats, "nats", s.nats.is_some()),
+            ];
+            for (kind, section, present) in sections {
+                if present && s.kind != kind {
+                    err(
+                        at(section),
+                        format!("only a sink of type {section} takes this section"),
+                    );
+                }
+            }
+            if s.kind == SinkType::Nats {
+                match &s.nats {
+                    None => err(
+                        at("nats"),
+                        "a nats sink needs this section (at least `servers`)".into(),
+                    ),
+                    Some(n) => {
+                        for (path, reason) in n.validate() {
+                            err(at(&format!("nats.{path}")), reason);
+                        }
+                    }
+                }
             }
             if s.max_pending == 0 {
                 err(at("max_pending"), "must be at least 1".into());
@@ -784,6 +860,37 @@ mod tests {
         v["resources"] = json!([{"apiVersion": "apps/v1", "kind": "Deployment"}]);
         v["routes"][0]["resource"] = json!("deployment.apps");
         Config::from_value(v).unwrap();
+    }
+
+    #[test]
+    fn nats_sink_problems_are_named_by_path() {
+        let mut v = minimal();
+        v["sinks"] = json!([{"name": "out", "type": "nats", "nats": {
+            "servers": [],
+            "subject": "k8s.{nope}",
+            "auth": {"token": {"file": "/t", "env": "T"}, "user": "u"},
+        }}]);
+        let e = errors_of(v);
+        for expected in [
+            "sinks[0].nats.servers: at least one server URL is required",
+            "sinks[0].nats.subject: unknown placeholder {nope}",
+            "sinks[0].nats.stream: jetstream mode needs the stream",
+            "sinks[0].nats.auth: choose one of token, user/password, nkey_seed, credentials_file",
+            "sinks[0].nats.auth: user and password go together",
+            "sinks[0].nats.auth.token: give exactly one of `file` and `env`",
+        ] {
+            assert!(
+                e.iter().any(|l| l.starts_with(expected)),
+                "{expected:?} not in {e:?}"
+            );
+        }
+        let mut v = minimal();
+        v["sinks"][0]["nats"] = json!({"servers": ["nats://x:4222"]});
+        assert!(
+            errors_of(v).contains(
+                &"sinks[0].nats: only a sink of type nats takes this section".to_string()
+            )
+        );
     }
 
     #[test]

@@ -3,8 +3,12 @@
 //!
 //! The envelope is the product's public interface; README.md documents it field by field.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{
+    Arc,
+    atomic::{AtomicUsize, Ordering},
+};
 
+use bytes::Bytes;
 use kube::api::{ApiResource, DynamicObject, TypeMeta};
 use serde::Serialize;
 
@@ -44,6 +48,32 @@ pub const TYPE_PREFIX: &str = "io.github.kube-event-bridge.object";
 /// Value that replaces each redacted Secret value.
 pub const REDACTED: &str = "<redacted>";
 
+/// How a message carries its CloudEvent (CloudEvents' content modes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Encoding {
+    /// The whole event as one JSON document (`application/cloudevents+json`).
+    #[default]
+    Structured,
+    /// The event's `data` as the body, every other attribute as a header.
+    Binary,
+}
+
+/// The resource a message is about; shared by every message of an encoder.
+#[derive(Debug)]
+pub struct ResourceInfo {
+    /// Cluster name from the config.
+    pub cluster: String,
+    /// API group, `""` for core.
+    pub group: String,
+    /// API version.
+    pub version: String,
+    /// Kind.
+    pub kind: String,
+    /// Plural resource name.
+    pub plural: String,
+}
+
 /// An encoded notification, ready for a sink.
 #[derive(Debug, Clone)]
 pub struct Message {
@@ -53,20 +83,36 @@ pub struct Message {
     pub key: String,
     /// The notification type.
     pub event_type: EventType,
-    /// The structured-mode CloudEvent, JSON.
-    pub payload: Vec<u8>,
+    /// Structured mode: the whole CloudEvent (JSON). Binary mode: the event's `data` (JSON).
+    pub payload: Bytes,
+    /// Binary mode: every CloudEvents attribute but `datacontenttype`, by attribute name
+    /// (sinks add their protocol's prefix, `ce-` or `ce_`); empty in structured mode.
+    pub attributes: Vec<(&'static str, String)>,
+    /// The media type of `payload`.
+    pub content_type: &'static str,
+    /// The resource the object belongs to.
+    pub resource: Arc<ResourceInfo>,
+    /// The object's namespace, `None` for cluster-scoped objects.
+    pub namespace: Option<String>,
+    /// The object's name.
+    pub name: String,
     /// When the change was received from the API server.
     pub received: std::time::Instant,
 }
 
-/// Builds messages for one resource.
+/// Media type of structured-mode payloads.
+pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
+/// Media type of binary-mode payloads (the `data` member).
+pub const DATA_CONTENT_TYPE: &str = "application/json";
+
+/// Builds messages for one resource and one encoding.
 #[derive(Debug)]
 pub struct Encoder {
-    cluster: String,
-    resource: ApiResource,
+    resource: Arc<ResourceInfo>,
     source_prefix: String,
     types: [String; 4],
     include_old_object: bool,
+    encoding: Encoding,
     // Size of the last payload: the next buffer starts that large, so serializing rarely
     // reallocates.
     size_hint: AtomicUsize,
@@ -75,11 +121,11 @@ pub struct Encoder {
 impl Clone for Encoder {
     fn clone(&self) -> Self {
         Self {
-            cluster: self.cluster.clone(),
             resource: self.resource.clone(),
             source_prefix: self.source_prefix.clone(),
             types: self.types.clone(),
             include_old_object: self.include_old_object,
+            encoding: self.encoding,
             size_hint: AtomicUsize::new(self.size_hint.load(Ordering::Relaxed)),
         }
     }
@@ -142,8 +188,13 @@ struct Data<'a> {
 }
 
 impl Encoder {
-    /// An encoder for objects of `resource` in `cluster`.
-    pub fn new(cluster: &str, resource: &ApiResource, options: &MessageConfig) -> Self {
+    /// An encoder for objects of `resource` in `cluster`, producing `encoding`.
+    pub fn new(
+        cluster: &str,
+        resource: &ApiResource,
+        options: &MessageConfig,
+        encoding: Encoding,
+    ) -> Self {
         let source_prefix = if resource.group.is_empty() {
             format!("/clusters/{cluster}/api/{}", resource.version)
         } else {
@@ -160,13 +211,24 @@ impl Encoder {
         ]
         .map(|t| format!("{TYPE_PREFIX}.{}", t.as_str()));
         Self {
-            cluster: cluster.to_owned(),
-            resource: resource.clone(),
+            resource: Arc::new(ResourceInfo {
+                cluster: cluster.to_owned(),
+                group: resource.group.clone(),
+                version: resource.version.clone(),
+                kind: resource.kind.clone(),
+                plural: resource.plural.clone(),
+            }),
             source_prefix,
             types,
             include_old_object: options.include_old_object,
+            encoding,
             size_hint: AtomicUsize::new(1024),
         }
+    }
+
+    /// The resource this encoder's messages are about.
+    pub fn resource(&self) -> &Arc<ResourceInfo> {
+        &self.resource
     }
 
     /// Encodes one notification about the object at `key` (`namespace/name`, as
@@ -201,23 +263,24 @@ impl Encoder {
                 ..
             } => (false, *final_state_unknown, None),
         };
+        let r = &*self.resource;
         let envelope = Envelope {
             specversion: "1.0",
             id: &id,
             source: Source {
                 prefix: &self.source_prefix,
                 namespace,
-                plural: &self.resource.plural,
+                plural: &r.plural,
             },
             ty: &self.types[event_type as usize],
             subject: key,
             time: n.observed,
-            datacontenttype: "application/json",
-            k8scluster: &self.cluster,
-            k8sgroup: &self.resource.group,
-            k8sversion: &self.resource.version,
-            k8skind: &self.resource.kind,
-            k8sresource: &self.resource.plural,
+            datacontenttype: DATA_CONTENT_TYPE,
+            k8scluster: &r.cluster,
+            k8sgroup: &r.group,
+            k8sversion: &r.version,
+            k8skind: &r.kind,
+            k8sresource: &r.plural,
             k8snamespace: namespace,
             k8sname: name,
             k8suid: uid,
@@ -230,18 +293,64 @@ impl Encoder {
             },
         };
         let mut payload = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed) + 256);
-        serde_json::to_writer(&mut payload, &envelope).map_err(|source| Error::Serialize {
+        let serialized = match self.encoding {
+            Encoding::Structured => serde_json::to_writer(&mut payload, &envelope),
+            Encoding::Binary => serde_json::to_writer(&mut payload, &envelope.data),
+        };
+        serialized.map_err(|source| Error::Serialize {
             key: key.to_owned(),
             source,
         })?;
         self.size_hint.store(payload.len(), Ordering::Relaxed);
+        let (attributes, content_type) = match self.encoding {
+            Encoding::Structured => (Vec::new(), STRUCTURED_CONTENT_TYPE),
+            Encoding::Binary => (envelope.attributes(), DATA_CONTENT_TYPE),
+        };
         Ok(Message {
             id,
             key: key.to_owned(),
             event_type,
-            payload,
+            payload: payload.into(),
+            attributes,
+            content_type,
+            resource: self.resource.clone(),
+            namespace: namespace.map(str::to_owned),
+            name: name.to_owned(),
             received: n.received,
         })
+    }
+}
+
+impl Envelope<'_> {
+    /// Binary mode: every attribute but `datacontenttype` and `data`, as strings. Extension
+    /// flags appear only when true, as in structured mode.
+    fn attributes(&self) -> Vec<(&'static str, String)> {
+        let mut a = vec![
+            ("specversion", self.specversion.to_owned()),
+            ("id", self.id.to_owned()),
+            ("source", self.source.to_string()),
+            ("type", self.ty.to_owned()),
+            ("subject", self.subject.to_owned()),
+            ("time", self.time.to_string()),
+            ("k8scluster", self.k8scluster.to_owned()),
+            ("k8sgroup", self.k8sgroup.to_owned()),
+            ("k8sversion", self.k8sversion.to_owned()),
+            ("k8skind", self.k8skind.to_owned()),
+            ("k8sresource", self.k8sresource.to_owned()),
+        ];
+        if let Some(ns) = self.k8snamespace {
+            a.push(("k8snamespace", ns.to_owned()));
+        }
+        a.push(("k8sname", self.k8sname.to_owned()));
+        a.push(("k8suid", self.k8suid.to_owned()));
+        a.push(("k8sresourceversion", self.k8sresourceversion.to_owned()));
+        if self.k8sinitial {
+            a.push(("k8sinitial", "true".to_owned()));
+        }
+        if self.k8sfinalstateunknown {
+            a.push(("k8sfinalstateunknown", "true".to_owned()));
+        }
+        a
     }
 }
 
@@ -314,7 +423,12 @@ mod tests {
 
     #[test]
     fn update_envelope_has_every_attribute() {
-        let enc = Encoder::new("prod", &configmaps(), &MessageConfig::default());
+        let enc = Encoder::new(
+            "prod",
+            &configmaps(),
+            &MessageConfig::default(),
+            Encoding::Structured,
+        );
         let m = enc
             .encode(
                 "ns/a",
@@ -346,7 +460,12 @@ mod tests {
 
     #[test]
     fn resync_and_delete_flags() {
-        let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
+        let enc = Encoder::new(
+            "c",
+            &configmaps(),
+            &MessageConfig::default(),
+            Encoding::Structured,
+        );
         let sync = enc.encode(
             "ns/a",
             &note(NotificationKind::Update {
@@ -384,7 +503,12 @@ mod tests {
     fn missing_uid_is_an_error_naming_the_object() {
         let mut o = (*obj("ns", "a", "1")).clone();
         o.metadata.uid = None;
-        let enc = Encoder::new("c", &configmaps(), &MessageConfig::default());
+        let enc = Encoder::new(
+            "c",
+            &configmaps(),
+            &MessageConfig::default(),
+            Encoding::Structured,
+        );
         let err = enc
             .encode(
                 "ns/a",

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub sink_failed: IntCounterVec,
     /// `keb_sink_bytes_total{sink,resource}`: payload bytes acknowledged.
     pub sink_bytes: IntCounterVec,
+    /// `keb_sink_in_flight{sink}`: publishes waiting for the destination's acknowledgement.
+    pub sink_in_flight: IntGaugeVec,
     /// `keb_sink_publish_duration_seconds{sink}`: publish call to acknowledgement.
     pub sink_publish_duration: HistogramVec,
     /// `keb_end_to_end_latency_seconds{resource,sink}`: watch event received to sink acknowledged.
@@ -152,6 +154,11 @@ impl Metrics {
                 "keb_sink_bytes_total",
                 "Payload bytes acknowledged by the sink",
                 &["sink", "resource"],
+            ),
+            sink_in_flight: gauge(
+                "keb_sink_in_flight",
+                "Publishes waiting for the destination's acknowledgement",
+                &["sink"],
             ),
             sink_publish_duration: latency(
                 "keb_sink_publish_duration_seconds",

@@ -327,11 +327,23 @@ async fn shutdown_mid_load_delivers_everything_the_informers_distributed() {
     assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
     let distributed: u64 = ["added", "updated", "deleted", "synced"]
         .iter()
-        .map(|t| metrics.informer_notifications.with_label_values(&["v1/configmaps", t]).get())
+        .map(|t| {
+            metrics
+                .informer_notifications
+                .with_label_values(&["v1/configmaps", t])
+                .get()
+        })
         .sum();
     let delivered = lines(&path);
     assert!(distributed >= 100);
-    assert_eq!(delivered.len() as u64, distributed, "every distributed notification was delivered");
-    let ids: std::collections::HashSet<&str> = delivered.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(
+        delivered.len() as u64,
+        distributed,
+        "every distributed notification was delivered"
+    );
+    let ids: std::collections::HashSet<&str> = delivered
+        .iter()
+        .map(|l| l["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids.len(), delivered.len(), "no duplicates");
 }

@@ -19,6 +19,17 @@ const SECTIONS: &[(&str, &str)] = &[
     ("RateLimitConfig", "sinks[].rate_limit."),
     ("StdoutSinkConfig", "sinks[].stdout."),
     ("RouteConfig", "routes[]."),
+    ("NatsSinkConfig", "sinks[].nats."),
+    ("NatsAuthConfig", "sinks[].nats.auth."),
+    ("NatsTlsConfig", "sinks[].nats.tls."),
+    ("NatsStreamConfig", "sinks[].nats.stream."),
+    ("SecretRef", "(secret)."),
+];
+
+/// The files whose structs make up the configuration.
+const SOURCES: &[&str] = &[
+    include_str!("../src/config.rs"),
+    include_str!("../src/sinks/nats/config.rs"),
 ];
 
 fn minimal_input() -> Value {
@@ -45,14 +56,30 @@ fn with_optional_sections() -> Value {
     v
 }
 
+/// A config whose first sink is a minimal NATS sink.
+fn with_nats() -> Value {
+    let mut v = minimal_input();
+    v["sinks"][0] = json!({"name": "out", "type": "nats", "nats": {
+        "servers": ["nats://localhost:4222"],
+        "stream": {"name": "K8S"},
+    }});
+    v
+}
+
 /// `(yaml path, doc, default)` for every field, from the source.
 fn fields() -> Vec<(String, String, String)> {
-    let src = include_str!("../src/config.rs");
+    let src = SOURCES.join("\n");
+    let src = src.as_str();
     let minimal = minimal_input();
     let sections = with_optional_sections();
+    let nats = with_nats();
     let effective_of =
         |v: &Value| serde_json::to_value(Config::from_value(v.clone()).unwrap()).unwrap();
-    let (minimal_effective, sections_effective) = (effective_of(&minimal), effective_of(&sections));
+    let (minimal_effective, sections_effective, nats_effective) = (
+        effective_of(&minimal),
+        effective_of(&sections),
+        effective_of(&nats),
+    );
     let mut out = Vec::new();
     let mut prefix: Option<&str> = None;
     let mut doc: Vec<String> = Vec::new();
@@ -92,12 +119,16 @@ fn fields() -> Vec<(String, String, String)> {
             let path = format!("{prefix}{name}");
             // A field of an optional section is described as if the section were present.
             let in_optional_section = path.matches('.').count() > 1;
-            let (input, effective) = if in_optional_section {
+            let (input, effective) = if path.starts_with("sinks[].nats.") {
+                (&nats, &nats_effective)
+            } else if in_optional_section {
                 (&sections, &sections_effective)
             } else {
                 (&minimal, &minimal_effective)
             };
-            let default = if lookup(input, &path).is_some() {
+            let default = if path.starts_with("(secret).") {
+                "one of file, env".to_owned()
+            } else if lookup(input, &path).is_some() {
                 "required".to_owned()
             } else {
                 match lookup(effective, &path) {

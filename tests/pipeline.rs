@@ -15,7 +15,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMe
 use kube_event_bridge::{
     config::MessageConfig,
     informer::{Notification, NotificationKind, ObjectRef},
-    message::{Encoder, Message},
+    message::{Encoder, Encoding, Message},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteQueue},
     sinks::{self, Sink},
@@ -191,7 +191,12 @@ fn harness_with(
         publish_limit,
         max_retries,
     });
-    let encoder = Encoder::new("test", &configmaps(), &MessageConfig::default());
+    let encoder = Encoder::new(
+        "test",
+        &configmaps(),
+        &MessageConfig::default(),
+        Encoding::Structured,
+    );
     let route = Arc::new(Route::new(
         "configmap".into(),
         queue.clone(),

@@ -2,7 +2,7 @@
 
 use std::{collections::VecDeque, sync::Arc};
 
-use prometheus::{Histogram, IntCounter, IntCounterVec};
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 use serde_json::json;
 use tokio::task::JoinHandle;
 use tracing::{debug, error, warn};
@@ -30,6 +30,7 @@ pub struct Delivery {
 
 struct RouteMetrics {
     published: [IntCounter; 4],
+    in_flight: IntGauge,
     bytes: IntCounter,
     publish_duration: Histogram,
     end_to_end: Histogram,
@@ -67,6 +68,7 @@ impl Route {
                     .sink_published
                     .with_label_values(&[labels[0], labels[1], t])
             }),
+            in_flight: metrics.sink_in_flight.with_label_values(&[labels[0]]),
             bytes: metrics.sink_bytes.with_label_values(&labels),
             publish_duration: metrics
                 .sink_publish_duration
@@ -181,7 +183,10 @@ impl Route {
             }
         }
         let started = std::time::Instant::now();
-        match sink.publish(&message).await {
+        self.metrics.in_flight.inc();
+        let result = sink.publish(&message).await;
+        self.metrics.in_flight.dec();
+        match result {
             Ok(()) => {
                 self.metrics
                     .publish_duration
@@ -245,7 +250,12 @@ impl Route {
             id,
             key: key.to_owned(),
             event_type: n.event_type(),
-            payload: record.to_string().into_bytes(),
+            payload: record.to_string().into(),
+            attributes: Vec::new(),
+            content_type: crate::message::DATA_CONTENT_TYPE,
+            resource: self.encoder.resource().clone(),
+            namespace: meta.namespace.clone(),
+            name: meta.name.clone().unwrap_or_default(),
             received: n.received,
         };
         if let Err(err) = dlq.publish(&dead).await {

@@ -1,18 +1,29 @@
 //! Sinks: where messages go. Every sink implements [`Sink`]; a publish returns only once the
 //! destination has accepted the message, and its error says whether a retry can help.
 
+pub mod nats;
 pub mod stdout;
+pub mod template;
 
 use futures::future::BoxFuture;
 
 use crate::message::Message;
 
-/// Errors of a publish or flush.
+/// Errors of a sink. Each says whether retrying the same message can help
+/// ([`Error::is_retriable`]) and gives a bounded label for metrics ([`Error::reason`]).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// Writing failed (a closed pipe, a full disk); worth retrying.
     #[error("write failed: {0}")]
     Io(#[source] std::io::Error),
+    /// The destination cannot take messages now (disconnected, no stream answering, too many
+    /// pending acks); worth retrying.
+    #[error("destination unavailable: {0}")]
+    Unavailable(String),
+    /// No acknowledgement in time; the message may or may not have been stored, so it is
+    /// retried (with the same id, which brokers deduplicate).
+    #[error("no acknowledgement in time: {0}")]
+    TimedOut(String),
     /// The destination will never take this message: it is larger than it accepts.
     #[error("message of {size} bytes is larger than the {max} bytes the destination accepts")]
     TooLarge {
@@ -21,6 +32,17 @@ pub enum Error {
         /// The destination's limit.
         max: usize,
     },
+    /// The message's topic or subject is not valid for the destination.
+    #[error("invalid destination {destination:?}: {reason}")]
+    InvalidDestination {
+        /// The rendered topic or subject.
+        destination: String,
+        /// Why it is invalid.
+        reason: String,
+    },
+    /// The destination refuses this client the message (permissions).
+    #[error("denied: {0}")]
+    Denied(String),
     /// The sink could not be set up at start.
     #[error("cannot open {what}: {source}")]
     Open {
@@ -30,23 +52,28 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The sink could not connect or check its destination at start.
+    #[error("{0}")]
+    Setup(String),
 }
 
 impl Error {
     /// Whether publishing the same message again can succeed.
     pub fn is_retriable(&self) -> bool {
-        match self {
-            Self::Io(_) => true,
-            Self::TooLarge { .. } | Self::Open { .. } => false,
-        }
+        matches!(self, Self::Io(_) | Self::Unavailable(_) | Self::TimedOut(_))
     }
 
     /// A short, bounded label for the `reason` of `keb_sink_failed_total`.
     pub fn reason(&self) -> &'static str {
         match self {
             Self::Io(_) => "io",
+            Self::Unavailable(_) => "unavailable",
+            Self::TimedOut(_) => "timeout",
             Self::TooLarge { .. } => "too_large",
+            Self::InvalidDestination { .. } => "invalid_destination",
+            Self::Denied(_) => "denied",
             Self::Open { .. } => "open",
+            Self::Setup(_) => "setup",
         }
     }
 }
@@ -62,4 +89,8 @@ pub trait Sink: Send + Sync {
     fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<()>>;
     /// Pushes out anything buffered; called once at shutdown.
     fn flush(&self) -> BoxFuture<'_, Result<()>>;
+    /// Why the sink cannot publish now (for `/readyz`), or `Ok`.
+    fn health(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
 }

@@ -78,7 +78,18 @@ mod tests {
                 id: format!("u:{i}:added"),
                 key: "ns/a".into(),
                 event_type: EventType::Added,
-                payload: format!("{{\"n\":{i}}}").into_bytes(),
+                payload: format!("{{\"n\":{i}}}").into(),
+                attributes: Vec::new(),
+                content_type: crate::message::STRUCTURED_CONTENT_TYPE,
+                resource: std::sync::Arc::new(crate::message::ResourceInfo {
+                    cluster: "c".into(),
+                    group: String::new(),
+                    version: "v1".into(),
+                    kind: "ConfigMap".into(),
+                    plural: "configmaps".into(),
+                }),
+                namespace: Some("ns".into()),
+                name: "a".into(),
                 received: std::time::Instant::now(),
             };
             sink.publish(&m).await.unwrap();

@@ -1,0 +1,242 @@
+//! Settings of a `nats` sink.
+
+use std::{path::PathBuf, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+use crate::{config::SecretRef, message::Encoding};
+
+/// Settings of a `nats` sink.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSinkConfig {
+    /// Server URLs (`nats://host:4222`, `tls://host:4222`); several for a cluster.
+    pub servers: Vec<String>,
+    /// `jetstream`: delivered means the stream stored the message (PubAck), at least once.
+    /// `core`: delivered means handed to the connection, at most once.
+    #[serde(default)]
+    pub mode: NatsMode,
+    /// Subject template; placeholder values are escaped into single tokens (see README).
+    #[serde(default = "default_subject")]
+    pub subject: String,
+    /// `structured` (one JSON CloudEvent) or `binary` (`ce-*` headers, data as the body).
+    #[serde(default)]
+    pub encoding: Encoding,
+    /// Most JetStream publishes waiting for their PubAck at once; publishers wait beyond it.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: usize,
+    /// How long to wait for a PubAck before the publish counts as failed (and is retried).
+    #[serde(default = "default_ack_timeout", with = "humantime_serde")]
+    pub ack_timeout: Duration,
+    /// How long the first connection may take before start fails.
+    #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// Credentials; at most one method.
+    #[serde(default)]
+    pub auth: NatsAuthConfig,
+    /// TLS settings; a `tls://` server URL or this section turns TLS on.
+    #[serde(default)]
+    pub tls: Option<NatsTlsConfig>,
+    /// The JetStream stream the subjects belong to (required in `jetstream` mode).
+    #[serde(default)]
+    pub stream: Option<NatsStreamConfig>,
+}
+
+/// How a `nats` sink publishes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NatsMode {
+    /// JetStream publish, acknowledged by the stream.
+    #[default]
+    Jetstream,
+    /// Core NATS publish, not acknowledged.
+    Core,
+}
+
+/// NATS credentials. Secrets come from files or environment variables, never inline.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsAuthConfig {
+    /// A token.
+    #[serde(default)]
+    pub token: Option<SecretRef>,
+    /// A user name (with `password`).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The user's password.
+    #[serde(default)]
+    pub password: Option<SecretRef>,
+    /// An NKey seed (`SU…`).
+    #[serde(default)]
+    pub nkey_seed: Option<SecretRef>,
+    /// A `.creds` file (JWT and NKey seed).
+    #[serde(default)]
+    pub credentials_file: Option<PathBuf>,
+}
+
+/// TLS towards the NATS servers.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsTlsConfig {
+    /// PEM file of the CA that signed the servers' certificates; unset means the system roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate, for mutual TLS (with `key_file`).
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of `cert_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+}
+
+/// The JetStream stream a sink publishes into.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsStreamConfig {
+    /// Stream name. At start the stream must exist (or be created) and cover the subjects.
+    pub name: String,
+    /// Create the stream, or update its settings, at start.
+    #[serde(default)]
+    pub create: bool,
+    /// Subjects of a created stream; unset means the subject template with each placeholder
+    /// token as `*`.
+    #[serde(default)]
+    pub subjects: Vec<String>,
+    /// Retention of a created stream: `limits`, `interest` or `workqueue`.
+    #[serde(default)]
+    pub retention: StreamRetention,
+    /// Storage of a created stream: `file` or `memory`.
+    #[serde(default)]
+    pub storage: StreamStorage,
+    /// Oldest message a created stream keeps; 0 means no limit.
+    #[serde(default, with = "humantime_serde")]
+    pub max_age: Duration,
+    /// Most bytes a created stream keeps; unset means no limit.
+    #[serde(default)]
+    pub max_bytes: Option<i64>,
+    /// Replicas of a created stream.
+    #[serde(default = "default_replicas")]
+    pub replicas: usize,
+    /// Window in which the server drops a message whose `Nats-Msg-Id` it has seen.
+    #[serde(default = "default_duplicate_window", with = "humantime_serde")]
+    pub duplicate_window: Duration,
+}
+
+/// JetStream retention policies.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamRetention {
+    /// Keep messages up to the limits.
+    #[default]
+    Limits,
+    /// Keep messages while a consumer is interested.
+    Interest,
+    /// Keep each message until one consumer acknowledges it.
+    Workqueue,
+}
+
+/// JetStream storage types.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamStorage {
+    /// On disk.
+    #[default]
+    File,
+    /// In memory.
+    Memory,
+}
+
+fn default_subject() -> String {
+    "k8s.{cluster}.{group}.{kind}.{namespace}.{name}".into()
+}
+// async-nats' default window is 5000 acks; 1024 bounds memory at a few MB of 1 KB messages.
+fn default_max_in_flight() -> usize {
+    1024
+}
+fn default_ack_timeout() -> Duration {
+    Duration::from_secs(5)
+}
+fn default_connect_timeout() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_replicas() -> usize {
+    1
+}
+// nats-server's default duplicate window.
+fn default_duplicate_window() -> Duration {
+    Duration::from_secs(120)
+}
+
+impl NatsSinkConfig {
+    /// Field checks; each error is `(path below the sink, reason)`.
+    pub fn validate(&self) -> Vec<(String, String)> {
+        let mut errors = Vec::new();
+        let mut err = |path: &str, reason: String| errors.push((path.to_owned(), reason));
+        if self.servers.is_empty() {
+            err("servers", "at least one server URL is required".into());
+        }
+        match crate::sinks::template::Template::parse(&self.subject) {
+            Err(e) => err("subject", e.to_string()),
+            Ok(t) => {
+                let wildcard = crate::sinks::template::nats_wildcard(&t);
+                if !crate::sinks::template::is_valid_nats_subject(&wildcard.replace('*', "x")) {
+                    err(
+                        "subject",
+                        format!(
+                            "{:?} does not make valid subjects (tokens separated by `.`)",
+                            self.subject
+                        ),
+                    );
+                }
+            }
+        }
+        if self.max_in_flight == 0 {
+            err("max_in_flight", "must be at least 1".into());
+        }
+        if self.mode == NatsMode::Jetstream && self.stream.is_none() {
+            err(
+                "stream",
+                "jetstream mode needs the stream (at least `stream.name`)".into(),
+            );
+        }
+        if let Some(s) = &self.stream {
+            if s.name.is_empty() || s.name.contains(['.', ' ', '*', '>']) {
+                err("stream.name", format!("{:?} is not a stream name", s.name));
+            }
+            if s.replicas == 0 {
+                err("stream.replicas", "must be at least 1".into());
+            }
+        }
+        let a = &self.auth;
+        let methods = [
+            a.token.is_some(),
+            a.user.is_some(),
+            a.nkey_seed.is_some(),
+            a.credentials_file.is_some(),
+        ];
+        if methods.iter().filter(|m| **m).count() > 1 {
+            err(
+                "auth",
+                "choose one of token, user/password, nkey_seed, credentials_file".into(),
+            );
+        }
+        if a.user.is_some() != a.password.is_some() {
+            err("auth", "user and password go together".into());
+        }
+        for (name, secret) in [
+            ("auth.token", &a.token),
+            ("auth.password", &a.password),
+            ("auth.nkey_seed", &a.nkey_seed),
+        ] {
+            if let Some(reason) = secret.as_ref().and_then(SecretRef::problem) {
+                err(name, reason);
+            }
+        }
+        if let Some(tls) = &self.tls
+            && tls.cert_file.is_some() != tls.key_file.is_some()
+        {
+            err("tls", "cert_file and key_file go together".into());
+        }
+        errors
+    }
+}

@@ -1,0 +1,10 @@
+//! The `nats` sink: JetStream (acknowledged, deduplicated by `Nats-Msg-Id`) or core NATS.
+
+mod config;
+mod sink;
+
+pub use config::{
+    NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, NatsTlsConfig, StreamRetention,
+    StreamStorage,
+};
+pub use sink::NatsSink;

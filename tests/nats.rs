@@ -1,0 +1,462 @@
+//! The NATS sink against a real nats-server (JetStream, file storage), fed by the whole
+//! service: API test server → informer → pipeline → NATS.
+
+mod support;
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use kube_event_bridge::{
+    app::App,
+    config::Config,
+    sinks::{
+        Sink,
+        nats::NatsSink,
+        template::{Field, unescape_nats_token},
+    },
+};
+use serde_json::{Value, json};
+use support::{
+    ApiServer, configmap, eventually,
+    nats::{NatsServer, read_stream, stream_len},
+    typed,
+};
+
+const STREAM: &str = "K8S";
+
+fn nats_sink(name: &str, url: &str, extra: Value) -> Value {
+    let mut nats = json!({
+        "servers": [url],
+        "ack_timeout": "1s",
+        "stream": {"name": STREAM, "create": true, "subjects": ["k8s.>"], "duplicate_window": "10m"},
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        nats[k] = v.clone();
+    }
+    json!({"name": name, "type": "nats", "workers": 16, "nats": nats,
+           "retry": {"base_delay": "10ms", "max_delay": "500ms", "qps": 1000.0, "burst": 1000}})
+}
+
+fn config(sinks: Vec<Value>, routes: Value) -> Config {
+    Config::from_value(json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "shutdown": {"grace_period": "10s"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": sinks,
+        "routes": routes,
+    }))
+    .unwrap()
+}
+
+struct Running {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<kube_event_bridge::app::Report>,
+    metrics: Arc<kube_event_bridge::metrics::Metrics>,
+}
+
+async fn run(cfg: Config, api: &ApiServer) -> Running {
+    let app = App::build(cfg, api.client()).await.unwrap();
+    let metrics = app.metrics().clone();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    Running {
+        stop: Some(stop),
+        task,
+        metrics,
+    }
+}
+
+impl Running {
+    async fn stop(mut self) -> kube_event_bridge::app::Report {
+        self.stop.take().unwrap().send(()).unwrap();
+        self.task.await.unwrap()
+    }
+}
+
+async fn wait_for_stream(url: &str, n: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let len = stream_len(url, STREAM).await;
+        if len >= n {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "stream has {len} of {n} messages"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Per object key: the resourceVersions of its messages in stream order; and all ids.
+fn by_object(messages: &[Value]) -> (HashMap<String, Vec<u64>>, Vec<String>) {
+    let mut per_key: HashMap<String, Vec<u64>> = HashMap::new();
+    let mut ids = Vec::new();
+    for m in messages {
+        per_key
+            .entry(m["subject"].as_str().unwrap().to_owned())
+            .or_default()
+            .push(m["k8sresourceversion"].as_str().unwrap().parse().unwrap());
+        ids.push(m["id"].as_str().unwrap().to_owned());
+    }
+    (per_key, ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_gets_every_notification_once_in_order_with_escaped_subjects() {
+    let nats = NatsServer::start();
+    let api = ApiServer::start().await;
+    for i in 0..10 {
+        api.create(typed(&configmap(
+            "team-a",
+            &format!("app.v{i}.config"),
+            "1",
+        )));
+    }
+    let running = run(
+        config(
+            vec![nats_sink("nats", &nats.url(), json!({}))],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        ),
+        &api,
+    )
+    .await;
+    wait_for_stream(&nats.url(), 10).await;
+    for i in 0..10 {
+        api.update(typed(&configmap(
+            "team-a",
+            &format!("app.v{i}.config"),
+            "2",
+        )));
+    }
+    for i in 0..4 {
+        api.delete("v1", "ConfigMap", "team-a", &format!("app.v{i}.config"));
+    }
+    wait_for_stream(&nats.url(), 24).await;
+    let report = running.stop().await;
+    assert!(report.undelivered.is_empty());
+
+    let raw = read_stream(&nats.url(), STREAM).await;
+    assert_eq!(raw.len(), 24);
+    let mut events = Vec::new();
+    for m in &raw {
+        let event: Value = serde_json::from_slice(&m.payload).unwrap();
+        let headers = m.headers.clone();
+        assert_eq!(
+            headers.get("Nats-Msg-Id").unwrap().as_str(),
+            event["id"].as_str().unwrap()
+        );
+        assert_eq!(
+            headers.get("content-type").unwrap().as_str(),
+            "application/cloudevents+json"
+        );
+        // k8s.{cluster}.{group}.{kind}.{namespace}.{name}, the name escaped into one token.
+        let tokens: Vec<&str> = m.subject.split('.').collect();
+        assert_eq!(tokens.len(), 6, "{}", m.subject);
+        assert_eq!(&tokens[..5], ["k8s", "test", "core", "ConfigMap", "team-a"]);
+        assert_eq!(
+            unescape_nats_token(Field::Group, tokens[2]).as_deref(),
+            Some("")
+        );
+        assert_eq!(
+            unescape_nats_token(Field::Name, tokens[5]).unwrap(),
+            event["k8sname"].as_str().unwrap()
+        );
+        assert!(
+            tokens[5].contains("%2E"),
+            "dots in names are escaped: {}",
+            m.subject
+        );
+        events.push(event);
+    }
+    let (per_key, ids) = by_object(&events);
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "one message per id");
+    assert_eq!(per_key.len(), 10);
+    for (key, rvs) in &per_key {
+        assert!(rvs.windows(2).all(|w| w[0] < w[1]), "{key}: {rvs:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_mode_puts_attributes_in_ce_headers_and_data_in_the_body() {
+    let nats = NatsServer::start();
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "a", "1")));
+    let running = run(
+        config(
+            vec![nats_sink(
+                "nats",
+                &nats.url(),
+                json!({
+                    "encoding": "binary",
+                    "subject": "events.{namespace}.{name}.{type}",
+                    "stream": {"name": STREAM, "create": true, "subjects": ["events.>"]},
+                }),
+            )],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        ),
+        &api,
+    )
+    .await;
+    wait_for_stream(&nats.url(), 1).await;
+    running.stop().await;
+    let m = &read_stream(&nats.url(), STREAM).await[0];
+    assert_eq!(m.subject.as_str(), "events.ns.a.added");
+    let h = &m.headers;
+    assert_eq!(h.get("ce-specversion").unwrap().as_str(), "1.0");
+    assert_eq!(
+        h.get("ce-type").unwrap().as_str(),
+        "io.github.kube-event-bridge.object.added"
+    );
+    assert_eq!(h.get("ce-subject").unwrap().as_str(), "ns/a");
+    assert_eq!(h.get("ce-k8skind").unwrap().as_str(), "ConfigMap");
+    assert_eq!(h.get("ce-k8sinitial").unwrap().as_str(), "true");
+    assert_eq!(h.get("content-type").unwrap().as_str(), "application/json");
+    assert_eq!(
+        h.get("ce-id").unwrap().as_str(),
+        h.get("Nats-Msg-Id").unwrap().as_str()
+    );
+    let data: Value = serde_json::from_slice(&m.payload).unwrap();
+    assert_eq!(data["object"]["data"]["v"], "1");
+    assert!(
+        data.get("specversion").is_none(),
+        "the body is the data, not the envelope"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_restart_during_load_loses_nothing() {
+    let mut nats = NatsServer::start();
+    let api = Arc::new(ApiServer::start().await);
+    api.create(typed(&configmap("ns", "marker", "1")));
+    let running = run(
+        config(
+            vec![nats_sink("nats", &nats.url(), json!({}))],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        ),
+        &api,
+    )
+    .await;
+    // Once the marker is in, the informer watches: every write below is one notification.
+    wait_for_stream(&nats.url(), 1).await;
+    let writer = tokio::spawn({
+        let api = api.clone();
+        async move {
+            for i in 0..200 {
+                api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+                api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
+                if i % 20 == 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    });
+    wait_for_stream(&nats.url(), 51).await;
+    // Mid-load, down for longer than the ack timeout: publishes fail or time out and are retried.
+    tokio::task::block_in_place(|| nats.restart_after(Duration::from_millis(1500)));
+    writer.await.unwrap();
+    wait_for_stream(&nats.url(), 401).await;
+    let failed: u64 = ["timeout", "unavailable"]
+        .iter()
+        .map(|r| {
+            running
+                .metrics
+                .sink_failed
+                .with_label_values(&["nats", "configmap", r])
+                .get()
+        })
+        .sum();
+    assert!(
+        failed > 0,
+        "the outage made publishes fail (and be retried)"
+    );
+    let report = running.stop().await;
+    assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
+    let events: Vec<Value> = read_stream(&nats.url(), STREAM)
+        .await
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect();
+    let (per_key, ids) = by_object(&events);
+    let unique: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(unique.len(), 401, "every notification arrived");
+    assert_eq!(ids.len(), 401, "duplicates were dropped by Nats-Msg-Id");
+    for (key, rvs) in per_key.iter().filter(|(k, _)| *k != "ns/marker") {
+        assert_eq!(rvs.len(), 2, "{key}");
+        assert!(rvs[0] < rvs[1], "{key}: {rvs:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_over_max_payload_goes_to_the_dead_letter_subject_and_the_rest_goes_on() {
+    let nats = NatsServer::with_config("max_payload: 4096");
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "small", "1")));
+    api.create(typed(&configmap("ns", "huge", &"x".repeat(10_000))));
+    let mut main = nats_sink("nats", &nats.url(), json!({}));
+    main["dead_letter"] = json!("dlq");
+    let dlq = nats_sink(
+        "dlq",
+        &nats.url(),
+        json!({"subject": "k8s.deadletter.{kind}"}),
+    );
+    let running = run(
+        config(
+            vec![main, dlq],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        ),
+        &api,
+    )
+    .await;
+    wait_for_stream(&nats.url(), 2).await;
+    api.update(typed(&configmap("ns", "small", "2")));
+    wait_for_stream(&nats.url(), 3).await;
+    let report = running.stop().await;
+    assert!(report.undelivered.is_empty());
+    let messages = read_stream(&nats.url(), STREAM).await;
+    let dead: Vec<_> = messages
+        .iter()
+        .filter(|m| m.subject.as_str() == "k8s.deadletter.ConfigMap")
+        .collect();
+    assert_eq!(dead.len(), 1);
+    let record: Value = serde_json::from_slice(&dead[0].payload).unwrap();
+    assert_eq!(record["key"], "ns/huge");
+    assert_eq!(record["reason"], "too_large");
+    assert!(record["size"].as_u64().unwrap() > 10_000);
+    let small = messages
+        .iter()
+        .filter(|m| m.subject.as_str().ends_with(".small"))
+        .count();
+    assert_eq!(small, 2, "the pipeline went on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_credentials_are_a_clear_start_error_and_right_ones_work() {
+    let nats = NatsServer::with_config("authorization { user: bridge, password: s3cret-pw }");
+    let cfg = |var: &str| {
+        let sink = nats_sink(
+            "nats",
+            &nats.url(),
+            json!({"auth": {"user": "bridge", "password": {"env": var}}, "mode": "core", "stream": null}),
+        );
+        serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink)
+            .unwrap()
+            .nats
+            .unwrap()
+    };
+    // SAFETY: tests in this binary do not read these variables concurrently.
+    unsafe {
+        std::env::set_var("KEB_TEST_NATS_WRONG", "not-the-password");
+        std::env::set_var("KEB_TEST_NATS_RIGHT", "s3cret-pw");
+    }
+    let err = NatsSink::connect("nats", &cfg("KEB_TEST_NATS_WRONG"))
+        .await
+        .err()
+        .expect("wrong password fails");
+    let text = err.to_string();
+    assert!(text.contains(&nats.url()), "{text}");
+    assert!(text.to_lowercase().contains("authorization"), "{text}");
+    assert!(
+        !text.contains("not-the-password"),
+        "secrets never appear in errors"
+    );
+    let sink = NatsSink::connect("nats", &cfg("KEB_TEST_NATS_RIGHT"))
+        .await
+        .unwrap();
+    assert!(sink.health().is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_does_not_cover_the_subjects_is_a_start_error() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    async_nats::jetstream::new(client)
+        .create_stream(async_nats::jetstream::stream::Config {
+            name: "OTHER".into(),
+            subjects: vec!["other.>".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let sink = nats_sink("nats", &nats.url(), json!({"stream": {"name": "OTHER"}}));
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink)
+        .unwrap()
+        .nats
+        .unwrap();
+    let err = NatsSink::connect("nats", &cfg)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("stream OTHER") && err.contains("do not cover \"k8s.*.*.*.*.*\""),
+        "{err}"
+    );
+    let missing = nats_sink("nats", &nats.url(), json!({"stream": {"name": "NOPE"}}));
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(missing)
+        .unwrap()
+        .nats
+        .unwrap();
+    let err = NatsSink::connect("nats", &cfg)
+        .await
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("stream NOPE") && err.contains("stream.create"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn core_mode_publishes_to_subscribers_and_health_follows_the_connection() {
+    let mut nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut sub = client.subscribe("k8s.>").await.unwrap();
+    client.flush().await.unwrap();
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "a", "1")));
+    let running = run(
+        config(
+            vec![nats_sink(
+                "nats",
+                &nats.url(),
+                json!({"mode": "core", "stream": null}),
+            )],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        ),
+        &api,
+    )
+    .await;
+    let m = tokio::time::timeout(Duration::from_secs(20), futures::StreamExt::next(&mut sub))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m.subject.as_str(), "k8s.test.core.ConfigMap.ns.a");
+    assert!(
+        m.headers
+            .as_ref()
+            .and_then(|h| h.get("Nats-Msg-Id"))
+            .is_none(),
+        "no JetStream headers in core mode"
+    );
+    running.stop().await;
+
+    let sink_cfg = nats_sink("nats", &nats.url(), json!({"mode": "core", "stream": null}));
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink_cfg)
+        .unwrap()
+        .nats
+        .unwrap();
+    let sink = NatsSink::connect("nats", &cfg).await.unwrap();
+    assert!(sink.health().is_ok());
+    nats.stop();
+    eventually("health reports the lost connection", || {
+        sink.health().is_err()
+    })
+    .await;
+    nats.restart();
+    eventually("health recovers", || sink.health().is_ok()).await;
+}
