@@ -29,7 +29,7 @@ use crate::{
     message::{Encoder, object_transform},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteQueue},
-    sinks::{self, Sink, nats::NatsSink, stdout::StdoutSink},
+    sinks::{self, Sink, kafka::KafkaSink, nats::NatsSink, stdout::StdoutSink},
     workqueue::{
         TokenBucket,
         rate_limiter::{RetrySettings, controller_rate_limiter},
@@ -93,6 +93,7 @@ impl App {
             metrics.clone(),
         ));
         let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
+        let mut kafka_sinks: HashMap<String, Arc<KafkaSink>> = HashMap::new();
         for s in &config.sinks {
             let sink: Arc<dyn Sink> = match s.kind {
                 SinkType::Stdout => {
@@ -101,6 +102,12 @@ impl App {
                 }
                 SinkType::Nats => {
                     Arc::new(NatsSink::connect(&s.name, s.nats.as_ref().expect("validated")).await?)
+                }
+                SinkType::Kafka => {
+                    let cfg = s.kafka.as_ref().expect("validated");
+                    let sink = Arc::new(KafkaSink::connect(&s.name, cfg).await?);
+                    kafka_sinks.insert(s.name.clone(), sink.clone());
+                    sink
                 }
             };
             sinks.insert(s.name.clone(), sink);
@@ -194,6 +201,27 @@ impl App {
                     &config.message,
                     sink_cfg.encoding(),
                 );
+                if let (Some(kafka), Some(topics_cfg)) = (
+                    kafka_sinks.get(sink_name.as_str()),
+                    sink_cfg
+                        .kafka
+                        .as_ref()
+                        .and_then(|k| k.create_topics.as_ref()),
+                ) {
+                    let topics = kafka.topics_for(&encoder.sample_message(), &r.namespaces).ok_or_else(|| {
+                        sinks::Error::Setup(format!(
+                            "sink {sink_name}: create_topics needs topics known at start, but the topic \
+                             template uses {{namespace}} and resource {name:?} watches all namespaces"
+                        ))
+                    })?;
+                    kafka
+                        .create_topics(
+                            &topics,
+                            topics_cfg.partitions,
+                            topics_cfg.replication_factor,
+                        )
+                        .await?;
+                }
                 let route = Route::new(name.clone(), queue, encoder, delivery.clone(), &metrics);
                 routes.push((Arc::new(route), sink_cfg.workers));
             }

@@ -293,13 +293,17 @@ pub struct SinkConfig {
     /// Settings of a `nats` sink.
     #[serde(default)]
     pub nats: Option<crate::sinks::nats::NatsSinkConfig>,
+    /// Settings of a `kafka` sink.
+    #[serde(default)]
+    pub kafka: Option<crate::sinks::kafka::KafkaSinkConfig>,
 }
 
 impl SinkConfig {
     /// The CloudEvents content mode of this sink's messages.
     pub fn encoding(&self) -> crate::message::Encoding {
-        match (self.kind, &self.nats) {
-            (SinkType::Nats, Some(n)) => n.encoding,
+        match (self.kind, &self.nats, &self.kafka) {
+            (SinkType::Nats, Some(n), _) => n.encoding,
+            (SinkType::Kafka, _, Some(k)) => k.message_encoding(),
             _ => crate::message::Encoding::Structured,
         }
     }
@@ -395,6 +399,8 @@ pub enum SinkType {
     Stdout,
     /// NATS subjects, JetStream (default) or core NATS.
     Nats,
+    /// Kafka topics.
+    Kafka,
 }
 
 /// Settings of a `stdout` sink.
@@ -596,6 +602,7 @@ impl Config {
             let sections = [
                 (SinkType::Stdout, "stdout", s.stdout.is_some()),
                 (SinkType::Nats, "nats", s.nats.is_some()),
+                (SinkType::Kafka, "kafka", s.kafka.is_some()),
             ];
             for (kind, section, present) in sections {
                 if present && s.kind != kind {
@@ -614,6 +621,19 @@ impl Config {
                     Some(n) => {
                         for (path, reason) in n.validate() {
                             err(at(&format!("nats.{path}")), reason);
+                        }
+                    }
+                }
+            }
+            if s.kind == SinkType::Kafka {
+                match &s.kafka {
+                    None => err(
+                        at("kafka"),
+                        "a kafka sink needs this section (at least `brokers`)".into(),
+                    ),
+                    Some(k) => {
+                        for (path, reason) in k.validate() {
+                            err(at(&format!("kafka.{path}")), reason);
                         }
                     }
                 }
@@ -890,6 +910,42 @@ mod tests {
             errors_of(v).contains(
                 &"sinks[0].nats: only a sink of type nats takes this section".to_string()
             )
+        );
+    }
+
+    #[test]
+    fn kafka_sink_problems_are_named_by_path() {
+        let mut v = minimal();
+        v["sinks"] = json!([{"name": "out", "type": "kafka", "kafka": {
+            "brokers": [],
+            "topic": "k8s.{name}",
+            "mode": "state",
+            "encoding": "binary",
+            "properties": {"acks": "1"},
+            "sasl": {"mechanism": "PLAIN", "username": "u", "password": {}},
+        }}]);
+        let e = errors_of(v);
+        for expected in [
+            "sinks[0].kafka.brokers: at least one broker is required",
+            "sinks[0].kafka.topic: placeholder {name} is not allowed here",
+            "sinks[0].kafka.encoding: state mode writes objects",
+            "sinks[0].kafka.properties.acks: set by the sink itself",
+            "sinks[0].kafka.sasl.password: give exactly one of `file` and `env`",
+        ] {
+            assert!(
+                e.iter().any(|l| l.starts_with(expected)),
+                "{expected:?} not in {e:?}"
+            );
+        }
+        let mut v = minimal();
+        v["sinks"][0]["type"] = json!("kafka");
+        v["sinks"][0]["kafka"] = json!({"brokers": ["b:9092"], "topic": "k8s/{resource}"});
+        let e = errors_of(v);
+        assert!(
+            e.iter().any(|l| l.starts_with(
+                "sinks[0].kafka.topic: \"k8s/{resource}\" does not make valid topic names"
+            )),
+            "{e:?}"
         );
     }
 

@@ -57,6 +57,10 @@ pub enum Encoding {
     Structured,
     /// The event's `data` as the body, every other attribute as a header.
     Binary,
+    /// Not a CloudEvents mode: the body is the newest object alone, empty for deletes (a
+    /// tombstone), and the attributes travel as headers. For compacted state topics.
+    #[serde(skip)]
+    State,
 }
 
 /// The resource a message is about; shared by every message of an encoder.
@@ -84,6 +88,7 @@ pub struct Message {
     /// The notification type.
     pub event_type: EventType,
     /// Structured mode: the whole CloudEvent (JSON). Binary mode: the event's `data` (JSON).
+    /// State mode: the object (JSON), empty for a delete.
     pub payload: Bytes,
     /// Binary mode: every CloudEvents attribute but `datacontenttype`, by attribute name
     /// (sinks add their protocol's prefix, `ce-` or `ce_`); empty in structured mode.
@@ -231,6 +236,23 @@ impl Encoder {
         &self.resource
     }
 
+    /// An empty message about this encoder's resource, for rendering what does not depend on
+    /// the object (topic names known at start).
+    pub fn sample_message(&self) -> Message {
+        Message {
+            id: String::new(),
+            key: String::new(),
+            event_type: EventType::Added,
+            payload: Bytes::new(),
+            attributes: Vec::new(),
+            content_type: DATA_CONTENT_TYPE,
+            resource: self.resource.clone(),
+            namespace: None,
+            name: String::new(),
+            received: std::time::Instant::now(),
+        }
+    }
+
     /// Encodes one notification about the object at `key` (`namespace/name`, as
     /// [`Notification::key`] gives it).
     pub fn encode(&self, key: &str, n: &Notification) -> Result<Message> {
@@ -296,6 +318,8 @@ impl Encoder {
         let serialized = match self.encoding {
             Encoding::Structured => serde_json::to_writer(&mut payload, &envelope),
             Encoding::Binary => serde_json::to_writer(&mut payload, &envelope.data),
+            Encoding::State if event_type == EventType::Deleted => Ok(()),
+            Encoding::State => serde_json::to_writer(&mut payload, obj),
         };
         serialized.map_err(|source| Error::Serialize {
             key: key.to_owned(),
@@ -304,7 +328,7 @@ impl Encoder {
         self.size_hint.store(payload.len(), Ordering::Relaxed);
         let (attributes, content_type) = match self.encoding {
             Encoding::Structured => (Vec::new(), STRUCTURED_CONTENT_TYPE),
-            Encoding::Binary => (envelope.attributes(), DATA_CONTENT_TYPE),
+            Encoding::Binary | Encoding::State => (envelope.attributes(), DATA_CONTENT_TYPE),
         };
         Ok(Message {
             id,

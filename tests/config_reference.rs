@@ -23,6 +23,10 @@ const SECTIONS: &[(&str, &str)] = &[
     ("NatsAuthConfig", "sinks[].nats.auth."),
     ("NatsTlsConfig", "sinks[].nats.tls."),
     ("NatsStreamConfig", "sinks[].nats.stream."),
+    ("KafkaSinkConfig", "sinks[].kafka."),
+    ("KafkaTlsConfig", "sinks[].kafka.tls."),
+    ("KafkaSaslConfig", "sinks[].kafka.sasl."),
+    ("KafkaTopicsConfig", "sinks[].kafka.create_topics."),
     ("SecretRef", "(secret)."),
 ];
 
@@ -30,6 +34,7 @@ const SECTIONS: &[(&str, &str)] = &[
 const SOURCES: &[&str] = &[
     include_str!("../src/config.rs"),
     include_str!("../src/sinks/nats/config.rs"),
+    include_str!("../src/sinks/kafka/config.rs"),
 ];
 
 fn minimal_input() -> Value {
@@ -56,6 +61,21 @@ fn with_optional_sections() -> Value {
     v
 }
 
+/// A config whose first sink is a minimal Kafka sink; with `sections`, its optional sections
+/// are present with their required fields.
+fn with_kafka(sections: bool) -> Value {
+    let mut v = minimal_input();
+    v["sinks"][0] =
+        json!({"name": "out", "type": "kafka", "kafka": {"brokers": ["localhost:9092"]}});
+    if sections {
+        let k = &mut v["sinks"][0]["kafka"];
+        k["sasl"] = json!({"mechanism": "PLAIN", "username": "u", "password": {"env": "P"}});
+        k["create_topics"] = json!({});
+        k["tls"] = json!({});
+    }
+    v
+}
+
 /// A config whose first sink is a minimal NATS sink.
 fn with_nats() -> Value {
     let mut v = minimal_input();
@@ -73,6 +93,7 @@ fn fields() -> Vec<(String, String, String)> {
     let minimal = minimal_input();
     let sections = with_optional_sections();
     let nats = with_nats();
+    let (kafka, kafka_sections) = (with_kafka(false), with_kafka(true));
     let effective_of =
         |v: &Value| serde_json::to_value(Config::from_value(v.clone()).unwrap()).unwrap();
     let (minimal_effective, sections_effective, nats_effective) = (
@@ -80,6 +101,8 @@ fn fields() -> Vec<(String, String, String)> {
         effective_of(&sections),
         effective_of(&nats),
     );
+    let (kafka_effective, kafka_sections_effective) =
+        (effective_of(&kafka), effective_of(&kafka_sections));
     let mut out = Vec::new();
     let mut prefix: Option<&str> = None;
     let mut doc: Vec<String> = Vec::new();
@@ -119,7 +142,16 @@ fn fields() -> Vec<(String, String, String)> {
             let path = format!("{prefix}{name}");
             // A field of an optional section is described as if the section were present.
             let in_optional_section = path.matches('.').count() > 1;
-            let (input, effective) = if path.starts_with("sinks[].nats.") {
+            let kafka_section = [
+                "sinks[].kafka.sasl.",
+                "sinks[].kafka.tls.",
+                "sinks[].kafka.create_topics.",
+            ];
+            let (input, effective) = if kafka_section.iter().any(|p| path.starts_with(p)) {
+                (&kafka_sections, &kafka_sections_effective)
+            } else if path.starts_with("sinks[].kafka.") {
+                (&kafka, &kafka_effective)
+            } else if path.starts_with("sinks[].nats.") {
                 (&nats, &nats_effective)
             } else if in_optional_section {
                 (&sections, &sections_effective)
@@ -133,6 +165,7 @@ fn fields() -> Vec<(String, String, String)> {
             } else {
                 match lookup(effective, &path) {
                     None | Some(Value::Null) => "unset".to_owned(),
+                    Some(Value::Object(m)) if m.is_empty() => "`{}`".to_owned(),
                     Some(Value::Object(_)) => "see below".to_owned(),
                     Some(v) => format!("`{v}`"),
                 }

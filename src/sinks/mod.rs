@@ -1,6 +1,7 @@
 //! Sinks: where messages go. Every sink implements [`Sink`]; a publish returns only once the
 //! destination has accepted the message, and its error says whether a retry can help.
 
+pub mod kafka;
 pub mod nats;
 pub mod stdout;
 pub mod template;

@@ -1,0 +1,402 @@
+//! Producing to Kafka with rdkafka's `FutureProducer`.
+//!
+//! # Contract
+//! - A publish resolves once the message's delivery report arrived without error: with
+//!   `enable.idempotence=true` and `acks=all`, every in-sync replica has it.
+//! - Many messages are in flight at once (one per pipeline worker); librdkafka batches them.
+//!   One object's messages are published one after another, so they reach their partition
+//!   in order (same key, same partition).
+//! - Errors are classified: retriable (local queue full, transport, leader not available,
+//!   timeouts, unknown topic) or final (message too large, authorization, invalid topic).
+//! - State mode: the value is the newest object; a delete is a tombstone (no value).
+//!
+//! # Recovery
+//! librdkafka retries within `delivery_timeout`; after that the pipeline retries with its
+//! backoff. A background task asks the brokers for metadata every 10 s: `/readyz` reports a
+//! sink whose brokers did not answer.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use futures::{FutureExt, future::BoxFuture};
+use rdkafka::{
+    ClientConfig,
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
+    error::{KafkaError, RDKafkaErrorCode},
+    message::{Header, OwnedHeaders},
+    producer::{FutureProducer, FutureRecord, Producer},
+};
+use tracing::{info, warn};
+
+use super::{KafkaMode, KafkaSinkConfig, is_valid_topic};
+use crate::{
+    message::Message,
+    sinks::{
+        Error, Result, Sink,
+        template::{Field, Template},
+    },
+};
+
+/// How long start-up waits for the brokers' metadata.
+const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often readiness asks the brokers for metadata.
+const HEALTH_PERIOD: Duration = Duration::from_secs(10);
+
+/// See the module docs.
+pub struct KafkaSink {
+    name: String,
+    producer: FutureProducer,
+    topic: Template,
+    key: Option<Template>,
+    headers: Vec<(String, String)>,
+    mode: KafkaMode,
+    max_message_bytes: usize,
+    healthy: Arc<AtomicBool>,
+    brokers: String,
+}
+
+/// Topic names: placeholder values as they are, an empty group as `core`, the namespace of a
+/// cluster-scoped object as `_`. Characters Kafka does not allow make the topic invalid (a
+/// final error for that message), rather than being rewritten into another topic's name.
+fn topic_value(field: Field, value: &str, out: &mut String) {
+    match (field, value) {
+        (Field::Group, "") => out.push_str("core"),
+        (_, "") => out.push('_'),
+        _ => out.push_str(value),
+    }
+}
+
+impl KafkaSink {
+    /// Creates the producer, checks that the brokers answer (so that bad addresses, TLS or
+    /// SASL settings fail the start with a clear error), and starts the health task.
+    pub async fn connect(name: &str, cfg: &KafkaSinkConfig) -> Result<Self> {
+        let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
+        let brokers = cfg.brokers.join(",");
+        let client_config = client_config(name, cfg).map_err(setup)?;
+        let producer: FutureProducer = client_config
+            .create()
+            .map_err(|e| setup(format!("cannot create a Kafka producer for {brokers}: {e}")))?;
+        fetch_metadata(&producer)
+            .await
+            .map_err(|e| setup(format!("cannot reach the Kafka brokers {brokers}: {e}")))?;
+        let healthy = Arc::new(AtomicBool::new(true));
+        tokio::spawn(watch_health(
+            name.to_owned(),
+            producer.clone(),
+            Arc::downgrade(&healthy),
+        ));
+        info!(sink = %name, brokers = %brokers, mode = ?cfg.mode, "Connected to Kafka");
+        let max_message_bytes = cfg
+            .properties
+            .get("message.max.bytes")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1_000_000);
+        Ok(Self {
+            name: name.to_owned(),
+            producer,
+            topic: Template::parse(&cfg.topic).map_err(|e| setup(format!("topic: {e}")))?,
+            key: cfg
+                .key
+                .as_deref()
+                .map(Template::parse)
+                .transpose()
+                .map_err(|e| setup(format!("key: {e}")))?,
+            headers: cfg
+                .headers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            mode: cfg.mode,
+            max_message_bytes,
+            healthy,
+            brokers,
+        })
+    }
+
+    /// The topic `message` goes to.
+    pub fn topic_for(&self, message: &Message) -> String {
+        self.topic.render(message, topic_value)
+    }
+
+    /// The topics messages about `resource` can go to, when that is known without objects:
+    /// the template does not use `{namespace}`, or the resource lists its namespaces.
+    /// `None` when topics depend on objects.
+    pub fn topics_for(&self, sample: &Message, namespaces: &[String]) -> Option<Vec<String>> {
+        let uses_namespace = self.topic.segments().iter().any(|s| {
+            matches!(
+                s,
+                crate::sinks::template::Segment::Placeholder(Field::Namespace)
+            )
+        });
+        if !uses_namespace {
+            return Some(vec![self.topic_for(sample)]);
+        }
+        if namespaces.is_empty() {
+            return None;
+        }
+        Some(
+            namespaces
+                .iter()
+                .map(|ns| {
+                    let mut m = sample.clone();
+                    m.namespace = Some(ns.clone());
+                    self.topic_for(&m)
+                })
+                .collect(),
+        )
+    }
+
+    /// Creates the topics that do not exist yet (`cleanup.policy=compact` in state mode).
+    pub async fn create_topics(
+        &self,
+        topics: &[String],
+        partitions: i32,
+        replication: i32,
+    ) -> Result<()> {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .create()
+            .map_err(|e| Error::Setup(format!("sink {}: admin client: {e}", self.name)))?;
+        let compact = self.mode == KafkaMode::State;
+        let new: Vec<NewTopic> = topics
+            .iter()
+            .map(|t| {
+                let topic = NewTopic::new(t, partitions, TopicReplication::Fixed(replication));
+                if compact {
+                    topic.set("cleanup.policy", "compact")
+                } else {
+                    topic
+                }
+            })
+            .collect();
+        let options = AdminOptions::new().operation_timeout(Some(METADATA_TIMEOUT));
+        let results = admin.create_topics(&new, &options).await.map_err(|e| {
+            Error::Setup(format!(
+                "sink {}: cannot create topics {topics:?}: {e}",
+                self.name
+            ))
+        })?;
+        for r in results {
+            match r {
+                Ok(topic) => info!(sink = %self.name, topic, "Created topic"),
+                Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((topic, code)) => {
+                    return Err(Error::Setup(format!(
+                        "sink {}: cannot create topic {topic}: {code}",
+                        self.name
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn key_for(&self, m: &Message) -> String {
+        match &self.key {
+            Some(t) => t.render(m, |_, v, out| out.push_str(v)),
+            None => m.key.clone(),
+        }
+    }
+
+    fn headers_for(&self, m: &Message) -> OwnedHeaders {
+        let mut h = OwnedHeaders::new_with_capacity(self.headers.len() + m.attributes.len() + 1);
+        for (k, v) in &self.headers {
+            h = h.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        let content_type = if self.mode == KafkaMode::State {
+            "application/json"
+        } else {
+            m.content_type
+        };
+        h = h.insert(Header {
+            key: "content-type",
+            value: Some(content_type.as_bytes()),
+        });
+        for (name, value) in &m.attributes {
+            h = h.insert(Header {
+                key: &format!("ce_{name}"),
+                value: Some(value.as_bytes()),
+            });
+        }
+        h
+    }
+
+    fn classify(&self, err: KafkaError, size: usize) -> Error {
+        let code = err.rdkafka_error_code();
+        match code {
+            Some(RDKafkaErrorCode::MessageSizeTooLarge) => Error::TooLarge {
+                size,
+                max: self.max_message_bytes,
+            },
+            Some(
+                RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed
+                | RDKafkaErrorCode::SaslAuthenticationFailed
+                | RDKafkaErrorCode::Authentication,
+            ) => Error::Denied(err.to_string()),
+            Some(RDKafkaErrorCode::InvalidTopic) => Error::InvalidDestination {
+                destination: "(topic)".into(),
+                reason: err.to_string(),
+            },
+            Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
+                Error::TimedOut(err.to_string())
+            }
+            _ => Error::Unavailable(err.to_string()),
+        }
+    }
+}
+
+/// The producer's librdkafka configuration. Secrets are read here, at start, and never logged.
+fn client_config(name: &str, cfg: &KafkaSinkConfig) -> std::result::Result<ClientConfig, String> {
+    let mut c = ClientConfig::new();
+    for (k, v) in &cfg.properties {
+        c.set(k, v);
+    }
+    c.set("bootstrap.servers", cfg.brokers.join(","))
+        .set("client.id", format!("kube-event-bridge-{name}"))
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("compression.type", cfg.compression.as_str())
+        .set("linger.ms", cfg.linger.as_millis().to_string())
+        .set(
+            "message.timeout.ms",
+            cfg.delivery_timeout.as_millis().to_string(),
+        );
+    let protocol = match (&cfg.tls, &cfg.sasl) {
+        (None, None) => "plaintext",
+        (Some(_), None) => "ssl",
+        (None, Some(_)) => "sasl_plaintext",
+        (Some(_), Some(_)) => "sasl_ssl",
+    };
+    c.set("security.protocol", protocol);
+    if let Some(tls) = &cfg.tls {
+        if let Some(ca) = &tls.ca_file {
+            c.set("ssl.ca.location", ca.display().to_string());
+        }
+        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+            c.set("ssl.certificate.location", cert.display().to_string());
+            c.set("ssl.key.location", key.display().to_string());
+        }
+        if let Some(p) = &tls.key_password {
+            c.set(
+                "ssl.key.password",
+                p.resolve().map_err(|e| format!("tls.key_password: {e}"))?,
+            );
+        }
+    }
+    if let Some(sasl) = &cfg.sasl {
+        c.set("sasl.mechanism", sasl.mechanism.as_str())
+            .set("sasl.username", &sasl.username)
+            .set(
+                "sasl.password",
+                sasl.password
+                    .resolve()
+                    .map_err(|e| format!("sasl.password: {e}"))?,
+            );
+    }
+    Ok(c)
+}
+
+async fn fetch_metadata(producer: &FutureProducer) -> std::result::Result<(), KafkaError> {
+    let producer = producer.clone();
+    tokio::task::spawn_blocking(move || {
+        producer
+            .client()
+            .fetch_metadata(None, METADATA_TIMEOUT)
+            .map(|_| ())
+    })
+    .await
+    .unwrap_or(Err(KafkaError::Canceled))
+}
+
+async fn watch_health(
+    name: String,
+    producer: FutureProducer,
+    healthy: std::sync::Weak<AtomicBool>,
+) {
+    loop {
+        tokio::time::sleep(HEALTH_PERIOD).await;
+        let Some(flag) = healthy.upgrade() else {
+            return;
+        };
+        let ok = match fetch_metadata(&producer).await {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(sink = %name, error = %e, "Kafka brokers did not answer a metadata request");
+                false
+            }
+        };
+        flag.store(ok, Ordering::Relaxed);
+    }
+}
+
+impl Sink for KafkaSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
+        async move {
+            let topic = self.topic_for(m);
+            if !is_valid_topic(&topic) {
+                return Err(Error::InvalidDestination {
+                    destination: topic,
+                    reason: "Kafka topics hold letters, digits, `.`, `_` and `-`, at most 249"
+                        .into(),
+                });
+            }
+            let key = self.key_for(m);
+            let mut record = FutureRecord::to(&topic)
+                .key(&key)
+                .headers(self.headers_for(m));
+            let tombstone = self.mode == KafkaMode::State && m.payload.is_empty();
+            if !tombstone {
+                record = record.payload(&m.payload[..]);
+            }
+            let size = m.payload.len();
+            let delivery = self
+                .producer
+                .send_result(record)
+                .map_err(|(e, _)| self.classify(e, size))?;
+            match delivery.await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err((e, _))) => Err(self.classify(e, size)),
+                Err(_) => Err(Error::Unavailable(
+                    "the producer dropped the message".into(),
+                )),
+            }
+        }
+        .boxed()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<()>> {
+        let producer = self.producer.clone();
+        async move {
+            tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
+                .await
+                .map_err(|e| Error::Unavailable(e.to_string()))?
+                .map_err(|e| Error::Unavailable(e.to_string()))
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> std::result::Result<(), String> {
+        if self.healthy.load(Ordering::Relaxed) {
+            Ok(())
+        } else {
+            Err(format!(
+                "sink {}: Kafka brokers {} did not answer the last metadata request",
+                self.name, self.brokers
+            ))
+        }
+    }
+}

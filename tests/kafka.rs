@@ -1,0 +1,465 @@
+//! The Kafka sink against a real Kafka-protocol broker (tansu) fed by the whole service, and
+//! against librdkafka's mock cluster for the fault cases it is made for.
+
+mod support;
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::Arc,
+    time::Duration,
+};
+
+use kube_event_bridge::{
+    app::{App, Report},
+    config::{Config, SinkConfig},
+    informer::SharedInformerFactory,
+    metrics::Metrics,
+    sinks::kafka::KafkaSink,
+};
+use serde_json::{Value, json};
+use support::{
+    ApiServer, configmap, eventually,
+    kafka::{Record, Tansu, consume},
+    typed,
+};
+
+const TOPIC: &str = "k8s.test.core.configmaps";
+
+fn kafka_sink(name: &str, brokers: &str, extra: Value) -> Value {
+    let mut kafka =
+        json!({"brokers": [brokers], "create_topics": {"partitions": 3}, "delivery_timeout": "5s"});
+    for (k, v) in extra.as_object().unwrap() {
+        kafka[k] = v.clone();
+    }
+    json!({"name": name, "type": "kafka", "workers": 32, "kafka": kafka,
+           "retry": {"base_delay": "10ms", "max_delay": "500ms", "qps": 1000.0, "burst": 1000}})
+}
+
+fn config(sinks: Vec<Value>) -> Config {
+    Config::from_value(json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "shutdown": {"grace_period": "10s"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": sinks,
+        "routes": [{"resource": "configmap", "sinks": ["kafka"]}],
+    }))
+    .unwrap()
+}
+
+struct Running {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Report>,
+    factory: Arc<SharedInformerFactory>,
+    metrics: Arc<Metrics>,
+}
+
+async fn run(cfg: Config, api: &ApiServer) -> Running {
+    let app = App::build(cfg, api.client()).await.unwrap();
+    let (factory, metrics) = (app.factory().clone(), app.metrics().clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    Running {
+        stop: Some(stop),
+        task,
+        factory,
+        metrics,
+    }
+}
+
+impl Running {
+    async fn stop(mut self) -> Report {
+        self.stop.take().unwrap().send(()).unwrap();
+        self.task.await.unwrap()
+    }
+
+    async fn synced(&self) {
+        let factory = self.factory.clone();
+        eventually("informers synced", move || factory.has_synced()).await;
+    }
+}
+
+async fn consume_async(brokers: String, topic: &str, n: usize) -> Vec<Record> {
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || consume(&brokers, &topic, n))
+        .await
+        .unwrap()
+}
+
+/// Checks keys, partitions, order and ids of CloudEvents records; returns the events.
+fn check_events(records: &[Record]) -> Vec<Value> {
+    let mut partition_of: HashMap<&str, i32> = HashMap::new();
+    let mut last: HashMap<(i32, &str), (i64, u64)> = HashMap::new();
+    let mut ids = HashSet::new();
+    let mut events = Vec::new();
+    for r in records {
+        let e: Value = if r.header("ce_id").is_some() {
+            // Binary mode: rebuild the attributes from the headers.
+            let mut e = json!({"data": r.json()});
+            for (k, v) in &r.headers {
+                if let Some(attr) = k.strip_prefix("ce_") {
+                    e[attr] = json!(v);
+                }
+            }
+            e
+        } else {
+            r.json()
+        };
+        let key = e["subject"].as_str().unwrap().to_owned();
+        assert_eq!(r.key, key, "the key is namespace/name");
+        assert_eq!(
+            *partition_of.entry(r.key.as_str()).or_insert(r.partition),
+            r.partition,
+            "one partition per key"
+        );
+        let rv: u64 = e["k8sresourceversion"].as_str().unwrap().parse().unwrap();
+        if let Some((offset, prev)) = last.insert((r.partition, r.key.as_str()), (r.offset, rv)) {
+            assert!(
+                offset < r.offset && prev < rv,
+                "{key}: rv {prev} then {rv}: out of order"
+            );
+        }
+        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
+        assert_eq!(
+            e["id"].as_str().unwrap(),
+            format!("{}:{rv}:{ty}", e["k8suid"].as_str().unwrap()),
+            "deterministic id"
+        );
+        for attr in [
+            "specversion",
+            "source",
+            "time",
+            "k8scluster",
+            "k8skind",
+            "k8sname",
+        ] {
+            assert!(
+                e.get(attr).is_some(),
+                "CloudEvents attribute {attr} missing"
+            );
+        }
+        assert_eq!(e["specversion"], "1.0");
+        assert!(
+            ids.insert(e["id"].as_str().unwrap().to_owned()),
+            "duplicate id {}",
+            e["id"]
+        );
+        events.push(e);
+    }
+    events
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents() {
+    let tansu = Tansu::start();
+    let api = ApiServer::start().await;
+    for i in 0..12 {
+        api.create(typed(&configmap(
+            &format!("ns-{}", i % 2),
+            &format!("cm-{i}"),
+            "1",
+        )));
+    }
+    let running = run(
+        config(vec![kafka_sink("kafka", &tansu.brokers(), json!({}))]),
+        &api,
+    )
+    .await;
+    running.synced().await;
+    for i in 0..12 {
+        api.update(typed(&configmap(
+            &format!("ns-{}", i % 2),
+            &format!("cm-{i}"),
+            "2",
+        )));
+    }
+    for i in 0..3 {
+        api.delete(
+            "v1",
+            "ConfigMap",
+            &format!("ns-{}", i % 2),
+            &format!("cm-{i}"),
+        );
+    }
+    let records = consume_async(tansu.brokers(), TOPIC, 27).await;
+    let report = running.stop().await;
+    assert!(report.undelivered.is_empty());
+    for r in &records {
+        assert_eq!(
+            r.header("content-type"),
+            Some("application/cloudevents+json")
+        );
+    }
+    let events = check_events(&records);
+    let count = |t: &str| {
+        events
+            .iter()
+            .filter(|e| e["type"].as_str().unwrap().ends_with(t))
+            .count()
+    };
+    assert_eq!(
+        (count(".added"), count(".updated"), count(".deleted")),
+        (12, 12, 3)
+    );
+    assert!(
+        records
+            .iter()
+            .map(|r| r.partition)
+            .collect::<HashSet<_>>()
+            .len()
+            > 1,
+        "keys spread over partitions"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_mode_carries_attributes_as_ce_headers() {
+    let tansu = Tansu::start();
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "a", "1")));
+    let running = run(
+        config(vec![kafka_sink(
+            "kafka",
+            &tansu.brokers(),
+            json!({"encoding": "binary", "headers": {"x-origin": "bridge-test"}}),
+        )]),
+        &api,
+    )
+    .await;
+    let records = consume_async(tansu.brokers(), TOPIC, 1).await;
+    running.stop().await;
+    let r = &records[0];
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(
+        r.header("ce_type"),
+        Some("io.github.kube-event-bridge.object.added")
+    );
+    assert_eq!(r.header("ce_subject"), Some("ns/a"));
+    assert_eq!(r.header("ce_k8sinitial"), Some("true"));
+    assert_eq!(r.header("x-origin"), Some("bridge-test"), "static headers");
+    assert_eq!(r.json()["object"]["data"]["v"], "1");
+    check_events(&records);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
+    let tansu = Tansu::start();
+    let api = ApiServer::start().await;
+    for i in 0..10 {
+        api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+    }
+    let running = run(
+        config(vec![kafka_sink(
+            "kafka",
+            &tansu.brokers(),
+            json!({"mode": "state", "topic": "state.{resource}"}),
+        )]),
+        &api,
+    )
+    .await;
+    running.synced().await;
+    for i in 0..10 {
+        api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
+    }
+    for i in 0..4 {
+        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i}"));
+    }
+    api.create(typed(&configmap("ns", "late", "1")));
+    let records = consume_async(tansu.brokers(), "state.configmaps", 25).await;
+    let tombstones = records.iter().filter(|r| r.value.is_none()).count();
+    assert_eq!(tombstones, 4, "deletes are tombstones");
+    // Replay from offset 0: partitions are independent and a key lives in one partition.
+    let mut state: HashMap<String, String> = HashMap::new();
+    for r in &records {
+        match &r.value {
+            Some(_) => {
+                let obj = r.json();
+                assert_eq!(obj["kind"], "ConfigMap", "the value is the object itself");
+                state.insert(
+                    r.key.clone(),
+                    obj["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned(),
+                );
+            }
+            None => {
+                state.remove(&r.key);
+            }
+        }
+    }
+    let cache: HashMap<String, String> = running.factory.informers()[0]
+        .indexer()
+        .entries()
+        .into_iter()
+        .map(|(k, o)| (k, o.metadata.resource_version.clone().unwrap()))
+        .collect();
+    assert_eq!(state, cache, "the replayed state is the informer's cache");
+    assert_eq!(state.len(), 7);
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_object_goes_to_the_dead_letter_topic_and_the_pipeline_goes_on() {
+    let tansu = Tansu::start();
+    tansu.create_topic("k8s.deadletter", 1);
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "huge", &"x".repeat(50_000))));
+    api.create(typed(&configmap("ns", "small", "1")));
+    let mut main = kafka_sink(
+        "kafka",
+        &tansu.brokers(),
+        json!({"properties": {"message.max.bytes": "20000"}}),
+    );
+    main["dead_letter"] = json!("dlq");
+    let dlq = kafka_sink(
+        "dlq",
+        &tansu.brokers(),
+        json!({"topic": "k8s.deadletter", "create_topics": null}),
+    );
+    let running = run(config(vec![main, dlq]), &api).await;
+    running.synced().await;
+    api.update(typed(&configmap("ns", "small", "2")));
+    let dead = consume_async(tansu.brokers(), "k8s.deadletter", 1).await;
+    let record = dead[0].json();
+    assert_eq!(record["key"], "ns/huge");
+    assert_eq!(record["reason"], "too_large");
+    assert!(record["size"].as_u64().unwrap() > 50_000);
+    let records = consume_async(tansu.brokers(), TOPIC, 2).await;
+    assert!(
+        records.iter().all(|r| r.key == "ns/small"),
+        "only the small object's two events"
+    );
+    let failed = running
+        .metrics
+        .sink_failed
+        .with_label_values(&["kafka", "configmap", "too_large"])
+        .get();
+    assert_eq!(failed, 1);
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_during_load_loses_nothing() {
+    // librdkafka's mock cluster: a broker that can be taken down and brought back.
+    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+    mock.create_topic(TOPIC, 3, 1).unwrap();
+    let brokers = mock.bootstrap_servers();
+    let api = Arc::new(ApiServer::start().await);
+    api.create(typed(&configmap("ns", "marker", "1")));
+    let sink = kafka_sink(
+        "kafka",
+        &brokers,
+        json!({"create_topics": null, "delivery_timeout": "1s"}),
+    );
+    let running = run(config(vec![sink]), &api).await;
+    running.synced().await;
+    let writer = tokio::spawn({
+        let api = api.clone();
+        async move {
+            for i in 0..150 {
+                api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+                api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
+                if i % 10 == 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    mock.broker_down(1).unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await; // longer than the delivery timeout
+    mock.broker_up(1).unwrap();
+    writer.await.unwrap();
+    let records = consume_async(brokers, TOPIC, 301).await;
+    let failed: u64 = ["timeout", "unavailable"]
+        .iter()
+        .map(|r| {
+            running
+                .metrics
+                .sink_failed
+                .with_label_values(&["kafka", "configmap", r])
+                .get()
+        })
+        .sum();
+    let report = running.stop().await;
+    assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
+    assert!(
+        failed > 0,
+        "the outage made deliveries fail, and they were retried"
+    );
+    let ids: HashSet<String> = records
+        .iter()
+        .map(|r| r.json()["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        ids.len(),
+        301,
+        "every notification arrived (duplicates allowed: {})",
+        records.len() - ids.len()
+    );
+    let mut per_key: HashMap<&str, Vec<u64>> = HashMap::new();
+    for r in &records {
+        per_key.entry(r.key.as_str()).or_default().push(
+            r.json()["k8sresourceversion"]
+                .as_str()
+                .unwrap()
+                .parse()
+                .unwrap(),
+        );
+    }
+    for (key, rvs) in per_key {
+        let mut dedup = rvs.clone();
+        dedup.dedup();
+        assert!(dedup.windows(2).all(|w| w[0] < w[1]), "{key}: {rvs:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tls_or_sasl_settings_are_clear_start_errors() {
+    let tansu = Tansu::start();
+    let sink = |extra: Value| {
+        serde_json::from_value::<SinkConfig>(kafka_sink("kafka", &tansu.brokers(), extra))
+            .unwrap()
+            .kafka
+            .unwrap()
+    };
+    let err = KafkaSink::connect(
+        "kafka",
+        &sink(json!({"tls": {"ca_file": "/nonexistent/ca.pem"}})),
+    )
+    .await
+    .err()
+    .expect("a missing CA file fails")
+    .to_string();
+    assert!(
+        err.contains("/nonexistent/ca.pem") || err.contains("ssl.ca.location"),
+        "{err}"
+    );
+    // SAFETY: no other test in this binary reads this variable.
+    unsafe { std::env::set_var("KEB_TEST_KAFKA_PASSWORD", "hunter2") };
+    let err = KafkaSink::connect(
+        "kafka",
+        &sink(json!({"sasl": {"mechanism": "SCRAM-SHA-512", "username": "bridge", "password": {"env": "KEB_TEST_KAFKA_PASSWORD"}}})),
+    )
+    .await
+    .err()
+    .expect("SASL against a broker without SASL fails")
+    .to_string();
+    assert!(err.contains(&tansu.brokers()), "{err}");
+    assert!(!err.contains("hunter2"), "secrets never appear in errors");
+    let err = KafkaSink::connect(
+        "kafka",
+        &sink(json!({"sasl": {"mechanism": "PLAIN", "username": "bridge", "password": {"env": "KEB_TEST_UNSET_VAR"}}})),
+    )
+    .await
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(
+        err.contains("sasl.password") && err.contains("KEB_TEST_UNSET_VAR"),
+        "{err}"
+    );
+}
