@@ -26,6 +26,7 @@ use crate::{
     cluster::{self, ResolvedResource},
     config::{Config, SinkType},
     informer::{InformerKey, ProcessorListener, SharedInformerFactory, factory::WatchOptions},
+    leader::{self, LeaderElector},
     message::{Encoder, object_transform},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteQueue},
@@ -75,6 +76,7 @@ pub struct App {
     routes: Vec<(Arc<Route>, usize)>,
     sinks: Vec<Arc<dyn Sink>>,
     admin: TcpListener,
+    elector: Option<LeaderElector>,
 }
 
 impl App {
@@ -226,6 +228,24 @@ impl App {
                 routes.push((Arc::new(route), sink_cfg.workers));
             }
         }
+        let le = &config.leader_election;
+        let elector = if le.enabled {
+            let (namespace, identity) =
+                (leader::default_namespace(le), leader::default_identity(le));
+            info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, "Leader election on; standing by");
+            // A standby holds nothing until it leads.
+            routes.iter().for_each(|(r, _)| r.queue().set_active(false));
+            Some(LeaderElector::new(
+                client.clone(),
+                le,
+                &namespace,
+                identity,
+                metrics.leader.clone(),
+            ))
+        } else {
+            metrics.leader.set(1);
+            None
+        };
         let address = config.admin.address;
         let admin = TcpListener::bind(address)
             .await
@@ -238,6 +258,7 @@ impl App {
             routes,
             sinks: sinks.into_values().collect(),
             admin,
+            elector,
         })
     }
 
@@ -302,6 +323,23 @@ impl App {
             self.routes.iter().map(|(r, _)| r.queue().clone()).collect();
         let gauges = tokio::spawn(update_unfinished_work(queues.clone(), admin_cancel.clone()));
         let running = pipeline::start(&self.routes);
+        let elector_cancel = CancellationToken::new();
+        let election = self.elector.map(|elector| {
+            let mut leading = elector.subscribe();
+            let (queues, factory) = (queues.clone(), self.factory.clone());
+            let follow = tokio::spawn(async move {
+                while leading.changed().await.is_ok() {
+                    let now = *leading.borrow_and_update();
+                    queues.iter().for_each(|q| q.set_active(now));
+                    if now {
+                        // Consumers get the state this replica follows from here on,
+                        // including what changed while no replica led.
+                        factory.informers().iter().for_each(|i| i.replay());
+                    }
+                }
+            });
+            (tokio::spawn(elector.run(elector_cancel.clone())), follow)
+        });
         let informer_tasks = self.factory.start(&informers_cancel);
         info!(admin = %admin_addr, informers = informer_tasks.len(), routes = queues.len(), "Started");
 
@@ -313,6 +351,12 @@ impl App {
         let report = Report {
             undelivered: running.drain(tokio::time::Instant::now() + grace).await,
         };
+        // Drained: now the lease can go to a standby.
+        elector_cancel.cancel();
+        if let Some((elector, follow)) = election {
+            let _ = elector.await;
+            follow.abort();
+        }
         for sink in &self.sinks {
             if let Err(err) = sink.flush().await {
                 warn!(sink = %sink.name(), error = %err, "Flush at shutdown failed");

@@ -26,6 +26,7 @@ pub mod app;
 pub mod cluster;
 pub mod config;
 pub mod informer;
+pub mod leader;
 pub mod message;
 pub mod metrics;
 pub mod pipeline;

@@ -44,6 +44,8 @@ pub struct Metrics {
     pub end_to_end_latency: HistogramVec,
     /// `keb_kubernetes_api_reachable`: 1 while the last API health probe succeeded.
     pub api_reachable: IntGauge,
+    /// `keb_leader`: 1 while this replica publishes (it leads, or leader election is off).
+    pub leader: IntGauge,
     /// client-go's `workqueue_*` families, one queue per route (`name="resource/sink"`).
     pub workqueue: WorkqueueMetricFamilies,
 }
@@ -92,6 +94,14 @@ impl Metrics {
         .expect("valid metric");
         registry
             .register(Box::new(api_reachable.clone()))
+            .expect("unique metric");
+        let leader = IntGauge::new(
+            "keb_leader",
+            "1 while this replica publishes: it leads, or leader election is off",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(leader.clone()))
             .expect("unique metric");
         #[cfg(target_os = "linux")]
         registry
@@ -171,6 +181,7 @@ impl Metrics {
                 &["resource", "sink"],
             ),
             api_reachable,
+            leader,
             workqueue: WorkqueueMetricFamilies::register(&registry).expect("unique metrics"),
             registry,
         }

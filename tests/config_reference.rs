@@ -13,6 +13,7 @@ const SECTIONS: &[(&str, &str)] = &[
     ("LogConfig", "log."),
     ("MessageConfig", "message."),
     ("ShutdownConfig", "shutdown."),
+    ("LeaderElectionConfig", "leader_election."),
     ("ResourceConfig", "resources[]."),
     ("SinkConfig", "sinks[]."),
     ("RetryConfig", "sinks[].retry."),

@@ -230,6 +230,12 @@ impl DeltaFifo {
         self.len() == 0
     }
 
+    /// Runs `f` under the FIFO lock: no delta is applied meanwhile (client-go's `blockDeltas`).
+    pub fn with_lock<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _guard = self.lock();
+        f()
+    }
+
     /// Wakes `pop` for good: once the queue is empty it returns `None`.
     pub fn close(&self) {
         self.lock().closed = true;

@@ -168,6 +168,26 @@ impl SharedIndexInformer {
         debug!(informer = %self.name, "Informer stopped");
     }
 
+    /// Sends every cached object to every listener as an initial add, with no delta applied
+    /// meanwhile (as client-go does for a handler added after start). A replica that becomes
+    /// the leader does this, so that consumers get the state it is about to follow.
+    pub fn replay(&self) {
+        self.fifo.with_lock(|| {
+            let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
+            for obj in self.indexer.list() {
+                let kind = NotificationKind::Add {
+                    obj,
+                    is_initial_list: true,
+                };
+                self.distribute(Notification {
+                    kind,
+                    received,
+                    observed,
+                });
+            }
+        });
+    }
+
     fn resync_tick(&self, now: tokio::time::Instant) {
         // Every listener must be asked (no short-circuit): asking moves its next resync.
         let due = self

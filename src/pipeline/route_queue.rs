@@ -62,6 +62,8 @@ impl Budget {
 /// See the module docs for the contract.
 pub struct RouteQueue {
     name: String,
+    // False on a standby: notifications are dropped on arrival and before publishing.
+    active: std::sync::atomic::AtomicBool,
     queue: RateLimitingQueue<String>,
     state: Mutex<Pending>,
     budget: Arc<Budget>,
@@ -99,6 +101,7 @@ impl RouteQueue {
     ) -> Self {
         Self {
             name,
+            active: std::sync::atomic::AtomicBool::new(true),
             queue: RateLimitingQueue::new(limiter, queue_metrics),
             state: Mutex::new(Pending::default()),
             budget,
@@ -127,8 +130,33 @@ impl RouteQueue {
         self.held.load(Ordering::Relaxed)
     }
 
+    /// Whether this route publishes (this replica leads, or leader election is off).
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    /// Turns publishing on or off. Off drops everything pending: a standby holds nothing, and
+    /// the next leader replays its cache.
+    pub fn set_active(&self, active: bool) {
+        self.active.store(active, Ordering::Relaxed);
+        if !active {
+            let dropped: usize = {
+                let mut p = self.lock();
+                let n = p.by_key.values().map(VecDeque::len).sum();
+                p.by_key.clear();
+                n
+            };
+            if dropped > 0 {
+                self.settle(dropped);
+            }
+        }
+    }
+
     /// Accepts one notification (see the module docs).
     pub fn push(&self, n: Notification) {
+        if !self.is_active() {
+            return;
+        }
         let key = n.key();
         let mut p = self.lock();
         let pending = p.by_key.entry(key.clone()).or_default();

@@ -142,6 +142,13 @@ impl Route {
     /// what follows in `batch`. Returns whether it stopped on a failure.
     async fn deliver_in_order(&self, key: &str, batch: &mut VecDeque<Notification>) -> bool {
         while let Some(n) = batch.front() {
+            if !self.queue.is_active() {
+                // This replica stopped leading: the next leader replays its cache.
+                let dropped = batch.len();
+                batch.clear();
+                self.queue.settle(dropped);
+                return false;
+            }
             match self.deliver(key, n).await {
                 Outcome::Settled => {
                     batch.pop_front();

@@ -74,6 +74,7 @@ pub fn default_resources() -> Vec<ResourceDef> {
         d("", "v1", "Namespace", "namespaces", false, false),
         d("apps", "v1", "Deployment", "deployments", true, false),
         d("example.com", "v1", "Widget", "widgets", true, true),
+        d("coordination.k8s.io", "v1", "Lease", "leases", true, false),
         ResourceDef {
             verbs: &["create"],
             ..d("", "v1", "Binding", "bindings", true, false)
@@ -106,6 +107,9 @@ struct Store {
 struct Faults {
     block_watches: bool,
     fail_next_lists: u32,
+    // Lease writes (create or replace) naming this holder get 503: a leader whose renewals
+    // no longer reach the API server.
+    refuse_lease_holder: Option<String>,
 }
 
 /// Requests seen per collection path.
@@ -226,61 +230,9 @@ impl ApiServer {
     }
 
     fn write(&self, ty: &'static str, obj: impl Serialize) -> Value {
-        let mut obj = serde_json::to_value(obj).unwrap();
-        let res = self.resource_of(
-            obj["apiVersion"].as_str().unwrap(),
-            obj["kind"].as_str().unwrap(),
-        );
-        let def = &self.shared.resources[res];
-        let ns = if def.namespaced {
-            obj["metadata"]["namespace"]
-                .as_str()
-                .unwrap_or("default")
-                .to_owned()
-        } else {
-            String::new()
-        };
-        let name = obj["metadata"]["name"]
-            .as_str()
-            .expect("objects need a name")
-            .to_owned();
-        let mut store = self.shared.store.lock().unwrap();
-        store.rv += 1;
-        let rv = store.rv;
-        let key = (res, ns.clone(), name);
-        let old = store.objects.get(&key).cloned();
-        match (ty, &old) {
-            ("ADDED", Some(_)) => panic!("{key:?} already exists"),
-            ("MODIFIED", None) => panic!("{key:?} does not exist"),
-            _ => {}
-        }
-        let meta = obj["metadata"].as_object_mut().unwrap();
-        if def.namespaced {
-            meta.insert("namespace".into(), json!(ns));
-        }
-        meta.insert("resourceVersion".into(), json!(rv.to_string()));
-        let uid = match &old {
-            Some(o) => o["metadata"]["uid"].clone(),
-            None => {
-                store.next_uid += 1;
-                json!(format!("00000000-0000-0000-0000-{:012}", store.next_uid))
-            }
-        };
-        let meta = obj["metadata"].as_object_mut().unwrap();
-        meta.insert("uid".into(), uid);
-        meta.entry("creationTimestamp")
-            .or_insert(json!("2026-01-01T00:00:00Z"));
-        store.objects.insert(key, obj.clone());
-        let ev = HistoryEvent {
-            rv,
-            resource: res,
-            ty,
-            old,
-            obj: obj.clone(),
-        };
-        store.history.push(ev.clone());
-        let _ = self.shared.events.send(ev);
-        obj
+        self.shared
+            .apply(ty, serde_json::to_value(obj).unwrap(), false)
+            .unwrap_or_else(|(_, reason, msg)| panic!("{reason}: {msg}"))
     }
 
     /// Creates an object (any serializable object with apiVersion, kind, metadata.name).
@@ -337,6 +289,28 @@ impl ApiServer {
         self.shared.faults.lock().unwrap().block_watches = blocked;
     }
 
+    /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
+    pub fn refuse_lease_writes_from(&self, holder: Option<&str>) {
+        self.shared.faults.lock().unwrap().refuse_lease_holder = holder.map(str::to_owned);
+    }
+
+    /// The object at `api_version`/`kind` `namespace/name`, if any.
+    pub fn get(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Option<Value> {
+        let res = self.resource_of(api_version, kind);
+        let ns = if self.shared.resources[res].namespaced {
+            namespace
+        } else {
+            ""
+        };
+        self.shared
+            .store
+            .lock()
+            .unwrap()
+            .objects
+            .get(&(res, ns.to_owned(), name.to_owned()))
+            .cloned()
+    }
+
     /// The next `n` list requests get 429 with Retry-After.
     pub fn fail_next_lists(&self, n: u32) {
         self.shared.faults.lock().unwrap().fail_next_lists = n;
@@ -364,9 +338,111 @@ impl ApiServer {
     }
 }
 
+impl Shared {
+    /// Creates (`ADDED`) or replaces (`MODIFIED`) an object and records the watch event. With
+    /// `check_rv`, a replace must carry the current resourceVersion (optimistic concurrency).
+    /// Errors are (HTTP code, reason, message).
+    fn apply(
+        &self,
+        ty: &'static str,
+        mut obj: Value,
+        check_rv: bool,
+    ) -> Result<Value, (u16, &'static str, String)> {
+        let (api_version, kind) = (
+            obj["apiVersion"].as_str().unwrap_or(""),
+            obj["kind"].as_str().unwrap_or(""),
+        );
+        let res = self
+            .resources
+            .iter()
+            .position(|r| r.group_version() == api_version && r.kind == kind)
+            .ok_or((
+                400,
+                "BadRequest",
+                format!("no resource for {api_version} {kind}"),
+            ))?;
+        let def = &self.resources[res];
+        let ns = if def.namespaced {
+            obj["metadata"]["namespace"]
+                .as_str()
+                .unwrap_or("default")
+                .to_owned()
+        } else {
+            String::new()
+        };
+        let name = obj["metadata"]["name"]
+            .as_str()
+            .ok_or((422, "Invalid", "metadata.name: Required value".into()))?
+            .to_owned();
+        let mut store = self.store.lock().unwrap();
+        let key = (res, ns.clone(), name.clone());
+        let old = store.objects.get(&key).cloned();
+        match (ty, &old) {
+            ("ADDED", Some(_)) => {
+                return Err((
+                    409,
+                    "AlreadyExists",
+                    format!("{} \"{name}\" already exists", def.plural),
+                ));
+            }
+            ("MODIFIED", None) => {
+                return Err((
+                    404,
+                    "NotFound",
+                    format!("{} \"{name}\" not found", def.plural),
+                ));
+            }
+            ("MODIFIED", Some(o))
+                if check_rv
+                    && obj["metadata"]["resourceVersion"] != o["metadata"]["resourceVersion"] =>
+            {
+                return Err((
+                    409,
+                    "Conflict",
+                    format!(
+                        "Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again",
+                        def.plural
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        store.rv += 1;
+        let rv = store.rv;
+        let uid = match &old {
+            Some(o) => o["metadata"]["uid"].clone(),
+            None => {
+                store.next_uid += 1;
+                json!(format!("00000000-0000-0000-0000-{:012}", store.next_uid))
+            }
+        };
+        let meta = obj["metadata"].as_object_mut().unwrap();
+        if def.namespaced {
+            meta.insert("namespace".into(), json!(ns));
+        }
+        meta.insert("resourceVersion".into(), json!(rv.to_string()));
+        meta.insert("uid".into(), uid);
+        meta.entry("creationTimestamp")
+            .or_insert(json!("2026-01-01T00:00:00Z"));
+        store.objects.insert(key, obj.clone());
+        let ev = HistoryEvent {
+            rv,
+            resource: res,
+            ty,
+            old,
+            obj: obj.clone(),
+        };
+        store.history.push(ev.clone());
+        let _ = self.events.send(ev);
+        Ok(obj)
+    }
+}
+
 struct Collection {
     resource: usize,
     namespace: Option<String>,
+    // Set for a single object's path.
+    name: Option<String>,
 }
 
 fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
@@ -376,9 +452,11 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
         ["apis", g, v, rest @ ..] => (format!("{g}/{v}"), rest),
         _ => return None,
     };
-    let (namespace, plural) = match rest {
-        [plural] => (None, *plural),
-        ["namespaces", ns, plural] => (Some(ns.to_string()), *plural),
+    let (namespace, plural, name) = match rest {
+        ["namespaces", ns, plural, name] => (Some(ns.to_string()), *plural, Some(name.to_string())),
+        ["namespaces", ns, plural] => (Some(ns.to_string()), *plural, None),
+        [plural] => (None, *plural, None),
+        [plural, name] => (None, *plural, Some(name.to_string())),
         _ => return None,
     };
     let resource = shared
@@ -391,6 +469,7 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
     Some(Collection {
         resource,
         namespace,
+        name,
     })
 }
 
@@ -463,8 +542,10 @@ impl Filter {
 
 async fn handle(
     State(shared): State<Arc<Shared>>,
+    method: axum::http::Method,
     uri: Uri,
     Query(q): Query<HashMap<String, String>>,
+    body: Bytes,
 ) -> Response<Body> {
     let path = uri.path();
     match path {
@@ -542,6 +623,9 @@ async fn handle(
             ),
         );
     };
+    if collection.name.is_some() || method != axum::http::Method::GET {
+        return write_or_get(&shared, &collection, &method, &body);
+    }
     let is_watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
     {
         let mut counts = shared.counts.lock().unwrap();
@@ -562,6 +646,85 @@ async fn handle(
         watch(shared, filter, &q).await
     } else {
         list(shared, filter, &q).await
+    }
+}
+
+/// GET of one object, POST (create) on a collection, PUT (replace) of one object.
+fn write_or_get(
+    shared: &Shared,
+    c: &Collection,
+    method: &axum::http::Method,
+    body: &[u8],
+) -> Response<Body> {
+    let def = &shared.resources[c.resource];
+    let failure = |(code, reason, msg): (u16, &str, String)| {
+        json_response(
+            StatusCode::from_u16(code).unwrap(),
+            &status(code, reason, &msg),
+        )
+    };
+    let ns = c.namespace.clone().unwrap_or_default();
+    match (method.as_str(), &c.name) {
+        ("GET", Some(name)) => {
+            let store = shared.store.lock().unwrap();
+            match store.objects.get(&(c.resource, ns, name.clone())) {
+                Some(obj) => json_response(StatusCode::OK, obj),
+                None => failure((
+                    404,
+                    "NotFound",
+                    format!("{} \"{name}\" not found", def.plural),
+                )),
+            }
+        }
+        ("POST", None) | ("PUT", Some(_)) => {
+            let Ok(mut obj) = serde_json::from_slice::<Value>(body) else {
+                return failure((400, "BadRequest", "the body is not JSON".into()));
+            };
+            if def.namespaced {
+                obj["metadata"]["namespace"] = json!(ns);
+            }
+            if let Some(name) = &c.name
+                && obj["metadata"]["name"].as_str() != Some(name)
+            {
+                return failure((
+                    400,
+                    "BadRequest",
+                    "the name in the body does not match the URL".into(),
+                ));
+            }
+            let holder = obj["spec"]["holderIdentity"].as_str().map(str::to_owned);
+            if def.kind == "Lease"
+                && holder.is_some()
+                && shared.faults.lock().unwrap().refuse_lease_holder == holder
+            {
+                return failure((
+                    503,
+                    "ServiceUnavailable",
+                    "lease writes from this holder are refused by the test".into(),
+                ));
+            }
+            let ty = if c.name.is_some() {
+                "MODIFIED"
+            } else {
+                "ADDED"
+            };
+            match shared.apply(ty, obj, true) {
+                Ok(obj) => json_response(
+                    if ty == "ADDED" {
+                        StatusCode::CREATED
+                    } else {
+                        StatusCode::OK
+                    },
+                    &obj,
+                ),
+                Err(e) => failure(e),
+            }
+        }
+        _ => failure((
+            405,
+            "MethodNotAllowed",
+            format!("{method} is not supported here"),
+        )),
     }
 }
 

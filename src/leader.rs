@@ -1,0 +1,282 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease, after client-go's `leaderelection`.
+//!
+//! # Contract
+//! - At most one replica believes it leads, provided `renew_deadline < lease_duration`: a
+//!   leader that could not renew for `renew_deadline` steps down (stops publishing) before the
+//!   lease can expire for the others, who wait `lease_duration` after they last *saw* the lease
+//!   change. Expiry is judged by the local time of that observation, never by comparing
+//!   clocks across machines.
+//! - Writes use the Lease's resourceVersion: two candidates racing for it cannot both win
+//!   (the loser gets 409 Conflict).
+//! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
+//!   once instead of waiting for expiry.
+//!
+//! The elector only decides; `App` acts on [`LeaderElector::subscribe`]: standbys keep their
+//! informers (warm caches) but their route queues hold nothing; a new leader replays its cache.
+
+use std::time::Duration;
+
+use k8s_openapi::{
+    api::coordination::v1::{Lease, LeaseSpec},
+    apimachinery::pkg::apis::meta::v1::MicroTime,
+};
+use kube::{
+    Api, Client,
+    api::{ObjectMeta, PostParams},
+};
+use prometheus::IntGauge;
+use tokio::{sync::watch, time::Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::LeaderElectionConfig;
+
+/// One candidate for the lease. See the module docs.
+pub struct LeaderElector {
+    api: Api<Lease>,
+    name: String,
+    identity: String,
+    lease_duration: Duration,
+    renew_deadline: Duration,
+    retry_period: Duration,
+    leading: watch::Sender<bool>,
+    gauge: IntGauge,
+    // The last lease record seen and when it was first seen.
+    observed: Option<(LeaseRecord, Instant)>,
+}
+
+/// What identifies a lease record for expiry: its holder and renew time.
+type LeaseRecord = (Option<String>, Option<jiff::Timestamp>);
+
+enum Outcome {
+    Leading,
+    NotLeading,
+    Failed(String),
+}
+
+impl LeaderElector {
+    /// A candidate for the lease described by `cfg` (namespace and identity already resolved).
+    pub fn new(
+        client: Client,
+        cfg: &LeaderElectionConfig,
+        namespace: &str,
+        identity: String,
+        gauge: IntGauge,
+    ) -> Self {
+        gauge.set(0);
+        Self {
+            api: Api::namespaced(client, namespace),
+            name: cfg.lease_name.clone(),
+            identity,
+            lease_duration: cfg.lease_duration,
+            renew_deadline: cfg.renew_deadline,
+            retry_period: cfg.retry_period,
+            leading: watch::channel(false).0,
+            gauge,
+            observed: None,
+        }
+    }
+
+    /// Whether this replica leads, now and on every change.
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.leading.subscribe()
+    }
+
+    /// This candidate's identity.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    fn set_leading(&self, leading: bool) {
+        if *self.leading.borrow() != leading {
+            if leading {
+                info!(lease = %self.name, identity = %self.identity, "Became the leader");
+            } else {
+                warn!(lease = %self.name, identity = %self.identity, "Stopped leading");
+            }
+        }
+        self.gauge.set(leading as i64);
+        self.leading.send_replace(leading);
+    }
+
+    /// Campaigns and renews until `cancel` fires; then releases the lease if it leads.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let mut last_renewal: Option<Instant> = None;
+        loop {
+            // An attempt may take long (the client retries 5xx itself): bound it, so that a
+            // leader steps down by the renew deadline whatever the API server does.
+            let deadline = last_renewal.map_or(Instant::now() + self.renew_deadline, |t| {
+                t + self.renew_deadline
+            });
+            let outcome = tokio::time::timeout_at(deadline, self.try_acquire_or_renew())
+                .await
+                .unwrap_or_else(|_| Outcome::Failed("no answer before the renew deadline".into()));
+            let now = Instant::now();
+            match outcome {
+                Outcome::Leading => {
+                    last_renewal = Some(now);
+                    self.set_leading(true);
+                }
+                Outcome::NotLeading => {
+                    last_renewal = None;
+                    self.set_leading(false);
+                }
+                Outcome::Failed(reason) => {
+                    debug!(lease = %self.name, reason, "Lease update failed");
+                    // Step down once renewals have failed for the renew deadline: before the
+                    // lease can expire for the others.
+                    if last_renewal.is_some_and(|t| now.duration_since(t) >= self.renew_deadline) {
+                        warn!(lease = %self.name, reason, "Could not renew the lease in time");
+                        last_renewal = None;
+                        self.set_leading(false);
+                    }
+                }
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(self.retry_period) => {}
+            }
+        }
+        self.release().await;
+    }
+
+    async fn try_acquire_or_renew(&mut self) -> Outcome {
+        let now = jiff::Timestamp::now();
+        let existing = match self.api.get_opt(&self.name).await {
+            Ok(l) => l,
+            Err(e) => return Outcome::Failed(format!("get lease: {e}")),
+        };
+        let Some(mut lease) = existing else {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(self.name.clone()),
+                    ..Default::default()
+                },
+                spec: Some(self.spec(now, now, 0)),
+            };
+            return match self.api.create(&PostParams::default(), &lease).await {
+                Ok(_) => Outcome::Leading,
+                Err(kube::Error::Api(s)) if s.code == 409 => Outcome::NotLeading,
+                Err(e) => Outcome::Failed(format!("create lease: {e}")),
+            };
+        };
+        let spec = lease.spec.clone().unwrap_or_default();
+        let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
+        let record = (holder.clone(), spec.renew_time.as_ref().map(|t| t.0));
+        let seen_at = match &self.observed {
+            Some((r, at)) if *r == record => *at,
+            _ => {
+                let at = Instant::now();
+                self.observed = Some((record, at));
+                at
+            }
+        };
+        let ours = holder.as_deref() == Some(self.identity.as_str());
+        let duration = spec
+            .lease_duration_seconds
+            .map_or(
+                self.lease_duration,
+                |s| Duration::from_secs(s.max(1) as u64),
+            );
+        if !ours && holder.is_some() && seen_at.elapsed() < duration {
+            return Outcome::NotLeading;
+        }
+        let (acquired, transitions) = if ours {
+            (
+                spec.acquire_time.map_or(now, |t| t.0),
+                spec.lease_transitions.unwrap_or(0),
+            )
+        } else {
+            (now, spec.lease_transitions.unwrap_or(0) + 1)
+        };
+        lease.spec = Some(self.spec(acquired, now, transitions));
+        // `replace` sends the resourceVersion we read: a concurrent writer makes it fail with 409.
+        match self
+            .api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => Outcome::Leading,
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                if ours {
+                    Outcome::Failed("conflict while renewing".into())
+                } else {
+                    Outcome::NotLeading
+                }
+            }
+            Err(e) => Outcome::Failed(format!("update lease: {e}")),
+        }
+    }
+
+    fn spec(
+        &self,
+        acquired: jiff::Timestamp,
+        renewed: jiff::Timestamp,
+        transitions: i32,
+    ) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: Some(self.identity.clone()),
+            lease_duration_seconds: Some(self.lease_duration.as_secs().max(1) as i32),
+            acquire_time: Some(MicroTime(acquired)),
+            renew_time: Some(MicroTime(renewed)),
+            lease_transitions: Some(transitions),
+            ..Default::default()
+        }
+    }
+
+    /// Gives the lease up if held, so that a standby takes over without waiting for expiry.
+    async fn release(&self) {
+        if !*self.leading.borrow() {
+            return;
+        }
+        self.set_leading(false);
+        let Ok(Some(mut lease)) = self.api.get_opt(&self.name).await else {
+            return;
+        };
+        let spec = lease.spec.get_or_insert_default();
+        if spec.holder_identity.as_deref() != Some(self.identity.as_str()) {
+            return;
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(MicroTime(jiff::Timestamp::now()));
+        match self
+            .api
+            .replace(&self.name, &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => info!(lease = %self.name, "Released the lease"),
+            Err(e) => {
+                warn!(lease = %self.name, error = %e, "Could not release the lease; it will expire")
+            }
+        }
+    }
+}
+
+/// This replica's identity: the configured one, else `$POD_NAME`, else the host name.
+pub fn default_identity(cfg: &LeaderElectionConfig) -> String {
+    cfg.identity
+        .clone()
+        .or_else(|| std::env::var("POD_NAME").ok())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+        })
+        .unwrap_or_else(|| format!("kube-event-bridge-{}", std::process::id()))
+}
+
+/// The lease's namespace: the configured one, else `$POD_NAMESPACE`, else the service
+/// account's namespace, else `default`.
+pub fn default_namespace(cfg: &LeaderElectionConfig) -> String {
+    cfg.namespace
+        .clone()
+        .or_else(|| std::env::var("POD_NAMESPACE").ok())
+        .or_else(|| {
+            std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+                .ok()
+                .map(|n| n.trim().to_owned())
+        })
+        .unwrap_or_else(|| "default".into())
+}
