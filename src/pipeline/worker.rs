@@ -78,6 +78,11 @@ impl Route {
                 .with_label_values(&[labels[1], labels[0]]),
             failed: metrics.sink_failed.clone(),
         };
+        for reason in crate::sinks::FAILURE_REASONS {
+            metrics
+                .failed
+                .with_label_values(&[labels[0], labels[1], reason]);
+        }
         Self {
             resource,
             queue,

@@ -79,6 +79,22 @@ impl Error {
     }
 }
 
+/// Every `reason` label of `keb_sink_failed_total`: the sink errors' reasons, plus the
+/// pipeline's own (`encode`, `max_retries`). Routes start each at zero, so that every series
+/// exists before the first failure.
+pub const FAILURE_REASONS: &[&str] = &[
+    "io",
+    "unavailable",
+    "timeout",
+    "too_large",
+    "invalid_destination",
+    "denied",
+    "open",
+    "setup",
+    "encode",
+    "max_retries",
+];
+
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

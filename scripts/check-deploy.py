@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Offline checks of what operators install: deploy/ (base and overlays), the alert rules and
+the Dockerfile.
+
+- Renders each kustomization with the subset of kustomize this repository uses (resources,
+  namespace, configMapGenerator with create/replace, strategic-merge patches, images), since no
+  kustomize binary is installable here.
+- Validates every built-in object against the Kubernetes schemas (kubernetes-validate, strict,
+  for the oldest supported Kubernetes), and the monitoring.coreos.com objects by hand.
+- Loads each generated config with `kube-event-bridge check-config`.
+- Checks least privilege: the ClusterRole grants list+watch on exactly what the config
+  watches (plus discovery), nothing else; the Lease Role exists when leader election is on.
+- Checks the Deployment's hardening (non-root, read-only root, no capabilities, seccomp,
+  probes, resources, two replicas).
+- Checks that the PrometheusRule carries exactly deploy/alerts/*.rules.yml, and runs
+  `promtool check rules` and `hadolint`.
+
+Prints one line per check and a closing `check-deploy: N passed, M failed`.
+"""
+
+import copy
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+import kubernetes_validate
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KUBERNETES_VERSION = "1.33"  # the oldest cluster we support (k8s-openapi feature v1_33)
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding"}
+# apiVersion/kind → (API group, plural) for the kinds the shipped configs watch.
+KNOWN_RESOURCES = {
+    ("v1", "ConfigMap"): ("", "configmaps"),
+    ("v1", "Secret"): ("", "secrets"),
+    ("v1", "Pod"): ("", "pods"),
+    ("v1", "Service"): ("", "services"),
+    ("v1", "Namespace"): ("", "namespaces"),
+    ("apps/v1", "Deployment"): ("apps", "deployments"),
+    ("apps/v1", "StatefulSet"): ("apps", "statefulsets"),
+}
+DISCOVERY = {"/api", "/api/*", "/apis", "/apis/*", "/version"}
+
+results = []
+
+
+def check(name, ok, detail=""):
+    results.append((name, ok))
+    print(f"{'ok  ' if ok else 'FAIL'} {name}" + (f": {detail}" if detail and not ok else ""))
+    return ok
+
+
+def docs(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def merge(base, patch):
+    """Strategic merge, as far as these manifests need: maps merge recursively, lists of maps
+    with a `name` merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        out = dict(base)
+        for k, v in patch.items():
+            out[k] = merge(base[k], v) if k in base else copy.deepcopy(v)
+        return out
+    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in base + patch):
+        out = [copy.deepcopy(i) for i in base]
+        for item in patch:
+            match = next((i for i, b in enumerate(out) if b["name"] == item["name"]), None)
+            if match is None:
+                out.append(copy.deepcopy(item))
+            else:
+                out[match] = merge(out[match], item)
+        return out
+    return copy.deepcopy(patch)
+
+
+def render(directory):
+    with open(directory / "kustomization.yaml") as f:
+        k = yaml.safe_load(f)
+    objects = []
+    for r in k.get("resources", []):
+        path = (directory / r).resolve()
+        objects += render(path) if path.is_dir() else docs(path)
+    for gen in k.get("configMapGenerator", []):
+        data = {}
+        for entry in gen.get("files", []):
+            key, _, file = entry.partition("=") if "=" in entry else (pathlib.Path(entry).name, "", entry)
+            data[key] = (directory / file).read_text()
+        existing = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == gen["name"]]
+        behavior = gen.get("behavior", "create")
+        if behavior == "create":
+            assert not existing, f"configMapGenerator {gen['name']} already exists"
+            objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+        else:
+            assert existing, f"configMapGenerator {gen['name']}: nothing to {behavior}"
+            existing[0]["data"] = data if behavior == "replace" else {**existing[0]["data"], **data}
+    for p in k.get("patches", []):
+        patch = docs(directory / p["path"])[0]
+        targets = [i for i, o in enumerate(objects) if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]]
+        assert len(targets) == 1, f"patch {p['path']} matches {len(targets)} objects"
+        objects[targets[0]] = merge(objects[targets[0]], patch)
+    if "namespace" in k:
+        for o in objects:
+            if o["kind"] not in CLUSTER_SCOPED:
+                o["metadata"]["namespace"] = k["namespace"]
+    for image in k.get("images", []):
+        for o in objects:
+            for c in o.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+                if c.get("image") == image["name"]:
+                    c["image"] = f"{image.get('newName', image['name'])}:{image.get('newTag', 'latest')}"
+    return objects
+
+
+def find(objects, kind, name=None):
+    return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def binary():
+    exe = ROOT / "target" / "debug" / "kube-event-bridge"
+    if not exe.exists():
+        subprocess.run(["cargo", "build", "--quiet", "--bin", "kube-event-bridge"], cwd=ROOT, check=True)
+    return exe
+
+
+def check_kustomization(directory):
+    label = str(directory.relative_to(ROOT))
+    try:
+        objects = render(directory)
+    except Exception as e:  # a broken kustomization is one failed check, not a crash
+        check(f"{label}: renders", False, str(e))
+        return
+    check(f"{label}: renders ({len(objects)} objects)", True)
+    for o in objects:
+        what = f"{label}: {o['kind']} {o['metadata']['name']}"
+        if o["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        try:
+            kubernetes_validate.validate(o, KUBERNETES_VERSION, strict=True)
+            check(f"{what} matches the Kubernetes {KUBERNETES_VERSION} schema", True)
+        except Exception as e:
+            check(f"{what} matches the Kubernetes {KUBERNETES_VERSION} schema", False, str(e).splitlines()[0])
+
+    # The config loads, and RBAC grants exactly what it needs.
+    cm = find(objects, "ConfigMap", "kube-event-bridge-config")[0]
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(cm["data"]["config.yaml"])
+        f.flush()
+        run = subprocess.run([str(binary()), "check-config", f.name], capture_output=True, text=True)
+    check(f"{label}: config.yaml passes check-config", run.returncode == 0, run.stderr.strip())
+    config = yaml.safe_load(cm["data"]["config.yaml"])
+    needed = set()
+    for r in config["resources"]:
+        key = (r.get("api_version") or r.get("apiVersion"), r["kind"])
+        ok = check(f"{label}: {key[1]} has a known plural for the RBAC check", key in KNOWN_RESOURCES)
+        if ok:
+            needed.add(KNOWN_RESOURCES[key])
+    granted, extra = set(), []
+    role = find(objects, "ClusterRole", "kube-event-bridge")[0]
+    for rule in role["rules"]:
+        if "nonResourceURLs" in rule:
+            if set(rule["nonResourceURLs"]) - DISCOVERY or set(rule["verbs"]) != {"get"}:
+                extra.append(rule)
+            continue
+        if set(rule["verbs"]) != {"list", "watch"}:
+            extra.append(rule)
+        for g in rule["apiGroups"]:
+            for res in rule["resources"]:
+                granted.add((g, res))
+    check(f"{label}: ClusterRole grants list+watch on exactly the watched resources", granted == needed and not extra,
+          f"granted {sorted(granted)}, needed {sorted(needed)}, other rules {extra}")
+    if config.get("leader_election", {}).get("enabled"):
+        role = find(objects, "Role", "kube-event-bridge-leader-election")
+        leases = role and all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in role[0]["rules"])
+        check(f"{label}: a Role allows the Lease (and nothing else) for leader election", bool(leases))
+        check(f"{label}: RoleBinding for the Lease Role", bool(find(objects, "RoleBinding", "kube-event-bridge-leader-election")))
+
+    # Hardening.
+    deployment = find(objects, "Deployment", "kube-event-bridge")[0]
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    sc = container.get("securityContext", {})
+    check(f"{label}: two replicas", deployment["spec"]["replicas"] == 2)
+    check(f"{label}: runs as non-root with seccomp RuntimeDefault",
+          pod["securityContext"].get("runAsNonRoot") is True and pod["securityContext"].get("seccompProfile", {}).get("type") == "RuntimeDefault")
+    check(f"{label}: read-only root, no privilege escalation, all capabilities dropped",
+          sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"])
+    check(f"{label}: liveness /healthz and readiness /readyz",
+          container["livenessProbe"]["httpGet"]["path"] == "/healthz" and container["readinessProbe"]["httpGet"]["path"] == "/readyz")
+    check(f"{label}: resource requests and memory limit",
+          "requests" in container.get("resources", {}) and "memory" in container["resources"].get("limits", {}))
+    mounts = {m["name"] for m in container.get("volumeMounts", [])}
+    volumes = {v["name"] for v in pod.get("volumes", [])}
+    check(f"{label}: every volume mount has its volume", mounts <= volumes, f"{mounts - volumes}")
+
+    # Monitoring objects.
+    service = find(objects, "Service", "kube-event-bridge")[0]
+    monitor = find(objects, "ServiceMonitor", "kube-event-bridge")[0]
+    selects = all(service["metadata"]["labels"].get(k) == v for k, v in monitor["spec"]["selector"]["matchLabels"].items())
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    check(f"{label}: ServiceMonitor selects the Service and scrapes a named port",
+          selects and all(e["port"] in ports for e in monitor["spec"]["endpoints"]))
+    rule = find(objects, "PrometheusRule", "kube-event-bridge")[0]
+    with open(ROOT / "deploy" / "alerts" / "kube-event-bridge.rules.yml") as f:
+        plain = yaml.safe_load(f)
+    check(f"{label}: PrometheusRule holds exactly deploy/alerts/kube-event-bridge.rules.yml", rule["spec"] == plain)
+
+
+def main():
+    for directory in [ROOT / "deploy" / "base", *sorted((ROOT / "deploy" / "overlays").iterdir())]:
+        check_kustomization(directory)
+    for rules in sorted((ROOT / "deploy" / "alerts").glob("*.yml")):
+        run = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
+        check(f"promtool check rules {rules.relative_to(ROOT)}", run.returncode == 0, (run.stdout + run.stderr).strip())
+    run = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    check("hadolint Dockerfile", run.returncode == 0, (run.stdout + run.stderr).strip())
+    passed = sum(1 for _, ok in results if ok)
+    failed = len(results) - passed
+    print(f"check-deploy: {passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+//! What operators rely on, checked against a running instance: the `/metrics` exposition
+//! passes `promtool check metrics`; every metric named in a dashboard query or an alert rule
+//! is exported; every dashboard query parses (`promtool check rules`).
+
+mod support;
+
+use std::{collections::HashSet, path::Path, process::Command};
+
+use kube_event_bridge::{app::App, config::Config};
+use serde_json::json;
+use support::{ApiServer, configmap, eventually, http_get, typed};
+
+fn promtool(args: &[&str], stdin: Option<&str>) -> (bool, String) {
+    use std::io::Write;
+    let mut child = Command::new("promtool")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool is installed (scripts/test installs the Debian package prometheus)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.unwrap_or_default().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+/// A live scrape of a running instance that has published something.
+async fn scrape() -> String {
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "a", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let config = Config::from_value(json!({
+        "admin": {"address": "127.0.0.1:0"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": out}}],
+        "routes": [{"resource": "configmap", "sinks": ["out"]}],
+    }))
+    .unwrap();
+    let app = App::build(config, api.client()).await.unwrap();
+    let admin = app.admin_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    eventually("a published line", || {
+        std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty())
+    })
+    .await;
+    let (code, body) = http_get(admin, "/metrics").await;
+    assert_eq!(code, 200);
+    stop.send(()).unwrap();
+    run.await.unwrap();
+    body
+}
+
+/// Metric family names in an exposition, from its `# TYPE` lines, with their types.
+fn families(exposition: &str) -> Vec<(String, String)> {
+    exposition
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .map(|l| {
+            let mut parts = l.split_whitespace();
+            (
+                parts.next().unwrap().to_owned(),
+                parts.next().unwrap_or_default().to_owned(),
+            )
+        })
+        .collect()
+}
+
+/// Every metric name of ours in a PromQL expression.
+fn metric_names(expr: &str) -> Vec<String> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| {
+            ["keb_", "workqueue_", "process_"]
+                .iter()
+                .any(|p| t.starts_with(p))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+fn dashboard_exprs() -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("dashboards");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let d: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            for p in d["panels"].as_array().unwrap() {
+                for t in p["targets"].as_array().into_iter().flatten() {
+                    out.push((
+                        format!("{}: {}", path.display(), p["title"]),
+                        t["expr"].as_str().unwrap().to_owned(),
+                    ));
+                }
+            }
+        }
+    }
+    assert!(out.len() > 10, "dashboards have queries");
+    out
+}
+
+fn alert_exprs() -> Vec<(String, String)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/alerts");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut alert = String::new();
+        for line in text.lines().map(str::trim) {
+            if let Some(a) = line.strip_prefix("- alert:") {
+                alert = a.trim().to_owned();
+            } else if let Some(e) = line.strip_prefix("expr:") {
+                out.push((format!("{}: {alert}", path.display()), e.trim().to_owned()));
+            }
+        }
+    }
+    assert!(out.len() >= 7, "alert rules were found");
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exposition_passes_promtool_and_exports_every_metric_dashboards_and_alerts_use() {
+    let exposition = scrape().await;
+    let (ok, report) = promtool(&["check", "metrics"], Some(&exposition));
+    assert!(ok, "promtool check metrics:\n{report}");
+
+    let exported = families(&exposition);
+    let histograms: HashSet<&str> = exported
+        .iter()
+        .filter(|(_, t)| t == "histogram")
+        .map(|(n, _)| n.as_str())
+        .collect();
+    let names: HashSet<&str> = exported.iter().map(|(n, _)| n.as_str()).collect();
+    for family in [
+        "workqueue_depth",
+        "workqueue_adds_total",
+        "workqueue_retries_total",
+        "keb_leader",
+        "keb_sink_failed_total",
+    ] {
+        assert!(names.contains(family), "{family} is exported");
+    }
+    let mut missing = Vec::new();
+    for (place, expr) in dashboard_exprs().into_iter().chain(alert_exprs()) {
+        for name in metric_names(&expr) {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|b| histograms.contains(b)))
+                .unwrap_or(&name);
+            if !names.contains(base) {
+                missing.push(format!("{place}: {name}"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "metrics used but not exported:\n{}",
+        missing.join("\n")
+    );
+}
+
+#[test]
+fn every_dashboard_query_and_alert_rule_parses() {
+    // Grafana's variables become what Prometheus accepts, then each query a recording rule.
+    let mut rules = String::from("groups:\n  - name: dashboard-queries\n    rules:\n");
+    for (i, (_, expr)) in dashboard_exprs().into_iter().enumerate() {
+        let expr = expr
+            .replace("$__rate_interval", "5m")
+            .replace("$__interval", "1m")
+            .replace("$namespace", ".*")
+            .replace("$pod", ".*")
+            .replace("$sink", ".*")
+            .replace("$resource", ".*");
+        rules.push_str(&format!(
+            "      - record: dashboard:query_{i}\n        expr: {}\n",
+            serde_json::to_string(&expr).unwrap()
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dashboard.rules.yml");
+    std::fs::write(&file, rules).unwrap();
+    let (ok, report) = promtool(&["check", "rules", file.to_str().unwrap()], None);
+    assert!(ok, "promtool check rules (dashboard queries):\n{report}");
+    let alerts =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/alerts/kube-event-bridge.rules.yml");
+    let (ok, report) = promtool(&["check", "rules", alerts.to_str().unwrap()], None);
+    assert!(ok, "promtool check rules (alerts):\n{report}");
+}
