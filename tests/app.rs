@@ -10,7 +10,7 @@ use kube_event_bridge::{
     config::Config,
 };
 use serde_json::{Value, json};
-use support::{ApiServer, configmap, eventually, http_get, typed};
+use support::{ApiServer, RunningApp, configmap, eventually, http_get, typed};
 
 fn config(sinks_dir: &Path, resources: Value, sinks: &[&str], routes: Value) -> Config {
     let sinks: Vec<Value> = sinks
@@ -60,12 +60,8 @@ async fn two_routes_on_one_resource_share_one_informer() {
         &["one", "two"],
         json!([{"resource": "cms", "sinks": ["one", "two"]}, {"resource": "cm-deletes", "sinks": ["two"]}]),
     );
-    let app = App::build(cfg, server.client()).await.unwrap();
-    assert_eq!(app.factory().informers().len(), 1);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
+    let app = RunningApp::start(cfg, &server).await;
+    assert_eq!(app.factory.informers().len(), 1);
     wait_for_lines(&dir.path().join("one.jsonl"), 1).await;
     server.delete("v1", "ConfigMap", "ns", "a");
     let one = wait_for_lines(&dir.path().join("one.jsonl"), 2).await;
@@ -97,8 +93,7 @@ async fn two_routes_on_one_resource_share_one_informer() {
         (1, 1),
         "one list and one watch on the server"
     );
-    stop.send(()).unwrap();
-    let report = run.await.unwrap();
+    let report = app.stop().await;
     assert!(report.undelivered.is_empty());
 }
 
@@ -114,11 +109,7 @@ async fn a_custom_resource_works_like_a_built_in() {
         &["out"],
         json!([{"resource": "widget.example.com", "sinks": ["out"]}]),
     );
-    let app = App::build(cfg, server.client()).await.unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
+    let app = RunningApp::start(cfg, &server).await;
     let path = dir.path().join("out.jsonl");
     let first = &wait_for_lines(&path, 1).await[0];
     assert_eq!(first["type"], "io.github.kube-event-bridge.object.added");
@@ -151,8 +142,7 @@ async fn a_custom_resource_works_like_a_built_in() {
             .lists,
         1
     );
-    stop.send(()).unwrap();
-    run.await.unwrap();
+    app.stop().await;
 }
 
 #[tokio::test]
@@ -168,11 +158,7 @@ async fn secrets_are_redacted_and_managed_fields_stripped() {
         &["out"],
         json!([{"resource": "secret", "sinks": ["out"]}]),
     );
-    let app = App::build(cfg, server.client()).await.unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
+    let app = RunningApp::start(cfg, &server).await;
     let line = &wait_for_lines(&dir.path().join("out.jsonl"), 1).await[0];
     assert_eq!(line["data"]["object"]["data"]["password"], "<redacted>");
     assert_eq!(
@@ -184,8 +170,7 @@ async fn secrets_are_redacted_and_managed_fields_stripped() {
             .get("managedFields")
             .is_none()
     );
-    stop.send(()).unwrap();
-    run.await.unwrap();
+    app.stop().await;
 }
 
 #[tokio::test]
@@ -240,13 +225,9 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
         &["out"],
         json!([{"resource": "configmap", "sinks": ["out"]}]),
     );
-    let app = App::build(cfg, server.client()).await.unwrap();
-    let admin = app.admin_addr();
-    let factory = app.factory().clone();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
+    let app = RunningApp::start(cfg, &server).await;
+    let admin = app.admin;
+    let factory = app.factory.clone();
     wait_for_lines(&dir.path().join("out.jsonl"), 1).await;
     let mut ready = (0, String::new());
     for _ in 0..100 {
@@ -287,8 +268,7 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
         1,
         "the cache is kept"
     );
-    stop.send(()).unwrap();
-    run.await.unwrap();
+    app.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,13 +281,9 @@ async fn shutdown_mid_load_delivers_everything_the_informers_distributed() {
         &["out"],
         json!([{"resource": "configmap", "sinks": ["out"]}]),
     );
-    let app = App::build(cfg, server.client()).await.unwrap();
-    let metrics = app.metrics().clone();
-    let factory = app.factory().clone();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
+    let app = RunningApp::start(cfg, &server).await;
+    let metrics = app.metrics.clone();
+    let factory = app.factory.clone();
     eventually("sync", || factory.has_synced()).await;
     let writer = tokio::spawn({
         let server = server.clone();
@@ -321,8 +297,7 @@ async fn shutdown_mid_load_delivers_everything_the_informers_distributed() {
     });
     let path = dir.path().join("out.jsonl");
     wait_for_lines(&path, 100).await;
-    stop.send(()).unwrap(); // SIGTERM, mid-load
-    let report = run.await.unwrap();
+    let report = app.stop().await; // SIGTERM, mid-load
     writer.await.unwrap();
     assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
     let distributed: u64 = ["added", "updated", "deleted", "synced"]

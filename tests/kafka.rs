@@ -10,15 +10,12 @@ use std::{
 };
 
 use kube_event_bridge::{
-    app::{App, Report},
     config::{Config, SinkConfig},
-    informer::SharedInformerFactory,
-    metrics::Metrics,
     sinks::kafka::KafkaSink,
 };
 use serde_json::{Value, json};
 use support::{
-    ApiServer, configmap, eventually,
+    ApiServer, RunningApp, configmap,
     kafka::{Record, Tansu, consume},
     typed,
 };
@@ -47,38 +44,8 @@ fn config(sinks: Vec<Value>) -> Config {
     .unwrap()
 }
 
-struct Running {
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Report>,
-    factory: Arc<SharedInformerFactory>,
-    metrics: Arc<Metrics>,
-}
-
-async fn run(cfg: Config, api: &ApiServer) -> Running {
-    let app = App::build(cfg, api.client()).await.unwrap();
-    let (factory, metrics) = (app.factory().clone(), app.metrics().clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
-    Running {
-        stop: Some(stop),
-        task,
-        factory,
-        metrics,
-    }
-}
-
-impl Running {
-    async fn stop(mut self) -> Report {
-        self.stop.take().unwrap().send(()).unwrap();
-        self.task.await.unwrap()
-    }
-
-    async fn synced(&self) {
-        let factory = self.factory.clone();
-        eventually("informers synced", move || factory.has_synced()).await;
-    }
+async fn run(cfg: Config, api: &ApiServer) -> RunningApp {
+    RunningApp::start(cfg, api).await
 }
 
 async fn consume_async(brokers: String, topic: &str, n: usize) -> Vec<Record> {

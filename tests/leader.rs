@@ -12,13 +12,9 @@ use std::{
     time::Duration,
 };
 
-use kube_event_bridge::{
-    app::{App, Report},
-    config::Config,
-    metrics::Metrics,
-};
+use kube_event_bridge::{app::Report, config::Config};
 use serde_json::{Value, json};
-use support::{ApiServer, configmap, typed};
+use support::{ApiServer, RunningApp, configmap, typed};
 use tokio::time::Instant;
 
 const LEASE_DURATION: Duration = Duration::from_secs(3);
@@ -40,33 +36,22 @@ fn config(dir: &Path, identity: &str) -> Config {
 
 struct Instance {
     identity: &'static str,
-    metrics: Arc<Metrics>,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Report>,
+    app: RunningApp,
     out: std::path::PathBuf,
 }
 
 impl Instance {
     async fn start(api: &ApiServer, dir: &Path, identity: &'static str) -> Self {
-        let app = App::build(config(dir, identity), api.client())
-            .await
-            .unwrap();
-        let metrics = app.metrics().clone();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(app.run(async move {
-            let _ = stopped.await;
-        }));
+        let app = RunningApp::start(config(dir, identity), api).await;
         Self {
             identity,
-            metrics,
-            stop: Some(stop),
-            task,
+            app,
             out: dir.join(format!("{identity}.jsonl")),
         }
     }
 
     fn leading(&self) -> bool {
-        self.metrics.leader.get() == 1
+        self.app.metrics.leader.get() == 1
     }
 
     /// `namespace/name` of every message this instance published.
@@ -83,9 +68,8 @@ impl Instance {
             .collect()
     }
 
-    async fn stop(mut self) -> Report {
-        self.stop.take().unwrap().send(()).unwrap();
-        self.task.await.unwrap()
+    async fn stop(self) -> Report {
+        self.app.stop().await
     }
 }
 
@@ -113,7 +97,11 @@ async fn one_leader_publishes_a_standby_takes_over_and_a_release_hands_over_at_o
     // Watch both gauges for the whole test: never two leaders at once.
     let overlap = Arc::new(AtomicBool::new(false));
     let sampler = tokio::spawn({
-        let (m1, m2, overlap) = (one.metrics.clone(), two.metrics.clone(), overlap.clone());
+        let (m1, m2, overlap) = (
+            one.app.metrics.clone(),
+            two.app.metrics.clone(),
+            overlap.clone(),
+        );
         async move {
             loop {
                 if m1.leader.get() == 1 && m2.leader.get() == 1 {

@@ -6,7 +6,6 @@ mod support;
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use kube_event_bridge::{
-    app::App,
     config::Config,
     sinks::{
         Sink,
@@ -16,7 +15,7 @@ use kube_event_bridge::{
 };
 use serde_json::{Value, json};
 use support::{
-    ApiServer, configmap, eventually,
+    ApiServer, RunningApp, configmap, eventually,
     nats::{NatsServer, read_stream, stream_len},
     typed,
 };
@@ -48,31 +47,8 @@ fn config(sinks: Vec<Value>, routes: Value) -> Config {
     .unwrap()
 }
 
-struct Running {
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<kube_event_bridge::app::Report>,
-    metrics: Arc<kube_event_bridge::metrics::Metrics>,
-}
-
-async fn run(cfg: Config, api: &ApiServer) -> Running {
-    let app = App::build(cfg, api.client()).await.unwrap();
-    let metrics = app.metrics().clone();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(app.run(async move {
-        let _ = stopped.await;
-    }));
-    Running {
-        stop: Some(stop),
-        task,
-        metrics,
-    }
-}
-
-impl Running {
-    async fn stop(mut self) -> kube_event_bridge::app::Report {
-        self.stop.take().unwrap().send(()).unwrap();
-        self.task.await.unwrap()
-    }
+async fn run(cfg: Config, api: &ApiServer) -> RunningApp {
+    RunningApp::start(cfg, api).await
 }
 
 async fn wait_for_stream(url: &str, n: u64) {

@@ -164,3 +164,49 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .unwrap_or_default();
     (code, body)
 }
+
+/// The whole service, built from a config and running until `stop`.
+pub struct RunningApp {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<kube_event_bridge::app::Report>,
+    pub metrics: Arc<kube_event_bridge::metrics::Metrics>,
+    pub factory: Arc<kube_event_bridge::informer::SharedInformerFactory>,
+    pub admin: std::net::SocketAddr,
+}
+
+impl RunningApp {
+    /// Builds the service against `api` and runs it.
+    pub async fn start(config: kube_event_bridge::config::Config, api: &ApiServer) -> Self {
+        let app = kube_event_bridge::app::App::build(config, api.client())
+            .await
+            .unwrap();
+        let (metrics, factory, admin) = (
+            app.metrics().clone(),
+            app.factory().clone(),
+            app.admin_addr(),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(app.run(async move {
+            let _ = stopped.await;
+        }));
+        Self {
+            stop: Some(stop),
+            task,
+            metrics,
+            factory,
+            admin,
+        }
+    }
+
+    /// Waits until every informer has synced.
+    pub async fn synced(&self) {
+        let factory = self.factory.clone();
+        eventually("informers synced", move || factory.has_synced()).await;
+    }
+
+    /// Shuts down as on SIGTERM; returns the shutdown report.
+    pub async fn stop(mut self) -> kube_event_bridge::app::Report {
+        self.stop.take().unwrap().send(()).unwrap();
+        self.task.await.unwrap()
+    }
+}

@@ -1,0 +1,218 @@
+//! What every benchmark shares: a synthetic informer feeding one route (listener → route
+//! queue → workers → sink), synthetic ConfigMaps, latency percentiles and peak RSS.
+#![allow(dead_code)] // each bench uses a different part
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::{FutureExt, future::BoxFuture};
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
+use kube_event_bridge::{
+    config::{EventType, MessageConfig},
+    informer::{Notification, NotificationKind, ProcessorListener},
+    message::{Encoder, Encoding, Message},
+    metrics::Metrics,
+    pipeline::{self, Budget, Delivery, Route, RouteQueue},
+    sinks::{self, Sink},
+    workqueue::rate_limiter::default_controller_rate_limiter,
+};
+
+/// The ConfigMap resource every bench uses.
+pub fn configmaps() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
+}
+
+/// The encoder every bench uses (structured CloudEvents, with `oldObject`).
+pub fn encoder() -> Encoder {
+    Encoder::new(
+        "bench",
+        &configmaps(),
+        &MessageConfig::default(),
+        Encoding::Structured,
+    )
+}
+
+/// A ConfigMap `config-{i}` of about `size` bytes of JSON (at least its metadata).
+pub fn object(i: usize, rv: u64, size: usize) -> Arc<DynamicObject> {
+    Arc::new(DynamicObject {
+        types: Some(TypeMeta {
+            api_version: "v1".into(),
+            kind: "ConfigMap".into(),
+        }),
+        metadata: ObjectMeta {
+            name: Some(format!("config-{i:06}")),
+            namespace: Some(format!("team-{}", i % 50)),
+            uid: Some(format!("8d0c1f7e-0000-4000-8000-{i:012}")),
+            resource_version: Some(rv.to_string()),
+            labels: Some([("app".to_string(), "bench".to_string())].into()),
+            ..Default::default()
+        },
+        data: serde_json::json!({"data": {"payload": "x".repeat(size.saturating_sub(250))}}),
+    })
+}
+
+/// `events` updates over `objects` objects of ~`size` bytes; every message id is distinct
+/// within and across runs of different sizes (JetStream would drop a repeated id).
+pub fn notifications(events: usize, objects: usize, size: usize) -> Vec<Notification> {
+    let old: Vec<Arc<DynamicObject>> = (0..objects).map(|i| object(i, 1, size)).collect();
+    (0..events)
+        .map(|n| Notification {
+            kind: NotificationKind::Update {
+                old: old[n % objects].clone(),
+                new: object(n % objects, (size as u64) * 10_000_000 + n as u64, size),
+            },
+            received: std::time::Instant::now(),
+            observed: jiff::Timestamp::now(),
+        })
+        .collect()
+}
+
+/// Wraps a sink to sample the time from watch event (notification receipt) to acknowledgement.
+pub struct Timed<S> {
+    pub inner: S,
+    pub samples: Mutex<Vec<u32>>,
+}
+
+impl<S> Timed<S> {
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            samples: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl<S: Sink> Sink for Timed<S> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<()>> {
+        async move {
+            self.inner.publish(m).await?;
+            self.samples
+                .lock()
+                .unwrap()
+                .push(m.received.elapsed().as_micros() as u32);
+            Ok(())
+        }
+        .boxed()
+    }
+    fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
+        self.inner.flush()
+    }
+}
+
+/// (p50, p99) in milliseconds of microsecond samples.
+pub fn percentiles(mut v: Vec<u32>) -> (f64, f64) {
+    v.sort_unstable();
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    let p = |q: f64| v[((v.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+    (p(0.5), p(0.99))
+}
+
+/// Peak RSS of this process (VmHWM), in MiB.
+pub fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+        / 1024.0
+}
+
+/// Resets the peak RSS to the current RSS, so that each phase reports its own peak.
+pub fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+/// What one bridge run measured.
+pub struct Run {
+    pub elapsed: Duration,
+    pub delivered_bytes: u64,
+    pub coalesced: u64,
+    pub peak_rss: f64,
+}
+
+/// Pushes `notes` through listener → route queue → `workers` workers → `sink`, like an
+/// informer (stamping each on receipt), pausing while more than `backlog` are held so that
+/// nothing is coalesced, and waits until all are delivered.
+pub async fn run_bridge(
+    sink: Arc<dyn Sink>,
+    notes: Vec<Notification>,
+    workers: usize,
+    backlog: usize,
+    metrics: &Metrics,
+    name: &str,
+) -> Run {
+    let budget = Arc::new(Budget::new(100_000));
+    let queue = Arc::new(RouteQueue::new(
+        name.to_owned(),
+        Box::new(default_controller_rate_limiter()),
+        metrics.workqueue.for_queue(name),
+        budget.clone(),
+        metrics
+            .listener_buffered
+            .with_label_values(&["configmap", name]),
+        metrics
+            .listener_coalesced
+            .with_label_values(&["configmap", name]),
+    ));
+    let sink_name = sink.name().to_owned();
+    let route = Arc::new(Route::new(
+        "configmap".into(),
+        queue.clone(),
+        encoder(),
+        Arc::new(Delivery {
+            sink,
+            dead_letter: None,
+            publish_limit: None,
+            max_retries: None,
+        }),
+        metrics,
+    ));
+    let all = [
+        EventType::Added,
+        EventType::Updated,
+        EventType::Deleted,
+        EventType::Synced,
+    ];
+    let listener = ProcessorListener::new(name, &all, None, queue.clone());
+    let bytes = || {
+        metrics
+            .sink_bytes
+            .with_label_values(&[&sink_name, "configmap"])
+            .get()
+    };
+    let bytes_before = bytes();
+    reset_peak_rss();
+    let running = pipeline::start(&[(route, workers)]);
+    let start = Instant::now();
+    for mut n in notes {
+        while budget.held() > backlog {
+            tokio::time::sleep(Duration::from_micros(50)).await;
+        }
+        n.received = std::time::Instant::now();
+        listener.add(n);
+    }
+    while budget.held() > 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let elapsed = start.elapsed();
+    running
+        .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+    Run {
+        elapsed,
+        delivered_bytes: bytes() - bytes_before,
+        coalesced: metrics
+            .listener_coalesced
+            .with_label_values(&["configmap", name])
+            .get(),
+        peak_rss: peak_rss_mib(),
+    }
+}
