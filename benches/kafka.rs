@@ -64,6 +64,8 @@ async fn bridge(
         "name": "kafka", "type": "kafka", "kafka": {"brokers": [brokers], "topic": TOPIC},
     }))
     .unwrap();
+    // Built before the clock starts, as raw's messages are encoded before it starts.
+    let notes: Vec<_> = notifications(events, 10_000, size).collect();
     let sink = Arc::new(Timed::new(
         KafkaSink::connect("kafka", cfg.kafka.as_ref().unwrap())
             .await
@@ -71,7 +73,7 @@ async fn bridge(
     ));
     let r = run_bridge(
         sink.clone(),
-        notifications(events, 10_000, size),
+        notes,
         WORKERS,
         2 * WORKERS,
         metrics,
@@ -92,8 +94,7 @@ async fn bridge(
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
     let enc = encoder();
     let messages: Vec<Message> = notifications(events, 10_000, size)
-        .iter()
-        .map(|n| enc.encode(&n.key(), n).unwrap())
+        .map(|n| enc.encode(&n.key(), &n).unwrap())
         .collect();
     // The sink's producer settings.
     let producer: FutureProducer = ClientConfig::new()

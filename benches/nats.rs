@@ -50,6 +50,8 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Fig
         "nats": {"servers": [url], "max_in_flight": WINDOW, "stream": {"name": "BENCH"}},
     }))
     .unwrap();
+    // Built before the clock starts, as raw's messages are encoded before it starts.
+    let notes: Vec<_> = notifications(events, 10_000, size).collect();
     let sink = Arc::new(Timed::new(
         NatsSink::connect("nats", cfg.nats.as_ref().unwrap())
             .await
@@ -58,7 +60,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Fig
     // About two windows held, as raw keeps one window in flight.
     let run = run_bridge(
         sink.clone(),
-        notifications(events, 10_000, size),
+        notes,
         WINDOW,
         2 * WINDOW,
         metrics,
@@ -80,8 +82,7 @@ async fn raw(url: &str, events: usize, size: usize) -> Figures {
     // The same bytes the bridge publishes, encoded before the clock starts.
     let enc = encoder();
     let messages: Vec<Message> = notifications(events, 10_000, size)
-        .iter()
-        .map(|n| enc.encode(&n.key(), n).unwrap())
+        .map(|n| enc.encode(&n.key(), &n).unwrap())
         .collect();
     let client = async_nats::connect(url).await.unwrap();
     let js = async_nats::jetstream::ContextBuilder::new()

@@ -53,20 +53,51 @@ pub fn object(i: usize, rv: u64, size: usize) -> Arc<DynamicObject> {
     })
 }
 
-/// `events` updates over `objects` objects of ~`size` bytes; every message id is distinct
+/// `events` updates over `objects` objects of ~`size` bytes, each with a new object (as an
+/// informer decodes one per watch event), generated lazily; every message id is distinct
 /// within and across runs of different sizes (JetStream would drop a repeated id).
-pub fn notifications(events: usize, objects: usize, size: usize) -> Vec<Notification> {
+pub fn notifications(
+    events: usize,
+    objects: usize,
+    size: usize,
+) -> impl Iterator<Item = Notification> {
     let old: Vec<Arc<DynamicObject>> = (0..objects).map(|i| object(i, 1, size)).collect();
-    (0..events)
-        .map(|n| Notification {
+    (0..events).map(move |n| Notification {
+        kind: NotificationKind::Update {
+            old: old[n % objects].clone(),
+            new: object(n % objects, (size as u64) * 10_000_000 + n as u64, size),
+        },
+        received: std::time::Instant::now(),
+        observed: jiff::Timestamp::now(),
+    })
+}
+
+/// `events` updates over `objects` objects that alternate between two pre-built versions:
+/// the cost of the pipeline alone, without building objects.
+pub fn alternating(
+    events: usize,
+    objects: usize,
+    size: usize,
+) -> impl Iterator<Item = Notification> {
+    let versions: Vec<[Arc<DynamicObject>; 2]> = (0..objects)
+        .map(|i| {
+            [
+                object(i, 2 * i as u64 + 1, size),
+                object(i, 2 * i as u64 + 2, size),
+            ]
+        })
+        .collect();
+    (0..events).map(move |n| {
+        let (i, flip) = (n % objects, (n / objects) % 2);
+        Notification {
             kind: NotificationKind::Update {
-                old: old[n % objects].clone(),
-                new: object(n % objects, (size as u64) * 10_000_000 + n as u64, size),
+                old: versions[i][flip].clone(),
+                new: versions[i][1 - flip].clone(),
             },
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
-        })
-        .collect()
+        }
+    })
 }
 
 /// Wraps a sink to sample the time from watch event (notification receipt) to acknowledgement.
@@ -143,7 +174,7 @@ pub struct Run {
 /// nothing is coalesced, and waits until all are delivered.
 pub async fn run_bridge(
     sink: Arc<dyn Sink>,
-    notes: Vec<Notification>,
+    notes: impl IntoIterator<Item = Notification>,
     workers: usize,
     backlog: usize,
     metrics: &Metrics,
