@@ -22,36 +22,11 @@ use rdkafka::{
     producer::{FutureProducer, FutureRecord},
 };
 use support::{
-    Timed, encoder, notifications, peak_rss_mib, percentiles, reset_peak_rss, run_bridge,
+    Figures, Timed, encoder, notifications, peak_rss_mib, percentiles, reset_peak_rss, run_bridge,
 };
 
 const WORKERS: usize = 1024;
 const TOPIC: &str = "bench";
-
-struct Figures {
-    events: usize,
-    bytes: u64,
-    secs: f64,
-    p50: f64,
-    p99: f64,
-    peak_rss: f64,
-}
-
-impl Figures {
-    fn rate(&self) -> f64 {
-        self.events as f64 / self.secs
-    }
-    fn print(&self, label: &str) {
-        println!(
-            "    {label:<7} {:>9.0} events/s {:>8.1} MB/s   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
-            self.rate(),
-            self.bytes as f64 / 1e6 / self.secs,
-            self.p50,
-            self.p99,
-            self.peak_rss
-        );
-    }
-}
 
 async fn bridge(
     brokers: &str,

@@ -17,32 +17,10 @@ use kube_event_bridge::{
     config::SinkConfig, message::Message, metrics::Metrics, sinks::nats::NatsSink,
 };
 use support::{
-    Timed, encoder, notifications, peak_rss_mib, percentiles, reset_peak_rss, run_bridge,
+    Figures, Timed, encoder, notifications, peak_rss_mib, percentiles, reset_peak_rss, run_bridge,
 };
 
 const WINDOW: usize = 1024;
-
-struct Figures {
-    events: usize,
-    bytes: u64,
-    secs: f64,
-    p50: f64,
-    p99: f64,
-    peak_rss: f64,
-}
-
-impl Figures {
-    fn print(&self, label: &str) {
-        println!(
-            "    {label:<7} {:>9.0} events/s {:>8.1} MB/s   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
-            self.events as f64 / self.secs,
-            self.bytes as f64 / 1e6 / self.secs,
-            self.p50,
-            self.p99,
-            self.peak_rss
-        );
-    }
-}
 
 async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Figures {
     let cfg: SinkConfig = serde_json::from_value(serde_json::json!({
@@ -169,7 +147,7 @@ fn main() {
             );
             b.print("bridge");
             r.print("raw");
-            println!("    ratio bridge/raw: {:.2}", (b.events as f64 / b.secs) / (r.events as f64 / r.secs));
+            println!("    ratio bridge/raw: {:.2}", b.rate() / r.rate());
         }
     });
 }

@@ -247,3 +247,32 @@ pub async fn run_bridge(
         peak_rss: peak_rss_mib(),
     }
 }
+
+/// What one side (bridge or raw) of a broker bench measured.
+pub struct Figures {
+    pub events: usize,
+    pub bytes: u64,
+    pub secs: f64,
+    pub p50: f64,
+    pub p99: f64,
+    pub peak_rss: f64,
+}
+
+impl Figures {
+    /// Events per second.
+    pub fn rate(&self) -> f64 {
+        self.events as f64 / self.secs
+    }
+
+    /// One line: events/s, MB/s, latency percentiles, peak RSS.
+    pub fn print(&self, label: &str) {
+        println!(
+            "    {label:<7} {:>9.0} events/s {:>8.1} MB/s   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
+            self.rate(),
+            self.bytes as f64 / 1e6 / self.secs,
+            self.p50,
+            self.p99,
+            self.peak_rss
+        );
+    }
+}
