@@ -40,6 +40,8 @@ struct TestSink {
     /// Publishes never complete.
     stall: bool,
     attempts: AtomicU64,
+    /// Publishes started (a stalled one never counts as an attempt).
+    publishing: AtomicU64,
     /// (key, id, payload) of every accepted message, in acceptance order.
     accepted: Mutex<Vec<(String, String, serde_json::Value)>>,
 }
@@ -51,6 +53,7 @@ impl Sink for TestSink {
 
     fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<()>> {
         async move {
+            self.publishing.fetch_add(1, Ordering::SeqCst);
             if self.stall {
                 futures::future::pending::<()>().await;
             }
@@ -532,4 +535,42 @@ async fn the_publish_rate_limit_spaces_publishes() {
     );
     assert_eq!(sink.accepted.lock().unwrap().len(), 15);
     drop(running);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_stalled_workers_are_given_up_on_together_at_the_deadline() {
+    let sink = Arc::new(TestSink {
+        stall: true,
+        ..TestSink::named("test")
+    });
+    let h = harness(sink.clone(), None, 1_000, None);
+    let running = pipeline::start(&[(h.route.clone(), 64)]);
+    push_load(&h.queue, 64, 0, 10);
+    eventually_stuck(&sink, 64).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(200);
+    let left = running.drain(deadline).await;
+    // Kubernetes kills the pod soon after the grace period: 64 publishes stuck past the
+    // deadline must not each add a wait of their own.
+    let overrun = tokio::time::Instant::now() - deadline;
+    assert!(
+        overrun < Duration::from_secs(2),
+        "drain overran its deadline by {overrun:?}"
+    );
+    assert_eq!(
+        left,
+        HashMap::from([("configmap/test".to_string(), 64 + 22)]),
+        "64 adds and 22 deletes"
+    );
+}
+
+/// Waits until `n` publishes are stuck in the (stalling) sink.
+async fn eventually_stuck(sink: &TestSink, n: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while sink.attempts.load(Ordering::SeqCst) < n && sink.publishing.load(Ordering::SeqCst) < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "publishes never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }
