@@ -19,10 +19,12 @@ use kube_event_bridge::{
 };
 use rdkafka::{
     ClientConfig,
+    producer::Producer,
     producer::{FutureProducer, FutureRecord},
 };
 use support::{
-    Figures, Timed, encoder, notifications, peak_rss_mib, percentiles, reset_peak_rss, run_bridge,
+    Figures, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
+    reset_peak_rss,
 };
 
 const WORKERS: usize = 1024;
@@ -46,24 +48,14 @@ async fn bridge(
             .await
             .unwrap(),
     ));
-    let r = run_bridge(
-        sink.clone(),
+    bridge_figures(
+        sink,
         notes,
         WORKERS,
-        2 * WORKERS,
         metrics,
         &format!("configmap/kafka-{run}"),
     )
-    .await;
-    let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
-    Figures {
-        events,
-        bytes: r.delivered_bytes,
-        secs: r.elapsed.as_secs_f64(),
-        p50,
-        p99,
-        peak_rss: r.peak_rss,
-    }
+    .await
 }
 
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
@@ -79,6 +71,11 @@ async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
         .set("compression.type", "lz4")
         .set("linger.ms", "5")
         .create()
+        .unwrap();
+    // Connected before the clock starts, as the bridge's sink is.
+    producer
+        .client()
+        .fetch_metadata(Some(TOPIC), std::time::Duration::from_secs(10))
         .unwrap();
     let mut pending = FuturesUnordered::new();
     let (mut samples, mut bytes) = (Vec::with_capacity(events), 0);

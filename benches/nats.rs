@@ -17,7 +17,8 @@ use kube_event_bridge::{
     config::SinkConfig, message::Message, metrics::Metrics, sinks::nats::NatsSink,
 };
 use support::{
-    Figures, Timed, encoder, notifications, peak_rss_mib, percentiles, reset_peak_rss, run_bridge,
+    Figures, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
+    reset_peak_rss,
 };
 
 const WINDOW: usize = 1024;
@@ -35,25 +36,14 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Fig
             .await
             .unwrap(),
     ));
-    // About two windows held, as raw keeps one window in flight.
-    let run = run_bridge(
-        sink.clone(),
+    bridge_figures(
+        sink,
         notes,
         WINDOW,
-        2 * WINDOW,
         metrics,
         &format!("configmap/nats-{size}"),
     )
-    .await;
-    let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
-    Figures {
-        events,
-        bytes: run.delivered_bytes,
-        secs: run.elapsed.as_secs_f64(),
-        p50,
-        p99,
-        peak_rss: run.peak_rss,
-    }
+    .await
 }
 
 async fn raw(url: &str, events: usize, size: usize) -> Figures {

@@ -276,3 +276,25 @@ impl Figures {
         );
     }
 }
+
+/// Runs `notes` through the pipeline into `sink` (about two worker-fulls held, as a raw
+/// publisher keeps one window in flight) and returns the bridge side's figures.
+pub async fn bridge_figures<S: Sink + 'static>(
+    sink: Arc<Timed<S>>,
+    notes: Vec<Notification>,
+    workers: usize,
+    metrics: &Metrics,
+    name: &str,
+) -> Figures {
+    let events = notes.len();
+    let run = run_bridge(sink.clone(), notes, workers, 2 * workers, metrics, name).await;
+    let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
+    Figures {
+        events,
+        bytes: run.delivered_bytes,
+        secs: run.elapsed.as_secs_f64(),
+        p50,
+        p99,
+        peak_rss: run.peak_rss,
+    }
+}

@@ -230,7 +230,7 @@ impl KafkaSink {
         h
     }
 
-    fn classify(&self, err: KafkaError, size: usize) -> Error {
+    fn classify(&self, err: KafkaError, topic: &str, size: usize) -> Error {
         let code = err.rdkafka_error_code();
         match code {
             Some(RDKafkaErrorCode::MessageSizeTooLarge) => Error::TooLarge {
@@ -244,7 +244,7 @@ impl KafkaSink {
                 | RDKafkaErrorCode::Authentication,
             ) => Error::Denied(err.to_string()),
             Some(RDKafkaErrorCode::InvalidTopic) => Error::InvalidDestination {
-                destination: "(topic)".into(),
+                destination: topic.to_owned(),
                 reason: err.to_string(),
             },
             Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
@@ -366,10 +366,10 @@ impl Sink for KafkaSink {
             let delivery = self
                 .producer
                 .send_result(record)
-                .map_err(|(e, _)| self.classify(e, size))?;
+                .map_err(|(e, _)| self.classify(e, &topic, size))?;
             match delivery.await {
                 Ok(Ok(_)) => Ok(()),
-                Ok(Err((e, _))) => Err(self.classify(e, size)),
+                Ok(Err((e, _))) => Err(self.classify(e, &topic, size)),
                 Err(_) => Err(Error::Unavailable(
                     "the producer dropped the message".into(),
                 )),
