@@ -234,6 +234,10 @@ impl App {
                 (leader::default_namespace(le), leader::default_identity(le));
             info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, "Leader election on; standing by");
             // A standby holds nothing until it leads.
+            factory
+                .informers()
+                .iter()
+                .for_each(|i| i.deactivate_listeners());
             routes.iter().for_each(|(r, _)| r.queue().set_active(false));
             Some(LeaderElector::new(
                 client.clone(),
@@ -327,14 +331,25 @@ impl App {
         let election = self.elector.map(|elector| {
             let mut leading = elector.subscribe();
             let (queues, factory) = (queues.clone(), self.factory.clone());
+            // The elector reports changes of leadership only (renewals are silent); a
+            // change seen late may hide a lost-and-regained lease, which is a change too.
             let follow = tokio::spawn(async move {
                 while leading.changed().await.is_ok() {
                     let now = *leading.borrow_and_update();
-                    queues.iter().for_each(|q| q.set_active(now));
+                    // Every change ends a term: listeners stop and routes drop what they
+                    // hold (a worker drops what it took), so nothing of the old term is
+                    // published after the new one's replay.
+                    let informers = factory.informers();
+                    informers.iter().for_each(|i| i.deactivate_listeners());
+                    queues.iter().for_each(|q| q.set_active(false));
                     if now {
                         // Consumers get the state this replica follows from here on,
-                        // including what changed while no replica led.
-                        factory.informers().iter().for_each(|i| i.replay());
+                        // including what changed while no replica led: each cached object
+                        // once, and what the first list has not cached yet comes from it.
+                        queues.iter().for_each(|q| q.set_active(true));
+                        let replayed: usize =
+                            informers.iter().map(|i| i.activate_listeners()).sum();
+                        info!(objects = replayed, "Leading: replayed the cache");
                     }
                 }
             });

@@ -11,8 +11,9 @@
 //! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
 //!   once instead of waiting for expiry.
 //!
-//! The elector only decides; `App` acts on [`LeaderElector::subscribe`]: standbys keep their
-//! informers (warm caches) but their route queues hold nothing; a new leader replays its cache.
+//! The elector only decides; `App` acts on [`LeaderElector::subscribe`], which changes only
+//! when leadership does (renewals are silent): standbys keep their informers (warm caches)
+//! but their listeners and route queues hold nothing; a new leader replays its cache once.
 
 use std::time::Duration;
 
@@ -87,16 +88,23 @@ impl LeaderElector {
         &self.identity
     }
 
+    /// Records the outcome of an attempt. Subscribers hear only of *changes*: a renewal of
+    /// a lease already held says nothing (each `send` would wake `changed()`, and the
+    /// follower replays its cache on every wake-up).
     fn set_leading(&self, leading: bool) {
-        if *self.leading.borrow() != leading {
+        self.gauge.set(leading as i64);
+        let changed = self.leading.send_if_modified(|current| {
+            let changed = *current != leading;
+            *current = leading;
+            changed
+        });
+        if changed {
             if leading {
                 info!(lease = %self.name, identity = %self.identity, "Became the leader");
             } else {
                 warn!(lease = %self.name, identity = %self.identity, "Stopped leading");
             }
         }
-        self.gauge.set(leading as i64);
-        self.leading.send_replace(leading);
     }
 
     /// Campaigns and renews until `cancel` fires; then releases the lease if it leads.

@@ -1,9 +1,12 @@
 //! Leader election against the local API test server: two instances, one publisher; the
-//! leader's renewals are cut and the standby takes over; a release hands over at once.
+//! leader's renewals are cut and the standby takes over; a release hands over at once. With
+//! thousands of objects and fast renewals: each object is published once per leadership
+//! change, never again at a renewal.
 
 mod support;
 
 use std::{
+    collections::HashMap,
     path::Path,
     sync::{
         Arc,
@@ -20,6 +23,10 @@ use tokio::time::Instant;
 const LEASE_DURATION: Duration = Duration::from_secs(3);
 
 fn config(dir: &Path, identity: &str) -> Config {
+    config_with(dir, identity, "200ms")
+}
+
+fn config_with(dir: &Path, identity: &str, retry_period: &str) -> Config {
     Config::from_value(json!({
         "cluster": "test",
         "admin": {"address": "127.0.0.1:0"},
@@ -28,7 +35,7 @@ fn config(dir: &Path, identity: &str) -> Config {
         "routes": [{"resource": "configmap", "sinks": ["out"]}],
         "leader_election": {
             "enabled": true, "identity": identity, "namespace": "kube-system",
-            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
+            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": retry_period,
         },
     }))
     .unwrap()
@@ -42,7 +49,16 @@ struct Instance {
 
 impl Instance {
     async fn start(api: &ApiServer, dir: &Path, identity: &'static str) -> Self {
-        let app = RunningApp::start(config(dir, identity), api).await;
+        Self::start_with(api, dir, identity, config(dir, identity)).await
+    }
+
+    async fn start_with(
+        api: &ApiServer,
+        dir: &Path,
+        identity: &'static str,
+        config: Config,
+    ) -> Self {
+        let app = RunningApp::start(config, api).await;
         Self {
             identity,
             app,
@@ -56,15 +72,18 @@ impl Instance {
 
     /// `namespace/name` of every message this instance published.
     fn published(&self) -> Vec<String> {
+        self.messages()
+            .iter()
+            .map(|m| m["subject"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// Every message this instance published.
+    fn messages(&self) -> Vec<Value> {
         std::fs::read_to_string(&self.out)
             .unwrap_or_default()
             .lines()
-            .map(|l| {
-                serde_json::from_str::<Value>(l).unwrap()["subject"]
-                    .as_str()
-                    .unwrap()
-                    .to_owned()
-            })
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
             .collect()
     }
 
@@ -206,4 +225,153 @@ async fn one_leader_publishes_a_standby_takes_over_and_a_release_hands_over_at_o
     leader.stop().await;
     sampler.abort();
     assert!(!overlap.load(Ordering::SeqCst), "two leaders at once");
+}
+
+/// How many times each message id occurs, keeping those that occur more than once.
+fn repeated_ids(messages: &[Value]) -> HashMap<String, usize> {
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    for m in messages {
+        *seen
+            .entry(m["id"].as_str().unwrap().to_owned())
+            .or_default() += 1;
+    }
+    seen.retain(|_, n| *n > 1);
+    seen
+}
+
+fn renew_time(api: &ApiServer) -> Option<String> {
+    api.get(
+        "coordination.k8s.io/v1",
+        "Lease",
+        "kube-system",
+        "kube-event-bridge",
+    )
+    .and_then(|l| l["spec"]["renewTime"].as_str().map(str::to_owned))
+}
+
+const MANY: usize = 3000;
+
+fn create_many(api: &ApiServer) {
+    for i in 0..MANY {
+        api.create(typed(&configmap("ns", &format!("cm-{i:05}"), "1")));
+    }
+}
+
+/// The bug of the first release: every renewal (every `retry_period`) replayed the whole
+/// cache, and repeated adds of one object piled up at the cap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_publishes_each_object_once_across_many_renewals() {
+    let api = ApiServer::start().await;
+    create_many(&api);
+    // The first list fails, so leadership arrives before the informer has synced: the list
+    // itself must deliver the objects, and the leadership replay must not add copies.
+    api.fail_next_lists(1);
+    let dir = tempfile::tempdir().unwrap();
+    let one = Instance::start_with(
+        &api,
+        dir.path(),
+        "one",
+        config_with(dir.path(), "one", "100ms"),
+    )
+    .await;
+    until("leading", Duration::from_secs(10), || one.leading()).await;
+    let synced_when_leading = one.app.factory.has_synced();
+    until("every object published", Duration::from_secs(30), || {
+        one.published().len() >= MANY
+    })
+    .await;
+    // At least 20 renewals (one every 100 ms) while nothing changes.
+    let renewed = renew_time(&api);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_ne!(renew_time(&api), renewed, "the lease was renewed meanwhile");
+    api.update(typed(&configmap("ns", "cm-00007", "2")));
+    api.create(typed(&configmap("ns", "late", "1")));
+    until(
+        "the later changes published",
+        Duration::from_secs(10),
+        || one.published().len() >= MANY + 2,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let messages = one.messages();
+    let report = one.stop().await;
+    assert!(report.undelivered.is_empty(), "{report:?}");
+    assert!(
+        !synced_when_leading,
+        "the test meant leadership to arrive before the first list"
+    );
+    assert_eq!(
+        messages.len(),
+        MANY + 2,
+        "each object once, then the two changes; repeated ids: {:?}",
+        repeated_ids(&messages)
+            .into_iter()
+            .take(5)
+            .collect::<Vec<_>>()
+    );
+    let initial = messages
+        .iter()
+        .filter(|m| m["k8sinitial"] == true && m["type"].as_str().unwrap().ends_with(".added"))
+        .count();
+    assert_eq!(initial, MANY, "the initial list, each object once");
+    assert!(repeated_ids(&messages).is_empty());
+}
+
+/// A failover publishes each object once per leadership change: once by the first leader,
+/// once by the one that takes over, nothing more, and nothing by a replica that does not lead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_leadership_change_publishes_each_object_once() {
+    let api = ApiServer::start().await;
+    create_many(&api);
+    let dir = tempfile::tempdir().unwrap();
+    let one = Instance::start_with(
+        &api,
+        dir.path(),
+        "one",
+        config_with(dir.path(), "one", "100ms"),
+    )
+    .await;
+    until("one leads", Duration::from_secs(10), || one.leading()).await;
+    let two = Instance::start_with(
+        &api,
+        dir.path(),
+        "two",
+        config_with(dir.path(), "two", "100ms"),
+    )
+    .await;
+    two.app.synced().await;
+    until(
+        "one published every object",
+        Duration::from_secs(30),
+        || one.published().len() >= MANY,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await; // ten renewals
+    assert_eq!(one.published().len(), MANY, "renewals published nothing");
+    assert!(two.published().is_empty(), "the standby publishes nothing");
+
+    api.refuse_lease_writes_from(Some(one.identity));
+    until("one steps down", LEASE_DURATION, || !one.leading()).await;
+    until("two takes over", Duration::from_secs(10), || two.leading()).await;
+    until("two replayed every object", Duration::from_secs(30), || {
+        two.published().len() >= MANY
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await; // ten renewals by the new leader
+    let (by_one, by_two) = (one.messages(), two.messages());
+    two.stop().await;
+    one.stop().await;
+    assert_eq!(by_one.len(), MANY, "{:?}", repeated_ids(&by_one));
+    assert_eq!(by_two.len(), MANY, "{:?}", repeated_ids(&by_two));
+    assert!(repeated_ids(&by_one).is_empty() && repeated_ids(&by_two).is_empty());
+    let subjects = |ms: &[Value]| {
+        ms.iter()
+            .map(|m| m["subject"].as_str().unwrap().to_owned())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    assert_eq!(
+        subjects(&by_one),
+        subjects(&by_two),
+        "both leaders sent every object"
+    );
 }

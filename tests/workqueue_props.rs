@@ -135,6 +135,7 @@ fn update(key: u8, rv: u64) -> Notification {
 struct Worker {
     key: String,
     batch: VecDeque<Notification>,
+    term: u64,
 }
 
 fn turn(
@@ -146,8 +147,8 @@ fn turn(
 ) -> Result<(), TestCaseError> {
     let Some(w) = slot.as_mut() else {
         if let Some(key) = q.queue().try_get() {
-            let batch = q.take(&key);
-            *slot = Some(Worker { key, batch });
+            let (batch, term) = q.take(&key);
+            *slot = Some(Worker { key, batch, term });
         }
         return Ok(());
     };
@@ -163,13 +164,13 @@ fn turn(
     }
     let w = slot.take().unwrap();
     if fail && !w.batch.is_empty() {
-        q.retry(&w.key, w.batch);
+        q.retry(&w.key, w.batch, w.term);
     } else if w.batch.is_empty() {
         prop_assert!(q.finish(&w.key).is_none());
         q.queue().forget(&w.key);
     } else {
         // Not failed, not finished: put the rest back like a retry (a worker never drops any).
-        q.retry(&w.key, w.batch);
+        q.retry(&w.key, w.batch, w.term);
     }
     q.queue().done(&w.key);
     Ok(())

@@ -9,9 +9,17 @@
 //! - Notification types the route did not ask for are dropped on entry.
 //! - The listener has its own resync period; the informer asks `should_resync` on each tick
 //!   of its check period, and resync notifications reach only listeners that are due.
+//! - A listener can be switched off (a standby replica's): it then drops everything. It is
+//!   switched back on only through [`SharedIndexInformer::activate_listeners`], which hands it
+//!   the cache under the FIFO lock, so that it gets each object exactly once.
+//!
+//! [`SharedIndexInformer::activate_listeners`]: super::SharedIndexInformer::activate_listeners
 
 use std::{
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -32,6 +40,7 @@ pub struct ProcessorListener {
     accepts: [bool; 4],
     resync_period: Option<Duration>,
     resync: Mutex<ResyncState>,
+    active: AtomicBool,
     handler: Arc<dyn NotificationHandler>,
 }
 
@@ -70,6 +79,7 @@ impl ProcessorListener {
                 next: Instant::now() + resync_period.unwrap_or_default(),
                 syncing: false,
             }),
+            active: AtomicBool::new(true),
             handler,
         }
     }
@@ -79,11 +89,23 @@ impl ProcessorListener {
         &self.name
     }
 
-    /// Passes a notification to the handler if its type was asked for. Never blocks.
+    /// Passes a notification to the handler if the listener is on and its type was asked
+    /// for. Never blocks.
     pub fn add(&self, n: Notification) {
-        if self.accepts[n.event_type() as usize] {
+        if self.is_active() && self.accepts[n.event_type() as usize] {
             self.handler.on_notification(n);
         }
+    }
+
+    /// Whether the listener passes notifications on (listeners start on).
+    pub fn is_active(&self) -> bool {
+        self.active.load(Ordering::SeqCst)
+    }
+
+    /// Switches the listener on or off; returns whether it was on. The informer calls it
+    /// under its FIFO lock (see the module docs).
+    pub(crate) fn set_active(&self, active: bool) -> bool {
+        self.active.swap(active, Ordering::SeqCst)
     }
 
     /// The listener's resync period, if it resyncs.

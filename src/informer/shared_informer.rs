@@ -168,24 +168,51 @@ impl SharedIndexInformer {
         debug!(informer = %self.name, "Informer stopped");
     }
 
-    /// Sends every cached object to every listener as an initial add, with no delta applied
-    /// meanwhile (as client-go does for a handler added after start). A replica that becomes
-    /// the leader does this, so that consumers get the state it is about to follow.
-    pub fn replay(&self) {
+    /// Switches every listener off: they drop what the informer distributes until
+    /// [`activate_listeners`](Self::activate_listeners). A standby replica's listeners are off.
+    pub fn deactivate_listeners(&self) {
         self.fifo.with_lock(|| {
-            let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
-            for obj in self.indexer.list() {
-                let kind = NotificationKind::Add {
-                    obj,
-                    is_initial_list: true,
-                };
-                self.distribute(Notification {
-                    kind,
-                    received,
-                    observed,
-                });
+            for l in self.listeners() {
+                l.set_active(false);
             }
         });
+    }
+
+    /// Switches every listener that is off back on and sends it each cached object as an
+    /// initial add, as client-go does for a handler added to a running informer. It runs
+    /// under the FIFO lock (client-go's `blockDeltas`), so each object reaches the listener
+    /// exactly once: either it is cached now and comes from here, or it is still in the FIFO
+    /// (the first list not yet processed, or a change) and comes from there afterwards.
+    /// Listeners already on get nothing. Returns how many objects were sent to each listener
+    /// switched on (0 when none was off).
+    pub fn activate_listeners(&self) -> usize {
+        self.fifo.with_lock(|| {
+            let switched_on: Vec<_> = self
+                .listeners()
+                .into_iter()
+                .filter(|l| !l.set_active(true))
+                .collect();
+            if switched_on.is_empty() {
+                return 0;
+            }
+            let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
+            let cached = self.indexer.list();
+            for obj in &cached {
+                let n = Notification {
+                    kind: NotificationKind::Add {
+                        obj: obj.clone(),
+                        is_initial_list: true,
+                    },
+                    received,
+                    observed,
+                };
+                self.metrics.notifications[n.event_type() as usize].inc();
+                for l in &switched_on {
+                    l.add(n.clone());
+                }
+            }
+            cached.len()
+        })
     }
 
     fn resync_tick(&self, now: tokio::time::Instant) {

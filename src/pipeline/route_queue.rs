@@ -5,10 +5,18 @@
 //! - `on_notification` never blocks (the informer calls it).
 //! - Every notification is kept, in order per object, while the sink's cap allows. The cap
 //!   ([`Budget`]) counts every notification not yet settled (pending or being published) over
-//!   all routes of a sink. At the cap, an update is merged into the newest pending notification
-//!   of the same object (oldest `old`, newest `new`), counted as coalesced. Deletes, and the
-//!   newest state of an object with nothing pending, are always kept: beyond the cap the queue
-//!   holds at most a few notifications per object.
+//!   all routes of a sink.
+//! - At the cap, a notification for an object that already has one pending is merged into it
+//!   (counted as coalesced) instead of adding a second copy: an add or update into a pending
+//!   add or update keeps the newest state (and the oldest `old`); a resync, or a repeated add,
+//!   of the state already pending is dropped; a delete replaces a pending add or update (it
+//!   carries the last state); a delete after a pending delete of the same uid is dropped
+//!   (client-go's DeltaFIFO collapses them the same way). Only an object with nothing pending, or one
+//!   added again after a pending delete (recreated), gets a new entry. So beyond the cap the
+//!   sink holds at most `cap + D`, where D counts the *incarnations* with something pending or
+//!   being published: per key, one per pending delete plus one if the last pending
+//!   notification is not a delete, counted separately for what waits and what a worker holds.
+//!   Deletes and the newest state of every object are never dropped.
 //! - A worker takes a key and all its pending notifications at once ([`RouteQueue::take`]);
 //!   the work queue guarantees no other worker holds the same key meanwhile. The key stays
 //!   *parked* (new notifications are kept but do not queue it) until the worker either
@@ -16,7 +24,12 @@
 //!   [`retry`](RouteQueue::retry)s, which puts what it could not deliver in front of anything
 //!   that arrived since and queues the key after the rate limiter's delay. So a retry is never
 //!   brought forward by new notifications (client-go's queue would requeue a key added while
-//!   processing at once, bypassing the backoff).
+//!   processing at once, bypassing the backoff). At the cap, the seam between the two is
+//!   coalesced as above, which keeps the bound.
+//! - A route is active (this replica leads, or leader election is off) or not. Each switch
+//!   starts a new *term* and drops everything pending; a worker that took notifications in an
+//!   earlier term drops them instead of publishing or retrying them, since the new leader
+//!   term starts from the informer's cache.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -29,7 +42,7 @@ use std::{
 use prometheus::{IntCounter, IntGauge};
 
 use crate::{
-    informer::{Notification, NotificationHandler, NotificationKind, resource_version},
+    informer::{Notification, NotificationHandler, NotificationKind, ObjectRef, resource_version},
     workqueue::{QueueMetrics, RateLimiter, RateLimitingQueue},
 };
 
@@ -64,6 +77,8 @@ pub struct RouteQueue {
     name: String,
     // False on a standby: notifications are dropped on arrival and before publishing.
     active: std::sync::atomic::AtomicBool,
+    // Incremented by every `set_active`; see the module docs.
+    term: std::sync::atomic::AtomicU64,
     queue: RateLimitingQueue<String>,
     state: Mutex<Pending>,
     budget: Arc<Budget>,
@@ -102,6 +117,7 @@ impl RouteQueue {
         Self {
             name,
             active: std::sync::atomic::AtomicBool::new(true),
+            term: std::sync::atomic::AtomicU64::new(0),
             queue: RateLimitingQueue::new(limiter, queue_metrics),
             state: Mutex::new(Pending::default()),
             budget,
@@ -135,30 +151,35 @@ impl RouteQueue {
         self.active.load(Ordering::Relaxed)
     }
 
-    /// Turns publishing on or off. Off drops everything pending: a standby holds nothing, and
-    /// the next leader replays its cache.
+    /// The current term (see the module docs).
+    pub fn term(&self) -> u64 {
+        self.term.load(Ordering::SeqCst)
+    }
+
+    /// Turns publishing on or off and starts a new term, dropping everything pending: a
+    /// standby holds nothing, and a new leader starts from the informer's cache.
     pub fn set_active(&self, active: bool) {
-        self.active.store(active, Ordering::Relaxed);
-        if !active {
-            let dropped: usize = {
-                let mut p = self.lock();
-                let n = p.by_key.values().map(VecDeque::len).sum();
-                p.by_key.clear();
-                n
-            };
-            if dropped > 0 {
-                self.settle(dropped);
-            }
+        let dropped: usize = {
+            let mut p = self.lock();
+            self.active.store(active, Ordering::SeqCst);
+            self.term.fetch_add(1, Ordering::SeqCst);
+            let n = p.by_key.values().map(VecDeque::len).sum();
+            p.by_key.clear();
+            n
+        };
+        if dropped > 0 {
+            self.settle(dropped);
         }
     }
 
     /// Accepts one notification (see the module docs).
     pub fn push(&self, n: Notification) {
+        let key = n.key();
+        let mut p = self.lock();
+        // Checked under the lock: `set_active` switches and clears under it too.
         if !self.is_active() {
             return;
         }
-        let key = n.key();
-        let mut p = self.lock();
         let pending = p.by_key.entry(key.clone()).or_default();
         if self.budget.full()
             && let Some(last) = pending.back_mut()
@@ -178,12 +199,13 @@ impl RouteQueue {
         }
     }
 
-    /// Takes every pending notification of `key`, oldest first, and parks the key. The caller
-    /// holds `key` from the work queue and must end with `finish` or `retry`.
-    pub fn take(&self, key: &str) -> VecDeque<Notification> {
+    /// Takes every pending notification of `key`, oldest first, and parks the key; also
+    /// returns the term they belong to. The caller holds `key` from the work queue and must
+    /// end with `finish` or `retry`.
+    pub fn take(&self, key: &str) -> (VecDeque<Notification>, u64) {
         let mut p = self.lock();
         p.parked.insert(key.to_owned());
-        p.by_key.remove(key).unwrap_or_default()
+        (p.by_key.remove(key).unwrap_or_default(), self.term())
     }
 
     /// Ends a successful turn of `key`: unparks it and queues it again if notifications
@@ -206,19 +228,45 @@ impl RouteQueue {
     }
 
     /// Puts back what could not be delivered, in front of what arrived meanwhile, and
-    /// schedules `key` after the rate limiter's delay.
-    pub fn retry(&self, key: &str, undelivered: VecDeque<Notification>) {
+    /// schedules `key` after the rate limiter's delay. Notifications of an earlier `term`
+    /// are dropped (settled) instead, since the route changed hands meanwhile, and what is
+    /// pending is queued at once.
+    pub fn retry(&self, key: &str, mut undelivered: VecDeque<Notification>, term: u64) {
         let mut p = self.lock();
+        let mut released = 0;
+        let stale = term != self.term();
+        if stale {
+            released += undelivered.len();
+            undelivered.clear();
+        }
+        let full = self.budget.full();
         let pending = p.by_key.entry(key.to_owned()).or_default();
-        let newer = std::mem::replace(pending, undelivered);
+        let mut newer = std::mem::replace(pending, undelivered);
+        // At the cap the seam is coalesced like any arrival, so the bound holds.
+        while full
+            && let (Some(last), Some(next)) = (pending.back_mut(), newer.front())
+            && coalesce(last, next)
+        {
+            newer.pop_front();
+            released += 1;
+            self.coalesced.inc();
+        }
         pending.extend(newer);
-        if pending.is_empty() {
+        let empty = pending.is_empty();
+        if empty {
             p.by_key.remove(key);
             p.parked.remove(key);
-            return;
         }
         drop(p);
-        self.queue.add_rate_limited(key.to_owned());
+        if released > 0 {
+            self.settle(released);
+        }
+        if stale && !empty {
+            // Nothing of this term failed: what is pending goes on without a delay.
+            self.queue.add(key.to_owned());
+        } else if !empty {
+            self.queue.add_rate_limited(key.to_owned());
+        }
     }
 
     /// Marks `n` notifications as delivered or failed for good.
@@ -235,30 +283,60 @@ impl NotificationHandler for RouteQueue {
     }
 }
 
-/// Merges `incoming` into `pending` (both about the same object) when that loses no state
-/// the consumer needs: an add or update followed by an update or resync. Returns false when
-/// `incoming` must be kept on its own (deletes, adds after deletes).
+/// Merges `incoming` into `pending` (the newest pending notification of the same key) when
+/// that loses nothing a consumer needs: see the module docs for the rules. Returns false when
+/// `incoming` must be kept on its own (anything after a pending delete but another delete).
 fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
     use NotificationKind::*;
     let merged = match (&pending.kind, &incoming.kind) {
         (
-            Add {
-                is_initial_list, ..
+            Delete {
+                obj: pending_obj,
+                final_state_unknown: pending_unknown,
             },
-            Update { new, .. },
-        ) => Add {
-            obj: new.clone(),
-            is_initial_list: *is_initial_list,
-        },
+            Delete {
+                obj,
+                final_state_unknown,
+            },
+        ) if pending_obj.metadata.uid == obj.metadata.uid => {
+            // DeltaFIFO's dedup: keep the older delete unless it only guessed the final state.
+            if !*pending_unknown || *final_state_unknown {
+                return true;
+            }
+            Delete {
+                obj: obj.clone(),
+                final_state_unknown: false,
+            }
+        }
+        // After a delete comes a new incarnation of the key (also the delete of one whose add
+        // was merged into that delete): kept on its own.
+        (Delete { .. }, _) => return false,
+        // The delete carries the last state; nothing pending before it is still needed.
+        (Add { .. } | Update { .. }, Delete { .. }) => incoming.kind.clone(),
+        (
+            Add {
+                obj: pending_new,
+                is_initial_list,
+            },
+            Add { obj: new, .. } | Update { new, .. },
+        ) => {
+            // A resync or a repeated add of the state already pending adds nothing.
+            if same_state(pending_new, new) {
+                return true;
+            }
+            Add {
+                obj: new.clone(),
+                is_initial_list: *is_initial_list,
+            }
+        }
         (
             Update {
                 old,
                 new: pending_new,
             },
-            Update { new, .. },
+            Add { obj: new, .. } | Update { new, .. },
         ) => {
-            // A resync of the state already pending adds nothing.
-            if resource_version(pending_new) == resource_version(new) {
+            if same_state(pending_new, new) {
                 return true;
             }
             Update {
@@ -266,12 +344,16 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
                 new: new.clone(),
             }
         }
-        _ => return false,
     };
     pending.kind = merged;
     pending.observed = incoming.observed;
     // `received` stays the oldest: end-to-end latency counts from the first change.
     true
+}
+
+/// Same object (uid) at the same resourceVersion.
+fn same_state(a: &ObjectRef, b: &ObjectRef) -> bool {
+    resource_version(a) == resource_version(b) && a.metadata.uid == b.metadata.uid
 }
 
 #[cfg(test)]
@@ -334,7 +416,7 @@ mod tests {
     }
     fn take(q: &RouteQueue) -> (String, Vec<String>) {
         let key = q.queue().try_get().expect("a key is queued");
-        let batch = q.take(&key);
+        let (batch, _) = q.take(&key);
         q.settle(batch.len());
         assert!(q.finish(&key).is_none());
         q.queue().done(&key);
@@ -362,7 +444,7 @@ mod tests {
     }
 
     #[test]
-    fn at_the_cap_updates_coalesce_but_deletes_and_new_objects_are_kept() {
+    fn at_the_cap_each_object_keeps_one_entry_until_a_delete() {
         let (q, budget) = route(2);
         q.push(add(obj("ns", "a", "1")));
         q.push(update(obj("ns", "b", "1"), obj("ns", "b", "2")));
@@ -371,17 +453,68 @@ mod tests {
         q.push(update(obj("ns", "b", "4"), obj("ns", "b", "4"))); // resync of a pending state
         assert_eq!(budget.held(), 2);
         assert_eq!(q.coalesced.get(), 3);
-        q.push(delete(obj("ns", "a", "5")));
+        q.push(delete(obj("ns", "a", "5"))); // replaces the pending add: it has the last state
         q.push(add(obj("ns", "c", "6")));
-        q.push(update(obj("ns", "a", "5"), obj("ns", "a", "7"))); // cannot merge into a delete
+        q.push(add(obj("ns", "a", "7"))); // recreated: cannot merge into a delete
+        assert_eq!(q.coalesced.get(), 4);
         assert_eq!(
             budget.held(),
-            5,
-            "over the cap by what must never be dropped"
+            4,
+            "over the cap by one entry per object incarnation"
         );
-        assert_eq!(take(&q).1, ["add 3", "delete 5", "update 5->7"]);
+        assert_eq!(take(&q).1, ["delete 5", "add 7"]);
         assert_eq!(take(&q).1, ["update 1->4"]);
         assert_eq!(take(&q).1, ["add 6"]);
+    }
+
+    #[test]
+    fn at_the_cap_repeated_adds_and_resyncs_of_one_object_never_pile_up() {
+        let (q, budget) = route(1);
+        q.push(add(obj("ns", "x", "1"))); // fills the budget
+        for _ in 0..25 {
+            q.push(add(obj("ns", "a", "1"))); // a replay of the same state, again and again
+            q.push(update(obj("ns", "a", "1"), obj("ns", "a", "1"))); // its resync
+        }
+        q.push(add(obj("ns", "a", "2"))); // a newer add of the same uid keeps the newer
+        q.push(delete(obj("ns", "a", "3")));
+        q.push(delete(obj("ns", "a", "3"))); // a repeated delete collapses
+        assert_eq!(budget.held(), 2);
+        assert_eq!(take(&q).1, ["add 1"]);
+        assert_eq!(take(&q).1, ["delete 3"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_at_the_cap_coalesces_with_what_arrived_meanwhile() {
+        let (q, budget) = route(1);
+        q.push(add(obj("ns", "a", "1")));
+        let key = q.queue().try_get().unwrap();
+        let (batch, term) = q.take(&key);
+        q.push(update(obj("ns", "a", "1"), obj("ns", "a", "2"))); // at the cap: a new entry
+        assert_eq!(budget.held(), 2);
+        q.retry(&key, batch, term); // the publish of "add 1" failed
+        q.queue().done(&key);
+        assert_eq!(budget.held(), 1, "the seam merged into one entry");
+        tokio::time::advance(Duration::from_secs(1)).await; // the retry's backoff
+        assert_eq!(take(&q).1, ["add 2"]);
+    }
+
+    #[test]
+    fn a_new_term_drops_what_the_old_one_held_even_in_a_workers_hands() {
+        let (q, budget) = route(100);
+        q.push(add(obj("ns", "a", "1")));
+        q.push(add(obj("ns", "b", "1")));
+        let key = q.queue().try_get().unwrap();
+        let (batch, term) = q.take(&key);
+        q.set_active(false);
+        q.set_active(true);
+        assert_eq!(budget.held(), 1, "the pending one is dropped at once");
+        q.push(add(obj("ns", "a", "2"))); // the new term's replay
+        q.retry(&key, batch, term); // the old term's failed publish comes back
+        assert_eq!(budget.held(), 1);
+        q.queue().done(&key);
+        // "ns/b" is still queued, with nothing left to publish.
+        assert_eq!(take(&q), ("ns/b".into(), vec![]));
+        assert_eq!(take(&q), ("ns/a".into(), vec!["add 2".into()]));
     }
 
     #[test]
@@ -413,7 +546,7 @@ mod tests {
         let (q, _) = route(100);
         q.push(add(obj("ns", "a", "1")));
         let key = q.queue().try_get().unwrap();
-        let batch = q.take(&key);
+        let (batch, _) = q.take(&key);
         q.push(update(obj("ns", "a", "1"), obj("ns", "a", "2")));
         assert_eq!(q.queue().try_get(), None, "never two workers on one key");
         q.settle(batch.len());
@@ -427,7 +560,7 @@ mod tests {
         let (q, _) = route(100);
         q.push(add(obj("ns", "a", "1")));
         let key = q.queue().try_get().unwrap();
-        let batch = q.take(&key);
+        let (batch, _) = q.take(&key);
         q.push(update(obj("ns", "a", "1"), obj("ns", "a", "2")));
         q.queue().shut_down();
         q.settle(batch.len());
@@ -447,11 +580,11 @@ mod tests {
         q.push(add(obj("ns", "a", "1")));
         q.push(update(obj("ns", "a", "1"), obj("ns", "a", "2")));
         let key = q.queue().try_get().unwrap();
-        let mut batch = q.take(&key);
+        let (mut batch, term) = q.take(&key);
         batch.pop_front(); // "add 1" delivered
         q.settle(1);
         q.push(update(obj("ns", "a", "2"), obj("ns", "a", "3"))); // arrives during the publish
-        q.retry(&key, batch);
+        q.retry(&key, batch, term);
         q.queue().done(&key);
         assert_eq!(
             q.queue().try_get(),
@@ -462,5 +595,279 @@ mod tests {
         assert_eq!(q.queue().try_get(), None);
         tokio::time::advance(Duration::from_millis(1)).await;
         assert_eq!(take(&q).1, ["update 1->2", "update 2->3"]);
+    }
+
+    /// Random sequences from a model cluster (creates, updates, deletes, resyncs, replays,
+    /// leadership changes) interleaved with a worker's takes, deliveries and failed publishes,
+    /// with the sink's budget full: the held count never exceeds the bound of the module docs,
+    /// and what is finally delivered has every delete and the newest state of every object.
+    mod bound {
+        use super::*;
+        use proptest::prelude::*;
+        use std::collections::BTreeMap;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Create(u8),
+            Update(u8),
+            Delete(u8),
+            Sync(u8),
+            Replay,
+            Flip,
+            Take,
+            Deliver(u8),
+            Fail,
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                3 => (0..4u8).prop_map(Op::Create),
+                5 => (0..4u8).prop_map(Op::Update),
+                2 => (0..4u8).prop_map(Op::Delete),
+                2 => (0..4u8).prop_map(Op::Sync),
+                1 => Just(Op::Replay),
+                1 => Just(Op::Flip),
+                3 => Just(Op::Take),
+                3 => (1..4u8).prop_map(Op::Deliver),
+                1 => Just(Op::Fail),
+            ]
+        }
+
+        fn object(key: u8, uid: u64, rv: u64) -> ObjectRef {
+            let mut o = (*obj("ns", &format!("k{key}"), &rv.to_string())).clone();
+            o.metadata.uid = Some(format!("u{uid}"));
+            Arc::new(o)
+        }
+
+        /// Incarnations in one key's notifications: one per delete, plus one if the last is
+        /// not a delete.
+        fn incarnations<'a>(ns: impl IntoIterator<Item = &'a Notification>) -> usize {
+            let (mut deletes, mut last_delete) = (0, true);
+            for n in ns {
+                last_delete = matches!(n.kind, NotificationKind::Delete { .. });
+                deletes += last_delete as usize;
+            }
+            deletes + (!last_delete) as usize
+        }
+
+        /// (type, uid, rv) of a notification.
+        fn fact(n: &Notification) -> (char, String, u64) {
+            let o = n.object();
+            let t = match n.event_type() {
+                crate::config::EventType::Added => 'A',
+                crate::config::EventType::Updated => 'U',
+                crate::config::EventType::Deleted => 'D',
+                crate::config::EventType::Synced => 'S',
+            };
+            (
+                t,
+                o.metadata.uid.clone().unwrap(),
+                resource_version(o).parse().unwrap(),
+            )
+        }
+
+        struct Hand {
+            key: String,
+            batch: VecDeque<Notification>,
+            term: u64,
+        }
+
+        fn run(cap: usize, filler: bool, ops: Vec<Op>) -> Result<(), TestCaseError> {
+            let budget = Arc::new(Budget::new(cap));
+            let queue = |name: &str| {
+                RouteQueue::new(
+                    name.into(),
+                    Box::new(ItemExponentialFailureRateLimiter::new(
+                        Duration::ZERO,
+                        Duration::ZERO,
+                    )),
+                    QueueMetrics::unregistered(),
+                    budget.clone(),
+                    IntGauge::new("b", "b").unwrap(),
+                    IntCounter::new("c", "c").unwrap(),
+                )
+            };
+            let q = queue("r/s");
+            // Another route of the sink holding the whole budget, never delivered.
+            let other = queue("other/s");
+            if filler {
+                for rv in 0..cap as u64 {
+                    other.push(update(object(9, 0, rv), object(9, 0, rv + 1)));
+                }
+                prop_assert!(budget.full());
+            }
+            let (mut rv, mut uid) = (0u64, 0u64);
+            let mut cluster: BTreeMap<u8, (u64, u64)> = BTreeMap::new(); // key -> (uid, rv)
+            let mut must_delete: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
+            let mut delivered: BTreeMap<String, Vec<(char, String, u64)>> = BTreeMap::new();
+            let mut hands: Vec<Hand> = Vec::new();
+
+            let deliver =
+                |hand: &mut Hand,
+                 n: usize,
+                 delivered: &mut BTreeMap<String, Vec<(char, String, u64)>>| {
+                    for _ in 0..n {
+                        // As the worker does: a batch of an earlier term is dropped.
+                        if hand.term != q.term() {
+                            q.settle(hand.batch.len());
+                            hand.batch.clear();
+                        }
+                        let Some(note) = hand.batch.pop_front() else {
+                            break;
+                        };
+                        delivered
+                            .entry(hand.key.clone())
+                            .or_default()
+                            .push(fact(&note));
+                        q.settle(1);
+                    }
+                };
+
+            for op in ops {
+                match op {
+                    Op::Create(k) if !cluster.contains_key(&k) => {
+                        (rv, uid) = (rv + 1, uid + 1);
+                        cluster.insert(k, (uid, rv));
+                        q.push(add(object(k, uid, rv)));
+                    }
+                    Op::Update(k) if cluster.contains_key(&k) => {
+                        let (u, old) = cluster[&k];
+                        rv += 1;
+                        cluster.insert(k, (u, rv));
+                        q.push(update(object(k, u, old), object(k, u, rv)));
+                    }
+                    Op::Delete(k) if cluster.contains_key(&k) => {
+                        let (u, _) = cluster.remove(&k).unwrap();
+                        rv += 1;
+                        q.push(delete(object(k, u, rv)));
+                        must_delete
+                            .entry(format!("ns/k{k}"))
+                            .or_default()
+                            .push((format!("u{u}"), rv));
+                    }
+                    Op::Sync(k) if cluster.contains_key(&k) => {
+                        let (u, r) = cluster[&k];
+                        q.push(update(object(k, u, r), object(k, u, r)));
+                    }
+                    Op::Replay => {
+                        for (k, (u, r)) in &cluster {
+                            q.push(note(NotificationKind::Add {
+                                obj: object(*k, *u, *r),
+                                is_initial_list: true,
+                            }));
+                        }
+                    }
+                    Op::Flip => {
+                        // Lost and regained leadership: a new term replays the cache.
+                        q.set_active(false);
+                        q.set_active(true);
+                        must_delete.clear();
+                        delivered.clear();
+                        for (k, (u, r)) in &cluster {
+                            q.push(note(NotificationKind::Add {
+                                obj: object(*k, *u, *r),
+                                is_initial_list: true,
+                            }));
+                        }
+                    }
+                    Op::Take => {
+                        if let Some(key) = q.queue().try_get() {
+                            let (batch, term) = q.take(&key);
+                            hands.push(Hand { key, batch, term });
+                        }
+                    }
+                    Op::Deliver(n) => {
+                        if let Some(mut hand) = hands.pop() {
+                            deliver(&mut hand, n as usize, &mut delivered);
+                            if hand.batch.is_empty() {
+                                prop_assert!(q.finish(&hand.key).is_none());
+                                q.queue().forget(&hand.key);
+                                q.queue().done(&hand.key);
+                            } else {
+                                hands.push(hand);
+                            }
+                        }
+                    }
+                    Op::Fail => {
+                        if let Some(hand) = hands.pop() {
+                            q.retry(&hand.key, hand.batch, hand.term);
+                            q.queue().done(&hand.key);
+                        }
+                    }
+                    _ => {}
+                }
+                let d: usize = q.lock().by_key.values().map(incarnations).sum::<usize>()
+                    + hands.iter().map(|h| incarnations(&h.batch)).sum::<usize>();
+                if filler {
+                    prop_assert!(q.held() <= d, "route holds {} > {d} incarnations", q.held());
+                } else {
+                    prop_assert!(
+                        budget.held() <= cap + d,
+                        "held {} > cap {cap} + {d} incarnations",
+                        budget.held()
+                    );
+                }
+            }
+            // Drain: every worker finishes, then every key is delivered.
+            while let Some(mut hand) = hands.pop() {
+                deliver(&mut hand, usize::MAX, &mut delivered);
+                prop_assert!(q.finish(&hand.key).is_none());
+                q.queue().done(&hand.key);
+            }
+            while let Some(key) = q.queue().try_get() {
+                let (batch, term) = q.take(&key);
+                let mut hand = Hand { key, batch, term };
+                deliver(&mut hand, usize::MAX, &mut delivered);
+                prop_assert!(q.finish(&hand.key).is_none());
+                q.queue().done(&hand.key);
+            }
+            prop_assert_eq!(q.held(), 0);
+            for k in 0..4u8 {
+                let key = format!("ns/k{k}");
+                let got = delivered.get(&key).cloned().unwrap_or_default();
+                let deletes: Vec<_> = got
+                    .iter()
+                    .filter(|f| f.0 == 'D')
+                    .map(|f| (f.1.clone(), f.2))
+                    .collect();
+                let want = must_delete.get(&key).cloned().unwrap_or_default();
+                prop_assert_eq!(&deletes, &want, "every delete of {}: {:?}", key, got);
+                prop_assert!(
+                    got.windows(2).all(|w| w[0].2 <= w[1].2),
+                    "in order: {:?}",
+                    got
+                );
+                match cluster.get(&k) {
+                    Some((u, r)) => {
+                        let last = got.last().expect("the object was delivered");
+                        prop_assert!(
+                            last.0 != 'D' && last.1 == format!("u{u}") && last.2 == *r,
+                            "newest state of {} (u{}, {}) last: {:?}",
+                            key,
+                            u,
+                            r,
+                            got
+                        );
+                    }
+                    None if !want.is_empty() => {
+                        prop_assert_eq!(got.last().map(|f| f.0), Some('D'));
+                    }
+                    None => {}
+                }
+            }
+            Ok(())
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(500))]
+            #[test]
+            fn held_stays_within_the_bound_and_deletes_and_newest_states_survive(
+                cap in 1usize..6,
+                filler in any::<bool>(),
+                ops in proptest::collection::vec(op(), 1..120),
+            ) {
+                run(cap, filler, ops)?;
+            }
+        }
     }
 }

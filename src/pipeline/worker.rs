@@ -114,9 +114,9 @@ impl Route {
     async fn work(self: Arc<Self>) {
         let queue = self.queue.queue();
         while let Some(key) = queue.get().await {
-            let mut batch = self.queue.take(&key);
+            let (mut batch, term) = self.queue.take(&key);
             loop {
-                let failed = self.deliver_in_order(&key, &mut batch).await;
+                let failed = self.deliver_in_order(&key, &mut batch, term).await;
                 if failed
                     && self
                         .delivery
@@ -126,11 +126,11 @@ impl Route {
                     self.give_up(&key, &mut batch).await;
                     // The rest (and what arrived meanwhile) goes on, without the delay earned
                     // by the one that failed; with nothing left the key is simply released.
-                    self.queue.retry(&key, std::mem::take(&mut batch));
+                    self.queue.retry(&key, std::mem::take(&mut batch), term);
                     break;
                 }
                 if failed {
-                    self.queue.retry(&key, std::mem::take(&mut batch));
+                    self.queue.retry(&key, std::mem::take(&mut batch), term);
                     break;
                 }
                 queue.forget(&key);
@@ -145,10 +145,16 @@ impl Route {
 
     /// Publishes `batch` front to back; stops at the first retriable failure, leaving it and
     /// what follows in `batch`. Returns whether it stopped on a failure.
-    async fn deliver_in_order(&self, key: &str, batch: &mut VecDeque<Notification>) -> bool {
+    async fn deliver_in_order(
+        &self,
+        key: &str,
+        batch: &mut VecDeque<Notification>,
+        term: u64,
+    ) -> bool {
         while let Some(n) = batch.front() {
-            if !self.queue.is_active() {
-                // This replica stopped leading: the next leader replays its cache.
+            if !self.queue.is_active() || self.queue.term() != term {
+                // Leadership changed since the batch was taken: a standby publishes nothing,
+                // and a new term starts from the informer's cache.
                 let dropped = batch.len();
                 batch.clear();
                 self.queue.settle(dropped);
