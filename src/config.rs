@@ -329,8 +329,9 @@ pub struct SinkConfig {
     #[serde(rename = "type")]
     pub kind: SinkType,
     /// Most notifications waiting for this sink (all its routes together, being published
-    /// included); beyond it, pending updates of an object are coalesced into one. Deletes and
-    /// the newest state of each object are never dropped.
+    /// included); beyond it, what arrives for an object with something pending is merged into
+    /// it (one entry per object until a delete). Deletes and the newest state of each object
+    /// are never dropped.
     #[serde(default = "default_max_pending")]
     pub max_pending: usize,
     /// Delivery workers per route (resource to this sink); each publishes one object's

@@ -99,7 +99,8 @@ struct Store {
     // (resource index, namespace, name) → object
     objects: BTreeMap<(usize, String, String), Value>,
     history: Vec<HistoryEvent>,
-    snapshots: HashMap<u64, (u64, Vec<Value>)>,
+    // Shared, so that each continue page costs its own size, not the whole list's.
+    snapshots: HashMap<u64, (u64, Arc<Vec<Value>>)>,
     next_snapshot: u64,
 }
 
@@ -786,7 +787,7 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
             .unwrap_or((u64::MAX, 0));
         let store = shared.store.lock().unwrap();
         match store.snapshots.get(&id) {
-            Some((rv, items)) => (*rv, items.clone(), offset),
+            Some((rv, items)) => (*rv, Arc::clone(items), offset),
             None => {
                 return json_response(
                     StatusCode::GONE,
@@ -828,7 +829,7 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
             .filter(|((res, _, _), obj)| filter.matches(*res, obj))
             .map(|(_, obj)| list_item(&def, obj))
             .collect();
-        (store.rv, items, 0)
+        (store.rv, Arc::new(items), 0)
     };
     let end = limit.map_or(items.len(), |l| (offset + l).min(items.len()));
     let page: Vec<Value> = items[offset.min(items.len())..end].to_vec();
@@ -843,7 +844,9 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
             None => {
                 store.next_snapshot += 1;
                 let id = store.next_snapshot;
-                store.snapshots.insert(id, (snapshot_rv, items.clone()));
+                store
+                    .snapshots
+                    .insert(id, (snapshot_rv, Arc::clone(&items)));
                 id
             }
         };
