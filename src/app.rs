@@ -16,7 +16,7 @@ use std::{
     time::Duration,
 };
 
-use kube::Client;
+use kube::{Client, api::TypeMeta};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -24,12 +24,18 @@ use tracing::{info, warn};
 use crate::{
     admin,
     cluster::{self, ResolvedResource},
-    config::{Config, SinkType},
-    informer::{InformerKey, ProcessorListener, SharedInformerFactory, factory::WatchOptions},
+    config::{Config, EventType, SinkType},
+    informer::{
+        InformerKey, NotificationHandler, ProcessorListener, SharedInformerFactory,
+        factory::WatchOptions,
+    },
     leader::{self, LeaderElector},
     message::{Encoder, object_transform},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, Route, RouteQueue},
+    pipeline::{
+        self, Budget, CheckpointStore, Checkpointer, Delivery, Resumer, Route, RouteQueue,
+        checkpoint::FileCheckpointStore, resume,
+    },
     sinks::{self, Sink, kafka::KafkaSink, nats::NatsSink, stdout::StdoutSink},
     workqueue::{
         TokenBucket,
@@ -49,6 +55,9 @@ pub enum Error {
     /// A sink could not be opened.
     #[error("sinks: {0}")]
     Sink(#[from] sinks::Error),
+    /// A route's checkpoint could not be read.
+    #[error(transparent)]
+    Checkpoint(#[from] pipeline::checkpoint::Error),
     /// The admin address could not be bound.
     #[error("cannot listen on admin address {address}: {source}")]
     Admin {
@@ -77,6 +86,38 @@ pub struct App {
     sinks: Vec<Arc<dyn Sink>>,
     admin: TcpListener,
     elector: Option<LeaderElector>,
+    resumes: Arc<Vec<Resume>>,
+}
+
+/// One route's resume: its resumer and the checkpointer its workers record into.
+struct Resume {
+    resumer: Arc<Resumer>,
+    checkpointer: Arc<Checkpointer>,
+    interval: Duration,
+}
+
+impl Resume {
+    /// Loads the route's checkpoint and starts resuming from it.
+    async fn load(&self, metrics: &Metrics) -> Result<(), Error> {
+        let route = self.checkpointer.route();
+        let started = std::time::Instant::now();
+        let checkpoint = self.checkpointer.store().load(route).await?;
+        let took = started.elapsed().as_secs_f64();
+        metrics
+            .checkpoint_load_seconds
+            .with_label_values(&[route])
+            .set(took);
+        match &checkpoint {
+            Some(c) => info!(route, keys = c.len(), seconds = took, "Checkpoint loaded"),
+            None => info!(
+                route,
+                store = %self.checkpointer.store().describe(),
+                "No checkpoint yet: the initial list is published as initial adds"
+            ),
+        }
+        self.resumer.begin(checkpoint);
+        Ok(())
+    }
 }
 
 impl App {
@@ -114,6 +155,24 @@ impl App {
             };
             sinks.insert(s.name.clone(), sink);
         }
+        let mut stores: HashMap<String, Arc<dyn CheckpointStore>> = HashMap::new();
+        for s in &config.sinks {
+            match (
+                s.resume,
+                s.kind,
+                s.stdout.as_ref().and_then(|o| o.path.as_deref()),
+            ) {
+                (false, ..) => {}
+                (true, SinkType::Stdout, Some(path)) => {
+                    let store = Arc::new(FileCheckpointStore::beside(path));
+                    info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
+                    stores.insert(s.name.clone(), store);
+                }
+                (true, kind, _) => {
+                    info!(sink = %s.name, ?kind, "Resume off: this sink keeps no checkpoint (only stdout with a path does yet)");
+                }
+            }
+        }
         let mut deliveries: HashMap<&str, (Arc<Delivery>, Arc<Budget>)> = HashMap::new();
         for s in &config.sinks {
             let delivery = Delivery {
@@ -131,6 +190,7 @@ impl App {
             );
         }
         let mut routes = Vec::new();
+        let mut resumes = Vec::new();
         for (index, r) in config.resources.iter().enumerate() {
             let ResolvedResource {
                 api_resource,
@@ -186,12 +246,37 @@ impl App {
                     metrics.listener_buffered.with_label_values(&labels),
                     metrics.listener_coalesced.with_label_values(&labels),
                 ));
+                let store = stores.get(sink_name.as_str()).cloned();
+                // With resume, the listeners pass everything to the resumer, which compares
+                // the initial state with the checkpoint and applies the type filter after.
+                let resumer = store.as_ref().map(|_| {
+                    Arc::new(Resumer::new(
+                        route_name.clone(),
+                        queue.clone(),
+                        &r.events,
+                        TypeMeta {
+                            api_version: api_resource.api_version.clone(),
+                            kind: api_resource.kind.clone(),
+                        },
+                        informers.len(),
+                        resume::OUTCOMES.map(|o| {
+                            metrics
+                                .resume_objects
+                                .with_label_values(&[route_name.as_str(), o])
+                        }),
+                    ))
+                });
+                let (handler, accepted): (Arc<dyn NotificationHandler>, &[EventType]) =
+                    match &resumer {
+                        Some(r) => (r.clone(), &EventType::ALL),
+                        None => (queue.clone(), &r.events),
+                    };
                 for informer in &informers {
                     let listener = ProcessorListener::new(
                         format!("{route_name}@{}", informer.name()),
-                        &r.events,
+                        accepted,
                         r.resync(),
-                        queue.clone(),
+                        handler.clone(),
                     );
                     informer
                         .add_listener(Arc::new(listener))
@@ -224,7 +309,24 @@ impl App {
                         )
                         .await?;
                 }
-                let route = Route::new(name.clone(), queue, encoder, delivery.clone(), &metrics);
+                let mut route =
+                    Route::new(name.clone(), queue, encoder, delivery.clone(), &metrics);
+                if let (Some(store), Some(resumer)) = (store, resumer) {
+                    let checkpointer = Arc::new(Checkpointer::new(
+                        route_name.clone(),
+                        store,
+                        metrics.checkpoint_lag.with_label_values(&[&route_name]),
+                        metrics
+                            .checkpoint_write_failures
+                            .with_label_values(&[&route_name]),
+                    ));
+                    route = route.with_checkpointer(checkpointer.clone());
+                    resumes.push(Resume {
+                        resumer,
+                        checkpointer,
+                        interval: sink_cfg.checkpoint_interval,
+                    });
+                }
                 routes.push((Arc::new(route), sink_cfg.workers));
             }
         }
@@ -248,6 +350,10 @@ impl App {
             ))
         } else {
             metrics.leader.set(1);
+            // This replica publishes from the start: resume before the first list.
+            for r in &resumes {
+                r.load(&metrics).await?;
+            }
             None
         };
         let address = config.admin.address;
@@ -263,6 +369,7 @@ impl App {
             sinks: sinks.into_values().collect(),
             admin,
             elector,
+            resumes: Arc::new(resumes),
         })
     }
 
@@ -327,10 +434,23 @@ impl App {
             self.routes.iter().map(|(r, _)| r.queue().clone()).collect();
         let gauges = tokio::spawn(update_unfinished_work(queues.clone(), admin_cancel.clone()));
         let running = pipeline::start(&self.routes);
+        let checkpoints_cancel = CancellationToken::new();
+        let checkpoint_tasks: Vec<_> = self
+            .resumes
+            .iter()
+            .map(|r| {
+                tokio::spawn(
+                    r.checkpointer
+                        .clone()
+                        .run(r.interval, checkpoints_cancel.clone()),
+                )
+            })
+            .collect();
         let elector_cancel = CancellationToken::new();
         let election = self.elector.map(|elector| {
             let mut leading = elector.subscribe();
             let (queues, factory) = (queues.clone(), self.factory.clone());
+            let (resumes, metrics) = (self.resumes.clone(), self.metrics.clone());
             // The elector reports changes of leadership only (renewals are silent); a
             // change seen late may hide a lost-and-regained lease, which is a change too.
             let follow = tokio::spawn(async move {
@@ -343,6 +463,14 @@ impl App {
                     informers.iter().for_each(|i| i.deactivate_listeners());
                     queues.iter().for_each(|q| q.set_active(false));
                     if now {
+                        // With resume, the cache is compared with what the last leader's
+                        // sink acknowledged (its checkpoint); else it is replayed whole.
+                        for r in resumes.iter() {
+                            if let Err(err) = r.load(&metrics).await {
+                                warn!(error = %err, "Cannot load the checkpoint; replaying the whole cache instead");
+                                r.resumer.begin(None);
+                            }
+                        }
                         // Consumers get the state this replica follows from here on,
                         // including what changed while no replica led: each cached object
                         // once, and what the first list has not cached yet comes from it.
@@ -366,6 +494,14 @@ impl App {
         let report = Report {
             undelivered: running.drain(tokio::time::Instant::now() + grace).await,
         };
+        // Drained: what the sinks acknowledged goes to the checkpoints, all of it.
+        checkpoints_cancel.cancel();
+        futures::future::join_all(checkpoint_tasks).await;
+        for r in self.resumes.iter() {
+            if let Err(err) = r.checkpointer.flush().await {
+                warn!(route = %r.checkpointer.route(), error = %err, "Final checkpoint write failed; a restart re-sends what it lacks");
+            }
+        }
         // Drained: now the lease can go to a standby.
         elector_cancel.cancel();
         if let Some((elector, follow)) = election {

@@ -308,6 +308,9 @@ pub enum EventType {
 }
 
 impl EventType {
+    /// Every type, in discriminant order.
+    pub const ALL: [EventType; 4] = [Self::Added, Self::Updated, Self::Deleted, Self::Synced];
+
     /// The lower-case name used in message types and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -348,6 +351,15 @@ pub struct SinkConfig {
     /// for every message that fails for good.
     #[serde(default)]
     pub dead_letter: Option<String>,
+    /// Keep a checkpoint of what this sink acknowledged and resume from it at start and on
+    /// becoming leader: changes made while down are published (deletes included), unchanged
+    /// objects are not. Only for sinks that can store one: `stdout` with a `path` (a file
+    /// beside it); elsewhere it is ignored, with a log line.
+    #[serde(default = "default_resume")]
+    pub resume: bool,
+    /// How often acknowledged changes are written to the checkpoint.
+    #[serde(default = "default_checkpoint_interval", with = "humantime_serde")]
+    pub checkpoint_interval: Duration,
     /// Settings of a `stdout` sink.
     #[serde(default)]
     pub stdout: Option<StdoutSinkConfig>,
@@ -518,6 +530,15 @@ fn all_event_types() -> Vec<EventType> {
 // About 100 MB of 1 KB objects: a sink may lag by that much before updates are coalesced.
 fn default_max_pending() -> usize {
     100_000
+}
+/// Resume is what makes restarts lose no delete, so it is on wherever a sink can store a
+/// checkpoint.
+fn default_resume() -> bool {
+    true
+}
+/// One second bounds what a crash re-sends to a second's worth of acknowledgements.
+fn default_checkpoint_interval() -> Duration {
+    Duration::from_secs(1)
 }
 fn default_workers() -> usize {
     8

@@ -160,6 +160,8 @@ struct Envelope<'a> {
     k8sinitial: bool,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     k8sfinalstateunknown: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    k8sresumed: bool,
     data: Data<'a>,
 }
 
@@ -278,7 +280,9 @@ impl Encoder {
             NotificationKind::Update { old, .. } => (
                 false,
                 false,
-                (self.include_old_object && event_type == EventType::Updated).then_some(&**old),
+                // A resumed update's `old` is a stub from the checkpoint, not an object.
+                (self.include_old_object && event_type == EventType::Updated && !n.resumed)
+                    .then_some(&**old),
             ),
             NotificationKind::Delete {
                 final_state_unknown,
@@ -309,6 +313,7 @@ impl Encoder {
             k8sresourceversion: rv,
             k8sinitial: initial,
             k8sfinalstateunknown: final_state_unknown,
+            k8sresumed: n.resumed,
             data: Data {
                 object: obj,
                 old_object: old,
@@ -374,6 +379,9 @@ impl Envelope<'_> {
         if self.k8sfinalstateunknown {
             a.push(("k8sfinalstateunknown", "true".to_owned()));
         }
+        if self.k8sresumed {
+            a.push(("k8sresumed", "true".to_owned()));
+        }
         a
     }
 }
@@ -438,6 +446,7 @@ mod tests {
             kind,
             received: std::time::Instant::now(),
             observed: "2026-01-02T03:04:05Z".parse().unwrap(),
+            resumed: false,
         }
     }
 

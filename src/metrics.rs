@@ -46,6 +46,16 @@ pub struct Metrics {
     pub api_reachable: IntGauge,
     /// `keb_leader`: 1 while this replica publishes (it leads, or leader election is off).
     pub leader: IntGauge,
+    /// `keb_resume_objects_total{route,outcome}`: objects compared with a route's checkpoint
+    /// when it resumed, by outcome (`unchanged`, `updated`, `deleted`, `added`, `recreated`).
+    pub resume_objects: IntCounterVec,
+    /// `keb_checkpoint_load_seconds{route}`: how long the last checkpoint load took.
+    pub checkpoint_load_seconds: prometheus::GaugeVec,
+    /// `keb_checkpoint_lag{route}`: keys acknowledged by the sink but not yet stored in the
+    /// checkpoint.
+    pub checkpoint_lag: IntGaugeVec,
+    /// `keb_checkpoint_write_failures_total{route}`: failed checkpoint writes (retried).
+    pub checkpoint_write_failures: IntCounterVec,
     /// client-go's `workqueue_*` families, one queue per route (`name="resource/sink"`).
     pub workqueue: WorkqueueMetricFamilies,
 }
@@ -179,6 +189,35 @@ impl Metrics {
                 "keb_end_to_end_latency_seconds",
                 "Time from watch event received to sink acknowledgement",
                 &["resource", "sink"],
+            ),
+            resume_objects: counter(
+                "keb_resume_objects_total",
+                "Objects compared with a route's checkpoint when it resumed, by outcome",
+                &["route", "outcome"],
+            ),
+            checkpoint_load_seconds: {
+                let g = prometheus::GaugeVec::new(
+                    Opts::new(
+                        "keb_checkpoint_load_seconds",
+                        "How long the last load of a route's checkpoint took",
+                    ),
+                    &["route"],
+                )
+                .expect("valid metric");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("unique metric");
+                g
+            },
+            checkpoint_lag: gauge(
+                "keb_checkpoint_lag",
+                "Keys acknowledged by the sink but not yet stored in the route's checkpoint",
+                &["route"],
+            ),
+            checkpoint_write_failures: counter(
+                "keb_checkpoint_write_failures_total",
+                "Failed writes of a route's checkpoint; each is retried",
+                &["route"],
             ),
             api_reachable,
             leader,

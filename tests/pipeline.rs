@@ -139,6 +139,7 @@ fn note(kind: NotificationKind) -> Notification {
         kind,
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
+        resumed: false,
     }
 }
 

@@ -129,6 +129,7 @@ fn update(key: u8, rv: u64) -> Notification {
         },
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
+        resumed: false,
     }
 }
 

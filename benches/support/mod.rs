@@ -69,6 +69,7 @@ pub fn notifications(
         },
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
+        resumed: false,
     })
 }
 
@@ -96,6 +97,7 @@ pub fn alternating(
             },
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
+            resumed: false,
         }
     })
 }

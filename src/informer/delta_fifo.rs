@@ -231,9 +231,11 @@ impl DeltaFifo {
     }
 
     /// Runs `f` under the FIFO lock: no delta is applied meanwhile (client-go's `blockDeltas`).
-    pub fn with_lock<R>(&self, f: impl FnOnce() -> R) -> R {
-        let _guard = self.lock();
-        f()
+    /// `f` gets [`has_synced`](Self::has_synced) as of that moment.
+    pub fn with_lock<R>(&self, f: impl FnOnce(bool) -> R) -> R {
+        let guard = self.lock();
+        let synced = guard.populated && guard.initial_population_count == 0;
+        f(synced)
     }
 
     /// Wakes `pop` for good: once the queue is empty it returns `None`.

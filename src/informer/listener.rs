@@ -32,6 +32,11 @@ use crate::config::EventType;
 pub trait NotificationHandler: Send + Sync {
     /// Takes one notification; called in informer order.
     fn on_notification(&self, n: Notification);
+
+    /// Every object of the informer's first list (or, for a listener switched on later, of
+    /// the cache it was handed) has been passed on. Called once per activation, in order with
+    /// the notifications.
+    fn on_synced(&self) {}
 }
 
 /// See the module docs for the contract.
@@ -94,6 +99,13 @@ impl ProcessorListener {
     pub fn add(&self, n: Notification) {
         if self.is_active() && self.accepts[n.event_type() as usize] {
             self.handler.on_notification(n);
+        }
+    }
+
+    /// Tells the handler that the initial state has been passed on, if the listener is on.
+    pub fn synced(&self) {
+        if self.is_active() {
+            self.handler.on_synced();
         }
     }
 
@@ -177,6 +189,7 @@ mod tests {
             kind,
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
+            resumed: false,
         }
     }
 

@@ -54,6 +54,11 @@ pub struct Notification {
     pub received: Instant,
     /// Wall-clock time of the same moment; the message's `time`.
     pub observed: jiff::Timestamp,
+    /// Derived by a route's resume from its checkpoint rather than seen by the informer: an
+    /// update's `old` and a delete's object are then stubs holding only what the checkpoint
+    /// knows (apiVersion, kind, namespace, name, uid, resourceVersion), and messages omit
+    /// `oldObject`. See `pipeline::resume`.
+    pub resumed: bool,
 }
 
 /// The three notifications of `ResourceEventHandler`.

@@ -56,6 +56,8 @@ pub struct SharedIndexInformer {
     reflector: Reflector,
     listeners: RwLock<Vec<Arc<ProcessorListener>>>,
     started: AtomicBool,
+    // Set (under the FIFO lock) once listeners were told the first list is through.
+    sync_signalled: AtomicBool,
     metrics: InformerMetrics,
 }
 
@@ -83,6 +85,7 @@ impl SharedIndexInformer {
             reflector,
             listeners: RwLock::new(Vec::new()),
             started: AtomicBool::new(false),
+            sync_signalled: AtomicBool::new(false),
             metrics,
         }
     }
@@ -158,7 +161,32 @@ impl SharedIndexInformer {
                 }
             })
         });
+        // Tells the listeners once the first list has gone through the FIFO (an empty list
+        // syncs without any pop, so this watches rather than hooking into `pop`).
+        let sync_signal = {
+            let this = self.clone();
+            let cancel = cancel.clone();
+            tokio::spawn(async move {
+                loop {
+                    let signalled = this.fifo.with_lock(|synced| {
+                        if synced {
+                            this.sync_signalled.store(true, Ordering::SeqCst);
+                            this.listeners().iter().for_each(|l| l.synced());
+                        }
+                        synced
+                    });
+                    if signalled {
+                        return;
+                    }
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                    }
+                }
+            })
+        };
         self.reflector.run(cancel.clone()).await;
+        sync_signal.abort();
         // The reflector has stopped: let the FIFO drain into the listeners.
         self.fifo.close();
         let _ = process.await;
@@ -171,7 +199,7 @@ impl SharedIndexInformer {
     /// Switches every listener off: they drop what the informer distributes until
     /// [`activate_listeners`](Self::activate_listeners). A standby replica's listeners are off.
     pub fn deactivate_listeners(&self) {
-        self.fifo.with_lock(|| {
+        self.fifo.with_lock(|_| {
             for l in self.listeners() {
                 l.set_active(false);
             }
@@ -186,7 +214,7 @@ impl SharedIndexInformer {
     /// Listeners already on get nothing. Returns how many objects were sent to each listener
     /// switched on (0 when none was off).
     pub fn activate_listeners(&self) -> usize {
-        self.fifo.with_lock(|| {
+        self.fifo.with_lock(|_| {
             let switched_on: Vec<_> = self
                 .listeners()
                 .into_iter()
@@ -205,11 +233,17 @@ impl SharedIndexInformer {
                     },
                     received,
                     observed,
+                    resumed: false,
                 };
                 self.metrics.notifications[n.event_type() as usize].inc();
                 for l in &switched_on {
                     l.add(n.clone());
                 }
+            }
+            // Once the first list is through, the cache is the whole initial state; before
+            // that, the sync signal comes when it is (see `run`).
+            if self.sync_signalled.load(Ordering::SeqCst) {
+                switched_on.iter().for_each(|l| l.synced());
             }
             cached.len()
         })
@@ -255,6 +289,7 @@ impl SharedIndexInformer {
                 kind,
                 received: delta.received,
                 observed: delta.observed,
+                resumed: false,
             });
         }
     }

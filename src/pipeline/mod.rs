@@ -13,6 +13,8 @@
 //!   are logged with the object key, counted in `keb_sink_failed_total`, and, when the sink has
 //!   a dead-letter sink, recorded there as a small reference (id, key, reason, size).
 
+pub mod checkpoint;
+pub mod resume;
 pub mod route_queue;
 pub mod worker;
 
@@ -21,6 +23,8 @@ use std::{collections::HashMap, sync::Arc, time::Duration};
 use tokio::task::JoinHandle;
 use tracing::warn;
 
+pub use checkpoint::{CheckpointStore, Checkpointer};
+pub use resume::Resumer;
 pub use route_queue::{Budget, RouteQueue};
 pub use worker::{Delivery, Route};
 

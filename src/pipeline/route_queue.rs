@@ -386,6 +386,7 @@ mod tests {
             kind,
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
+            resumed: false,
         }
     }
     fn add(o: ObjectRef) -> Notification {

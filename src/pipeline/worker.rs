@@ -44,6 +44,7 @@ pub struct Route {
     encoder: Encoder,
     delivery: Arc<Delivery>,
     metrics: RouteMetrics,
+    checkpointer: Option<Arc<super::Checkpointer>>,
 }
 
 enum Outcome {
@@ -89,7 +90,14 @@ impl Route {
             encoder,
             delivery,
             metrics,
+            checkpointer: None,
         }
+    }
+
+    /// Records every settled notification in `checkpointer` (see `pipeline::checkpoint`).
+    pub fn with_checkpointer(mut self, checkpointer: Arc<super::Checkpointer>) -> Self {
+        self.checkpointer = Some(checkpointer);
+        self
     }
 
     /// The route's queue.
@@ -162,6 +170,9 @@ impl Route {
             }
             match self.deliver(key, n).await {
                 Outcome::Settled => {
+                    if let Some(c) = &self.checkpointer {
+                        c.record(key, n);
+                    }
                     batch.pop_front();
                     self.queue.settle(1);
                 }
@@ -175,6 +186,9 @@ impl Route {
     async fn give_up(&self, key: &str, batch: &mut VecDeque<Notification>) {
         let queue = self.queue.queue();
         let n = batch.pop_front().expect("a failed notification");
+        if let Some(c) = &self.checkpointer {
+            c.record(key, &n); // settled for good: a restart must not re-send it
+        }
         self.failed("max_retries");
         error!(sink = %self.delivery.sink.name(), resource = %self.resource, key,
                retries = queue.num_requeues(&key.to_owned()), "Giving up on a notification after max_retries");

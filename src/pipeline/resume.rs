@@ -1,0 +1,260 @@
+//! Resume: a route compares the informer's initial state with its checkpoint, exactly as
+//! client-go's `DeltaFIFO.Replace` compares a relist with its known objects, so that a restart
+//! or a new leader publishes what changed while no replica published, and only that.
+//!
+//! # Contract
+//! The [`Resumer`] sits between a route's listeners and its [`RouteQueue`]. While resuming
+//! (from [`Resumer::begin`] with a checkpoint until every informer of the route has passed on
+//! its initial state), for each object of the initial state:
+//! - not in the checkpoint → `added`, not marked initial;
+//! - same uid and resourceVersion → nothing (counted `unchanged`);
+//! - same uid, other resourceVersion → `updated`, with a stub `old` (no `oldObject` in the
+//!   message: the checkpoint holds no object);
+//! - other uid (deleted and recreated meanwhile) → `deleted` of the old uid (final state
+//!   unknown, a stub object), then `added`;
+//!
+//! and once the whole initial state has passed, every checkpoint key it did not hold →
+//! `deleted`, final state unknown, with a stub object (apiVersion, kind, namespace, name, uid,
+//! resourceVersion of the last acknowledged version). A change the informer delivers meanwhile
+//! settles its key the same way (a new uid first deletes the old one). Messages derived from
+//! the checkpoint carry `k8sresumed: true`. Without a checkpoint the initial state passes
+//! through as initial adds (the behaviour without resume).
+//!
+//! The route's event-type filter applies after the comparison, so that it cannot make
+//! objects look vanished.
+
+use std::sync::{Arc, Mutex};
+
+use kube::api::{DynamicObject, ObjectMeta, TypeMeta};
+use prometheus::IntCounter;
+use tracing::info;
+
+use super::{RouteQueue, checkpoint::Checkpoint, checkpoint::Entry};
+use crate::{
+    config::EventType,
+    informer::{Notification, NotificationHandler, NotificationKind, ObjectRef},
+};
+
+/// Outcomes counted in `keb_resume_objects_total{outcome}`, in this order.
+pub const OUTCOMES: [&str; 5] = ["unchanged", "updated", "deleted", "added", "recreated"];
+
+/// See the module docs.
+pub struct Resumer {
+    route: String,
+    queue: Arc<RouteQueue>,
+    accepts: [bool; 4],
+    types: TypeMeta,
+    informers: usize,
+    state: Mutex<State>,
+    outcomes: [IntCounter; 5],
+}
+
+enum State {
+    Passing,
+    Resuming {
+        remaining: Checkpoint,
+        unsynced: usize,
+    },
+}
+
+impl Resumer {
+    /// A resumer in front of `queue`, for a route fed by `informers` informers, passing on
+    /// the `accepted` event types. `types` are the apiVersion and kind of stubs.
+    pub fn new(
+        route: String,
+        queue: Arc<RouteQueue>,
+        accepted: &[EventType],
+        types: TypeMeta,
+        informers: usize,
+        outcomes: [IntCounter; 5],
+    ) -> Self {
+        let mut accepts = [false; 4];
+        for t in accepted {
+            accepts[*t as usize] = true;
+        }
+        Self {
+            route,
+            queue,
+            accepts,
+            types,
+            informers: informers.max(1),
+            state: Mutex::new(State::Passing),
+            outcomes,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Starts resuming from `checkpoint` (call it before the listeners pass on the initial
+    /// state); `None` passes the initial state through as initial adds.
+    pub fn begin(&self, checkpoint: Option<Checkpoint>) {
+        let mut state = self.lock();
+        *state = match checkpoint {
+            Some(remaining) => {
+                info!(route = %self.route, keys = remaining.len(), "Resuming from the checkpoint");
+                State::Resuming {
+                    remaining,
+                    unsynced: self.informers,
+                }
+            }
+            None => State::Passing,
+        };
+    }
+
+    /// Whether a resume is under way.
+    pub fn is_resuming(&self) -> bool {
+        matches!(*self.lock(), State::Resuming { .. })
+    }
+
+    fn forward(&self, n: Notification) {
+        if self.accepts[n.event_type() as usize] {
+            self.queue.push(n);
+        }
+    }
+
+    /// The stub of what the checkpoint knows of `key`.
+    fn stub(&self, key: &str, entry: &Entry) -> ObjectRef {
+        let (namespace, name) = match key.split_once('/') {
+            Some((ns, name)) => (Some(ns.to_owned()), name.to_owned()),
+            None => (None, key.to_owned()),
+        };
+        Arc::new(DynamicObject {
+            types: Some(self.types.clone()),
+            metadata: ObjectMeta {
+                namespace,
+                name: Some(name),
+                uid: Some(entry.uid.clone()),
+                resource_version: Some(entry.resource_version.clone()),
+                ..Default::default()
+            },
+            data: serde_json::json!({}),
+        })
+    }
+
+    fn derived(&self, like: &Notification, kind: NotificationKind) -> Notification {
+        Notification {
+            kind,
+            received: like.received,
+            observed: like.observed,
+            resumed: true,
+        }
+    }
+
+    fn count(&self, outcome: usize) {
+        self.outcomes[outcome].inc();
+    }
+}
+
+impl NotificationHandler for Resumer {
+    fn on_notification(&self, n: Notification) {
+        let mut state = self.lock();
+        let State::Resuming { remaining, .. } = &mut *state else {
+            drop(state);
+            return self.forward(n);
+        };
+        let key = n.key();
+        let entry = remaining.remove(&key);
+        drop(state);
+        let uid = n.object().metadata.uid.clone().unwrap_or_default();
+        match (n.kind.clone(), entry) {
+            (
+                NotificationKind::Add {
+                    obj,
+                    is_initial_list: true,
+                },
+                entry,
+            ) => match entry {
+                None => {
+                    self.count(3);
+                    self.forward(self.derived(
+                        &n,
+                        NotificationKind::Add {
+                            obj,
+                            is_initial_list: false,
+                        },
+                    ));
+                }
+                Some(e)
+                    if e.uid == uid
+                        && e.resource_version == crate::informer::resource_version(&obj) =>
+                {
+                    self.count(0);
+                }
+                Some(e) if e.uid == uid => {
+                    self.count(1);
+                    let old = self.stub(&key, &e);
+                    self.forward(self.derived(&n, NotificationKind::Update { old, new: obj }));
+                }
+                Some(e) => {
+                    self.count(4);
+                    let gone = self.stub(&key, &e);
+                    self.forward(self.derived(
+                        &n,
+                        NotificationKind::Delete {
+                            obj: gone,
+                            final_state_unknown: true,
+                        },
+                    ));
+                    self.forward(self.derived(
+                        &n,
+                        NotificationKind::Add {
+                            obj,
+                            is_initial_list: false,
+                        },
+                    ));
+                }
+            },
+            // A change after the initial state: the informer follows the key from here on;
+            // an older incarnation the checkpoint knows is deleted first.
+            (_, Some(e)) if e.uid != uid => {
+                self.count(2);
+                let gone = self.stub(&key, &e);
+                self.forward(self.derived(
+                    &n,
+                    NotificationKind::Delete {
+                        obj: gone,
+                        final_state_unknown: true,
+                    },
+                ));
+                self.forward(n);
+            }
+            _ => self.forward(n),
+        }
+    }
+
+    fn on_synced(&self) {
+        let mut state = self.lock();
+        let State::Resuming {
+            remaining,
+            unsynced,
+        } = &mut *state
+        else {
+            return;
+        };
+        *unsynced = unsynced.saturating_sub(1);
+        if *unsynced > 0 {
+            return;
+        }
+        let mut vanished: Vec<_> = std::mem::take(remaining).into_iter().collect();
+        *state = State::Passing;
+        drop(state);
+        vanished.sort_by(|a, b| a.0.cmp(&b.0));
+        let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
+        let deleted = vanished.len();
+        for (key, entry) in vanished {
+            self.count(2);
+            self.forward(Notification {
+                kind: NotificationKind::Delete {
+                    obj: self.stub(&key, &entry),
+                    final_state_unknown: true,
+                },
+                received,
+                observed,
+                resumed: true,
+            });
+        }
+        info!(route = %self.route, deleted, "Resumed: objects gone while down are deleted");
+    }
+}
