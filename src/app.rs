@@ -36,7 +36,12 @@ use crate::{
         self, Budget, CheckpointStore, Checkpointer, Delivery, Resumer, Route, RouteQueue,
         checkpoint::FileCheckpointStore, resume,
     },
-    sinks::{self, Sink, kafka::KafkaSink, nats::NatsSink, stdout::StdoutSink},
+    sinks::{
+        self, Sink,
+        kafka::{KafkaCheckpointStore, KafkaSink},
+        nats::NatsSink,
+        stdout::StdoutSink,
+    },
     workqueue::{
         TokenBucket,
         rate_limiter::{RetrySettings, controller_rate_limiter},
@@ -168,8 +173,16 @@ impl App {
                     info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
                     stores.insert(s.name.clone(), store);
                 }
+                (true, SinkType::Kafka, _) => {
+                    let cfg = s.kafka.as_ref().expect("validated");
+                    let store = Arc::new(
+                        KafkaCheckpointStore::open(&s.name, cfg, &kafka_sinks[&s.name]).await?,
+                    );
+                    info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
+                    stores.insert(s.name.clone(), store);
+                }
                 (true, kind, _) => {
-                    info!(sink = %s.name, ?kind, "Resume off: this sink keeps no checkpoint (only stdout with a path does yet)");
+                    info!(sink = %s.name, ?kind, "Resume off: this sink keeps no checkpoint (plain standard output, or NATS)");
                 }
             }
         }

@@ -58,6 +58,12 @@ pub struct KafkaSinkConfig {
     /// Create missing topics at start through the admin API (off by default).
     #[serde(default)]
     pub create_topics: Option<KafkaTopicsConfig>,
+    /// Compacted topic holding the checkpoints of this sink's routes (see `sinks[].resume`):
+    /// one record per route and object, a tombstone when its delete was acknowledged. Created
+    /// at start when missing (one partition, `cleanup.policy=compact`, the replication factor
+    /// of `create_topics`, else 1).
+    #[serde(default = "default_checkpoint_topic")]
+    pub checkpoint_topic: String,
 }
 
 /// What a `kafka` sink writes.
@@ -178,6 +184,9 @@ fn default_linger() -> Duration {
 fn default_delivery_timeout() -> Duration {
     Duration::from_secs(30)
 }
+fn default_checkpoint_topic() -> String {
+    "kube-event-bridge.checkpoints".into()
+}
 fn default_partitions() -> i32 {
     3
 }
@@ -218,6 +227,15 @@ impl KafkaSinkConfig {
         let mut err = |path: &str, reason: String| errors.push((path.to_owned(), reason));
         if self.brokers.is_empty() {
             err("brokers", "at least one broker is required".into());
+        }
+        if !is_valid_topic(&self.checkpoint_topic) {
+            err(
+                "checkpoint_topic",
+                format!(
+                    "{:?} is not a valid topic name (letters, digits, `.`, `_`, `-`)",
+                    self.checkpoint_topic
+                ),
+            );
         }
         match Template::parse(&self.topic) {
             Err(e) => err("topic", e.to_string()),

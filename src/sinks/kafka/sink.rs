@@ -119,6 +119,11 @@ impl KafkaSink {
         })
     }
 
+    /// The sink's producer (idempotent, acks=all), shared with its checkpoint store.
+    pub(super) fn producer(&self) -> &FutureProducer {
+        &self.producer
+    }
+
     /// The topic `message` goes to.
     pub fn topic_for(&self, message: &Message) -> String {
         self.topic.render(message, topic_value)
@@ -256,7 +261,10 @@ impl KafkaSink {
 }
 
 /// The producer's librdkafka configuration. Secrets are read here, at start, and never logged.
-fn client_config(name: &str, cfg: &KafkaSinkConfig) -> std::result::Result<ClientConfig, String> {
+pub(super) fn client_config(
+    name: &str,
+    cfg: &KafkaSinkConfig,
+) -> std::result::Result<ClientConfig, String> {
     let mut c = ClientConfig::new();
     for (k, v) in &cfg.properties {
         c.set(k, v);
