@@ -172,3 +172,54 @@ async fn ten_thousand_unchanged_objects_publish_nothing_after_a_restart() {
     );
     assert_eq!(describe(&all[10_000]), "updated ns-3/cm-00003 with-old");
 }
+
+/// Failover with a shared checkpoint (two replicas writing the same file, as two pods share
+/// a broker): objects deleted after the leader stopped, before the standby took over, are
+/// deleted by the new leader, and unchanged objects are not replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_delivers_the_deletes_made_while_no_replica_led() {
+    let api = ApiServer::start().await;
+    for i in 0..100 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:03}"), "1")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let replica = |identity: &str| {
+        let mut cfg = serde_json::to_value(config(&out)).unwrap();
+        cfg["leader_election"] = json!({
+            "enabled": true, "identity": identity, "namespace": "kube-system",
+            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "100ms",
+        });
+        Config::from_value(cfg).unwrap()
+    };
+    let one = RunningApp::start(replica("one"), &api).await;
+    eventually("one leads", || one.metrics.leader.get() == 1).await;
+    let two = RunningApp::start(replica("two"), &api).await;
+    two.synced().await;
+    eventually("100 published", || messages(&out).len() == 100).await;
+    // Written within a checkpoint interval.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    api.refuse_lease_writes_from(Some("one"));
+    eventually("one steps down", || one.metrics.leader.get() == 0).await;
+    for i in 0..7 {
+        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:03}"));
+    }
+    api.update(typed(&configmap("ns", "cm-050", "2")));
+    eventually("two leads", || two.metrics.leader.get() == 1).await;
+    eventually("the gap delivered", || messages(&out).len() == 108).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    two.stop().await;
+    one.stop().await;
+    let after: Vec<String> = messages(&out)[100..].iter().map(describe).collect();
+    let mut want: Vec<String> = (0..7)
+        .map(|i| format!("deleted ns/cm-{i:03} finalstateunknown resumed"))
+        .collect();
+    want.push("updated ns/cm-050 resumed".into());
+    let mut got = after.clone();
+    got.sort();
+    assert_eq!(
+        got, want,
+        "only the gap, no replay of the 92 unchanged objects"
+    );
+}
