@@ -39,7 +39,7 @@ use crate::{
     sinks::{
         self, Sink,
         kafka::{KafkaCheckpointStore, KafkaSink},
-        nats::NatsSink,
+        nats::{NatsCheckpointStore, NatsMode, NatsSink},
         stdout::StdoutSink,
     },
     workqueue::{
@@ -142,6 +142,7 @@ impl App {
         ));
         let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
         let mut kafka_sinks: HashMap<String, Arc<KafkaSink>> = HashMap::new();
+        let mut nats_sinks: HashMap<String, Arc<NatsSink>> = HashMap::new();
         for s in &config.sinks {
             let sink: Arc<dyn Sink> = match s.kind {
                 SinkType::Stdout => {
@@ -149,7 +150,11 @@ impl App {
                     Arc::new(StdoutSink::open(&s.name, path).await?)
                 }
                 SinkType::Nats => {
-                    Arc::new(NatsSink::connect(&s.name, s.nats.as_ref().expect("validated")).await?)
+                    let sink = Arc::new(
+                        NatsSink::connect(&s.name, s.nats.as_ref().expect("validated")).await?,
+                    );
+                    nats_sinks.insert(s.name.clone(), sink.clone());
+                    sink
                 }
                 SinkType::Kafka => {
                     let cfg = s.kafka.as_ref().expect("validated");
@@ -181,8 +186,18 @@ impl App {
                     info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
                     stores.insert(s.name.clone(), store);
                 }
+                (true, SinkType::Nats, _)
+                    if s.nats.as_ref().expect("validated").mode == NatsMode::Jetstream =>
+                {
+                    let cfg = s.nats.as_ref().expect("validated");
+                    let store = Arc::new(
+                        NatsCheckpointStore::open(&s.name, cfg, &nats_sinks[&s.name]).await?,
+                    );
+                    info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
+                    stores.insert(s.name.clone(), store);
+                }
                 (true, kind, _) => {
-                    info!(sink = %s.name, ?kind, "Resume off: this sink keeps no checkpoint (plain standard output, or NATS)");
+                    info!(sink = %s.name, ?kind, "Resume off: this sink keeps no checkpoint (plain standard output, or core NATS)");
                 }
             }
         }

@@ -353,8 +353,9 @@ pub struct SinkConfig {
     pub dead_letter: Option<String>,
     /// Keep a checkpoint of what this sink acknowledged and resume from it at start and on
     /// becoming leader: changes made while down are published (deletes included), unchanged
-    /// objects are not. For sinks that can store one: `kafka` (`kafka.checkpoint_topic`) and
-    /// `stdout` with a `path` (a file beside it); elsewhere it is ignored, with a log line.
+    /// objects are not. For sinks that can store one: `kafka` (`kafka.checkpoint_topic`),
+    /// `nats` in `jetstream` mode (`nats.checkpoint_bucket`) and `stdout` with a `path` (a
+    /// file beside it); elsewhere it is ignored, with a log line.
     #[serde(default = "default_resume")]
     pub resume: bool,
     /// How often acknowledged changes are written to the checkpoint.

@@ -436,3 +436,67 @@ async fn core_mode_publishes_to_subscribers_and_health_follows_the_connection() 
     nats.restart();
     eventually("health recovers", || sink.health().is_ok()).await;
 }
+
+/// Resume with the default settings on JetStream: the checkpoint bucket is created, and a
+/// restart publishes exactly what changed while the bridge was down, deletes included; the
+/// unchanged objects publish nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_from_the_checkpoint_bucket() {
+    let nats = NatsServer::start();
+    let api = ApiServer::start().await;
+    for i in 0..40 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    let cfg = || {
+        config(
+            vec![nats_sink("nats", &nats.url(), json!({}))],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        )
+    };
+    let first = run(cfg(), &api).await;
+    wait_for_stream(&nats.url(), 40).await;
+    assert!(first.stop().await.undelivered.is_empty());
+
+    let mut want: HashMap<String, Vec<&str>> = HashMap::new();
+    for i in 0..4 {
+        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:02}"));
+        want.insert(format!("ns/cm-{i:02}"), vec!["deleted"]);
+    }
+    for i in 4..8 {
+        api.update(typed(&configmap("ns", &format!("cm-{i:02}"), "2")));
+        want.insert(format!("ns/cm-{i:02}"), vec!["updated"]);
+    }
+    api.create(typed(&configmap("ns", "cm-new", "1")));
+    want.insert("ns/cm-new".into(), vec!["added"]);
+    api.delete("v1", "ConfigMap", "ns", "cm-08");
+    api.create(typed(&configmap("ns", "cm-08", "3")));
+    want.insert("ns/cm-08".into(), vec!["deleted", "added"]);
+    let expected: usize = want.values().map(Vec::len).sum();
+
+    let second = run(cfg(), &api).await;
+    wait_for_stream(&nats.url(), (40 + expected) as u64).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let unchanged = second
+        .metrics
+        .resume_objects
+        .with_label_values(&["configmap/nats", "unchanged"])
+        .get();
+    assert!(second.stop().await.undelivered.is_empty());
+    assert_eq!(unchanged, 40 - 9, "objects unchanged while down");
+    let raw = read_stream(&nats.url(), STREAM).await;
+    assert_eq!(raw.len(), 40 + expected, "nothing but the changes");
+    let mut got: HashMap<String, Vec<&str>> = HashMap::new();
+    for m in &raw[40..] {
+        let e: Value = serde_json::from_slice(&m.payload).unwrap();
+        assert_eq!(e["k8sresumed"], true);
+        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
+        let ty = ["added", "updated", "deleted"]
+            .into_iter()
+            .find(|t| *t == ty)
+            .unwrap();
+        got.entry(e["subject"].as_str().unwrap().to_owned())
+            .or_default()
+            .push(ty);
+    }
+    assert_eq!(got, want);
+}

@@ -40,6 +40,11 @@ pub struct NatsSinkConfig {
     /// The JetStream stream the subjects belong to (required in `jetstream` mode).
     #[serde(default)]
     pub stream: Option<NatsStreamConfig>,
+    /// JetStream key-value bucket holding the checkpoints of this sink's routes (see
+    /// `sinks[].resume`; `jetstream` mode only): one key per route and object, deleted when
+    /// its delete was acknowledged. Created at start when missing (history 1, file storage).
+    #[serde(default = "default_checkpoint_bucket")]
+    pub checkpoint_bucket: String,
 }
 
 /// How a `nats` sink publishes.
@@ -146,6 +151,9 @@ pub enum StreamStorage {
     Memory,
 }
 
+fn default_checkpoint_bucket() -> String {
+    "kube-event-bridge-checkpoints".into()
+}
 fn default_subject() -> String {
     "k8s.{cluster}.{group}.{kind}.{namespace}.{name}".into()
 }
@@ -171,6 +179,20 @@ impl NatsSinkConfig {
     /// Field checks; each error is `(path below the sink, reason)`.
     pub fn validate(&self) -> Vec<(String, String)> {
         let mut errors = Vec::new();
+        if self.checkpoint_bucket.is_empty()
+            || !self
+                .checkpoint_bucket
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
+        {
+            errors.push((
+                "checkpoint_bucket".to_owned(),
+                format!(
+                    "{:?} is not a valid bucket name (letters, digits, `-`, `_`)",
+                    self.checkpoint_bucket
+                ),
+            ));
+        }
         let mut err = |path: &str, reason: String| errors.push((path.to_owned(), reason));
         if self.servers.is_empty() {
             err("servers", "at least one server URL is required".into());

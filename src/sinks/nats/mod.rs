@@ -1,8 +1,10 @@
 //! The `nats` sink: JetStream (acknowledged, deduplicated by `Nats-Msg-Id`) or core NATS.
 
+mod checkpoint;
 mod config;
 mod sink;
 
+pub use checkpoint::NatsCheckpointStore;
 pub use config::{
     NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, NatsTlsConfig, StreamRetention,
     StreamStorage,

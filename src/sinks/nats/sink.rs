@@ -124,6 +124,11 @@ impl NatsSink {
         })
     }
 
+    /// The JetStream context (`jetstream` mode), shared with the checkpoint store.
+    pub(super) fn jetstream(&self) -> Option<&jetstream::Context> {
+        self.jetstream.as_ref()
+    }
+
     /// The subject `message` goes to.
     pub fn subject_for(&self, message: &Message) -> String {
         self.subject.render(message, escape_nats_token)

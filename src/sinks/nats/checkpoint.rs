@@ -1,0 +1,205 @@
+//! The checkpoint store of a `nats` sink in `jetstream` mode: a key-value bucket
+//! (`checkpoint_bucket`) with one key per route and object, `{route}.{namespace/name}` with
+//! every character a KV key does not allow (and `_`, `.`) written `_XX` (hex), and the value
+//! `{"uid", "resourceVersion"}`; the key is deleted once the object's delete was acknowledged.
+//!
+//! A load reads the newest entry of every key of the route (a KV watch with history) up to the
+//! bucket's current end; writes are KV puts and deletes, acknowledged by the stream, many at
+//! once.
+
+use async_nats::jetstream::{self, kv};
+use futures::{FutureExt, StreamExt, TryStreamExt, future::BoxFuture};
+use tracing::{info, warn};
+
+use super::{NatsSink, NatsSinkConfig};
+use crate::{
+    pipeline::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
+    sinks,
+};
+
+/// Writes waiting for their acknowledgement at once.
+const WRITES_IN_FLIGHT: usize = 256;
+
+/// See the module docs.
+pub struct NatsCheckpointStore {
+    bucket: String,
+    kv: kv::Store,
+}
+
+/// A KV key token for `s`: `[A-Za-z0-9-/=]` as they are, everything else `_XX`.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'/' | b'=') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("_{b:02X}"));
+        }
+    }
+    out
+}
+
+fn unescape(s: &str) -> Option<String> {
+    let mut bytes = Vec::with_capacity(s.len());
+    let mut it = s.bytes();
+    while let Some(b) = it.next() {
+        if b == b'_' {
+            let hex = [it.next()?, it.next()?];
+            bytes.push(u8::from_str_radix(std::str::from_utf8(&hex).ok()?, 16).ok()?);
+        } else {
+            bytes.push(b);
+        }
+    }
+    String::from_utf8(bytes).ok()
+}
+
+impl NatsCheckpointStore {
+    /// The store of sink `name`. Creates the bucket when it does not exist; a bucket that
+    /// cannot be created or opened fails the start, naming it.
+    pub async fn open(name: &str, cfg: &NatsSinkConfig, sink: &NatsSink) -> sinks::Result<Self> {
+        let bucket = cfg.checkpoint_bucket.clone();
+        let setup = |what: String| {
+            sinks::Error::Setup(format!("sink {name}: checkpoint bucket {bucket}: {what}"))
+        };
+        let js: &jetstream::Context = sink
+            .jetstream()
+            .ok_or_else(|| setup("resume needs jetstream mode".into()))?;
+        let kv = match js.get_key_value(&bucket).await {
+            Ok(kv) => kv,
+            Err(_) => {
+                // The bucket's stream, as `create_key_value` would make it; created directly
+                // because that call first asks for account limits in a form nats-server
+                // before 2.10 does not answer.
+                let config = jetstream::stream::Config {
+                    name: format!("KV_{bucket}"),
+                    subjects: vec![format!("$KV.{bucket}.>")],
+                    max_messages_per_subject: 1,
+                    storage: jetstream::stream::StorageType::File,
+                    allow_rollup: true,
+                    deny_delete: true,
+                    allow_direct: true,
+                    discard: jetstream::stream::DiscardPolicy::New,
+                    num_replicas: 1,
+                    ..Default::default()
+                };
+                let denied = |e: &dyn std::fmt::Display| {
+                    setup(format!(
+                        "cannot create it ({e}); create it or allow this user to manage the \
+                         stream KV_{bucket} and publish to $KV.{bucket}.>"
+                    ))
+                };
+                js.create_stream(config).await.map_err(|e| denied(&e))?;
+                info!(sink = %name, bucket = %bucket, "Created the checkpoint bucket");
+                js.get_key_value(&bucket).await.map_err(|e| denied(&e))?
+            }
+        };
+        Ok(Self { bucket, kv })
+    }
+
+    fn error(&self, reason: impl std::fmt::Display) -> Error {
+        Error::Store {
+            store: self.describe(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+impl CheckpointStore for NatsCheckpointStore {
+    fn describe(&self) -> String {
+        format!("bucket {}", self.bucket)
+    }
+
+    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
+        async move {
+            let prefix = escape(route);
+            let status = self.kv.status().await.map_err(|e| self.error(e))?;
+            if status.values() == 0 {
+                return Ok(None);
+            }
+            let mut watch = self
+                .kv
+                .watch_with_history(format!("{prefix}.>"))
+                .await
+                .map_err(|e| self.error(e))?;
+            let (mut seen, mut checkpoint) = (false, Checkpoint::new());
+            // Nothing for this route at all: the watch delivers nothing, so it is bounded.
+            loop {
+                let next = tokio::time::timeout(std::time::Duration::from_secs(2), watch.next());
+                let Ok(Some(entry)) = next.await else { break };
+                let entry = entry.map_err(|e| self.error(e))?;
+                seen = true;
+                let raw = entry.key.strip_prefix(&format!("{prefix}.")).unwrap_or_default();
+                match (unescape(raw), entry.operation) {
+                    (None, _) => {
+                        warn!(store = %self.describe(), route, key = %entry.key,
+                              "Checkpoint key cannot be read; skipped");
+                    }
+                    (Some(key), kv::Operation::Put) => {
+                        match serde_json::from_slice::<Entry>(&entry.value) {
+                            Ok(e) => {
+                                checkpoint.insert(key, e);
+                            }
+                            Err(e) => warn!(store = %self.describe(), route, key = %key, error = %e,
+                                            "Corrupt checkpoint record; that object is treated as unknown"),
+                        }
+                    }
+                    (Some(key), _) => {
+                        checkpoint.remove(&key);
+                    }
+                }
+                if entry.delta == 0 {
+                    break;
+                }
+            }
+            Ok(seen.then_some(checkpoint))
+        }
+        .boxed()
+    }
+
+    fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
+        async move {
+            let prefix = escape(route);
+            futures::stream::iter(changes)
+                .map(|(key, entry)| {
+                    let k = format!("{prefix}.{}", escape(&key));
+                    async move {
+                        match entry {
+                            Some(e) => {
+                                let v = serde_json::to_vec(&e).expect("strings serialize");
+                                self.kv
+                                    .put(k, v.into())
+                                    .await
+                                    .map(|_| ())
+                                    .map_err(|e| self.error(e))
+                            }
+                            None => self.kv.delete(k).await.map_err(|e| self.error(e)),
+                        }
+                    }
+                })
+                .buffer_unordered(WRITES_IN_FLIGHT)
+                .try_collect::<Vec<()>>()
+                .await
+                .map(|_| ())
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_escape_to_valid_kv_tokens_and_back() {
+        for s in ["configmap/out", "ns/my.config", "a_b", "ns/ä", "name"] {
+            let e = escape(s);
+            assert!(
+                e.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '/' | '=' | '_')),
+                "{e}"
+            );
+            assert_eq!(unescape(&e).as_deref(), Some(s));
+        }
+        assert_eq!(escape("ns/my.config"), "ns/my_2Econfig");
+    }
+}
