@@ -24,23 +24,44 @@ impl StdoutSink {
     pub async fn open(name: &str, path: Option<&Path>) -> Result<Self> {
         let out: Box<dyn AsyncWrite + Send + Unpin> = match path {
             None => Box::new(tokio::io::stdout()),
-            Some(path) => Box::new(
-                tokio::fs::OpenOptions::new()
+            Some(path) => {
+                let open_error = |source| Error::Open {
+                    what: path.display().to_string(),
+                    source,
+                };
+                let mut file = tokio::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
+                    .read(true)
                     .open(path)
                     .await
-                    .map_err(|source| Error::Open {
-                        what: path.display().to_string(),
-                        source,
-                    })?,
-            ),
+                    .map_err(open_error)?;
+                // A process killed in the middle of a line left it unterminated: end it, so
+                // that the first line of this run stays a line of its own.
+                if ends_mid_line(&mut file).await.map_err(open_error)? {
+                    file.write_all(b"\n").await.map_err(open_error)?;
+                }
+                Box::new(file)
+            }
         };
         Ok(Self {
             name: name.to_owned(),
             out: Mutex::new(BufWriter::new(out)),
         })
     }
+}
+
+/// Whether a non-empty file does not end with a newline.
+async fn ends_mid_line(file: &mut tokio::fs::File) -> std::io::Result<bool> {
+    use tokio::io::{AsyncReadExt, AsyncSeekExt};
+    let len = file.metadata().await?.len();
+    if len == 0 {
+        return Ok(false);
+    }
+    file.seek(std::io::SeekFrom::Start(len - 1)).await?;
+    let mut last = [0u8];
+    file.read_exact(&mut last).await?;
+    Ok(last[0] != b'\n')
 }
 
 impl Sink for StdoutSink {
@@ -97,6 +118,20 @@ mod tests {
         assert_eq!(
             std::fs::read_to_string(&path).unwrap(),
             "{\"n\":0}\n{\"n\":1}\n{\"n\":2}\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_line_cut_by_a_crash_is_ended_before_new_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out.jsonl");
+        std::fs::write(&path, "{\"n\":0}\n{\"n\":").unwrap();
+        let sink = StdoutSink::open("file", Some(&path)).await.unwrap();
+        sink.flush().await.unwrap();
+        drop(sink);
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"n\":0}\n{\"n\":\n"
         );
     }
 
