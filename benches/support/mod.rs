@@ -14,7 +14,7 @@ use kube_event_bridge::{
     informer::{Notification, NotificationKind, ProcessorListener},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, Route, RouteQueue},
+    pipeline::{self, Budget, Checkpointer, Delivery, Route, RouteQueue},
     sinks::{self, Sink},
     workqueue::rate_limiter::default_controller_rate_limiter,
 };
@@ -182,6 +182,21 @@ pub async fn run_bridge(
     metrics: &Metrics,
     name: &str,
 ) -> Run {
+    run_bridge_with(sink, notes, workers, backlog, metrics, name, None).await
+}
+
+/// [`run_bridge`], with the route recording acknowledgements into `checkpointer` (written
+/// every second in the background, as the service does with resume on; the final write is
+/// part of the measured time).
+pub async fn run_bridge_with(
+    sink: Arc<dyn Sink>,
+    notes: impl IntoIterator<Item = Notification>,
+    workers: usize,
+    backlog: usize,
+    metrics: &Metrics,
+    name: &str,
+    checkpointer: Option<Arc<Checkpointer>>,
+) -> Run {
     let budget = Arc::new(Budget::new(100_000));
     let queue = Arc::new(RouteQueue::new(
         name.to_owned(),
@@ -196,7 +211,7 @@ pub async fn run_bridge(
             .with_label_values(&["configmap", name]),
     ));
     let sink_name = sink.name().to_owned();
-    let route = Arc::new(Route::new(
+    let mut route = Route::new(
         "configmap".into(),
         queue.clone(),
         encoder(),
@@ -207,7 +222,15 @@ pub async fn run_bridge(
             max_retries: None,
         }),
         metrics,
-    ));
+    );
+    if let Some(c) = &checkpointer {
+        route = route.with_checkpointer(c.clone());
+    }
+    let route = Arc::new(route);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let writer = checkpointer
+        .clone()
+        .map(|c| tokio::spawn(c.run(Duration::from_secs(1), cancel.clone())));
     let all = [
         EventType::Added,
         EventType::Updated,
@@ -234,6 +257,11 @@ pub async fn run_bridge(
     }
     while budget.held() > 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    cancel.cancel();
+    if let (Some(w), Some(c)) = (writer, &checkpointer) {
+        let _ = w.await;
+        c.flush().await.expect("final checkpoint write");
     }
     let elapsed = start.elapsed();
     running
@@ -287,9 +315,19 @@ pub async fn bridge_figures<S: Sink + 'static>(
     workers: usize,
     metrics: &Metrics,
     name: &str,
+    checkpointer: Option<Arc<Checkpointer>>,
 ) -> Figures {
     let events = notes.len();
-    let run = run_bridge(sink.clone(), notes, workers, 2 * workers, metrics, name).await;
+    let run = run_bridge_with(
+        sink.clone(),
+        notes,
+        workers,
+        2 * workers,
+        metrics,
+        name,
+        checkpointer,
+    )
+    .await;
     let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
     Figures {
         events,

@@ -1,0 +1,99 @@
+//! Checkpoint stores at scale: write KEYS keys (in batches of 10,000, as the background
+//! writer would after a burst), then time a load, which a restart or a new leader waits for
+//! before its first list is compared. File beside an output, Kafka topic (tansu), JetStream
+//! key-value bucket (nats-server).
+//!
+//! `cargo bench --bench checkpoint [-- KEYS]` (default 100000)
+
+#[path = "../tests/support/kafka.rs"]
+#[allow(dead_code)]
+mod kafka;
+#[path = "../tests/support/nats.rs"]
+#[allow(dead_code)]
+mod nats;
+
+use std::{sync::Arc, time::Instant};
+
+use kube_event_bridge::{
+    config::SinkConfig,
+    pipeline::checkpoint::{CheckpointStore, Entry, FileCheckpointStore},
+    sinks::{
+        kafka::{KafkaCheckpointStore, KafkaSink},
+        nats::{NatsCheckpointStore, NatsSink},
+    },
+};
+
+const ROUTE: &str = "configmap/bench";
+
+async fn measure(label: &str, store: Arc<dyn CheckpointStore>, keys: usize) {
+    let started = Instant::now();
+    for batch in (0..keys).collect::<Vec<_>>().chunks(10_000) {
+        let changes = batch
+            .iter()
+            .map(|i| {
+                (
+                    format!("team-{}/config-{i:06}", i % 50),
+                    Some(Entry {
+                        uid: format!("8d0c1f7e-0000-4000-8000-{i:012}"),
+                        resource_version: (1_000_000 + i).to_string(),
+                    }),
+                )
+            })
+            .collect();
+        store.write(ROUTE, changes).await.expect("write");
+    }
+    let wrote = started.elapsed().as_secs_f64();
+    let started = Instant::now();
+    let loaded = store.load(ROUTE).await.expect("load").expect("a checkpoint");
+    let load = started.elapsed().as_secs_f64();
+    assert_eq!(loaded.len(), keys, "{label}: every key loads");
+    println!(
+        "  {label:<32} write {keys} keys {wrote:>6.2} s ({:>7.0} keys/s)   load {load:>6.2} s ({:>7.0} keys/s)",
+        keys as f64 / wrote,
+        keys as f64 / load
+    );
+}
+
+fn main() {
+    let keys: usize = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(100_000);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    println!("checkpoint bench: {keys} keys of one route, 2 runtime threads");
+    runtime.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        measure(
+            "file",
+            Arc::new(FileCheckpointStore::beside(&dir.path().join("out.jsonl"))),
+            keys,
+        )
+        .await;
+
+        let tansu = kafka::Tansu::start();
+        let cfg: SinkConfig = serde_json::from_value(serde_json::json!({
+            "name": "kafka", "type": "kafka",
+            "kafka": {"brokers": [tansu.brokers()], "topic": "bench"},
+        }))
+        .unwrap();
+        let k = cfg.kafka.as_ref().unwrap();
+        let sink = KafkaSink::connect("kafka", k).await.unwrap();
+        let store = KafkaCheckpointStore::open("kafka", k, &sink).await.unwrap();
+        measure("kafka topic (tansu 0.6 debug)", Arc::new(store), keys).await;
+
+        let server = nats::NatsServer::start();
+        let cfg: SinkConfig = serde_json::from_value(serde_json::json!({
+            "name": "nats", "type": "nats",
+            "nats": {"servers": [server.url()], "stream": {"name": "K8S", "create": true, "subjects": ["k8s.>"]}},
+        }))
+        .unwrap();
+        let n = cfg.nats.as_ref().unwrap();
+        let sink = NatsSink::connect("nats", n).await.unwrap();
+        let store = NatsCheckpointStore::open("nats", n, &sink).await.unwrap();
+        measure("jetstream kv (nats-server 2.9)", Arc::new(store), keys).await;
+    });
+}
