@@ -44,7 +44,11 @@ async fn measure(label: &str, store: Arc<dyn CheckpointStore>, keys: usize) {
     }
     let wrote = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let loaded = store.load(ROUTE).await.expect("load").expect("a checkpoint");
+    let loaded = store
+        .load(ROUTE)
+        .await
+        .expect("load")
+        .expect("a checkpoint");
     let load = started.elapsed().as_secs_f64();
     assert_eq!(loaded.len(), keys, "{label}: every key loads");
     println!(

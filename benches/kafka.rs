@@ -60,7 +60,9 @@ async fn bridge(
             name.clone(),
             Arc::new(store),
             metrics.checkpoint_lag.with_label_values(&[&name]),
-            metrics.checkpoint_write_failures.with_label_values(&[&name]),
+            metrics
+                .checkpoint_write_failures
+                .with_label_values(&[&name]),
         )))
     } else {
         None

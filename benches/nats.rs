@@ -42,7 +42,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Fig
         WINDOW,
         metrics,
         &format!("configmap/nats-{size}"),
-        None
+        None,
     )
     .await
 }

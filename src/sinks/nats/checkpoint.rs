@@ -3,8 +3,8 @@
 //! every character a KV key does not allow (and `_`, `.`) written `_XX` (hex), and the value
 //! `{"uid", "resourceVersion"}`; the key is deleted once the object's delete was acknowledged.
 //!
-//! A load reads the newest entry of every key of the route (a KV watch with history) up to the
-//! bucket's current end; writes are KV puts and deletes, acknowledged by the stream, many at
+//! A load reads the newest record of every key of the route (a pull consumer delivering the
+//! last message per subject, as many as it says are pending); writes are KV puts and deletes, acknowledged by the stream, many at
 //! once.
 
 use async_nats::jetstream::{self, kv};
@@ -111,47 +111,56 @@ impl CheckpointStore for NatsCheckpointStore {
 
     fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
         async move {
-            let prefix = escape(route);
-            let status = self.kv.status().await.map_err(|e| self.error(e))?;
-            if status.values() == 0 {
-                return Ok(None);
-            }
-            let mut watch = self
+            use jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+            let prefix = format!("$KV.{}.{}.", self.bucket, escape(route));
+            // The newest record of every key of the route; `num_pending` says how many there
+            // are, so the read knows its end (a KV watch would have to guess it from quiet).
+            let consumer = self
                 .kv
-                .watch_with_history(format!("{prefix}.>"))
+                .stream
+                .create_consumer(pull::Config {
+                    filter_subject: format!("{prefix}>"),
+                    deliver_policy: DeliverPolicy::LastPerSubject,
+                    ack_policy: AckPolicy::None,
+                    inactive_threshold: std::time::Duration::from_secs(60),
+                    ..Default::default()
+                })
                 .await
                 .map_err(|e| self.error(e))?;
-            let (mut seen, mut checkpoint) = (false, Checkpoint::new());
-            // Nothing for this route at all: the watch delivers nothing, so it is bounded.
-            loop {
-                let next = tokio::time::timeout(std::time::Duration::from_secs(2), watch.next());
-                let Ok(Some(entry)) = next.await else { break };
-                let entry = entry.map_err(|e| self.error(e))?;
-                seen = true;
-                let raw = entry.key.strip_prefix(&format!("{prefix}.")).unwrap_or_default();
-                match (unescape(raw), entry.operation) {
-                    (None, _) => {
-                        warn!(store = %self.describe(), route, key = %entry.key,
-                              "Checkpoint key cannot be read; skipped");
-                    }
-                    (Some(key), kv::Operation::Put) => {
-                        match serde_json::from_slice::<Entry>(&entry.value) {
-                            Ok(e) => {
-                                checkpoint.insert(key, e);
-                            }
-                            Err(e) => warn!(store = %self.describe(), route, key = %key, error = %e,
-                                            "Corrupt checkpoint record; that object is treated as unknown"),
-                        }
-                    }
-                    (Some(key), _) => {
+            let pending = consumer.cached_info().num_pending;
+            if pending == 0 {
+                return Ok(None);
+            }
+            let mut messages = consumer.messages().await.map_err(|e| self.error(e))?;
+            let mut checkpoint = Checkpoint::new();
+            for _ in 0..pending {
+                let message = messages
+                    .next()
+                    .await
+                    .ok_or_else(|| self.error("the read ended early"))?
+                    .map_err(|e| self.error(e))?;
+                let raw = message.subject.as_str().strip_prefix(&prefix).unwrap_or_default();
+                let deleted = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("KV-Operation"))
+                    .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+                match unescape(raw) {
+                    None => warn!(store = %self.describe(), route, key = %message.subject,
+                                  "Checkpoint key cannot be read; skipped"),
+                    Some(key) if deleted => {
                         checkpoint.remove(&key);
                     }
-                }
-                if entry.delta == 0 {
-                    break;
+                    Some(key) => match serde_json::from_slice::<Entry>(&message.payload) {
+                        Ok(e) => {
+                            checkpoint.insert(key, e);
+                        }
+                        Err(e) => warn!(store = %self.describe(), route, key = %key, error = %e,
+                                        "Corrupt checkpoint record; that object is treated as unknown"),
+                    },
                 }
             }
-            Ok(seen.then_some(checkpoint))
+            Ok(Some(checkpoint))
         }
         .boxed()
     }
