@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::informer::{Notification, NotificationKind, resource_version};
+use crate::informer::{Notification, NotificationKind, ObjectRef, resource_version};
 
 /// Errors of a checkpoint store.
 #[derive(Debug, thiserror::Error)]
@@ -78,7 +78,10 @@ pub trait CheckpointStore: Send + Sync {
 pub struct Checkpointer {
     route: String,
     store: Arc<dyn CheckpointStore>,
-    changed: Mutex<HashMap<String, Option<Entry>>>,
+    // Per key, the newest settled object (`None`: deleted). Holding the shared object rather
+    // than its uid and resourceVersion keeps the acknowledgement path free of allocations
+    // for keys already pending.
+    changed: Mutex<HashMap<String, Option<ObjectRef>>>,
     // Serializes writes, so that an older batch never lands after a newer one.
     writing: tokio::sync::Mutex<()>,
     lag: IntGauge,
@@ -113,36 +116,48 @@ impl Checkpointer {
         &self.store
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<Entry>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<ObjectRef>>> {
         self.changed.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Remembers that the sink settled `n` (about the object at `key`).
     pub fn record(&self, key: &str, n: &Notification) {
-        let entry = match &n.kind {
+        let object = match &n.kind {
             NotificationKind::Delete { .. } => None,
             NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. } => {
-                Some(Entry {
-                    uid: obj.metadata.uid.clone().unwrap_or_default(),
-                    resource_version: resource_version(obj).to_owned(),
-                })
+                Some(obj.clone())
             }
         };
         let mut changed = self.lock();
-        changed.insert(key.to_owned(), entry);
-        self.lag.set(changed.len() as i64);
+        match changed.get_mut(key) {
+            Some(slot) => *slot = object,
+            None => {
+                changed.insert(key.to_owned(), object);
+                self.lag.set(changed.len() as i64);
+            }
+        }
     }
 
     /// Writes every change recorded so far. On failure they are kept for the next attempt
     /// (unless a newer change of the same key arrived meanwhile).
     pub async fn flush(&self) -> Result<()> {
         let _writing = self.writing.lock().await;
-        let batch: Vec<Change> = std::mem::take(&mut *self.lock()).into_iter().collect();
-        if batch.is_empty() {
+        let taken = std::mem::take(&mut *self.lock());
+        if taken.is_empty() {
             return Ok(());
         }
+        let batch: Vec<Change> = taken
+            .iter()
+            .map(|(key, object)| {
+                let entry = object.as_ref().map(|obj| Entry {
+                    uid: obj.metadata.uid.clone().unwrap_or_default(),
+                    resource_version: resource_version(obj).to_owned(),
+                });
+                (key.clone(), entry)
+            })
+            .collect();
         let n = batch.len();
-        match self.store.write(&self.route, batch.clone()).await {
+        match self.store.write(&self.route, batch).await {
             Ok(()) => {
                 debug!(route = %self.route, keys = n, "Checkpoint written");
                 self.lag.set(self.lock().len() as i64);
@@ -151,8 +166,8 @@ impl Checkpointer {
             Err(err) => {
                 self.failures.inc();
                 let mut changed = self.lock();
-                for (key, entry) in batch {
-                    changed.entry(key).or_insert(entry);
+                for (key, object) in taken {
+                    changed.entry(key).or_insert(object);
                 }
                 self.lag.set(changed.len() as i64);
                 Err(err)
