@@ -500,3 +500,39 @@ async fn a_restart_resumes_from_the_checkpoint_bucket() {
     }
     assert_eq!(got, want);
 }
+
+/// A checkpoint bucket the user may not create fails the start, naming the bucket and the
+/// permissions it needs; publishing to the sink's own stream is allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_bucket_that_cannot_be_created_is_a_start_error_naming_it() {
+    let nats = NatsServer::with_config(
+        r#"authorization { users = [ { user: bridge, password: pw, permissions: {
+             publish: { allow: [">"], deny: ["$JS.API.STREAM.CREATE.KV_kube-event-bridge-checkpoints"] },
+             subscribe: ">" } } ] }"#,
+    );
+    let api = ApiServer::start().await;
+    // SAFETY: no other test of this binary reads this variable.
+    unsafe { std::env::set_var("KEB_TEST_NATS_CP", "pw") };
+    let sink = nats_sink(
+        "nats",
+        &nats.url(),
+        json!({"auth": {"user": "bridge", "password": {"env": "KEB_TEST_NATS_CP"}}}),
+    );
+    let err = kube_event_bridge::app::App::build(
+        config(
+            vec![sink],
+            json!([{"resource": "configmap", "sinks": ["nats"]}]),
+        ),
+        api.client(),
+    )
+    .await
+    .err()
+    .expect("the start fails");
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "sink nats: checkpoint bucket kube-event-bridge-checkpoints: cannot create it"
+        ) && text.contains("KV_kube-event-bridge-checkpoints"),
+        "{text}"
+    );
+}
