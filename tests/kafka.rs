@@ -482,25 +482,7 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
     assert!(first.stop().await.undelivered.is_empty());
 
     // While down: 5 deletes, 5 updates, 5 creates, 2 deleted and recreated.
-    let mut want: HashMap<String, Vec<&str>> = HashMap::new();
-    for i in 0..5 {
-        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:02}"));
-        want.insert(format!("ns/cm-{i:02}"), vec!["deleted"]);
-    }
-    for i in 5..10 {
-        api.update(typed(&configmap("ns", &format!("cm-{i:02}"), "2")));
-        want.insert(format!("ns/cm-{i:02}"), vec!["updated"]);
-    }
-    for i in 60..65 {
-        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
-        want.insert(format!("ns/cm-{i:02}"), vec!["added"]);
-    }
-    for i in 10..12 {
-        let name = format!("cm-{i:02}");
-        api.delete("v1", "ConfigMap", "ns", &name);
-        api.create(typed(&configmap("ns", &name, "3")));
-        want.insert(format!("ns/{name}"), vec!["deleted", "added"]);
-    }
+    let mut want = support::change_while_down(&api, 0..5, 5..10, 60..65, 10..12);
     // A corrupt checkpoint record: a warning, and that object is treated as unknown.
     {
         use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
@@ -555,19 +537,7 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
         .map(|e| e["subject"].as_str().unwrap())
         .collect();
     assert_eq!(repeated, ["ns/cm-30", "ns/cm-30"]);
-    let mut got: HashMap<String, Vec<&str>> = HashMap::new();
-    for e in events {
-        if e["k8sresumed"] == true {
-            let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
-            let ty = ["added", "updated", "deleted"]
-                .into_iter()
-                .find(|t| *t == ty)
-                .unwrap();
-            got.entry(e["subject"].as_str().unwrap().to_owned())
-                .or_default()
-                .push(ty);
-        }
-    }
+    let got = support::resumed_types(&events);
     assert_eq!(
         got, want,
         "every change made while down, in order per object"

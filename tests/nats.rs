@@ -457,20 +457,7 @@ async fn a_restart_resumes_from_the_checkpoint_bucket() {
     wait_for_stream(&nats.url(), 40).await;
     assert!(first.stop().await.undelivered.is_empty());
 
-    let mut want: HashMap<String, Vec<&str>> = HashMap::new();
-    for i in 0..4 {
-        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:02}"));
-        want.insert(format!("ns/cm-{i:02}"), vec!["deleted"]);
-    }
-    for i in 4..8 {
-        api.update(typed(&configmap("ns", &format!("cm-{i:02}"), "2")));
-        want.insert(format!("ns/cm-{i:02}"), vec!["updated"]);
-    }
-    api.create(typed(&configmap("ns", "cm-new", "1")));
-    want.insert("ns/cm-new".into(), vec!["added"]);
-    api.delete("v1", "ConfigMap", "ns", "cm-08");
-    api.create(typed(&configmap("ns", "cm-08", "3")));
-    want.insert("ns/cm-08".into(), vec!["deleted", "added"]);
+    let want = support::change_while_down(&api, 0..4, 4..8, 40..41, 8..9);
     let expected: usize = want.values().map(Vec::len).sum();
 
     let second = run(cfg(), &api).await;
@@ -485,19 +472,12 @@ async fn a_restart_resumes_from_the_checkpoint_bucket() {
     assert_eq!(unchanged, 40 - 9, "objects unchanged while down");
     let raw = read_stream(&nats.url(), STREAM).await;
     assert_eq!(raw.len(), 40 + expected, "nothing but the changes");
-    let mut got: HashMap<String, Vec<&str>> = HashMap::new();
-    for m in &raw[40..] {
-        let e: Value = serde_json::from_slice(&m.payload).unwrap();
-        assert_eq!(e["k8sresumed"], true);
-        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
-        let ty = ["added", "updated", "deleted"]
-            .into_iter()
-            .find(|t| *t == ty)
-            .unwrap();
-        got.entry(e["subject"].as_str().unwrap().to_owned())
-            .or_default()
-            .push(ty);
-    }
+    let events: Vec<Value> = raw[40..]
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect();
+    assert!(events.iter().all(|e| e["k8sresumed"] == true));
+    let got = support::resumed_types(&events);
     assert_eq!(got, want);
 }
 

@@ -142,6 +142,17 @@ impl Resumer {
         }
     }
 
+    /// Deletes the incarnation the checkpoint knows at `key` (final state unknown, a stub).
+    fn forward_gone(&self, like: &Notification, key: &str, entry: &Entry) {
+        self.forward(self.derived(
+            like,
+            NotificationKind::Delete {
+                obj: self.stub(key, entry),
+                final_state_unknown: true,
+            },
+        ));
+    }
+
     fn count(&self, outcome: usize) {
         self.outcomes[outcome].inc();
     }
@@ -189,14 +200,7 @@ impl NotificationHandler for Resumer {
                 }
                 Some(e) => {
                     self.count(4);
-                    let gone = self.stub(&key, &e);
-                    self.forward(self.derived(
-                        &n,
-                        NotificationKind::Delete {
-                            obj: gone,
-                            final_state_unknown: true,
-                        },
-                    ));
+                    self.forward_gone(&n, &key, &e);
                     self.forward(self.derived(
                         &n,
                         NotificationKind::Add {
@@ -210,14 +214,7 @@ impl NotificationHandler for Resumer {
             // an older incarnation the checkpoint knows is deleted first.
             (_, Some(e)) if e.uid != uid => {
                 self.count(2);
-                let gone = self.stub(&key, &e);
-                self.forward(self.derived(
-                    &n,
-                    NotificationKind::Delete {
-                        obj: gone,
-                        final_state_unknown: true,
-                    },
-                ));
+                self.forward_gone(&n, &key, &e);
                 self.forward(n);
             }
             _ => self.forward(n),

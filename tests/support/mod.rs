@@ -210,3 +210,58 @@ impl RunningApp {
         self.task.await.unwrap()
     }
 }
+
+/// Changes ConfigMaps `ns/cm-NN` as a restart test makes them while the bridge is down:
+/// deletes `deleted`, updates `updated` (to `v=2`), creates `created`, and deletes and
+/// recreates `recreated` (new uid). Returns, per object key, the event types a resume must
+/// publish, in order.
+pub fn change_while_down(
+    api: &ApiServer,
+    deleted: std::ops::Range<usize>,
+    updated: std::ops::Range<usize>,
+    created: std::ops::Range<usize>,
+    recreated: std::ops::Range<usize>,
+) -> std::collections::HashMap<String, Vec<&'static str>> {
+    let name = |i: usize| format!("cm-{i:02}");
+    let mut want = std::collections::HashMap::new();
+    for i in deleted {
+        api.delete("v1", "ConfigMap", "ns", &name(i));
+        want.insert(format!("ns/{}", name(i)), vec!["deleted"]);
+    }
+    for i in updated {
+        api.update(typed(&configmap("ns", &name(i), "2")));
+        want.insert(format!("ns/{}", name(i)), vec!["updated"]);
+    }
+    for i in created {
+        api.create(typed(&configmap("ns", &name(i), "1")));
+        want.insert(format!("ns/{}", name(i)), vec!["added"]);
+    }
+    for i in recreated {
+        api.delete("v1", "ConfigMap", "ns", &name(i));
+        api.create(typed(&configmap("ns", &name(i), "3")));
+        want.insert(format!("ns/{}", name(i)), vec!["deleted", "added"]);
+    }
+    want
+}
+
+/// Per object key, the event types (`added`, `updated`, `deleted`, `synced`) of the
+/// structured CloudEvents marked `k8sresumed`, in order.
+pub fn resumed_types<'a>(
+    events: impl IntoIterator<Item = &'a serde_json::Value>,
+) -> std::collections::HashMap<String, Vec<&'static str>> {
+    let mut got: std::collections::HashMap<String, Vec<&'static str>> = Default::default();
+    for e in events {
+        if e["k8sresumed"] != true {
+            continue;
+        }
+        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
+        let ty = ["added", "updated", "deleted", "synced"]
+            .into_iter()
+            .find(|t| *t == ty)
+            .expect("a known event type");
+        got.entry(e["subject"].as_str().unwrap().to_owned())
+            .or_default()
+            .push(ty);
+    }
+    got
+}
