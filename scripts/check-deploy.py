@@ -19,6 +19,7 @@ Prints one line per check and a closing `check-deploy: N passed, M failed`.
 """
 
 import copy
+import os
 import pathlib
 import subprocess
 import sys
@@ -118,7 +119,8 @@ def find(objects, kind, name=None):
 
 
 def binary():
-    exe = ROOT / "target" / "debug" / "kube-event-bridge"
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+    exe = (target if target.is_absolute() else ROOT / target) / "debug" / "kube-event-bridge"
     if not exe.exists():
         subprocess.run(["cargo", "build", "--quiet", "--bin", "kube-event-bridge"], cwd=ROOT, check=True)
     return exe
