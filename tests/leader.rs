@@ -80,11 +80,7 @@ impl Instance {
 
     /// Every message this instance published.
     fn messages(&self) -> Vec<Value> {
-        std::fs::read_to_string(&self.out)
-            .unwrap_or_default()
-            .lines()
-            .map(|l| serde_json::from_str::<Value>(l).unwrap())
-            .collect()
+        support::json_lines(&self.out)
     }
 
     async fn stop(self) -> Report {

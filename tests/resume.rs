@@ -22,11 +22,7 @@ fn config(out: &Path) -> Config {
 }
 
 fn messages(out: &Path) -> Vec<Value> {
-    std::fs::read_to_string(out)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    support::json_lines(out)
 }
 
 /// `type subject` of a message, with its flags: `deleted ns/a final-state-unknown resumed`.

@@ -265,3 +265,14 @@ pub fn resumed_types<'a>(
     }
     got
 }
+
+/// The JSON lines a file sink has written so far: complete lines only (the sink may be in the
+/// middle of the last one while a test reads).
+pub fn json_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let complete = text.rfind('\n').map_or("", |end| &text[..end]);
+    complete
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
