@@ -167,7 +167,9 @@ async fn the_binary_streams_cloudevents_to_stdout_and_stops_cleanly_on_sigterm()
             .await
             .expect("a line in time")
             .expect("stdout open");
-        serde_json::from_str(&line).expect("stdout holds only JSON lines")
+        let event = serde_json::from_str(&line).expect("stdout holds only JSON lines");
+        support::schema::check_cloudevent(&event);
+        event
     };
     let added = next(&mut rx).await;
     assert_eq!(added["specversion"], "1.0");

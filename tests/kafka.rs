@@ -63,17 +63,16 @@ fn check_events(records: &[Record]) -> Vec<Value> {
     let mut events = Vec::new();
     for r in records {
         let e: Value = if r.header("ce_id").is_some() {
-            // Binary mode: rebuild the attributes from the headers.
-            let mut e = json!({"data": r.json()});
-            for (k, v) in &r.headers {
-                if let Some(attr) = k.strip_prefix("ce_") {
-                    e[attr] = json!(v);
-                }
-            }
-            e
+            // Binary mode: rebuild the structured event from the headers.
+            support::schema::structured_from_binary(
+                r.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                "ce_",
+                r.json(),
+            )
         } else {
             r.json()
         };
+        support::schema::check_cloudevent(&e);
         let key = e["subject"].as_str().unwrap().to_owned();
         assert_eq!(r.key, key, "the key is namespace/name");
         assert_eq!(
@@ -247,6 +246,13 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
             Some(_) => {
                 let obj = r.json();
                 assert_eq!(obj["kind"], "ConfigMap", "the value is the object itself");
+                support::schema::check_state_value(&obj);
+                // Its headers, mapped back with the value as data.object, are the event.
+                support::schema::check_cloudevent(&support::schema::structured_from_binary(
+                    r.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                    "ce_",
+                    json!({ "object": obj }),
+                ));
                 state.insert(
                     r.key.clone(),
                     obj["metadata"]["resourceVersion"]
@@ -525,6 +531,7 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
 
     let records = consume_async(brokers.clone(), TOPIC, 60 + expected).await;
     let events: Vec<Value> = records.iter().map(Record::json).collect();
+    events.iter().for_each(support::schema::check_cloudevent);
     // The only id published twice: the object whose checkpoint record was corrupt, re-sent
     // as it was (same id, so consumers drop it).
     let mut seen: HashMap<&str, usize> = HashMap::new();

@@ -80,7 +80,7 @@ impl Instance {
 
     /// Every message this instance published.
     fn messages(&self) -> Vec<Value> {
-        support::json_lines(&self.out)
+        support::cloudevent_lines(&self.out)
     }
 
     async fn stop(self) -> Report {

@@ -119,6 +119,7 @@ async fn jetstream_gets_every_notification_once_in_order_with_escaped_subjects()
     let mut events = Vec::new();
     for m in &raw {
         let event: Value = serde_json::from_slice(&m.payload).unwrap();
+        support::schema::check_cloudevent(&event);
         let headers = m.headers.clone();
         assert_eq!(
             headers.get("Nats-Msg-Id").unwrap().as_str(),
@@ -197,6 +198,12 @@ async fn binary_mode_puts_attributes_in_ce_headers_and_data_in_the_body() {
     );
     let data: Value = serde_json::from_slice(&m.payload).unwrap();
     assert_eq!(data["object"]["data"]["v"], "1");
+    support::schema::check_cloudevent(&support::schema::structured_from_binary(
+        h.iter()
+            .flat_map(|(k, vs)| vs.iter().map(move |v| (k.as_ref(), v.as_str()))),
+        "ce-",
+        data.clone(),
+    ));
     assert!(
         data.get("specversion").is_none(),
         "the body is the data, not the envelope"
@@ -256,6 +263,7 @@ async fn a_server_restart_during_load_loses_nothing() {
         .iter()
         .map(|m| serde_json::from_slice(&m.payload).unwrap())
         .collect();
+    events.iter().for_each(support::schema::check_cloudevent);
     let (per_key, ids) = by_object(&events);
     let unique: std::collections::HashSet<&String> = ids.iter().collect();
     assert_eq!(unique.len(), 401, "every notification arrived");
@@ -477,6 +485,7 @@ async fn a_restart_resumes_from_the_checkpoint_bucket() {
         .map(|m| serde_json::from_slice(&m.payload).unwrap())
         .collect();
     assert!(events.iter().all(|e| e["k8sresumed"] == true));
+    events.iter().for_each(support::schema::check_cloudevent);
     let got = support::resumed_types(&events);
     assert_eq!(got, want);
 }

@@ -22,7 +22,7 @@ fn config(out: &Path) -> Config {
 }
 
 fn messages(out: &Path) -> Vec<Value> {
-    support::json_lines(out)
+    support::cloudevent_lines(out)
 }
 
 /// `type subject` of a message, with its flags: `deleted ns/a final-state-unknown resumed`.

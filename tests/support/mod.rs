@@ -5,6 +5,7 @@
 pub mod api_server;
 pub mod kafka;
 pub mod nats;
+pub mod schema;
 
 use std::{
     collections::VecDeque,
@@ -275,4 +276,11 @@ pub fn json_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect()
+}
+
+/// [`json_lines`] of a sink that writes CloudEvents: each must match the published schema.
+pub fn cloudevent_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
+    let lines = json_lines(path);
+    lines.iter().for_each(schema::check_cloudevent);
+    lines
 }

@@ -1,0 +1,194 @@
+//! The published message schema (`schemas/cloudevent.schema.json`) accepts what the encoder
+//! emits for every message shape and catches broken messages. The integration tests check
+//! every message they read back from stdout, Kafka and NATS against it as well.
+
+mod support;
+
+use std::sync::Arc;
+
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+use kube_event_bridge::{
+    config::MessageConfig,
+    informer::{Notification, NotificationKind},
+    message::{Encoder, Encoding},
+};
+use serde_json::{Value, json};
+use support::schema::{check_cloudevent, check_state_value, cloudevent_errors};
+
+fn object(ns: Option<&str>, rv: &str) -> Arc<DynamicObject> {
+    let mut v = json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "settings", "uid": "6f1c-uid", "resourceVersion": rv},
+        "data": {"v": rv},
+    });
+    if let Some(ns) = ns {
+        v["metadata"]["namespace"] = json!(ns);
+    }
+    Arc::new(serde_json::from_value(v).unwrap())
+}
+
+fn encode(kind: NotificationKind, resumed: bool) -> Value {
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("", "v1", "ConfigMap"),
+        "configmaps",
+    );
+    let encoder = Encoder::new(
+        "prod",
+        &resource,
+        &MessageConfig::default(),
+        Encoding::Structured,
+    );
+    let n = Notification {
+        kind,
+        received: std::time::Instant::now(),
+        observed: jiff::Timestamp::now(),
+        resumed,
+    };
+    let m = encoder.encode(&n.key(), &n).unwrap();
+    serde_json::from_slice(&m.payload).unwrap()
+}
+
+fn shapes() -> Vec<(&'static str, Value)> {
+    let ns = Some("shop");
+    vec![
+        (
+            "initial add",
+            encode(
+                NotificationKind::Add {
+                    obj: object(ns, "1"),
+                    is_initial_list: true,
+                },
+                false,
+            ),
+        ),
+        (
+            "add",
+            encode(
+                NotificationKind::Add {
+                    obj: object(ns, "1"),
+                    is_initial_list: false,
+                },
+                false,
+            ),
+        ),
+        (
+            "update",
+            encode(
+                NotificationKind::Update {
+                    old: object(ns, "1"),
+                    new: object(ns, "2"),
+                },
+                false,
+            ),
+        ),
+        (
+            "resync",
+            encode(
+                NotificationKind::Update {
+                    old: object(ns, "2"),
+                    new: object(ns, "2"),
+                },
+                false,
+            ),
+        ),
+        (
+            "delete",
+            encode(
+                NotificationKind::Delete {
+                    obj: object(ns, "3"),
+                    final_state_unknown: false,
+                },
+                false,
+            ),
+        ),
+        (
+            "relist delete",
+            encode(
+                NotificationKind::Delete {
+                    obj: object(ns, "3"),
+                    final_state_unknown: true,
+                },
+                false,
+            ),
+        ),
+        (
+            "resumed update",
+            encode(
+                NotificationKind::Update {
+                    old: object(ns, "1"),
+                    new: object(ns, "2"),
+                },
+                true,
+            ),
+        ),
+        (
+            "resumed delete",
+            encode(
+                NotificationKind::Delete {
+                    obj: object(ns, "3"),
+                    final_state_unknown: true,
+                },
+                true,
+            ),
+        ),
+        (
+            "cluster-scoped",
+            encode(
+                NotificationKind::Add {
+                    obj: object(None, "1"),
+                    is_initial_list: false,
+                },
+                false,
+            ),
+        ),
+    ]
+}
+
+#[test]
+fn every_message_shape_matches_the_schema() {
+    for (shape, event) in shapes() {
+        let errors = cloudevent_errors(&event);
+        assert!(errors.is_empty(), "{shape}: {errors:?}\n{event}");
+    }
+    check_state_value(&serde_json::to_value(&*object(Some("shop"), "1")).unwrap());
+}
+
+#[test]
+fn broken_messages_are_caught() {
+    let (_, good) = shapes().remove(2); // an update
+    check_cloudevent(&good);
+    let mut broken: Vec<(&str, Value)> = Vec::new();
+    let mut e = good.clone();
+    e.as_object_mut().unwrap().remove("id");
+    broken.push(("no id", e));
+    let mut e = good.clone();
+    e["type"] = json!("io.github.kube-event-bridge.object.changed");
+    broken.push(("unknown type", e));
+    let mut e = good.clone();
+    e["type"] = json!("io.github.kube-event-bridge.object.added");
+    broken.push(("oldObject on an add", e));
+    let mut e = good.clone();
+    e["k8sinitial"] = json!("true");
+    broken.push(("flag as a string", e));
+    let mut e = good.clone();
+    e["time"] = json!("yesterday");
+    broken.push(("time not RFC 3339", e));
+    let mut e = good.clone();
+    e["data"]["object"]["metadata"]
+        .as_object_mut()
+        .unwrap()
+        .remove("uid");
+    broken.push(("object without uid", e));
+    let mut e = good.clone();
+    e["k8sextra"] = json!("x");
+    broken.push(("undocumented attribute", e));
+    let mut e = good;
+    e["id"] = json!("6f1c-uid:2");
+    broken.push(("id without its type", e));
+    for (what, event) in broken {
+        assert!(
+            !cloudevent_errors(&event).is_empty(),
+            "{what} was not caught: {event}"
+        );
+    }
+}
