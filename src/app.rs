@@ -494,6 +494,11 @@ impl App {
                         // With resume, the cache is compared with what the last leader's
                         // sink acknowledged (its checkpoint); else it is replayed whole.
                         for r in resumes.iter() {
+                            // What this replica's sink acknowledged in an earlier term and
+                            // has not written yet belongs in the checkpoint it compares with.
+                            if let Err(err) = r.checkpointer.flush().await {
+                                warn!(route = %r.checkpointer.route(), error = %err, "Checkpoint write failed before resuming; those objects may be re-sent");
+                            }
                             if let Err(err) = r.load(&metrics).await {
                                 warn!(error = %err, "Cannot load the checkpoint; replaying the whole cache instead");
                                 r.resumer.begin(None);
