@@ -4,41 +4,31 @@
 //! acknowledged, so compaction forgets it.
 //!
 //! Writes go through the sink's own idempotent acks=all producer and complete when every
-//! record's delivery report arrived. A load reads the topic from its first offset up to the
-//! high watermark of each partition, last record per key winning.
-//!
-//! # Recovery
-//! The end of a read is the high watermark, and also quiet: a partition that delivers nothing
-//! for [`QUIET`] once at its watermark is done (some Kafka-protocol brokers report the
-//! watermark of a multi-record batch late or early; nothing is taken as the end while records
-//! still come).
+//! record's delivery report arrived. A load reads the topic from its first offset to its end
+//! ([`super::reader`]), last record per key winning.
 
-use std::{collections::HashMap, time::Duration};
+use std::collections::HashMap;
 
 use futures::{FutureExt, future::BoxFuture};
 use rdkafka::{
-    ClientConfig, Message as _, Offset, TopicPartitionList,
+    ClientConfig,
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
     client::DefaultClientContext,
-    consumer::{BaseConsumer, Consumer},
     error::RDKafkaErrorCode,
     producer::{FutureProducer, FutureRecord},
     util::Timeout,
 };
 use tracing::{info, warn};
 
-use super::{KafkaSink, KafkaSinkConfig, sink::client_config};
+use super::{
+    KafkaSink, KafkaSinkConfig,
+    reader::{TIMEOUT, read_to_end},
+    sink::client_config,
+};
 use crate::{
     pipeline::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
     sinks,
 };
-
-/// How long the brokers get to answer metadata and admin requests.
-const TIMEOUT: Duration = Duration::from_secs(10);
-/// A partition at its high watermark that delivers nothing for this long is read to its end.
-const QUIET: Duration = Duration::from_millis(500);
-/// A read that delivers nothing at all for this long ends, whatever the watermark says.
-const STALL: Duration = Duration::from_secs(10);
 
 /// See the module docs.
 pub struct KafkaCheckpointStore {
@@ -55,20 +45,7 @@ impl KafkaCheckpointStore {
         let setup = |what: String| {
             sinks::Error::Setup(format!("sink {name}: checkpoint topic {topic}: {what}"))
         };
-        let mut consumer = client_config(name, cfg).map_err(&setup)?;
-        for producer_only in [
-            "enable.idempotence",
-            "acks",
-            "compression.type",
-            "linger.ms",
-            "message.timeout.ms",
-        ] {
-            consumer.remove(producer_only);
-        }
-        consumer
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "false")
-            .set("group.id", format!("kube-event-bridge-{name}-checkpoints"));
+        let consumer = client_config(name, cfg).map_err(&setup)?;
         let producer = sink.producer().clone();
         let exists = {
             let (producer, topic) = (producer.clone(), topic.clone());
@@ -131,68 +108,22 @@ impl KafkaCheckpointStore {
         }
     }
 
-    /// Reads the whole topic (blocking; run it off the async threads): for each route, its
-    /// entries, and whether any record ever named it.
+    /// Reads the whole topic (blocking; run it off the async threads): the entries of every
+    /// route a record names.
     fn read_all(&self) -> Result<HashMap<String, Checkpoint>> {
-        let consumer: BaseConsumer = self
-            .consumer
-            .create()
-            .map_err(|e| self.error(format!("consumer: {e}")))?;
-        let metadata = consumer
-            .fetch_metadata(Some(&self.topic), TIMEOUT)
-            .map_err(|e| {
-                self.error(format!(
-                    "metadata: {e} (does this client have DESCRIBE and READ on it?)"
-                ))
-            })?;
-        let partitions: Vec<i32> = metadata
-            .topics()
-            .iter()
-            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-            .collect();
-        let mut assignment = TopicPartitionList::new();
-        let mut high = HashMap::new();
-        for p in &partitions {
-            let (_, hi) = consumer
-                .fetch_watermarks(&self.topic, *p, TIMEOUT)
-                .map_err(|e| self.error(format!("watermarks of partition {p}: {e}")))?;
-            high.insert(*p, hi);
-            assignment
-                .add_partition_offset(&self.topic, *p, Offset::Beginning)
-                .map_err(|e| self.error(e))?;
-        }
-        consumer
-            .assign(&assignment)
-            .map_err(|e| self.error(format!("assign: {e}")))?;
-        let mut next: HashMap<i32, i64> = partitions.iter().map(|p| (*p, 0)).collect();
         let mut routes: HashMap<String, Checkpoint> = HashMap::new();
-        let mut last_record = std::time::Instant::now();
-        loop {
-            let done = next.iter().all(|(p, n)| *n >= high[p]);
-            if done && last_record.elapsed() >= QUIET {
-                break;
-            }
-            if last_record.elapsed() >= STALL {
-                warn!(store = %self.describe(), "Checkpoint read stalled before the high watermark; using what was read");
-                break;
-            }
-            let Some(result) = consumer.poll(Duration::from_millis(100)) else {
-                continue;
-            };
-            let m = result.map_err(|e| self.error(format!("read: {e}")))?;
-            last_record = std::time::Instant::now();
-            next.insert(m.partition(), m.offset() + 1);
-            let Some(key) = m.key() else { continue };
-            let Ok((route, key)) = serde_json::from_slice::<(String, String)>(key) else {
-                warn!(store = %self.describe(), key = %String::from_utf8_lossy(key), "Checkpoint record with an unreadable key; skipped");
-                continue;
+        read_to_end(&self.consumer, std::slice::from_ref(&self.topic), |r| {
+            let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
+                warn!(store = %self.describe(), key = %String::from_utf8_lossy(&r.key),
+                      "Checkpoint record with an unreadable key; skipped");
+                return;
             };
             let entries = routes.entry(route.clone()).or_default();
-            match m.payload() {
+            match r.value {
                 None => {
                     entries.remove(&key);
                 }
-                Some(value) => match serde_json::from_slice::<Entry>(value) {
+                Some(value) => match serde_json::from_slice::<Entry>(&value) {
                     Ok(entry) => {
                         entries.insert(key, entry);
                     }
@@ -203,7 +134,8 @@ impl KafkaCheckpointStore {
                     }
                 },
             }
-        }
+        })
+        .map_err(|e| self.error(e))?;
         Ok(routes)
     }
 }

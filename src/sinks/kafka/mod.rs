@@ -3,6 +3,7 @@
 
 mod checkpoint;
 mod config;
+pub mod reader;
 mod sink;
 
 pub use checkpoint::KafkaCheckpointStore;
@@ -10,4 +11,4 @@ pub use config::{
     Compression, KafkaMode, KafkaSaslConfig, KafkaSinkConfig, KafkaTlsConfig, KafkaTopicsConfig,
     SaslMechanism, is_valid_topic,
 };
-pub use sink::KafkaSink;
+pub use sink::{KafkaSink, client_config};

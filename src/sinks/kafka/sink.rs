@@ -260,8 +260,9 @@ impl KafkaSink {
     }
 }
 
-/// The producer's librdkafka configuration. Secrets are read here, at start, and never logged.
-pub(super) fn client_config(
+/// The librdkafka configuration of a sink (brokers, security, producer settings). Secrets are
+/// read here and never logged.
+pub fn client_config(
     name: &str,
     cfg: &KafkaSinkConfig,
 ) -> std::result::Result<ClientConfig, String> {

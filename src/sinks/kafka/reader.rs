@@ -1,0 +1,134 @@
+//! Reading Kafka topics from their first offset to their current end: what the checkpoint
+//! store and the `state` command need (a compacted topic folded into its last value per key).
+//!
+//! # Recovery
+//! The end of a read is each partition's high watermark as it was when the read began, and
+//! also quiet: a read that has reached every watermark ends once nothing arrived for
+//! [`QUIET`] (some Kafka-protocol brokers report the watermark of a multi-record batch late or
+//! early; nothing is taken as the end while records still come). A read that receives nothing
+//! at all for [`STALL`] ends with what it has, and says so in a warning.
+
+use std::{collections::HashMap, time::Duration};
+
+use rdkafka::{
+    ClientConfig, Message as _, Offset, TopicPartitionList,
+    consumer::{BaseConsumer, Consumer},
+    message::{BorrowedMessage, Headers},
+};
+use tracing::warn;
+
+/// How long the brokers get to answer metadata requests.
+pub const TIMEOUT: Duration = Duration::from_secs(10);
+/// A read at every high watermark that receives nothing for this long is complete.
+pub const QUIET: Duration = Duration::from_millis(500);
+/// A read that receives nothing at all for this long ends, whatever the watermarks say.
+pub const STALL: Duration = Duration::from_secs(10);
+
+/// One record as read: key, value (`None` for a tombstone) and headers.
+#[derive(Debug, Clone)]
+pub struct Record {
+    /// The topic it came from.
+    pub topic: String,
+    /// The record's key (empty when it has none).
+    pub key: Vec<u8>,
+    /// The value; `None` for a tombstone.
+    pub value: Option<Vec<u8>>,
+    /// Headers, in order, values as text.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Record {
+    fn from(m: &BorrowedMessage<'_>) -> Self {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            topic: m.topic().to_owned(),
+            key: m.key().unwrap_or_default().to_vec(),
+            value: m.payload().map(<[u8]>::to_vec),
+            headers,
+        }
+    }
+}
+
+/// Reads every partition of `topics` from its first offset to its end (blocking; run it off
+/// the async threads) and hands each record to `each`, in offset order per partition.
+/// `config` holds the brokers and security settings; consumer settings are added here.
+/// Errors are the reason, for the caller to name what it was reading.
+pub fn read_to_end(
+    config: &ClientConfig,
+    topics: &[String],
+    mut each: impl FnMut(Record),
+) -> Result<(), String> {
+    let mut config = config.clone();
+    for producer_only in [
+        "enable.idempotence",
+        "acks",
+        "compression.type",
+        "linger.ms",
+        "message.timeout.ms",
+    ] {
+        config.remove(producer_only);
+    }
+    config
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .set("group.id", "kube-event-bridge-reader");
+    let consumer: BaseConsumer = config.create().map_err(|e| format!("consumer: {e}"))?;
+    let mut assignment = TopicPartitionList::new();
+    let mut high = HashMap::new();
+    for topic in topics {
+        let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(|e| {
+            format!("metadata of {topic}: {e} (does this client have DESCRIBE and READ on it?)")
+        })?;
+        for t in metadata.topics() {
+            if let Some(e) = t.error() {
+                return Err(format!("topic {topic}: {e:?}"));
+            }
+            for p in t.partitions() {
+                let (_, hi) = consumer
+                    .fetch_watermarks(topic, p.id(), TIMEOUT)
+                    .map_err(|e| format!("watermarks of {topic}/{}: {e}", p.id()))?;
+                high.insert((topic.clone(), p.id()), hi);
+                assignment
+                    .add_partition_offset(topic, p.id(), Offset::Beginning)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    consumer
+        .assign(&assignment)
+        .map_err(|e| format!("assign: {e}"))?;
+    let mut next: HashMap<(String, i32), i64> = high.keys().map(|k| (k.clone(), 0)).collect();
+    let mut last_record = std::time::Instant::now();
+    loop {
+        let done = next.iter().all(|(k, n)| *n >= high[k]);
+        if done && last_record.elapsed() >= QUIET {
+            return Ok(());
+        }
+        if last_record.elapsed() >= STALL {
+            warn!(
+                ?topics,
+                "Read stalled before the high watermark; using what was read"
+            );
+            return Ok(());
+        }
+        let Some(result) = consumer.poll(Duration::from_millis(100)) else {
+            continue;
+        };
+        let m = result.map_err(|e| format!("read: {e}"))?;
+        last_record = std::time::Instant::now();
+        next.insert((m.topic().to_owned(), m.partition()), m.offset() + 1);
+        each(Record::from(&m));
+    }
+}
