@@ -16,8 +16,10 @@
 //! - [`informer`]: client-go's Reflector, DeltaFIFO, Indexer, SharedIndexInformer,
 //!   ProcessorListener and SharedInformerFactory.
 //! - [`message`]: notification → CloudEvents envelope; the transform applied before caching.
-//! - [`sinks`]: destinations (`stdout` for now).
-//! - [`pipeline`]: listener → sink delivery with retries.
+//! - [`sinks`]: destinations (stdout/file, Kafka, NATS) and their checkpoint stores.
+//! - [`pipeline`]: listener → sink delivery with retries; checkpoints of what sinks
+//!   acknowledged and the resume that compares them with the first list.
+//! - [`consumer`]: tools for consumers (`state`).
 //! - [`metrics`], [`admin`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server.
 //! - [`app`]: builds all of it from a config and runs it until shutdown.
 
@@ -25,6 +27,7 @@ pub mod admin;
 pub mod app;
 pub mod cluster;
 pub mod config;
+pub mod consumer;
 pub mod informer;
 pub mod leader;
 pub mod message;

@@ -39,7 +39,35 @@ enum Command {
         /// Config file (YAML).
         file: PathBuf,
     },
+    /// Print the objects a Kafka sink's state topic holds (offset 0, last value per key,
+    /// tombstones drop), like `kubectl get` or as JSON; with --check, how they differ from
+    /// the cluster (exit code 3 when they do).
+    State {
+        /// Config file (YAML) naming the sink; `KEB_*` environment variables override it.
+        #[arg(long, short, default_value = "config/default.yaml")]
+        config: PathBuf,
+        /// The sink (a `kafka` sink in `mode: state`).
+        #[arg(long)]
+        sink: String,
+        /// Topics to read; by default every topic the sink's topic template can render.
+        #[arg(long = "topic")]
+        topics: Vec<String>,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, short, value_enum, default_value = "table")]
+        output: Output,
+        /// Compare with the live API server and print the differences.
+        #[arg(long)]
+        check: bool,
+    },
 }
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+const EXIT_DIFFERENCES: u8 = 3;
 
 const EXIT_BAD_CONFIG: u8 = 2;
 
@@ -56,6 +84,37 @@ fn main() -> ExitCode {
                 ExitCode::from(EXIT_BAD_CONFIG)
             }
         },
+        Command::State {
+            config,
+            sink,
+            topics,
+            output,
+            check,
+        } => {
+            let config = match Config::load(&config) {
+                Ok(c) => c,
+                Err(err) => {
+                    eprintln!("{}: {err}", config.display());
+                    return ExitCode::from(EXIT_BAD_CONFIG);
+                }
+            };
+            init_logging(&LogConfig {
+                level: "warn".into(),
+                ..config.log.clone()
+            });
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            match runtime.block_on(state(config, &sink, &topics, output, check)) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(EXIT_DIFFERENCES),
+                Err(err) => {
+                    eprintln!("state: {err:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Command::Run { config } => {
             let config = match Config::load(&config) {
                 Ok(c) => c,
@@ -97,6 +156,45 @@ async fn run(config: Config) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// The `state` command; `Ok(false)` when --check found differences.
+async fn state(
+    config: Config,
+    sink: &str,
+    topics: &[String],
+    output: Output,
+    check: bool,
+) -> anyhow::Result<bool> {
+    use kube_event_bridge::consumer::state;
+    let objects = state::read(&config, sink, topics).await?;
+    let differences = if check {
+        let (client, _) = cluster::connect(&config.kubernetes).await?;
+        Some(state::check(&config, &client, sink, &objects).await?)
+    } else {
+        None
+    };
+    match output {
+        Output::Table => {
+            print!("{}", state::table(&objects, jiff::Timestamp::now()));
+            if let Some(d) = &differences {
+                println!("\n{} difference(s) with the cluster", d.len());
+                d.iter().for_each(|d| println!("{d}"));
+            }
+        }
+        Output::Json => {
+            let objects: Vec<_> = objects.values().collect();
+            let doc = match &differences {
+                None => serde_json::json!(objects),
+                Some(d) => serde_json::json!({
+                    "objects": objects,
+                    "differences": d.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                }),
+            };
+            println!("{doc}");
+        }
+    }
+    Ok(differences.is_none_or(|d| d.is_empty()))
 }
 
 /// Resolves on SIGTERM or SIGINT.

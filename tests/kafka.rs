@@ -583,3 +583,102 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
         "the state topic matches the cluster after the restart"
     );
 }
+
+/// `kube-event-bridge state` (the real binary) rebuilds a state topic into exactly the
+/// objects the API server holds, and `--check` reports what changed behind the bridge's back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster() {
+    let tansu = Tansu::start();
+    let brokers = tansu.brokers();
+    let api = ApiServer::start().await;
+    for i in 0..12 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    let state_sink = kafka_sink(
+        "state",
+        &brokers,
+        json!({"mode": "state", "topic": "state.{resource}"}),
+    );
+    let cfg_value = json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [state_sink],
+        "routes": [{"resource": "configmap", "sinks": ["state"]}],
+    });
+    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    running.synced().await;
+    api.delete("v1", "ConfigMap", "ns", "cm-00");
+    support::eventually("12 records and a tombstone", || {
+        ["added", "deleted"]
+            .iter()
+            .map(|t| {
+                running
+                    .metrics
+                    .sink_published
+                    .with_label_values(&["state", "configmap", t])
+                    .get()
+            })
+            .sum::<u64>()
+            == 13
+    })
+    .await;
+    assert!(running.stop().await.undelivered.is_empty());
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg_path = dir.path().join("config.yaml");
+    std::fs::write(&cfg_path, serde_json::to_string(&cfg_value).unwrap()).unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let state = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .args([
+                "state",
+                "--config",
+                cfg_path.to_str().unwrap(),
+                "--sink",
+                "state",
+            ])
+            .args(args)
+            .env("KUBECONFIG", &kubeconfig)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // Blocking calls: the API server keeps the runtime's other thread for --check.
+    let (code, stdout, stderr) = state(&["--output", "json"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let objects: Vec<Value> = serde_json::from_str(&stdout).unwrap();
+    let mut names: Vec<&str> = objects
+        .iter()
+        .map(|o| o["metadata"]["name"].as_str().unwrap())
+        .collect();
+    names.sort();
+    let want: Vec<String> = (1..12).map(|i| format!("cm-{i:02}")).collect();
+    assert_eq!(names, want, "the tombstone dropped cm-00");
+
+    // Behind the bridge's back (it is stopped): one delete, one update.
+    api.delete("v1", "ConfigMap", "ns", "cm-05");
+    api.update(typed(&configmap("ns", "cm-07", "2")));
+    let (code, stdout, stderr) = state(&["--check"]);
+    assert_eq!(code, Some(3), "differences exit 3: {stdout}{stderr}");
+    assert!(
+        stdout.contains("NAMESPACE") && stdout.contains("cm-01"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("2 difference(s) with the cluster"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("GONE    ns/cm-05: on state.configmaps"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("STALE   ns/cm-07: on state.configmaps"),
+        "{stdout}"
+    );
+}

@@ -129,6 +129,16 @@ impl KafkaSink {
         self.topic.render(message, topic_value)
     }
 
+    /// Whether the topic template uses `{namespace}`.
+    pub fn topic_uses_namespace(&self) -> bool {
+        self.topic.segments().iter().any(|s| {
+            matches!(
+                s,
+                crate::sinks::template::Segment::Placeholder(Field::Namespace)
+            )
+        })
+    }
+
     /// The topics messages about `resource` can go to, when that is known without objects:
     /// the template does not use `{namespace}`, or the resource lists its namespaces.
     /// `None` when topics depend on objects.
