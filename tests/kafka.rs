@@ -630,7 +630,10 @@ async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster(
     std::fs::write(&cfg_path, serde_json::to_string(&cfg_value).unwrap()).unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
     let state = |args: &[&str]| {
+        // A clean environment: other tests of this binary set KEB_TEST_* variables, which
+        // the config would read as overrides.
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .env_clear()
             .args([
                 "state",
                 "--config",
