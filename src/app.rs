@@ -101,28 +101,57 @@ struct Resume {
     interval: Duration,
 }
 
-impl Resume {
-    /// Loads the route's checkpoint and starts resuming from it.
-    async fn load(&self, metrics: &Metrics) -> Result<(), Error> {
-        let route = self.checkpointer.route();
-        let started = std::time::Instant::now();
-        let checkpoint = self.checkpointer.store().load(route).await?;
-        let took = started.elapsed().as_secs_f64();
-        metrics
-            .checkpoint_load_seconds
-            .with_label_values(&[route])
-            .set(took);
-        match &checkpoint {
-            Some(c) => info!(route, keys = c.len(), seconds = took, "Checkpoint loaded"),
-            None => info!(
-                route,
-                store = %self.checkpointer.store().describe(),
-                "No checkpoint yet: the initial list is published as initial adds"
-            ),
+/// Loads the checkpoints of `resumes`, one read per store for all its routes, and starts
+/// each route's resume. A store that cannot be read fails the start (`fail_fast`), or else
+/// is logged and its routes replay the whole cache (a new leader must publish something).
+async fn resume_from_checkpoints(
+    resumes: &[Resume],
+    metrics: &Metrics,
+    fail_fast: bool,
+) -> Result<(), Error> {
+    let mut by_store: Vec<(&Arc<dyn CheckpointStore>, Vec<&Resume>)> = Vec::new();
+    for r in resumes {
+        let store = r.checkpointer.store();
+        match by_store.iter_mut().find(|(s, _)| Arc::ptr_eq(s, store)) {
+            Some((_, group)) => group.push(r),
+            None => by_store.push((store, vec![r])),
         }
-        self.resumer.begin(checkpoint);
-        Ok(())
     }
+    for (store, group) in by_store {
+        let routes: Vec<String> = group
+            .iter()
+            .map(|r| r.checkpointer.route().to_owned())
+            .collect();
+        let started = std::time::Instant::now();
+        let mut loaded = match store.load_routes(&routes).await {
+            Ok(loaded) => loaded,
+            Err(err) if fail_fast => return Err(err.into()),
+            Err(err) => {
+                warn!(error = %err, "Cannot load the checkpoint; replaying the whole cache instead");
+                group.iter().for_each(|r| r.resumer.begin(None));
+                continue;
+            }
+        };
+        let took = started.elapsed().as_secs_f64();
+        for r in group {
+            let route = r.checkpointer.route();
+            metrics
+                .checkpoint_load_seconds
+                .with_label_values(&[route])
+                .set(took);
+            let checkpoint = loaded.remove(route);
+            match &checkpoint {
+                Some(c) => info!(route, keys = c.len(), seconds = took, "Checkpoint loaded"),
+                None => info!(
+                    route,
+                    store = %store.describe(),
+                    "No checkpoint yet: the initial list is published as initial adds"
+                ),
+            }
+            r.resumer.begin(checkpoint);
+        }
+    }
+    Ok(())
 }
 
 impl App {
@@ -166,39 +195,40 @@ impl App {
             sinks.insert(s.name.clone(), sink);
         }
         let mut stores: HashMap<String, Arc<dyn CheckpointStore>> = HashMap::new();
-        for s in &config.sinks {
-            match (
-                s.resume,
-                s.kind,
-                s.stdout.as_ref().and_then(|o| o.path.as_deref()),
-            ) {
-                (false, ..) => {}
-                (true, SinkType::Stdout, Some(path)) => {
-                    let store = Arc::new(FileCheckpointStore::beside(path));
-                    info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
-                    stores.insert(s.name.clone(), store);
-                }
-                (true, SinkType::Kafka, _) => {
+        for s in config.sinks.iter().filter(|s| s.resume) {
+            let store: Option<Arc<dyn CheckpointStore>> = match s.kind {
+                SinkType::Stdout => s
+                    .stdout
+                    .as_ref()
+                    .and_then(|o| o.path.as_deref())
+                    .map(|path| Arc::new(FileCheckpointStore::beside(path)) as _),
+                SinkType::Kafka => {
                     let cfg = s.kafka.as_ref().expect("validated");
-                    let store = Arc::new(
-                        KafkaCheckpointStore::open(&s.name, cfg, &kafka_sinks[&s.name]).await?,
-                    );
-                    info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
-                    stores.insert(s.name.clone(), store);
+                    let sink = &kafka_sinks[&s.name];
+                    Some(Arc::new(
+                        KafkaCheckpointStore::open(&s.name, cfg, sink).await?,
+                    ))
                 }
-                (true, SinkType::Nats, _)
-                    if s.nats.as_ref().expect("validated").mode == NatsMode::Jetstream =>
-                {
+                SinkType::Nats => {
                     let cfg = s.nats.as_ref().expect("validated");
-                    let store = Arc::new(
-                        NatsCheckpointStore::open(&s.name, cfg, &nats_sinks[&s.name]).await?,
-                    );
+                    match cfg.mode {
+                        NatsMode::Jetstream => {
+                            let sink = &nats_sinks[&s.name];
+                            Some(Arc::new(
+                                NatsCheckpointStore::open(&s.name, cfg, sink).await?,
+                            ))
+                        }
+                        NatsMode::Core => None,
+                    }
+                }
+            };
+            match store {
+                Some(store) => {
                     info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
                     stores.insert(s.name.clone(), store);
                 }
-                (true, kind, _) => {
-                    info!(sink = %s.name, ?kind, "Resume off: this sink keeps no checkpoint (plain standard output, or core NATS)");
-                }
+                None => info!(sink = %s.name, kind = ?s.kind,
+                    "Resume off: this sink keeps no checkpoint (plain standard output, or core NATS)"),
             }
         }
         let mut deliveries: HashMap<&str, (Arc<Delivery>, Arc<Budget>)> = HashMap::new();
@@ -379,9 +409,7 @@ impl App {
         } else {
             metrics.leader.set(1);
             // This replica publishes from the start: resume before the first list.
-            for r in &resumes {
-                r.load(&metrics).await?;
-            }
+            resume_from_checkpoints(&resumes, &metrics, true).await?;
             None
         };
         let address = config.admin.address;
@@ -499,11 +527,9 @@ impl App {
                             if let Err(err) = r.checkpointer.flush().await {
                                 warn!(route = %r.checkpointer.route(), error = %err, "Checkpoint write failed before resuming; those objects may be re-sent");
                             }
-                            if let Err(err) = r.load(&metrics).await {
-                                warn!(error = %err, "Cannot load the checkpoint; replaying the whole cache instead");
-                                r.resumer.begin(None);
-                            }
                         }
+                        // Without fail_fast it cannot fail: a store it cannot read replays.
+                        let _ = resume_from_checkpoints(&resumes, &metrics, false).await;
                         // Consumers get the state this replica follows from here on,
                         // including what changed while no replica led: each cached object
                         // once, and what the first list has not cached yet comes from it.

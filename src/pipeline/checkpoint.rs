@@ -66,9 +66,24 @@ pub trait CheckpointStore: Send + Sync {
     /// The store, for logs and errors (a file path, a topic, a bucket).
     fn describe(&self) -> String;
 
-    /// The checkpoint of `route`, or `None` when the store has never held one for it. A
-    /// record that cannot be read is logged (naming the route and key) and skipped.
-    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>>;
+    /// The checkpoints of `routes`, read in one pass over the store; a route the store has
+    /// never held one for is absent. A record that cannot be read is logged (naming the
+    /// route and key) and skipped.
+    fn load_routes<'a>(
+        &'a self,
+        routes: &'a [String],
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>>;
+
+    /// The checkpoint of `route`, or `None` when the store has never held one for it.
+    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
+        async move {
+            let mut all = self
+                .load_routes(std::slice::from_ref(&route.to_owned()))
+                .await?;
+            Ok(all.remove(route))
+        }
+        .boxed()
+    }
 
     /// Applies `changes` to the checkpoint of `route` durably.
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>>;
@@ -196,7 +211,8 @@ impl Checkpointer {
 /// replaced atomically (written to a temporary file, synced, renamed) at each write.
 pub struct FileCheckpointStore {
     path: PathBuf,
-    // The whole document, loaded once; every write rewrites it.
+    // The whole document as last read or written; every write rewrites the file from it, and
+    // every load reads the file again.
     routes: tokio::sync::Mutex<Option<HashMap<String, Checkpoint>>>,
 }
 
@@ -264,14 +280,20 @@ impl CheckpointStore for FileCheckpointStore {
         format!("file {}", self.path.display())
     }
 
-    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
+    fn load_routes<'a>(
+        &'a self,
+        routes: &'a [String],
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
             // Always from disk: a new leader must see what the previous one wrote.
-            let mut routes = self.routes.lock().await;
+            let mut cached = self.routes.lock().await;
             let all = self.read().await?;
-            let checkpoint = all.get(route).cloned();
-            *routes = Some(all);
-            Ok(checkpoint)
+            let wanted = routes
+                .iter()
+                .filter_map(|r| all.get(r).map(|c| (r.clone(), c.clone())))
+                .collect();
+            *cached = Some(all);
+            Ok(wanted)
         }
         .boxed()
     }
@@ -374,6 +396,34 @@ mod tests {
         assert_eq!(cp["ns/a"].resource_version, "3");
         assert_eq!(cp["ns/a"].uid, "uid-ns-a");
         assert!(reread.load("other/out").await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn the_routes_of_one_store_load_in_one_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
+        let entry = |rv: &str| {
+            Some(Entry {
+                uid: "u".into(),
+                resource_version: rv.into(),
+            })
+        };
+        store
+            .write("configmap/out", vec![("ns/a".into(), entry("1"))])
+            .await
+            .unwrap();
+        store
+            .write("secret/out", vec![("ns/s".into(), entry("2"))])
+            .await
+            .unwrap();
+        let routes = ["configmap/out", "secret/out", "never/out"].map(String::from);
+        let loaded = FileCheckpointStore::beside(&dir.path().join("out.jsonl"))
+            .load_routes(&routes)
+            .await
+            .unwrap();
+        assert_eq!(loaded.len(), 2, "a route never written is absent");
+        assert_eq!(loaded["configmap/out"]["ns/a"].resource_version, "1");
+        assert_eq!(loaded["secret/out"]["ns/s"].resource_version, "2");
     }
 
     #[tokio::test]

@@ -23,7 +23,10 @@
 //! The route's event-type filter applies after the comparison, so that it cannot make
 //! objects look vanished.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{
+    Arc, Mutex,
+    atomic::{AtomicBool, Ordering},
+};
 
 use kube::api::{DynamicObject, ObjectMeta, TypeMeta};
 use prometheus::IntCounter;
@@ -46,6 +49,9 @@ pub struct Resumer {
     types: TypeMeta,
     informers: usize,
     state: Mutex<State>,
+    // Mirrors `state` (set and cleared under its lock): once a resume is over, notifications
+    // go straight to the queue without taking the lock.
+    resuming: AtomicBool,
     outcomes: [IntCounter; 5],
 }
 
@@ -79,6 +85,7 @@ impl Resumer {
             types,
             informers: informers.max(1),
             state: Mutex::new(State::Passing),
+            resuming: AtomicBool::new(false),
             outcomes,
         }
     }
@@ -101,11 +108,8 @@ impl Resumer {
             }
             None => State::Passing,
         };
-    }
-
-    /// Whether a resume is under way.
-    pub fn is_resuming(&self) -> bool {
-        matches!(*self.lock(), State::Resuming { .. })
+        self.resuming
+            .store(matches!(*state, State::Resuming { .. }), Ordering::SeqCst);
     }
 
     fn forward(&self, n: Notification) {
@@ -160,6 +164,9 @@ impl Resumer {
 
 impl NotificationHandler for Resumer {
     fn on_notification(&self, n: Notification) {
+        if !self.resuming.load(Ordering::SeqCst) {
+            return self.forward(n);
+        }
         let mut state = self.lock();
         let State::Resuming { remaining, .. } = &mut *state else {
             drop(state);
@@ -236,6 +243,7 @@ impl NotificationHandler for Resumer {
         }
         let mut vanished: Vec<_> = std::mem::take(remaining).into_iter().collect();
         *state = State::Passing;
+        self.resuming.store(false, Ordering::SeqCst);
         drop(state);
         vanished.sort_by(|a, b| a.0.cmp(&b.0));
         let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());

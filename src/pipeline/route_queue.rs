@@ -11,8 +11,8 @@
 //!   add or update keeps the newest state (and the oldest `old`); a resync, or a repeated add,
 //!   of the state already pending is dropped; a delete replaces a pending add or update (it
 //!   carries the last state); a delete after a pending delete of the same uid is dropped
-//!   (client-go's DeltaFIFO collapses them the same way). Only an object with nothing pending, or one
-//!   added again after a pending delete (recreated), gets a new entry. So beyond the cap the
+//!   (client-go's DeltaFIFO collapses them the same way). Only an object with nothing
+//!   pending, or one added again after a pending delete (recreated), gets a new entry. So beyond the cap the
 //!   sink holds at most `cap + D`, where D counts the *incarnations* with something pending or
 //!   being published: per key, one per pending delete plus one if the last pending
 //!   notification is not a delete, counted separately for what waits and what a worker holds.

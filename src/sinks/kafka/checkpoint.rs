@@ -145,7 +145,10 @@ impl CheckpointStore for KafkaCheckpointStore {
         format!("topic {}", self.topic)
     }
 
-    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
+    fn load_routes<'a>(
+        &'a self,
+        routes: &'a [String],
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
             let this = Self {
                 topic: self.topic.clone(),
@@ -155,7 +158,8 @@ impl CheckpointStore for KafkaCheckpointStore {
             let mut all = tokio::task::spawn_blocking(move || this.read_all())
                 .await
                 .map_err(|e| self.error(e))??;
-            Ok(all.remove(route))
+            all.retain(|route, _| routes.contains(route));
+            Ok(all)
         }
         .boxed()
     }

@@ -4,8 +4,10 @@
 //! `{"uid", "resourceVersion"}`; the key is deleted once the object's delete was acknowledged.
 //!
 //! A load reads the newest record of every key of the route (a pull consumer delivering the
-//! last message per subject, as many as it says are pending); writes are KV puts and deletes, acknowledged by the stream, many at
-//! once.
+//! last message per subject, as many as it says are pending); writes are KV puts and
+//! deletes, acknowledged by the stream, many at once.
+
+use std::collections::HashMap;
 
 use async_nats::jetstream::{self, kv};
 use futures::{FutureExt, StreamExt, TryStreamExt, future::BoxFuture};
@@ -66,7 +68,9 @@ impl NatsCheckpointStore {
             .ok_or_else(|| setup("resume needs jetstream mode".into()))?;
         let kv = match js.get_key_value(&bucket).await {
             Ok(kv) => kv,
-            Err(_) => {
+            // Any failure to open it is treated as "missing": creating it then either works
+            // or fails naming both causes.
+            Err(open_error) => {
                 // The bucket's stream, as `create_key_value` would make it; created directly
                 // because that call first asks for account limits in a form nats-server
                 // before 2.10 does not answer.
@@ -84,8 +88,9 @@ impl NatsCheckpointStore {
                 };
                 let denied = |e: &dyn std::fmt::Display| {
                     setup(format!(
-                        "cannot create it ({e}); create it or allow this user to manage the \
-                         stream KV_{bucket} and publish to $KV.{bucket}.>"
+                        "cannot create it ({e}; opening it failed first: {open_error}); create it \
+                         or allow this user to manage the stream KV_{bucket} and publish to \
+                         $KV.{bucket}.>"
                     ))
                 };
                 js.create_stream(config).await.map_err(|e| denied(&e))?;
@@ -109,58 +114,20 @@ impl CheckpointStore for NatsCheckpointStore {
         format!("bucket {}", self.bucket)
     }
 
-    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
+    fn load_routes<'a>(
+        &'a self,
+        routes: &'a [String],
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
-            use jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-            let prefix = format!("$KV.{}.{}.", self.bucket, escape(route));
-            // The newest record of every key of the route; `num_pending` says how many there
-            // are, so the read knows its end (a KV watch would have to guess it from quiet).
-            let consumer = self
-                .kv
-                .stream
-                .create_consumer(pull::Config {
-                    filter_subject: format!("{prefix}>"),
-                    deliver_policy: DeliverPolicy::LastPerSubject,
-                    ack_policy: AckPolicy::None,
-                    inactive_threshold: std::time::Duration::from_secs(60),
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| self.error(e))?;
-            let pending = consumer.cached_info().num_pending;
-            if pending == 0 {
-                return Ok(None);
-            }
-            let mut messages = consumer.messages().await.map_err(|e| self.error(e))?;
-            let mut checkpoint = Checkpoint::new();
-            for _ in 0..pending {
-                let message = messages
-                    .next()
-                    .await
-                    .ok_or_else(|| self.error("the read ended early"))?
-                    .map_err(|e| self.error(e))?;
-                let raw = message.subject.as_str().strip_prefix(&prefix).unwrap_or_default();
-                let deleted = message
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get("KV-Operation"))
-                    .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-                match unescape(raw) {
-                    None => warn!(store = %self.describe(), route, key = %message.subject,
-                                  "Checkpoint key cannot be read; skipped"),
-                    Some(key) if deleted => {
-                        checkpoint.remove(&key);
-                    }
-                    Some(key) => match serde_json::from_slice::<Entry>(&message.payload) {
-                        Ok(e) => {
-                            checkpoint.insert(key, e);
-                        }
-                        Err(e) => warn!(store = %self.describe(), route, key = %key, error = %e,
-                                        "Corrupt checkpoint record; that object is treated as unknown"),
-                    },
+            // One consumer per route, each filtered to the route's keys: no route's read
+            // walks another's records.
+            let mut all = HashMap::new();
+            for route in routes {
+                if let Some(checkpoint) = self.load_route(route).await? {
+                    all.insert(route.clone(), checkpoint);
                 }
             }
-            Ok(Some(checkpoint))
+            Ok(all)
         }
         .boxed()
     }
@@ -191,6 +158,66 @@ impl CheckpointStore for NatsCheckpointStore {
                 .map(|_| ())
         }
         .boxed()
+    }
+}
+
+impl NatsCheckpointStore {
+    /// The checkpoint of one route, `None` when the bucket holds nothing for it.
+    async fn load_route(&self, route: &str) -> Result<Option<Checkpoint>> {
+        use jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+        let prefix = format!("$KV.{}.{}.", self.bucket, escape(route));
+        // The newest record of every key of the route; `num_pending` says how many there
+        // are, so the read knows its end (a KV watch would have to guess it from quiet).
+        let consumer = self
+            .kv
+            .stream
+            .create_consumer(pull::Config {
+                filter_subject: format!("{prefix}>"),
+                deliver_policy: DeliverPolicy::LastPerSubject,
+                ack_policy: AckPolicy::None,
+                inactive_threshold: std::time::Duration::from_secs(60),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.error(e))?;
+        let pending = consumer.cached_info().num_pending;
+        if pending == 0 {
+            return Ok(None);
+        }
+        let mut messages = consumer.messages().await.map_err(|e| self.error(e))?;
+        let mut checkpoint = Checkpoint::new();
+        for _ in 0..pending {
+            let message = messages
+                .next()
+                .await
+                .ok_or_else(|| self.error("the read ended early"))?
+                .map_err(|e| self.error(e))?;
+            let raw = message
+                .subject
+                .as_str()
+                .strip_prefix(&prefix)
+                .unwrap_or_default();
+            let deleted = message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
+            match unescape(raw) {
+                None => warn!(store = %self.describe(), route, key = %message.subject,
+                                  "Checkpoint key cannot be read; skipped"),
+                Some(key) if deleted => {
+                    checkpoint.remove(&key);
+                }
+                Some(key) => match serde_json::from_slice::<Entry>(&message.payload) {
+                    Ok(e) => {
+                        checkpoint.insert(key, e);
+                    }
+                    Err(e) => warn!(store = %self.describe(), route, key = %key, error = %e,
+                                        "Corrupt checkpoint record; that object is treated as unknown"),
+                },
+            }
+        }
+        Ok(Some(checkpoint))
     }
 }
 
