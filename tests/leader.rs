@@ -22,11 +22,7 @@ use tokio::time::Instant;
 
 const LEASE_DURATION: Duration = Duration::from_secs(3);
 
-fn config(dir: &Path, identity: &str) -> Config {
-    config_with(dir, identity, "200ms")
-}
-
-fn config_with(dir: &Path, identity: &str, retry_period: &str) -> Config {
+fn config(dir: &Path, identity: &str, retry_period: &str) -> Config {
     Config::from_value(json!({
         "cluster": "test",
         "admin": {"address": "127.0.0.1:0"},
@@ -49,16 +45,17 @@ struct Instance {
 
 impl Instance {
     async fn start(api: &ApiServer, dir: &Path, identity: &'static str) -> Self {
-        Self::start_with(api, dir, identity, config(dir, identity)).await
+        Self::start_renewing_every(api, dir, identity, "200ms").await
     }
 
-    async fn start_with(
+    /// An instance whose lease attempts are `retry_period` apart.
+    async fn start_renewing_every(
         api: &ApiServer,
         dir: &Path,
         identity: &'static str,
-        config: Config,
+        retry_period: &str,
     ) -> Self {
-        let app = RunningApp::start(config, api).await;
+        let app = RunningApp::start(config(dir, identity, retry_period), api).await;
         Self {
             identity,
             app,
@@ -263,13 +260,7 @@ async fn a_leader_publishes_each_object_once_across_many_renewals() {
     // itself must deliver the objects, and the leadership replay must not add copies.
     api.fail_next_lists(1);
     let dir = tempfile::tempdir().unwrap();
-    let one = Instance::start_with(
-        &api,
-        dir.path(),
-        "one",
-        config_with(dir.path(), "one", "100ms"),
-    )
-    .await;
+    let one = Instance::start_renewing_every(&api, dir.path(), "one", "100ms").await;
     until("leading", Duration::from_secs(10), || one.leading()).await;
     let synced_when_leading = one.app.factory.has_synced();
     until("every object published", Duration::from_secs(30), || {
@@ -320,21 +311,9 @@ async fn each_leadership_change_publishes_each_object_once() {
     let api = ApiServer::start().await;
     create_many(&api);
     let dir = tempfile::tempdir().unwrap();
-    let one = Instance::start_with(
-        &api,
-        dir.path(),
-        "one",
-        config_with(dir.path(), "one", "100ms"),
-    )
-    .await;
+    let one = Instance::start_renewing_every(&api, dir.path(), "one", "100ms").await;
     until("one leads", Duration::from_secs(10), || one.leading()).await;
-    let two = Instance::start_with(
-        &api,
-        dir.path(),
-        "two",
-        config_with(dir.path(), "two", "100ms"),
-    )
-    .await;
+    let two = Instance::start_renewing_every(&api, dir.path(), "two", "100ms").await;
     two.app.synced().await;
     until(
         "one published every object",
