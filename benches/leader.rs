@@ -38,7 +38,7 @@ use serde_json::{Value, json};
 
 const MAX_PENDING: usize = 100_000;
 
-fn config(dir: &Path, identity: &str, fast: bool) -> Config {
+fn config(out: &Path, identity: &str, fast: bool) -> Config {
     let mut le = json!({"enabled": true, "identity": identity, "namespace": "kube-system"});
     if fast {
         le["lease_duration"] = "3s".into();
@@ -50,7 +50,7 @@ fn config(dir: &Path, identity: &str, fast: bool) -> Config {
         "admin": {"address": "127.0.0.1:0"},
         "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
         "sinks": [{"name": "out", "type": "stdout", "max_pending": MAX_PENDING,
-                   "stdout": {"path": dir.join(format!("{identity}.jsonl"))}}],
+                   "stdout": {"path": out}}],
         "routes": [{"resource": "configmap", "sinks": ["out"]}],
         "leader_election": le,
     }))
@@ -69,7 +69,17 @@ struct Replica {
 
 impl Replica {
     async fn start(api: &ApiServer, dir: &Path, identity: &'static str, fast: bool) -> Self {
-        let app = App::build(config(dir, identity, fast), api.client())
+        Self::start_writing(api, &dir.join(format!("{identity}.jsonl")), identity, fast).await
+    }
+
+    /// A replica whose sink writes `out` (and its checkpoint beside it).
+    async fn start_writing(
+        api: &ApiServer,
+        out: &Path,
+        identity: &'static str,
+        fast: bool,
+    ) -> Self {
+        let app = App::build(config(out, identity, fast), api.client())
             .await
             .expect("app builds");
         let metrics = app.metrics().clone();
@@ -94,7 +104,7 @@ impl Replica {
         });
         Self {
             identity,
-            out: dir.join(format!("{identity}.jsonl")),
+            out: out.to_owned(),
             metrics,
             peak_buffered,
             stop,
@@ -107,11 +117,35 @@ impl Replica {
         self.metrics.leader.get() == 1
     }
 
-    async fn stop(self, label: &str) {
+    fn published(&self) -> u64 {
+        ["added", "updated", "deleted", "synced"]
+            .iter()
+            .map(|t| {
+                self.metrics
+                    .sink_published
+                    .with_label_values(&["out", "configmap", t])
+                    .get()
+            })
+            .sum()
+    }
+
+    /// Shuts the replica down; returns what it left undelivered.
+    async fn shut_down(self) -> usize {
         let _ = self.stop.send(());
         let report = self.task.await.expect("app task");
         self.sampler.abort();
-        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
+        report.undelivered.values().sum()
+    }
+
+    /// Shuts down and prints the figures of the replica's own output file.
+    async fn stop(self, label: &str) {
+        let (identity, out, peak) = (
+            self.identity,
+            self.out.clone(),
+            self.peak_buffered.load(Ordering::Relaxed),
+        );
+        let undelivered = self.shut_down().await;
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
         let (mut ids, mut objects) = (HashMap::new(), HashMap::<String, usize>::new());
         let mut messages = 0;
         for line in text.lines() {
@@ -123,15 +157,14 @@ impl Replica {
                 .entry(m["subject"].as_str().unwrap_or_default().to_owned())
                 .or_default() += 1;
         }
-        let undelivered: usize = report.undelivered.values().sum();
         println!(
             "{label} {}: messages {messages}, distinct ids {}, distinct objects {}, most copies of one object {}, \
              peak buffered {} (max_pending {MAX_PENDING}), undelivered at shutdown {undelivered}",
-            self.identity,
+            identity,
             ids.len(),
             objects.len(),
             objects.values().max().copied().unwrap_or(0),
-            self.peak_buffered.load(Ordering::Relaxed),
+            peak,
         );
     }
 }
@@ -195,5 +228,69 @@ fn main() {
         tokio::time::sleep(Duration::from_secs(seconds - seconds / 3)).await;
         b.stop("two replicas, failover a -> b:").await;
         a.stop("two replicas, failover a -> b:").await;
+
+        // 3. Two replicas sharing one checkpoint (one output file and the checkpoint beside
+        //    it, as two pods share a broker): changes made while no replica leads, and
+        //    nothing else, come from the new leader.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("shared.jsonl");
+        let c = Replica::start_writing(&api, &out, "c", true).await;
+        wait_for("c leads", Duration::from_secs(10), || c.leading()).await;
+        let d = Replica::start_writing(&api, &out, "d", true).await;
+        wait_for("c published every object", Duration::from_secs(120), || {
+            c.published() >= objects as u64
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(1500)).await; // a checkpoint interval
+        let before = std::fs::read_to_string(&out).unwrap_or_default().lines().count();
+        api.refuse_lease_writes_from(Some(c.identity));
+        wait_for("c steps down", Duration::from_secs(10), || !c.leading()).await;
+        let changes = (objects / 50).max(2);
+        for i in 0..changes / 2 {
+            api.delete("v1", "ConfigMap", &format!("team-{}", i % 50), &format!("config-{i:06}"));
+        }
+        for i in changes / 2..changes {
+            api.update(json!({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {"name": format!("config-{i:06}"), "namespace": format!("team-{}", i % 50),
+                             "labels": {"app": "bench"}},
+                "data": {"payload": "changed"},
+            }));
+        }
+        wait_for("d leads", Duration::from_secs(10), || d.leading()).await;
+        wait_for("the gap published", Duration::from_secs(60), || {
+            d.published() >= changes as u64
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let unchanged = d
+            .metrics
+            .resume_objects
+            .with_label_values(&["configmap/out", "unchanged"])
+            .get();
+        let (d_published, d_peak) = (d.published(), d.peak_buffered.load(Ordering::Relaxed));
+        let undelivered = d.shut_down().await + c.shut_down().await;
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        let after: Vec<Value> = text
+            .lines()
+            .skip(before)
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect();
+        let mut ids = HashMap::<String, usize>::new();
+        for m in &after {
+            *ids.entry(m["id"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+        }
+        let deletes = after
+            .iter()
+            .filter(|m| m["type"].as_str().is_some_and(|t| t.ends_with(".deleted")))
+            .count();
+        println!(
+            "shared checkpoint, failover c -> d: {changes} changes while no replica led ({} deletes, {} updates); \
+             the new leader published {d_published} messages ({deletes} deletes, {} repeated ids), compared {unchanged} \
+             objects as unchanged, peak buffered {d_peak}, undelivered at shutdown {undelivered}",
+            changes / 2,
+            changes - changes / 2,
+            ids.values().filter(|n| **n > 1).count(),
+        );
     });
 }
