@@ -166,12 +166,16 @@ pub async fn read(config: &Config, sink: &str, topics: &[String]) -> Result<Stat
         let mut state = State::new();
         read_to_end(&client, &topics, |r| {
             let key = String::from_utf8_lossy(&r.key).into_owned();
-            match r
-                .value
-                .and_then(|v| serde_json::from_slice::<Value>(&v).ok())
-            {
-                Some(object) => {
+            match r.value.map(|v| serde_json::from_slice::<Value>(&v)) {
+                Some(Ok(object)) => {
                     state.insert((r.topic, key), object);
+                }
+                Some(Err(e)) => {
+                    // The newest value cannot be read: no state is claimed for the key (a
+                    // --check then reports it), and the reason is shown.
+                    tracing::warn!(topic = %r.topic, key = %key, error = %e,
+                                   "State record is not a JSON object; its key is left out");
+                    state.remove(&(r.topic, key));
                 }
                 None => {
                     state.remove(&(r.topic, key));
