@@ -746,6 +746,12 @@ impl Config {
             if s.workers == 0 {
                 err(at("workers"), "must be at least 1".into());
             }
+            if s.checkpoint_interval < Duration::from_millis(10) {
+                err(
+                    at("checkpoint_interval"),
+                    "must be at least 10ms (each interval writes a batch to the store)".into(),
+                );
+            }
             if s.retry.base_delay.is_zero() || s.retry.base_delay > s.retry.max_delay {
                 err(
                     at("retry.base_delay"),
@@ -955,6 +961,18 @@ mod tests {
         assert!(
             e.iter()
                 .any(|l| l.starts_with("resources[0]: \"configmap\" is not used")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_zero_checkpoint_interval_is_an_error_naming_the_field() {
+        let mut v = minimal();
+        v["sinks"][0]["checkpoint_interval"] = json!("0s");
+        let e = errors_of(v);
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("sinks[0].checkpoint_interval: must be at least 10ms")),
             "{e:?}"
         );
     }
