@@ -7,11 +7,13 @@
 use std::{path::PathBuf, process::ExitCode};
 
 use anyhow::Context;
+use clap::ValueEnum;
 use clap::{Parser, Subcommand};
 use kube_event_bridge::{
     app::App,
     cluster,
     config::{Config, LogConfig, LogFormat},
+    consumer::{self, event::Filter, tail},
 };
 use tracing::{error, info};
 
@@ -39,19 +41,13 @@ enum Command {
         /// Config file (YAML).
         file: PathBuf,
     },
-    /// Print the objects a Kafka sink's state topic holds (offset 0, last value per key,
-    /// tombstones drop), like `kubectl get` or as JSON; with --check, how they differ from
-    /// the cluster (exit code 3 when they do).
+    /// Print the objects a sink's destination holds, like `kubectl get` or as JSON: a Kafka
+    /// state topic (offset 0, last value per key, tombstones drop) or a JetStream stream (the
+    /// newest event per object, deletes drop); with --check, how they differ from the
+    /// cluster (exit code 3 when they do).
     State {
-        /// Config file (YAML) naming the sink; `KEB_*` environment variables override it.
-        #[arg(long, short, default_value = "config/default.yaml")]
-        config: PathBuf,
-        /// The sink (a `kafka` sink in `mode: state`).
-        #[arg(long)]
-        sink: String,
-        /// Topics to read; by default every topic the sink's topic template can render.
-        #[arg(long = "topic")]
-        topics: Vec<String>,
+        #[command(flatten)]
+        from: Destination,
         /// `table` for people, `json` for scripts.
         #[arg(long, short, value_enum, default_value = "table")]
         output: Output,
@@ -59,6 +55,59 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
+    /// Print the messages a sink's destination receives (Kafka topics, a JetStream stream or
+    /// core NATS subjects), one line each: `time type kind namespace/name resourceVersion`,
+    /// or the structured CloudEvent with --output json. Runs until Ctrl-C (or --count).
+    Tail {
+        #[command(flatten)]
+        from: Destination,
+        /// Print what the destination already holds first (not for core NATS).
+        #[arg(long)]
+        from_beginning: bool,
+        /// Only these kinds or resources (`ConfigMap`, `configmaps`, `widgets.example.com`).
+        #[arg(long = "kind", value_name = "KIND")]
+        kinds: Vec<String>,
+        /// Only these namespaces.
+        #[arg(long = "namespace", short = 'n', value_name = "NAMESPACE")]
+        namespaces: Vec<String>,
+        /// Only these event types.
+        #[arg(long = "type", value_enum, value_name = "TYPE")]
+        types: Vec<EventTypeArg>,
+        /// Only objects whose labels match this selector (`app=web,tier!=db,env in (a,b)`).
+        #[arg(long, short = 'l')]
+        selector: Option<String>,
+        /// Stop after printing this many messages.
+        #[arg(long)]
+        count: Option<u64>,
+        /// `table` (one line per message, for people) or `json` (one CloudEvent per line).
+        #[arg(long, short, value_enum, default_value = "table")]
+        output: Output,
+    },
+}
+
+/// The sink whose destination a consumer tool reads.
+#[derive(clap::Args)]
+struct Destination {
+    /// Config file (YAML) naming the sink; `KEB_*` environment variables override it.
+    #[arg(long, short, default_value = "config/default.yaml")]
+    config: PathBuf,
+    /// The sink (`kafka`, or `nats`; `state` takes a Kafka state topic or JetStream).
+    #[arg(long)]
+    sink: String,
+    /// Kafka topics to read; by default every topic the sink's topic template can render.
+    #[arg(long = "topic", value_name = "TOPIC")]
+    topics: Vec<String>,
+    /// NATS subject filter; by default every subject the sink publishes to.
+    #[arg(long)]
+    subject: Option<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EventTypeArg {
+    Added,
+    Updated,
+    Deleted,
+    Synced,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -85,32 +134,78 @@ fn main() -> ExitCode {
             }
         },
         Command::State {
-            config,
-            sink,
-            topics,
+            from,
             output,
             check,
         } => {
-            let config = match Config::load(&config) {
+            let (config, runtime) = match tool_setup(&from.config) {
                 Ok(c) => c,
+                Err(code) => return code,
+            };
+            match runtime.block_on(state(config, from, output, check)) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::from(EXIT_DIFFERENCES),
+                Err(err) if matches!(err.downcast_ref(), Some(consumer::Error::Usage(_))) => {
+                    eprintln!("state: {err:#}");
+                    ExitCode::from(EXIT_BAD_CONFIG)
+                }
                 Err(err) => {
-                    eprintln!("{}: {err}", config.display());
+                    eprintln!("state: {err:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Tail {
+            from,
+            from_beginning,
+            kinds,
+            namespaces,
+            types,
+            selector,
+            count,
+            output,
+        } => {
+            let labels = match selector.as_deref().map(str::parse).transpose() {
+                Ok(l) => l,
+                Err(err) => {
+                    eprintln!("tail: --selector: {err}");
                     return ExitCode::from(EXIT_BAD_CONFIG);
                 }
             };
-            init_logging(&LogConfig {
-                level: "warn".into(),
-                ..config.log.clone()
-            });
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("tokio runtime");
-            match runtime.block_on(state(config, &sink, &topics, output, check)) {
-                Ok(true) => ExitCode::SUCCESS,
-                Ok(false) => ExitCode::from(EXIT_DIFFERENCES),
+            let (config, runtime) = match tool_setup(&from.config) {
+                Ok(c) => c,
+                Err(code) => return code,
+            };
+            let options = tail::Options {
+                sink: from.sink,
+                topics: from.topics,
+                subject: from.subject,
+                from_beginning,
+                filter: Filter {
+                    kinds,
+                    namespaces,
+                    types: types
+                        .iter()
+                        .map(|t| {
+                            t.to_possible_value()
+                                .expect("no skipped variants")
+                                .get_name()
+                                .to_owned()
+                        })
+                        .collect(),
+                    labels,
+                },
+                count,
+                json: matches!(output, Output::Json),
+            };
+            match runtime.block_on(tail::run(&config, &options, shutdown_signal())) {
+                Ok(_) => ExitCode::SUCCESS,
+                Err(err @ consumer::Error::Usage(_)) => {
+                    eprintln!("tail: {err}");
+                    ExitCode::from(EXIT_BAD_CONFIG)
+                }
                 Err(err) => {
-                    eprintln!("state: {err:#}");
+                    eprintln!("tail: {err}");
                     ExitCode::FAILURE
                 }
             }
@@ -158,19 +253,44 @@ async fn run(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Loads the config of a consumer tool (exit code 2 when it is bad), logs warnings only, and
+/// builds the runtime.
+fn tool_setup(path: &std::path::Path) -> Result<(Config, tokio::runtime::Runtime), ExitCode> {
+    let config = Config::load(path).map_err(|err| {
+        eprintln!("{}: {err}", path.display());
+        ExitCode::from(EXIT_BAD_CONFIG)
+    })?;
+    init_logging(&LogConfig {
+        level: "warn".into(),
+        ..config.log.clone()
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    Ok((config, runtime))
+}
+
 /// The `state` command; `Ok(false)` when --check found differences.
 async fn state(
     config: Config,
-    sink: &str,
-    topics: &[String],
+    from: Destination,
     output: Output,
     check: bool,
 ) -> anyhow::Result<bool> {
-    use kube_event_bridge::consumer::state;
-    let objects = state::read(&config, sink, topics).await?;
+    use kube_event_bridge::consumer::{progress::Progress, state};
+    let Destination {
+        sink,
+        topics,
+        subject,
+        ..
+    } = from;
+    let mut progress = Progress::new("messages");
+    let objects = state::read(&config, &sink, &topics, subject.as_deref(), &mut progress).await?;
+    progress.finish();
     let differences = if check {
         let (client, _) = cluster::connect(&config.kubernetes).await?;
-        Some(state::check(&config, &client, sink, &objects).await?)
+        Some(state::check(&config, &client, &sink, &objects).await?)
     } else {
         None
     };
@@ -183,7 +303,7 @@ async fn state(
             }
         }
         Output::Json => {
-            let objects: Vec<_> = objects.values().collect();
+            let objects: Vec<_> = objects.objects.values().collect();
             let doc = match &differences {
                 None => serde_json::json!(objects),
                 Some(d) => serde_json::json!({

@@ -625,32 +625,8 @@ async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster(
     .await;
     assert!(running.stop().await.undelivered.is_empty());
 
-    let dir = tempfile::tempdir().unwrap();
-    let cfg_path = dir.path().join("config.yaml");
-    std::fs::write(&cfg_path, serde_json::to_string(&cfg_value).unwrap()).unwrap();
-    let kubeconfig = api.write_kubeconfig(dir.path());
-    let state = |args: &[&str]| {
-        // A clean environment: other tests of this binary set KEB_TEST_* variables, which
-        // the config would read as overrides.
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
-            .env_clear()
-            .args([
-                "state",
-                "--config",
-                cfg_path.to_str().unwrap(),
-                "--sink",
-                "state",
-            ])
-            .args(args)
-            .env("KUBECONFIG", &kubeconfig)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let tools = support::tools::Tools::new(&cfg_value, Some(&api));
+    let state = |args: &[&str]| tools.run("state", "state", args);
     // Blocking calls: the API server keeps the runtime's other thread for --check.
     let (code, stdout, stderr) = state(&["--output", "json"]);
     assert_eq!(code, Some(0), "{stderr}");
@@ -684,4 +660,157 @@ async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster(
         stdout.contains("STALE   ns/cm-07: on state.configmaps"),
         "{stdout}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_now() {
+    let tansu = Tansu::start();
+    let brokers = tansu.brokers();
+    let api = ApiServer::start().await;
+    for i in 0..40 {
+        let mut cm = configmap(
+            if i % 2 == 0 { "ns" } else { "other" },
+            &format!("cm-{i:02}"),
+            "1",
+        );
+        cm.metadata.labels = Some([("team".to_owned(), format!("t{}", i % 4))].into());
+        api.create(typed(&cm));
+    }
+    let cfg_value = json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [kafka_sink("kafka", &brokers, json!({"encoding": "binary"}))],
+        "routes": [{"resource": "configmap", "sinks": ["kafka"]}],
+    });
+    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    running.synced().await;
+    let published = |n: u64| {
+        let metrics = running.metrics.clone();
+        async move {
+            support::eventually(&format!("{n} published"), || {
+                ["added", "updated", "deleted"]
+                    .iter()
+                    .map(|t| {
+                        metrics
+                            .sink_published
+                            .with_label_values(&["kafka", "configmap", t])
+                            .get()
+                    })
+                    .sum::<u64>()
+                    == n
+            })
+            .await
+        }
+    };
+    published(40).await;
+    let tools = support::tools::Tools::new(&cfg_value, None);
+    let mut from_now = tools.tail("kafka", &["--output", "json"]);
+    let mut all = tools.tail("kafka", &["--output", "json", "--from-beginning"]);
+    from_now.ready().await;
+    all.ready().await;
+    for i in 0..10 {
+        api.update(typed(&configmap("ns", &format!("cm-{:02}", i * 2), "2")));
+    }
+    for i in 30..35 {
+        api.delete(
+            "v1",
+            "ConfigMap",
+            if i % 2 == 0 { "ns" } else { "other" },
+            &format!("cm-{i:02}"),
+        );
+    }
+    published(55).await;
+    from_now.printed(15).await;
+    all.printed(55).await;
+    // Nothing more comes: give a late extra line the time to show.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(running.stop().await.undelivered.is_empty());
+
+    // What the topic holds, read directly.
+    let records = consume_async(brokers.clone(), TOPIC, 55).await;
+    let on_topic: Vec<Value> = check_events(&records);
+    let (code, lines, stderr) = all.interrupt();
+    assert_eq!(code, Some(0), "Ctrl-C stops cleanly: {stderr}");
+    let printed = support::tools::events(&lines);
+    assert_eq!(
+        support::sorted_ids(&printed),
+        support::sorted_ids(&on_topic),
+        "--from-beginning: every message, once"
+    );
+    assert_eq!(
+        printed
+            .iter()
+            .map(|e| e["data"].clone())
+            .collect::<HashSet<_>>()
+            .len(),
+        55,
+        "binary records mapped back with their data"
+    );
+    let (code, lines, stderr) = from_now.interrupt();
+    assert_eq!(code, Some(0), "{stderr}");
+    let printed = support::tools::events(&lines);
+    let newer: Vec<Value> = on_topic
+        .iter()
+        .filter(|e| !e["type"].as_str().unwrap().ends_with(".added"))
+        .cloned()
+        .collect();
+    assert_eq!(
+        support::sorted_ids(&printed),
+        support::sorted_ids(&newer),
+        "from now: only what came after the start"
+    );
+
+    // Filters, --count, and the lines for people.
+    let (code, out, err) = tools.run(
+        "tail",
+        "kafka",
+        &[
+            "--from-beginning",
+            "--type",
+            "deleted",
+            "--namespace",
+            "ns",
+            "--count",
+            "2",
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    for l in &lines {
+        let fields: Vec<&str> = l.split_whitespace().collect();
+        assert_eq!(fields[1..3], ["deleted", "ConfigMap"], "{l}");
+        assert!(fields[3].starts_with("ns/cm-3"), "{l}");
+        assert!(fields[0].parse::<jiff::Timestamp>().is_ok(), "{l}");
+        assert!(
+            !l.contains('\x1b'),
+            "no colors when stdout is not a terminal"
+        );
+    }
+    let (code, out, err) = tools.run(
+        "tail",
+        "kafka",
+        &[
+            "--from-beginning",
+            "-l",
+            "team in (t1,t3),team!=t3",
+            "--type",
+            "added",
+            "--count",
+            "10",
+            "-o",
+            "json",
+        ],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let teams: HashSet<String> = out
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["data"]["object"]["metadata"]["labels"]["team"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(teams, HashSet::from(["t1".to_owned()]));
+    assert_eq!(out.lines().count(), 10);
+    let (code, _, err) = tools.run("tail", "kafka", &["--subject", "x"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--topic"), "{err}");
 }

@@ -525,3 +525,171 @@ async fn a_checkpoint_bucket_that_cannot_be_created_is_a_start_error_naming_it()
         "{text}"
     );
 }
+
+/// `tail` and `state` on a JetStream sink (binary encoding), as the README shows them: the
+/// tail prints exactly the stream's messages (from the beginning) or what came after it
+/// started (from now); `state` equals the informer's cache, and `--check` names an object
+/// deleted and one changed behind the bridge's back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_and_state_read_the_jetstream_stream() {
+    let nats = NatsServer::start();
+    let api = ApiServer::start().await;
+    for i in 0..30 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    let cfg_value = json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [nats_sink("nats", &nats.url(), json!({"encoding": "binary"}))],
+        "routes": [{"resource": "configmap", "sinks": ["nats"]}],
+    });
+    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    running.synced().await;
+    wait_for_stream(&nats.url(), 30).await;
+    let tools = support::tools::Tools::new(&cfg_value, Some(&api));
+    let mut from_now = tools.tail("nats", &["--output", "json"]);
+    let mut all = tools.tail("nats", &["--output", "json", "--from-beginning"]);
+    from_now.ready().await;
+    all.ready().await;
+    for i in 0..5 {
+        api.update(typed(&configmap("ns", &format!("cm-{i:02}"), "2")));
+    }
+    for i in 10..13 {
+        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:02}"));
+    }
+    for i in 30..32 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    wait_for_stream(&nats.url(), 40).await;
+    from_now.printed(10).await;
+    all.printed(40).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let on_stream: Vec<Value> = read_stream(&nats.url(), STREAM)
+        .await
+        .iter()
+        .map(|m| {
+            let headers: Vec<(String, String)> = m
+                .headers
+                .iter()
+                .flat_map(|(k, vs)| vs.iter().map(move |v| (k.to_string(), v.to_string())))
+                .collect();
+            support::schema::structured_from_binary(
+                headers.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+                "ce-",
+                serde_json::from_slice(&m.payload).unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(on_stream.len(), 40);
+    let (code, _, stderr) = all.interrupt();
+    assert_eq!(code, Some(0), "Ctrl-C stops cleanly: {stderr}");
+    let (code, lines, stderr) = from_now.interrupt();
+    assert_eq!(code, Some(0), "{stderr}");
+    let printed = support::tools::events(&lines);
+    assert_eq!(
+        support::sorted_ids(&printed),
+        support::sorted_ids(&on_stream[30..]),
+        "from now: exactly what came after the start"
+    );
+    let (code, out, err) = tools.run("tail", "nats", &["--from-beginning", "--count", "40"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(out.lines().count(), 40);
+    assert_eq!(
+        out.lines().filter(|l| l.contains(" deleted ")).count(),
+        3,
+        "{out}"
+    );
+
+    // The state is the informer's cache.
+    let (code, out, err) = tools.run("state", "nats", &["--output", "json"]);
+    assert_eq!(code, Some(0), "{err}");
+    let state: Vec<Value> = serde_json::from_str(&out).unwrap();
+    let mut from_state: Vec<(String, String)> = state
+        .iter()
+        .map(|o| {
+            (
+                format!(
+                    "{}/{}",
+                    o["metadata"]["namespace"].as_str().unwrap(),
+                    o["metadata"]["name"].as_str().unwrap()
+                ),
+                o["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned(),
+            )
+        })
+        .collect();
+    from_state.sort();
+    let mut cache: Vec<(String, String)> = running.factory.informers()[0]
+        .indexer()
+        .entries()
+        .into_iter()
+        .map(|(k, o)| (k, o.metadata.resource_version.clone().unwrap()))
+        .collect();
+    cache.sort();
+    assert_eq!(from_state.len(), 29);
+    assert_eq!(from_state, cache);
+    // On a terminal, the read shows its progress on stderr.
+    let shown = tools.run_in_terminal("state", "nats", &[]);
+    assert!(shown.contains("40 messages read ("), "{shown}");
+    assert!(shown.contains("RESOURCEVERSION"), "{shown}");
+    assert!(running.stop().await.undelivered.is_empty());
+
+    // Behind the bridge's back (it is stopped).
+    api.delete("v1", "ConfigMap", "ns", "cm-20");
+    api.update(typed(&configmap("ns", "cm-21", "2")));
+    api.create(typed(&configmap("ns", "late", "1")));
+    let (code, out, err) = tools.run("state", "nats", &["--check"]);
+    assert_eq!(code, Some(3), "differences exit 3: {out}{err}");
+    assert!(out.contains("RESOURCE") && out.contains("cm-01"), "{out}");
+    assert!(out.contains("3 difference(s) with the cluster"), "{out}");
+    assert!(out.contains("GONE    ns/cm-20: on configmaps"), "{out}");
+    assert!(out.contains("STALE   ns/cm-21: on configmaps"), "{out}");
+    assert!(out.contains("MISSING ns/late: in the cluster"), "{out}");
+}
+
+/// `tail` on a core NATS sink: from now only (core NATS keeps nothing), every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_reads_core_nats_subjects_from_now() {
+    let nats = NatsServer::start();
+    let api = ApiServer::start().await;
+    let cfg_value = json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [nats_sink("nats", &nats.url(), json!({"mode": "core", "stream": null}))],
+        "routes": [{"resource": "configmap", "sinks": ["nats"]}],
+    });
+    let tools = support::tools::Tools::new(&cfg_value, None);
+    let (code, _, err) = tools.run("tail", "nats", &["--from-beginning"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("keeps no messages"), "{err}");
+    let (code, _, err) = tools.run("state", "nats", &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("core NATS"), "{err}");
+
+    let mut tail = tools.tail("nats", &["--output", "json", "--kind", "configmaps"]);
+    tail.ready().await;
+    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    for i in 0..20 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    tail.printed(20).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (code, lines, stderr) = tail.interrupt();
+    assert_eq!(code, Some(0), "{stderr}");
+    let names: std::collections::BTreeSet<String> = lines
+        .iter()
+        .map(|l| {
+            let e: Value = serde_json::from_str(l).unwrap();
+            support::schema::check_cloudevent(&e);
+            e["k8sname"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert_eq!(lines.len(), 20);
+    assert_eq!(names.len(), 20);
+    running.stop().await;
+}

@@ -1,7 +1,15 @@
-//! `kube-event-bridge state`: the objects a Kafka sink's state topic holds (`mode: state`),
-//! rebuilt as a consumer would: read from offset 0, last value per key, tombstones drop the
-//! key. Printed like `kubectl get` or as JSON; `--check` compares them with the live API
+//! `kube-event-bridge state`: the objects a sink's destination holds, rebuilt as a consumer
+//! would, printed like `kubectl get` or as JSON; `--check` compares them with the live API
 //! server, the check an operator wants after an incident.
+//!
+//! - A Kafka state topic (`mode: state`): read from offset 0, last value per key, tombstones
+//!   drop the key. Objects are placed by topic.
+//! - A JetStream stream: every event of the sink's subjects, in stream order; the newest per
+//!   object wins (`deleted` drops it), and an event older than what was already folded for
+//!   the object (a lower resourceVersion: a retried publish) is skipped. Objects are placed
+//!   by resource (`configmaps`, `widgets.example.com`). Only what the stream still holds can
+//!   be rebuilt: an object whose events its limits (`max_age`, `max_bytes`) removed is
+//!   missing, and the command warns when the stream has dropped messages.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -11,35 +19,44 @@ use kube::{
 };
 use serde_json::Value;
 
-use super::{Error, Result};
+use super::{
+    Error, NatsSource, Result, event::Summary, find_sink, kafka_topics, progress::Progress,
+};
 use crate::{
     cluster,
     config::{Config, SinkType},
     message::{Encoder, Encoding},
     sinks::{
-        kafka::{KafkaMode, KafkaSink, client_config, reader::read_to_end},
-        template::{Segment, Template},
+        kafka::{KafkaMode, KafkaSink, KafkaSinkConfig, client_config, reader::read_to_end},
+        nats::{NatsMode, NatsSinkConfig},
     },
 };
 
-/// The objects on the state topic(s), by (topic, key).
-pub type State = BTreeMap<(String, String), Value>;
+/// The objects a destination holds, by (place, key): place is the topic for Kafka, the
+/// resource for JetStream.
+#[derive(Debug, Clone, Default)]
+pub struct State {
+    /// What the place is: `TOPIC` or `RESOURCE`.
+    pub place: &'static str,
+    /// The objects.
+    pub objects: BTreeMap<(String, String), Value>,
+}
 
 /// What `--check` found for one object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Difference {
-    /// In the cluster, not on the topic.
+    /// In the cluster, not at the destination.
     Missing {
-        /// The topic it should be on.
+        /// The topic (Kafka) or resource (JetStream) it should be in.
         topic: String,
         /// `namespace/name`.
         key: String,
         /// Its resourceVersion in the cluster.
         cluster_rv: String,
     },
-    /// On the topic, gone from the cluster (a delete that never reached the topic).
+    /// At the destination, gone from the cluster (a delete that never reached it).
     Gone {
-        /// The topic.
+        /// The topic (Kafka) or resource (JetStream).
         topic: String,
         /// `namespace/name`.
         key: String,
@@ -48,7 +65,7 @@ pub enum Difference {
     },
     /// On both, with other resourceVersions.
     Stale {
-        /// The topic.
+        /// The topic (Kafka) or resource (JetStream).
         topic: String,
         /// `namespace/name`.
         key: String,
@@ -95,98 +112,200 @@ impl std::fmt::Display for Difference {
     }
 }
 
-fn kafka_sink<'a>(
-    config: &'a Config,
-    sink: &str,
-) -> Result<&'a crate::sinks::kafka::KafkaSinkConfig> {
-    let s = config
-        .sinks
-        .iter()
-        .find(|s| s.name == sink)
-        .ok_or_else(|| Error::Usage(format!("no sink named {sink:?} in the config")))?;
-    match (s.kind, s.kafka.as_ref()) {
-        (SinkType::Kafka, Some(k)) if k.mode == KafkaMode::State => Ok(k),
-        (SinkType::Kafka, _) => Err(Error::Usage(format!(
-            "sink {sink} writes events, not state (kafka.mode: state)"
+/// The destination `state` reads.
+enum Destination<'a> {
+    /// A Kafka state topic.
+    Kafka(&'a KafkaSinkConfig),
+    /// A JetStream stream.
+    JetStream(&'a NatsSinkConfig),
+}
+
+fn destination<'a>(config: &'a Config, sink: &str) -> Result<Destination<'a>> {
+    let s = find_sink(config, sink)?;
+    match (s.kind, s.kafka.as_ref(), s.nats.as_ref()) {
+        (SinkType::Kafka, Some(k), _) if k.mode == KafkaMode::State => Ok(Destination::Kafka(k)),
+        (SinkType::Kafka, _, _) => Err(Error::Usage(format!(
+            "sink {sink} writes events, not state: state reads Kafka state topics \
+             (kafka.mode: state) and JetStream streams"
+        ))),
+        (SinkType::Nats, _, Some(n)) if n.mode == NatsMode::Jetstream => {
+            Ok(Destination::JetStream(n))
+        }
+        (SinkType::Nats, _, _) => Err(Error::Usage(format!(
+            "sink {sink} publishes with core NATS, which keeps no messages to rebuild state from"
         ))),
         _ => Err(Error::Usage(format!(
-            "sink {sink} is not a kafka sink; state reads Kafka state topics"
+            "sink {sink} is a stdout sink; state reads Kafka state topics and JetStream streams"
         ))),
     }
 }
 
-/// Whether `topic` is a name `template` can render.
-fn matches(segments: &[Segment], topic: &str) -> bool {
-    match segments.split_first() {
-        None => topic.is_empty(),
-        Some((Segment::Literal(l), rest)) => topic
-            .strip_prefix(l.as_str())
-            .is_some_and(|t| matches(rest, t)),
-        Some((Segment::Placeholder(_), rest)) => {
-            (1..=topic.len()).any(|n| topic.is_char_boundary(n) && matches(rest, &topic[n..]))
+/// Reads the objects `sink`'s destination holds: for Kafka, the state topics `topics` (or
+/// every topic on the brokers whose name its topic template can render); for JetStream, the
+/// stream's events of `subject` (or of every subject the sink publishes to).
+pub async fn read(
+    config: &Config,
+    sink: &str,
+    topics: &[String],
+    subject: Option<&str>,
+    progress: &mut Progress,
+) -> Result<State> {
+    match destination(config, sink)? {
+        Destination::Kafka(cfg) => {
+            if subject.is_some() {
+                return Err(Error::Usage(format!(
+                    "sink {sink} is a kafka sink: name topics with --topic, not --subject"
+                )));
+            }
+            read_kafka(sink, cfg, topics, progress).await
+        }
+        Destination::JetStream(cfg) => {
+            if !topics.is_empty() {
+                return Err(Error::Usage(format!(
+                    "sink {sink} is a nats sink: name subjects with --subject, not --topic"
+                )));
+            }
+            read_jetstream(sink, cfg, subject, progress).await
         }
     }
 }
 
-/// Reads the state topics of `sink`: `topics`, or every topic on the brokers whose name its
-/// topic template can render.
-pub async fn read(config: &Config, sink: &str, topics: &[String]) -> Result<State> {
-    let cfg = kafka_sink(config, sink)?;
+async fn read_kafka(
+    sink: &str,
+    cfg: &KafkaSinkConfig,
+    topics: &[String],
+    progress: &mut Progress,
+) -> Result<State> {
     let client = client_config(sink, cfg).map_err(Error::Read)?;
-    let topics = if topics.is_empty() {
-        let template = Template::parse(&cfg.topic).map_err(|e| Error::Usage(e.to_string()))?;
-        let client = client.clone();
-        tokio::task::spawn_blocking(move || -> Result<Vec<String>> {
-            use rdkafka::consumer::{BaseConsumer, Consumer};
-            let consumer: BaseConsumer = client
-                .create()
-                .map_err(|e| Error::Read(format!("consumer: {e}")))?;
-            let metadata = consumer
-                .fetch_metadata(None, crate::sinks::kafka::reader::TIMEOUT)
-                .map_err(|e| Error::Read(format!("cannot list the brokers' topics: {e}")))?;
-            Ok(metadata
-                .topics()
-                .iter()
-                .map(|t| t.name().to_owned())
-                .filter(|t| matches(template.segments(), t))
-                .collect())
-        })
-        .await
-        .map_err(|e| Error::Read(e.to_string()))??
-    } else {
-        topics.to_vec()
-    };
-    if topics.is_empty() {
-        return Err(Error::Read(format!(
-            "no topic on the brokers matches sink {sink}'s topic {:?}",
-            cfg.topic
-        )));
-    }
-    tokio::task::spawn_blocking(move || {
-        let mut state = State::new();
+    let topics = kafka_topics(sink, cfg, &client, topics).await?;
+    let mut p = std::mem::replace(progress, Progress::with("records", false));
+    let (state, p) = tokio::task::spawn_blocking(move || {
+        let mut objects = BTreeMap::new();
         read_to_end(&client, &topics, |r| {
+            p.add(1);
             let key = String::from_utf8_lossy(&r.key).into_owned();
             match r.value.map(|v| serde_json::from_slice::<Value>(&v)) {
                 Some(Ok(object)) => {
-                    state.insert((r.topic, key), object);
+                    objects.insert((r.topic, key), object);
                 }
                 Some(Err(e)) => {
                     // The newest value cannot be read: no state is claimed for the key (a
                     // --check then reports it), and the reason is shown.
                     tracing::warn!(topic = %r.topic, key = %key, error = %e,
                                    "State record is not a JSON object; its key is left out");
-                    state.remove(&(r.topic, key));
+                    objects.remove(&(r.topic, key));
                 }
                 None => {
-                    state.remove(&(r.topic, key));
+                    objects.remove(&(r.topic, key));
                 }
             }
         })
-        .map(|()| state)
+        .map(|()| {
+            (
+                State {
+                    place: "TOPIC",
+                    objects,
+                },
+                p,
+            )
+        })
         .map_err(Error::Read)
     })
     .await
-    .map_err(|e| Error::Read(e.to_string()))?
+    .map_err(|e| Error::Read(e.to_string()))??;
+    *progress = p;
+    Ok(state)
+}
+
+async fn read_jetstream(
+    sink: &str,
+    cfg: &NatsSinkConfig,
+    subject: Option<&str>,
+    progress: &mut Progress,
+) -> Result<State> {
+    use async_nats::jetstream::consumer::DeliverPolicy;
+    use futures::StreamExt;
+    let source = NatsSource::connect(sink, cfg, subject).await?;
+    let (mut stream, consumer) = source.jetstream(sink, cfg, DeliverPolicy::All).await?;
+    let stream_name = stream.cached_info().config.name.clone();
+    let read_error = |e: &dyn std::fmt::Display| Error::Read(format!("stream {stream_name}: {e}"));
+    let info = stream.info().await.map_err(|e| read_error(&e))?;
+    if info.state.first_sequence > 1 {
+        tracing::warn!(stream = %stream_name, first_sequence = info.state.first_sequence,
+            "The stream's limits removed its oldest messages: objects whose newest event was \
+             among them are missing from the state");
+    }
+    // How many messages there are now: the read knows its end.
+    let pending = consumer.cached_info().num_pending;
+    let mut fold = Fold::default();
+    if pending > 0 {
+        let mut messages = consumer.messages().await.map_err(|e| read_error(&e))?;
+        for _ in 0..pending {
+            let m = messages
+                .next()
+                .await
+                .ok_or_else(|| read_error(&"the read ended early"))?
+                .map_err(|e| read_error(&e))?;
+            progress.add(1);
+            match source.decode(m.headers.as_ref(), &m.payload) {
+                Ok(event) => fold.apply(event),
+                Err(e) => {
+                    let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
+                    tracing::warn!(stream = %stream_name, sequence = seq, error = %e,
+                                   "Message cannot be read; skipped");
+                }
+            }
+        }
+    }
+    Ok(State {
+        place: "RESOURCE",
+        objects: fold.objects,
+    })
+}
+
+/// Events folded into the newest state per object.
+#[derive(Debug, Default)]
+struct Fold {
+    objects: BTreeMap<(String, String), Value>,
+    /// The resourceVersion of each object's newest delete, so that a retried older event
+    /// cannot bring it back.
+    deleted: BTreeMap<(String, String), u64>,
+}
+
+impl Fold {
+    fn apply(&mut self, event: Value) {
+        let s = Summary::of(&event);
+        let place = (s.resource_name(), s.key());
+        let rv = s.resource_version.parse::<u64>().ok();
+        let newest = self
+            .objects
+            .get(&place)
+            .and_then(|o| {
+                o["metadata"]["resourceVersion"]
+                    .as_str()?
+                    .parse::<u64>()
+                    .ok()
+            })
+            .or_else(|| self.deleted.get(&place).copied());
+        if let (Some(rv), Some(newest)) = (rv, newest)
+            && rv < newest
+        {
+            return;
+        }
+        let gone = s.event_type == "deleted" || event["k8sfilteredout"] == true;
+        match event.get("data").and_then(|d| d.get("object")) {
+            Some(object) if !gone => {
+                self.deleted.remove(&place);
+                self.objects.insert(place, object.clone());
+            }
+            _ => {
+                self.objects.remove(&place);
+                if let Some(rv) = rv {
+                    self.deleted.insert(place, rv);
+                }
+            }
+        }
+    }
 }
 
 fn rv(object: &Value) -> String {
@@ -196,16 +315,16 @@ fn rv(object: &Value) -> String {
         .to_owned()
 }
 
-/// `kubectl get`-like lines: `TOPIC NAMESPACE NAME RESOURCEVERSION AGE`.
+/// `kubectl get`-like lines: `TOPIC|RESOURCE NAMESPACE NAME RESOURCEVERSION AGE`.
 pub fn table(state: &State, now: jiff::Timestamp) -> String {
     let mut rows = vec![[
-        "TOPIC".to_owned(),
+        state.place.to_owned(),
         "NAMESPACE".to_owned(),
         "NAME".to_owned(),
         "RESOURCEVERSION".to_owned(),
         "AGE".to_owned(),
     ]];
-    for ((topic, _), object) in state {
+    for ((topic, _), object) in &state.objects {
         let meta = &object["metadata"];
         let age = meta["creationTimestamp"]
             .as_str()
@@ -245,16 +364,26 @@ fn age(d: jiff::SignedDuration) -> String {
     }
 }
 
+/// Where an object of a resource is placed in a [`State`].
+enum Placer {
+    /// By Kafka topic.
+    Topic(KafkaSink),
+    /// By resource name (`configmaps`, `widgets.example.com`).
+    Resource,
+}
+
 /// Compares `state` with the objects the API server holds for every resource routed to
-/// `sink`, on the topics they go to.
+/// `sink`, placed as the state places them.
 pub async fn check(
     config: &Config,
     client: &Client,
     sink: &str,
     state: &State,
 ) -> Result<Vec<Difference>> {
-    let cfg = kafka_sink(config, sink)?;
-    let kafka = KafkaSink::connect(sink, cfg).await?;
+    let placer = match destination(config, sink)? {
+        Destination::Kafka(cfg) => Placer::Topic(KafkaSink::connect(sink, cfg).await?),
+        Destination::JetStream(_) => Placer::Resource,
+    };
     let mut cluster: BTreeMap<(String, String), String> = BTreeMap::new();
     let mut topics = BTreeSet::new();
     for (index, r) in config.resources.iter().enumerate() {
@@ -267,6 +396,14 @@ pub async fn check(
             continue;
         }
         let resolved = cluster::resolve(client, index, r).await?;
+        let resource_name = if resolved.api_resource.group.is_empty() {
+            resolved.api_resource.plural.clone()
+        } else {
+            format!(
+                "{}.{}",
+                resolved.api_resource.plural, resolved.api_resource.group
+            )
+        };
         let encoder = Encoder::new(
             &config.cluster,
             &resolved.api_resource,
@@ -295,7 +432,10 @@ pub async fn check(
             for obj in list {
                 let mut sample = encoder.sample_message();
                 sample.namespace = obj.metadata.namespace.clone();
-                let topic = kafka.topic_for(&sample);
+                let topic = match &placer {
+                    Placer::Topic(kafka) => kafka.topic_for(&sample),
+                    Placer::Resource => resource_name.clone(),
+                };
                 let key = crate::informer::meta_namespace_key(&obj);
                 topics.insert(topic.clone());
                 cluster.insert(
@@ -304,14 +444,20 @@ pub async fn check(
                 );
             }
         }
-        // Topics this resource writes to even where the cluster now has no object.
-        if !kafka.topic_uses_namespace() {
-            topics.insert(kafka.topic_for(&encoder.sample_message()));
+        // Places this resource writes to even where the cluster now has no object.
+        match &placer {
+            Placer::Topic(kafka) if !kafka.topic_uses_namespace() => {
+                topics.insert(kafka.topic_for(&encoder.sample_message()));
+            }
+            Placer::Topic(_) => {}
+            Placer::Resource => {
+                topics.insert(resource_name.clone());
+            }
         }
     }
     let mut differences = Vec::new();
     for ((topic, key), cluster_rv) in &cluster {
-        match state.get(&(topic.clone(), key.clone())) {
+        match state.objects.get(&(topic.clone(), key.clone())) {
             None => differences.push(Difference::Missing {
                 topic: topic.clone(),
                 key: key.clone(),
@@ -326,7 +472,7 @@ pub async fn check(
             Some(_) => {}
         }
     }
-    for ((topic, key), object) in state {
+    for ((topic, key), object) in &state.objects {
         if topics.contains(topic) && !cluster.contains_key(&(topic.clone(), key.clone())) {
             differences.push(Difference::Gone {
                 topic: topic.clone(),
@@ -343,23 +489,41 @@ mod tests {
     use super::*;
 
     #[test]
-    fn topics_match_what_the_template_renders() {
-        let t = Template::parse("k8s.{cluster}.{group}.{resource}").unwrap();
-        assert!(matches(t.segments(), "k8s.prod.core.configmaps"));
-        assert!(matches(t.segments(), "k8s.prod.example.com.widgets"));
-        assert!(!matches(t.segments(), "k8s.prod.configmaps"));
-        assert!(!matches(t.segments(), "other.prod.core.configmaps"));
-        let fixed = Template::parse("state.configmaps").unwrap();
-        assert!(matches(fixed.segments(), "state.configmaps"));
-        assert!(!matches(fixed.segments(), "state.configmaps2"));
-    }
-
-    #[test]
     fn ages_read_like_kubectl() {
         let s = jiff::SignedDuration::from_secs;
         assert_eq!(age(s(45)), "45s");
         assert_eq!(age(s(600)), "10m");
         assert_eq!(age(s(5 * 3600)), "5h");
         assert_eq!(age(s(3 * 86_400)), "3d");
+    }
+
+    fn event(ty: &str, rv: &str, uid: &str) -> Value {
+        serde_json::json!({
+            "type": format!("{}.{ty}", crate::message::TYPE_PREFIX),
+            "k8sresource": "configmaps", "k8sgroup": "", "k8snamespace": "ns", "k8sname": "a",
+            "k8sresourceversion": rv,
+            "data": {"object": {"metadata": {"name": "a", "namespace": "ns", "uid": uid,
+                                              "resourceVersion": rv}}},
+        })
+    }
+
+    #[test]
+    fn a_stream_folds_into_the_newest_state_and_retried_old_events_do_not_win() {
+        let place = ("configmaps".to_owned(), "ns/a".to_owned());
+        let mut f = Fold::default();
+        f.apply(event("added", "5", "u1"));
+        f.apply(event("updated", "7", "u1"));
+        f.apply(event("updated", "6", "u1")); // a retried older publish
+        assert_eq!(f.objects[&place]["metadata"]["resourceVersion"], "7");
+        f.apply(event("deleted", "7", "u1"));
+        assert!(f.objects.is_empty());
+        f.apply(event("updated", "6", "u1")); // cannot bring it back
+        assert!(f.objects.is_empty());
+        f.apply(event("added", "9", "u2")); // recreated
+        assert_eq!(f.objects[&place]["metadata"]["uid"], "u2");
+        let mut filtered = event("deleted", "10", "u2");
+        filtered["k8sfilteredout"] = serde_json::json!(true);
+        f.apply(filtered);
+        assert!(f.objects.is_empty());
     }
 }

@@ -6,6 +6,7 @@ pub mod api_server;
 pub mod kafka;
 pub mod nats;
 pub mod schema;
+pub mod tools;
 
 use std::{
     collections::VecDeque,
@@ -283,4 +284,14 @@ pub fn cloudevent_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
     let lines = json_lines(path);
     lines.iter().for_each(schema::check_cloudevent);
     lines
+}
+
+/// The `id`s of CloudEvents, sorted (a repeated id shows twice).
+pub fn sorted_ids(events: &[serde_json::Value]) -> Vec<String> {
+    let mut ids: Vec<String> = events
+        .iter()
+        .map(|e| e["id"].as_str().unwrap().to_owned())
+        .collect();
+    ids.sort();
+    ids
 }

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 fn load(name: &str) -> jsonschema::Validator {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -57,24 +57,11 @@ pub fn check_state_value(value: &Value) {
     );
 }
 
-/// A binary-mode message mapped back to structured mode: every header named `prefix` +
-/// attribute becomes that attribute (the flag extensions `"true"` become `true`), the
-/// `content-type` header becomes `datacontenttype`, and `data` is the body.
+/// A binary-mode message mapped back to structured mode, as `tail` does it.
 pub fn structured_from_binary<'a>(
     headers: impl IntoIterator<Item = (&'a str, &'a str)>,
     prefix: &str,
     data: Value,
 ) -> Value {
-    let mut event = json!({ "data": data });
-    for (name, value) in headers {
-        if name == "content-type" {
-            event["datacontenttype"] = json!(value);
-        } else if let Some(attr) = name.strip_prefix(prefix) {
-            event[attr] = match (attr, value) {
-                ("k8sinitial" | "k8sfinalstateunknown" | "k8sresumed", "true") => json!(true),
-                _ => json!(value),
-            };
-        }
-    }
-    event
+    kube_event_bridge::consumer::event::structured_from_binary(headers, prefix, Some(data))
 }

@@ -29,6 +29,10 @@ pub const STALL: Duration = Duration::from_secs(10);
 pub struct Record {
     /// The topic it came from.
     pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset in the partition.
+    pub offset: i64,
     /// The record's key (empty when it has none).
     pub key: Vec<u8>,
     /// The value; `None` for a tombstone.
@@ -38,7 +42,8 @@ pub struct Record {
 }
 
 impl Record {
-    fn from(m: &BorrowedMessage<'_>) -> Self {
+    /// The record a consumer received.
+    pub fn from(m: &BorrowedMessage<'_>) -> Self {
         let headers = m
             .headers()
             .map(|h| {
@@ -54,6 +59,8 @@ impl Record {
             .unwrap_or_default();
         Self {
             topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
             key: m.key().unwrap_or_default().to_vec(),
             value: m.payload().map(<[u8]>::to_vec),
             headers,
@@ -61,15 +68,9 @@ impl Record {
     }
 }
 
-/// Reads every partition of `topics` from its first offset to its end (blocking; run it off
-/// the async threads) and hands each record to `each`, in offset order per partition.
-/// `config` holds the brokers and security settings; consumer settings are added here.
-/// Errors are the reason, for the caller to name what it was reading.
-pub fn read_to_end(
-    config: &ClientConfig,
-    topics: &[String],
-    mut each: impl FnMut(Record),
-) -> Result<(), String> {
+/// A consumer with a sink's brokers and security settings, for manual assignment: no group
+/// membership, no committed offsets (the producer settings of `config` are left out).
+pub fn consumer(config: &ClientConfig) -> Result<BaseConsumer, String> {
     let mut config = config.clone();
     for producer_only in [
         "enable.idempotence",
@@ -84,7 +85,19 @@ pub fn read_to_end(
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
         .set("group.id", "kube-event-bridge-reader");
-    let consumer: BaseConsumer = config.create().map_err(|e| format!("consumer: {e}"))?;
+    config.create().map_err(|e| format!("consumer: {e}"))
+}
+
+/// Reads every partition of `topics` from its first offset to its end (blocking; run it off
+/// the async threads) and hands each record to `each`, in offset order per partition.
+/// `config` holds the brokers and security settings; consumer settings are added here.
+/// Errors are the reason, for the caller to name what it was reading.
+pub fn read_to_end(
+    config: &ClientConfig,
+    topics: &[String],
+    mut each: impl FnMut(Record),
+) -> Result<(), String> {
+    let consumer = consumer(config)?;
     let mut assignment = TopicPartitionList::new();
     let mut high = HashMap::new();
     for topic in topics {

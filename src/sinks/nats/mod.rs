@@ -9,4 +9,4 @@ pub use config::{
     NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, NatsTlsConfig, StreamRetention,
     StreamStorage,
 };
-pub use sink::NatsSink;
+pub use sink::{NatsSink, connect_client};

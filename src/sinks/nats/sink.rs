@@ -55,52 +55,12 @@ impl NatsSink {
         let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
         let servers = cfg.servers.join(",");
         let denied: Arc<Mutex<HashSet<String>>> = Arc::default();
-        let mut options = ConnectOptions::new()
-            .name(format!("kube-event-bridge/{name}"))
-            .connection_timeout(cfg.connect_timeout)
-            .event_callback({
-                let denied = denied.clone();
-                let sink = name.to_owned();
-                move |event| {
-                    let denied = denied.clone();
-                    let sink = sink.clone();
-                    async move { on_event(&sink, &denied, event) }
-                }
-            });
-        let auth = &cfg.auth;
-        let secret = |r: &crate::config::SecretRef, what: &str| {
-            r.resolve().map_err(|e| setup(format!("{what}: {e}")))
-        };
-        if let Some(token) = &auth.token {
-            options = options.token(secret(token, "auth.token")?);
-        }
-        if let (Some(user), Some(password)) = (&auth.user, &auth.password) {
-            options = options.user_and_password(user.clone(), secret(password, "auth.password")?);
-        }
-        if let Some(seed) = &auth.nkey_seed {
-            options = options.nkey(secret(seed, "auth.nkey_seed")?);
-        }
-        if let Some(creds) = &auth.credentials_file {
-            options = options.credentials_file(creds).await.map_err(|e| {
-                setup(format!(
-                    "cannot read credentials file {}: {e}",
-                    creds.display()
-                ))
-            })?;
-        }
-        if let Some(tls) = &cfg.tls {
-            options = options.require_tls(true);
-            if let Some(ca) = &tls.ca_file {
-                options = options.add_root_certificates(ca.clone());
-            }
-            if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
-                options = options.add_client_certificate(cert.clone(), key.clone());
-            }
-        }
-        let client = options
-            .connect(servers.as_str())
-            .await
-            .map_err(|e| setup(format!("cannot connect to NATS at {servers}: {e}")))?;
+        let client = connect_client(name, cfg, {
+            let denied = denied.clone();
+            let sink = name.to_owned();
+            move |event| on_event(&sink, &denied, event)
+        })
+        .await?;
         let subject = Template::parse(&cfg.subject).map_err(|e| setup(format!("subject: {e}")))?;
         let jetstream = match cfg.mode {
             NatsMode::Core => None,
@@ -173,6 +133,59 @@ impl NatsSink {
             _ => Error::Unavailable(detail),
         }
     }
+}
+
+/// A connection to the servers of a sink, with its credentials and TLS settings; `events`
+/// hears the connection's events. Fails fast with an error naming the sink and the servers.
+pub async fn connect_client(
+    name: &str,
+    cfg: &NatsSinkConfig,
+    events: impl Fn(async_nats::Event) + Send + Sync + 'static,
+) -> Result<async_nats::Client> {
+    let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
+    let servers = cfg.servers.join(",");
+    let events = Arc::new(events);
+    let mut options = ConnectOptions::new()
+        .name(format!("kube-event-bridge/{name}"))
+        .connection_timeout(cfg.connect_timeout)
+        .event_callback(move |event| {
+            let events = events.clone();
+            async move { events(event) }
+        });
+    let auth = &cfg.auth;
+    let secret = |r: &crate::config::SecretRef, what: &str| {
+        r.resolve().map_err(|e| setup(format!("{what}: {e}")))
+    };
+    if let Some(token) = &auth.token {
+        options = options.token(secret(token, "auth.token")?);
+    }
+    if let (Some(user), Some(password)) = (&auth.user, &auth.password) {
+        options = options.user_and_password(user.clone(), secret(password, "auth.password")?);
+    }
+    if let Some(seed) = &auth.nkey_seed {
+        options = options.nkey(secret(seed, "auth.nkey_seed")?);
+    }
+    if let Some(creds) = &auth.credentials_file {
+        options = options.credentials_file(creds).await.map_err(|e| {
+            setup(format!(
+                "cannot read credentials file {}: {e}",
+                creds.display()
+            ))
+        })?;
+    }
+    if let Some(tls) = &cfg.tls {
+        options = options.require_tls(true);
+        if let Some(ca) = &tls.ca_file {
+            options = options.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+            options = options.add_client_certificate(cert.clone(), key.clone());
+        }
+    }
+    options
+        .connect(servers.as_str())
+        .await
+        .map_err(|e| setup(format!("cannot connect to NATS at {servers}: {e}")))
 }
 
 fn on_event(sink: &str, denied: &Mutex<HashSet<String>>, event: async_nats::Event) {
