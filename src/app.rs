@@ -158,7 +158,16 @@ impl App {
     /// Resolves resources, creates informers, route queues, listeners and sinks, and binds the
     /// admin port.
     pub async fn build(config: Config, client: Client) -> Result<Self, Error> {
-        let metrics = Arc::new(Metrics::new());
+        Self::build_with_metrics(config, client, Arc::new(Metrics::new())).await
+    }
+
+    /// [`build`](Self::build) with `metrics` made beforehand (those [`cluster::client`]
+    /// counts its requests in).
+    pub async fn build_with_metrics(
+        config: Config,
+        client: Client,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, Error> {
         let k = &config.kubernetes;
         let factory = Arc::new(SharedInformerFactory::new(
             client.clone(),

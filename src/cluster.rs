@@ -12,7 +12,13 @@ use kube::{
     discovery::{self, ApiCapabilities, Scope, verbs},
 };
 
-use crate::config::{KubernetesConfig, ResourceConfig};
+use std::sync::Arc;
+
+use crate::{
+    config::{KubernetesConfig, ResourceConfig},
+    metrics::Metrics,
+    workqueue::TokenBucket,
+};
 
 /// How long the start-up reachability check waits for the API server.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -50,6 +56,19 @@ pub enum Error {
         /// What was tried.
         target: Target,
         /// Why it failed.
+        reason: String,
+    },
+    /// A configured kind is not served (yet): its API group version or kind is unknown to
+    /// discovery. Such a resource waits as pending unless `require_all_resources` is set.
+    #[error("resources[{index}] ({api_version} {kind}): {reason}")]
+    NotServed {
+        /// Position in `resources`.
+        index: usize,
+        /// Its apiVersion.
+        api_version: String,
+        /// Its kind.
+        kind: String,
+        /// What discovery said.
         reason: String,
     },
     /// A configured kind cannot be watched.
@@ -103,8 +122,9 @@ fn kubeconfig_path(cfg: &KubernetesConfig) -> Option<PathBuf> {
     home.exists().then_some(home)
 }
 
-/// Builds a client and checks that the API server answers.
-pub async fn connect(cfg: &KubernetesConfig) -> Result<(Client, Target)> {
+/// Builds a client (rate-limited as `cfg` says, counted in `metrics`) and checks that the API
+/// server answers.
+pub async fn connect(cfg: &KubernetesConfig, metrics: &Metrics) -> Result<(Client, Target)> {
     let path = kubeconfig_path(cfg);
     let (config, context) = match &path {
         Some(p) => {
@@ -133,7 +153,7 @@ pub async fn connect(cfg: &KubernetesConfig) -> Result<(Client, Target)> {
         context,
         server: config.cluster_url.to_string(),
     };
-    let client = Client::try_from(config).map_err(|source| Error::Client {
+    let client = client(config, cfg, metrics).map_err(|source| Error::Client {
         server: target.server.clone(),
         source,
     })?;
@@ -147,6 +167,102 @@ pub async fn connect(cfg: &KubernetesConfig) -> Result<(Client, Target)> {
             target,
             reason: format!("no answer within {CONNECT_TIMEOUT:?}"),
         }),
+    }
+}
+
+/// A client for `config` whose every request (list, watch, discovery, lease) first takes a
+/// token of the `qps`/`burst` bucket of `cfg`, as client-go's rate limiter does, and whose
+/// 429 answers are counted with their Retry-After.
+pub fn client(
+    config: kube::Config,
+    cfg: &KubernetesConfig,
+    metrics: &Metrics,
+) -> Result<Client, kube::Error> {
+    let layer = ApiLimitLayer {
+        bucket: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
+        metrics: ApiMetrics {
+            requests: metrics.api_requests.clone(),
+            throttled: metrics.api_throttled.clone(),
+            retry_after: metrics.api_retry_after_seconds.clone(),
+            waited: metrics.api_client_wait_seconds.clone(),
+        },
+    };
+    Ok(kube::client::ClientBuilder::try_from(config)?
+        .with_layer(&layer)
+        .build())
+}
+
+#[derive(Clone)]
+struct ApiMetrics {
+    requests: prometheus::IntCounter,
+    throttled: prometheus::IntCounter,
+    retry_after: prometheus::IntCounter,
+    waited: prometheus::Counter,
+}
+
+/// See [`client`].
+#[derive(Clone)]
+pub struct ApiLimitLayer {
+    bucket: Arc<TokenBucket>,
+    metrics: ApiMetrics,
+}
+
+impl<S> tower_layer::Layer<S> for ApiLimitLayer {
+    type Service = ApiLimit<S>;
+
+    fn layer(&self, inner: S) -> ApiLimit<S> {
+        ApiLimit {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service of [`ApiLimitLayer`].
+pub struct ApiLimit<S> {
+    inner: S,
+    layer: ApiLimitLayer,
+}
+
+impl<S, Req, B> tower_service::Service<Req> for ApiLimit<S>
+where
+    S: tower_service::Service<Req, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let wait = self.layer.bucket.reserve();
+        // The inner future sends the request when first polled, after the wait.
+        let sent = self.inner.call(req);
+        let m = self.layer.metrics.clone();
+        Box::pin(async move {
+            if !wait.is_zero() {
+                m.waited.inc_by(wait.as_secs_f64());
+                tokio::time::sleep(wait).await;
+            }
+            m.requests.inc();
+            let response = sent.await?;
+            if response.status() == http::StatusCode::TOO_MANY_REQUESTS {
+                m.throttled.inc();
+                let seconds = response
+                    .headers()
+                    .get(http::header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok())
+                    .unwrap_or(0);
+                m.retry_after.inc_by(seconds);
+            }
+            Ok(response)
+        })
     }
 }
 
@@ -177,13 +293,21 @@ pub async fn resolve(
         .split_once('/')
         .unwrap_or(("", &r.api_version));
     let gvk = GroupVersionKind::gvk(group, version, &r.kind);
+    let not_served = |reason: String| Error::NotServed {
+        index,
+        api_version: r.api_version.clone(),
+        kind: r.kind.clone(),
+        reason,
+    };
     let (api_resource, caps): (ApiResource, ApiCapabilities) = discovery::pinned_kind(client, &gvk)
         .await
         .map_err(|e| match e {
             kube::Error::Api(s) if s.code == 404 => {
-                err(format!("the API server does not serve {}", r.api_version))
+                not_served(format!("the API server does not serve {}", r.api_version))
             }
-            kube::Error::Discovery(_) => err(format!("{} has no kind {:?}", r.api_version, r.kind)),
+            kube::Error::Discovery(_) => {
+                not_served(format!("{} has no kind {:?}", r.api_version, r.kind))
+            }
             other => err(format!("discovery failed: {other}")),
         })?;
     for verb in [verbs::LIST, verbs::WATCH] {
@@ -202,4 +326,86 @@ pub async fn resolve(
         api_resource,
         namespaced,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::Mutex,
+        task::{Context, Poll},
+    };
+
+    use tower_layer::Layer;
+    use tower_service::Service;
+
+    use super::*;
+
+    /// Answers every request at once, 429 with Retry-After 3 for odd ones; records when each
+    /// request was sent (the future polled).
+    #[derive(Clone, Default)]
+    struct Server {
+        sent: Arc<Mutex<Vec<tokio::time::Instant>>>,
+    }
+
+    impl Service<u32> for Server {
+        type Response = http::Response<()>;
+        type Error = std::convert::Infallible;
+        type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, n: u32) -> Self::Future {
+            let sent = self.sent.clone();
+            Box::pin(async move {
+                sent.lock().unwrap().push(tokio::time::Instant::now());
+                let mut r = http::Response::builder();
+                if n % 2 == 1 {
+                    r = r.status(429).header("retry-after", "3");
+                }
+                Ok(r.body(()).unwrap())
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_take_tokens_of_the_bucket_and_429s_are_counted() {
+        let metrics = Metrics::new();
+        let cfg = KubernetesConfig {
+            qps: 10.0,
+            burst: 2,
+            ..Default::default()
+        };
+        let layer = ApiLimitLayer {
+            bucket: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
+            metrics: ApiMetrics {
+                requests: metrics.api_requests.clone(),
+                throttled: metrics.api_throttled.clone(),
+                retry_after: metrics.api_retry_after_seconds.clone(),
+                waited: metrics.api_client_wait_seconds.clone(),
+            },
+        };
+        let server = Server::default();
+        let mut service = layer.layer(server.clone());
+        let start = tokio::time::Instant::now();
+        let calls: Vec<_> = (0..12).map(|n| service.call(n)).collect();
+        futures::future::join_all(calls).await;
+        let mut offsets: Vec<u128> = server
+            .sent
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| t.duration_since(start).as_millis())
+            .collect();
+        offsets.sort();
+        // Two at once (the burst), then one every 100 ms (10 per second).
+        let want: Vec<u128> = [0, 0].into_iter().chain((1..=10).map(|i| i * 100)).collect();
+        assert_eq!(offsets, want);
+        assert_eq!(metrics.api_requests.get(), 12);
+        assert_eq!(metrics.api_throttled.get(), 6);
+        assert_eq!(metrics.api_retry_after_seconds.get(), 18);
+        // Waits: 100 + 200 + … + 1000 ms.
+        assert!((metrics.api_client_wait_seconds.get() - 5.5).abs() < 1e-6);
+    }
 }

@@ -81,6 +81,23 @@ pub struct KubernetesConfig {
     /// Server-side timeout of each watch request, in seconds (the watcher re-watches after it).
     #[serde(default = "default_watch_timeout")]
     pub watch_timeout_seconds: u32,
+    /// Fail the start when a configured kind is not served; otherwise it waits as pending.
+    #[serde(default)]
+    pub require_all_resources: bool,
+    /// How often pending kinds are looked up again by discovery (besides every CRD change).
+    #[serde(default = "default_discovery_refresh", with = "humantime_serde")]
+    pub discovery_refresh: Duration,
+    /// Requests per second to the API server, over every list, watch, discovery and lease
+    /// request (client-side rate limit, as client-go's QPS).
+    #[serde(default = "default_qps")]
+    pub qps: f64,
+    /// Requests the rate limit lets through at once.
+    #[serde(default = "default_burst")]
+    pub burst: u32,
+    /// A watch that delivers neither an event nor a bookmark for this long is restarted
+    /// (with a relist); 0 disables the check.
+    #[serde(default = "default_watch_stall_timeout", with = "humantime_serde")]
+    pub watch_stall_timeout: Duration,
 }
 
 impl Default for KubernetesConfig {
@@ -91,6 +108,11 @@ impl Default for KubernetesConfig {
             page_size: default_page_size(),
             streaming_list: false,
             watch_timeout_seconds: default_watch_timeout(),
+            require_all_resources: false,
+            discovery_refresh: default_discovery_refresh(),
+            qps: default_qps(),
+            burst: default_burst(),
+            watch_stall_timeout: default_watch_stall_timeout(),
         }
     }
 }
@@ -507,6 +529,21 @@ fn default_page_size() -> u32 {
 fn default_watch_timeout() -> u32 {
     290
 }
+fn default_discovery_refresh() -> Duration {
+    Duration::from_secs(60)
+}
+// kubectl's QPS; client-go's 5/10 is too low for dozens of informers listing at start.
+fn default_qps() -> f64 {
+    50.0
+}
+// Lets about a hundred informers start their lists at once.
+fn default_burst() -> u32 {
+    100
+}
+// The API server sends a bookmark about every minute: two missed, plus some slack.
+fn default_watch_stall_timeout() -> Duration {
+    Duration::from_secs(150)
+}
 fn default_admin_address() -> SocketAddr {
     SocketAddr::from(([0, 0, 0, 0], 8080))
 }
@@ -612,6 +649,28 @@ impl Config {
             err(
                 "kubernetes.watch_timeout_seconds".into(),
                 "must be at least 1".into(),
+            );
+        }
+        if self.kubernetes.discovery_refresh < Duration::from_secs(1) {
+            err(
+                "kubernetes.discovery_refresh".into(),
+                "must be at least 1s".into(),
+            );
+        }
+        if !(self.kubernetes.qps.is_finite() && self.kubernetes.qps > 0.0) {
+            err(
+                "kubernetes.qps".into(),
+                "must be a positive number".into(),
+            );
+        }
+        if self.kubernetes.burst == 0 {
+            err("kubernetes.burst".into(), "must be at least 1".into());
+        }
+        let stall = self.kubernetes.watch_stall_timeout;
+        if !stall.is_zero() && stall < Duration::from_secs(1) {
+            err(
+                "kubernetes.watch_stall_timeout".into(),
+                "must be 0 (off) or at least 1s".into(),
             );
         }
         if self

@@ -235,14 +235,17 @@ fn main() -> ExitCode {
 }
 
 async fn run(config: Config) -> anyhow::Result<()> {
-    let (client, target) = cluster::connect(&config.kubernetes).await?;
+    let metrics = std::sync::Arc::new(kube_event_bridge::metrics::Metrics::new());
+    let (client, target) = cluster::connect(&config.kubernetes, &metrics).await?;
     info!(
         server = %target.server,
         kubeconfig = %target.kubeconfig.as_ref().map_or("in-cluster".into(), |p| p.display().to_string()),
         context = target.context.as_deref().unwrap_or("-"),
         "Connected to the Kubernetes API"
     );
-    let app = App::build(config, client).await.context("cannot start")?;
+    let app = App::build_with_metrics(config, client, metrics)
+        .await
+        .context("cannot start")?;
     let report = app.run(shutdown_signal()).await;
     if !report.undelivered.is_empty() {
         anyhow::bail!(
@@ -289,7 +292,8 @@ async fn state(
     let objects = state::read(&config, &sink, &topics, subject.as_deref(), &mut progress).await?;
     progress.finish();
     let differences = if check {
-        let (client, _) = cluster::connect(&config.kubernetes).await?;
+        let metrics = kube_event_bridge::metrics::Metrics::new();
+        let (client, _) = cluster::connect(&config.kubernetes, &metrics).await?;
         Some(state::check(&config, &client, &sink, &objects).await?)
     } else {
         None

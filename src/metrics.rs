@@ -4,8 +4,8 @@
 
 use crate::workqueue::metrics::WorkqueueMetricFamilies;
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
-    exponential_buckets,
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, exponential_buckets,
 };
 
 /// The process's metrics. One instance per process (tests make their own).
@@ -44,6 +44,23 @@ pub struct Metrics {
     pub end_to_end_latency: HistogramVec,
     /// `keb_kubernetes_api_reachable`: 1 while the last API health probe succeeded.
     pub api_reachable: IntGauge,
+    /// `keb_kubernetes_api_requests_total`: requests sent to the API server.
+    pub api_requests: IntCounter,
+    /// `keb_kubernetes_api_throttled_total`: answers 429 Too Many Requests (the client retries
+    /// them after the server's Retry-After).
+    pub api_throttled: IntCounter,
+    /// `keb_kubernetes_api_retry_after_seconds_total`: the Retry-After seconds of those answers.
+    pub api_retry_after_seconds: IntCounter,
+    /// `keb_kubernetes_api_client_wait_seconds_total`: time requests waited for the client-side
+    /// rate limit (`kubernetes.qps`/`burst`).
+    pub api_client_wait_seconds: prometheus::Counter,
+    /// `keb_resource_pending{resource}`: 1 while a configured kind is not served (yet).
+    pub resource_pending: IntGaugeVec,
+    /// `keb_informer_forbidden{resource}`: 1 while the informer's list or watch is refused (403).
+    pub informer_forbidden: IntGaugeVec,
+    /// `keb_informer_watch_stalls_total{resource}`: watches restarted because they delivered
+    /// neither an event nor a bookmark for `kubernetes.watch_stall_timeout`.
+    pub informer_watch_stalls: IntCounterVec,
     /// `keb_leader`: 1 while this replica publishes (it leads, or leader election is off).
     pub leader: IntGauge,
     /// `keb_resume_objects_total{route,outcome}`: objects compared with a route's checkpoint
@@ -112,6 +129,21 @@ impl Metrics {
         .expect("valid metric");
         registry
             .register(Box::new(leader.clone()))
+            .expect("unique metric");
+        let single = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let api_client_wait_seconds = prometheus::Counter::new(
+            "keb_kubernetes_api_client_wait_seconds_total",
+            "Time requests waited for the client-side rate limit (kubernetes.qps and burst)",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(api_client_wait_seconds.clone()))
             .expect("unique metric");
         #[cfg(target_os = "linux")]
         registry
@@ -218,6 +250,34 @@ impl Metrics {
                 "keb_checkpoint_write_failures_total",
                 "Failed writes of a route's checkpoint; each is retried",
                 &["route"],
+            ),
+            api_requests: single(
+                "keb_kubernetes_api_requests_total",
+                "Requests sent to the Kubernetes API server",
+            ),
+            api_throttled: single(
+                "keb_kubernetes_api_throttled_total",
+                "Answers 429 Too Many Requests from the Kubernetes API server",
+            ),
+            api_retry_after_seconds: single(
+                "keb_kubernetes_api_retry_after_seconds_total",
+                "Retry-After seconds of the API server's 429 answers",
+            ),
+            api_client_wait_seconds,
+            resource_pending: gauge(
+                "keb_resource_pending",
+                "1 while a configured kind is not served by the API server (yet)",
+                &["resource"],
+            ),
+            informer_forbidden: gauge(
+                "keb_informer_forbidden",
+                "1 while the informer's list or watch is refused (403 Forbidden)",
+                &["resource"],
+            ),
+            informer_watch_stalls: counter(
+                "keb_informer_watch_stalls_total",
+                "Watches restarted after delivering neither an event nor a bookmark for kubernetes.watch_stall_timeout",
+                &["resource"],
             ),
             api_reachable,
             leader,
