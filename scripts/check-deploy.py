@@ -152,7 +152,8 @@ def check_kustomization(directory):
         run = subprocess.run([str(binary()), "check-config", f.name], capture_output=True, text=True)
     check(f"{label}: config.yaml passes check-config", run.returncode == 0, run.stderr.strip())
     config = yaml.safe_load(cm["data"]["config.yaml"])
-    needed = set()
+    # CRDs: to start a kind when its CRD is installed, and stop it when it is deleted.
+    needed = {("apiextensions.k8s.io", "customresourcedefinitions")}
     for r in config["resources"]:
         key = (r.get("api_version") or r.get("apiVersion"), r["kind"])
         ok = check(f"{label}: {key[1]} has a known plural for the RBAC check", key in KNOWN_RESOURCES)
@@ -170,7 +171,7 @@ def check_kustomization(directory):
         for g in rule["apiGroups"]:
             for res in rule["resources"]:
                 granted.add((g, res))
-    check(f"{label}: ClusterRole grants list+watch on exactly the watched resources", granted == needed and not extra,
+    check(f"{label}: ClusterRole grants list+watch on exactly the watched resources and CRDs", granted == needed and not extra,
           f"granted {sorted(granted)}, needed {sorted(needed)}, other rules {extra}")
     if config.get("leader_election", {}).get("enabled"):
         role = find(objects, "Role", "kube-event-bridge-leader-election")

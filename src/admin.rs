@@ -9,8 +9,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
 
-/// Answers "why not ready", or `Ok` when ready.
-pub type Readiness = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
+/// `Ok` with notes (pending or refused resources, which do not make the service unready:
+/// it exports what it can) when ready; the reasons when not.
+pub type Readiness = Arc<dyn Fn() -> Result<Vec<String>, Vec<String>> + Send + Sync>;
 
 #[derive(Clone)]
 struct AppState {
@@ -44,7 +45,14 @@ async fn render_metrics(State(s): State<AppState>) -> impl IntoResponse {
 
 async fn ready(State(s): State<AppState>) -> impl IntoResponse {
     match (s.readiness)() {
-        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+        Ok(notes) => (
+            StatusCode::OK,
+            std::iter::once("ok".to_owned())
+                .chain(notes)
+                .collect::<Vec<_>>()
+                .join("\n")
+                + "\n",
+        ),
         Err(reasons) => (StatusCode::SERVICE_UNAVAILABLE, reasons.join("\n") + "\n"),
     }
 }

@@ -7,7 +7,7 @@
 //! (`shut_down_with_drain`), report what is left per route, flush sinks, stop the admin server.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::SocketAddr,
     sync::{
         Arc,
@@ -16,7 +16,10 @@ use std::{
     time::Duration,
 };
 
-use kube::{Client, api::TypeMeta};
+use kube::{
+    Client,
+    api::{ApiResource, TypeMeta},
+};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -26,8 +29,8 @@ use crate::{
     cluster::{self, ResolvedResource},
     config::{Config, EventType, SinkType},
     informer::{
-        InformerKey, NotificationHandler, ProcessorListener, SharedInformerFactory,
-        factory::WatchOptions,
+        InformerKey, NotificationHandler, ProcessorListener, SharedIndexInformer,
+        SharedInformerFactory, factory::WatchOptions,
     },
     leader::{self, LeaderElector},
     message::{Encoder, object_transform},
@@ -83,15 +86,14 @@ pub struct Report {
 
 /// A built, not yet running service.
 pub struct App {
-    config: Config,
     client: Client,
     metrics: Arc<Metrics>,
     factory: Arc<SharedInformerFactory>,
-    routes: Vec<(Arc<Route>, usize)>,
+    wiring: Arc<Wiring>,
+    resources: Arc<tokio::sync::Mutex<Resources>>,
     sinks: Vec<Arc<dyn Sink>>,
     admin: TcpListener,
     elector: Option<LeaderElector>,
-    resumes: Arc<Vec<Resume>>,
 }
 
 /// One route's resume: its resumer and the checkpointer its workers record into.
@@ -105,12 +107,12 @@ struct Resume {
 /// each route's resume. A store that cannot be read fails the start (`fail_fast`), or else
 /// is logged and its routes replay the whole cache (a new leader must publish something).
 async fn resume_from_checkpoints(
-    resumes: &[Resume],
+    resumes: &[&Resume],
     metrics: &Metrics,
     fail_fast: bool,
 ) -> Result<(), Error> {
     let mut by_store: Vec<(&Arc<dyn CheckpointStore>, Vec<&Resume>)> = Vec::new();
-    for r in resumes {
+    for &r in resumes {
         let store = r.checkpointer.store();
         match by_store.iter_mut().find(|(s, _)| Arc::ptr_eq(s, store)) {
             Some((_, group)) => group.push(r),
@@ -154,6 +156,312 @@ async fn resume_from_checkpoints(
     Ok(())
 }
 
+/// What wiring a configured resource takes, at build or later when its kind appears.
+struct Wiring {
+    config: Arc<Config>,
+    client: Client,
+    metrics: Arc<Metrics>,
+    factory: Arc<SharedInformerFactory>,
+    deliveries: HashMap<String, (Arc<Delivery>, Arc<Budget>)>,
+    stores: HashMap<String, Arc<dyn CheckpointStore>>,
+    kafka_sinks: HashMap<String, Arc<KafkaSink>>,
+}
+
+/// One route of a wired resource.
+struct WiredRoute {
+    route: Arc<Route>,
+    workers: usize,
+    /// What its listeners hand notifications to: the queue, or the resumer in front of it.
+    handler: Arc<dyn NotificationHandler>,
+    /// The types its listeners pass on (all of them with a resumer, which filters after).
+    accepted: Vec<EventType>,
+    resume: Option<Resume>,
+}
+
+/// A configured resource whose kind was resolved. Its routes live as long as the process
+/// (across a CRD's deletion and re-creation); its informers while the kind is served.
+struct Wired {
+    index: usize,
+    api_resource: ApiResource,
+    routes: Vec<WiredRoute>,
+    informers: Vec<Arc<SharedIndexInformer>>,
+    cancel: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// The resources: wired, and pending (not served yet, by index, with the reason). Changes
+/// (a kind appears or goes, leadership changes) happen under its lock, one at a time.
+struct Resources {
+    wired: Vec<Wired>,
+    pending: BTreeMap<usize, String>,
+    leading: bool,
+    /// Set once the app runs: what is wired from then on starts at once.
+    live: Option<Live>,
+}
+
+/// What runs once the app runs.
+struct Live {
+    running: pipeline::Running,
+    checkpoint_tasks: Vec<tokio::task::JoinHandle<()>>,
+    informers_cancel: CancellationToken,
+    checkpoints_cancel: CancellationToken,
+}
+
+impl Resources {
+    fn resumes(&self) -> Vec<&Resume> {
+        self.wired
+            .iter()
+            .flat_map(|w| w.routes.iter().filter_map(|r| r.resume.as_ref()))
+            .collect()
+    }
+
+    fn queues(&self) -> Vec<Arc<RouteQueue>> {
+        self.wired
+            .iter()
+            .flat_map(|w| w.routes.iter().map(|r| r.route.queue().clone()))
+            .collect()
+    }
+}
+
+impl Wiring {
+    /// The route queues, resumers and checkpointers of `resources[index]` (resolved as
+    /// `api_resource`), without informers.
+    async fn wire(&self, index: usize, api_resource: ApiResource) -> Result<Wired, Error> {
+        let (config, metrics) = (&self.config, &self.metrics);
+        let r = &config.resources[index];
+        let name = r.effective_name();
+        let namespaces = if r.namespaces.is_empty() {
+            1
+        } else {
+            r.namespaces.len()
+        };
+        let mut routes = Vec::new();
+        let sink_names = config
+            .routes
+            .iter()
+            .filter(|rt| rt.resource == name)
+            .flat_map(|rt| &rt.sinks);
+        for sink_name in sink_names {
+            let sink_cfg = config
+                .sinks
+                .iter()
+                .find(|s| &s.name == sink_name)
+                .expect("validated");
+            let (delivery, budget) = &self.deliveries[sink_name.as_str()];
+            let route_name = format!("{name}/{sink_name}");
+            let labels = [name.as_str(), sink_name.as_str()];
+            let retry = &sink_cfg.retry;
+            let queue = Arc::new(RouteQueue::new(
+                route_name.clone(),
+                Box::new(controller_rate_limiter(RetrySettings {
+                    base: retry.base_delay,
+                    max: retry.max_delay,
+                    qps: retry.qps,
+                    burst: retry.burst,
+                })),
+                metrics.workqueue.for_queue(&route_name),
+                budget.clone(),
+                metrics.listener_buffered.with_label_values(&labels),
+                metrics.listener_coalesced.with_label_values(&labels),
+            ));
+            let store = self.stores.get(sink_name.as_str()).cloned();
+            // With resume, the listeners pass everything to the resumer, which compares
+            // the initial state with the checkpoint and applies the type filter after.
+            let resumer = store.as_ref().map(|_| {
+                Arc::new(Resumer::new(
+                    route_name.clone(),
+                    queue.clone(),
+                    &r.events,
+                    TypeMeta {
+                        api_version: api_resource.api_version.clone(),
+                        kind: api_resource.kind.clone(),
+                    },
+                    namespaces,
+                    resume::OUTCOMES.map(|o| {
+                        metrics
+                            .resume_objects
+                            .with_label_values(&[route_name.as_str(), o])
+                    }),
+                ))
+            });
+            let (handler, accepted): (Arc<dyn NotificationHandler>, &[EventType]) = match &resumer {
+                Some(r) => (r.clone(), &EventType::ALL),
+                None => (queue.clone(), &r.events),
+            };
+            let encoder = Encoder::new(
+                &config.cluster,
+                &api_resource,
+                &config.message,
+                sink_cfg.encoding(),
+            );
+            if let (Some(kafka), Some(topics_cfg)) = (
+                self.kafka_sinks.get(sink_name.as_str()),
+                sink_cfg
+                    .kafka
+                    .as_ref()
+                    .and_then(|k| k.create_topics.as_ref()),
+            ) {
+                let topics = kafka
+                    .topics_for(&encoder.sample_message(), &r.namespaces)
+                    .ok_or_else(|| {
+                        sinks::Error::Setup(format!(
+                            "sink {sink_name}: create_topics needs topics known at start, but the \
+                             topic template uses {{namespace}} and resource {name:?} watches all \
+                             namespaces"
+                        ))
+                    })?;
+                kafka
+                    .create_topics(
+                        &topics,
+                        topics_cfg.partitions,
+                        topics_cfg.replication_factor,
+                    )
+                    .await?;
+            }
+            let mut route = Route::new(name.clone(), queue, encoder, delivery.clone(), metrics);
+            let resume = match (store, resumer) {
+                (Some(store), Some(resumer)) => {
+                    let checkpointer = Arc::new(Checkpointer::new(
+                        route_name.clone(),
+                        store,
+                        metrics.checkpoint_lag.with_label_values(&[&route_name]),
+                        metrics
+                            .checkpoint_write_failures
+                            .with_label_values(&[&route_name]),
+                    ));
+                    route = route.with_checkpointer(checkpointer.clone());
+                    Some(Resume {
+                        resumer,
+                        checkpointer,
+                        interval: sink_cfg.checkpoint_interval,
+                    })
+                }
+                _ => None,
+            };
+            routes.push(WiredRoute {
+                route: Arc::new(route),
+                workers: sink_cfg.workers,
+                handler,
+                accepted: accepted.to_vec(),
+                resume,
+            });
+        }
+        Ok(Wired {
+            index,
+            api_resource,
+            routes,
+            informers: Vec::new(),
+            cancel: CancellationToken::new(),
+            tasks: Vec::new(),
+        })
+    }
+
+    /// New informers for `wired` (one per namespace, or one for all), each with a listener
+    /// for every route; not started.
+    fn add_informers(&self, wired: &mut Wired) {
+        let r = &self.config.resources[wired.index];
+        let api_resource = &wired.api_resource;
+        let transform = object_transform(api_resource, &self.config.message);
+        let namespaces: Vec<Option<String>> = if r.namespaces.is_empty() {
+            vec![None]
+        } else {
+            r.namespaces.iter().cloned().map(Some).collect()
+        };
+        wired.informers = namespaces
+            .into_iter()
+            .map(|namespace| {
+                let key = InformerKey {
+                    group: api_resource.group.clone(),
+                    version: api_resource.version.clone(),
+                    plural: api_resource.plural.clone(),
+                    namespace,
+                    label_selector: r.label_selector.clone(),
+                    field_selector: r.field_selector.clone(),
+                };
+                self.factory
+                    .informer_for(api_resource, key, Some(transform.clone()))
+            })
+            .collect();
+        for route in &wired.routes {
+            for informer in &wired.informers {
+                let listener = ProcessorListener::new(
+                    format!("{}@{}", route.route.queue().name(), informer.name()),
+                    &route.accepted,
+                    r.resync(),
+                    route.handler.clone(),
+                );
+                informer
+                    .add_listener(Arc::new(listener))
+                    .expect("informers start after their listeners are added");
+            }
+        }
+    }
+
+    fn pending_reason(&self, index: usize, reason: &str) -> String {
+        let r = &self.config.resources[index];
+        format!(
+            "resource {} ({} {}) is pending: {reason}",
+            r.effective_name(),
+            r.api_version,
+            r.kind
+        )
+    }
+}
+
+impl Resources {
+    /// Starts `self.wired[i]` when the app runs: its routes' workers and checkpoint writers
+    /// (unless already running), the resume of its routes when this replica publishes, and
+    /// its informers. A standby's new listeners and queues start off.
+    async fn start(&mut self, i: usize, routes_too: bool, metrics: &Metrics) {
+        let leading = self.leading;
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let wired = &mut self.wired[i];
+        if routes_too {
+            let routes: Vec<(Arc<Route>, usize)> = wired
+                .routes
+                .iter()
+                .map(|r| (r.route.clone(), r.workers))
+                .collect();
+            live.running.add(&routes);
+            for r in wired.routes.iter().filter_map(|r| r.resume.as_ref()) {
+                live.checkpoint_tasks.push(tokio::spawn(
+                    r.checkpointer
+                        .clone()
+                        .run(r.interval, live.checkpoints_cancel.clone()),
+                ));
+            }
+        }
+        if leading {
+            if routes_too {
+                let resumes: Vec<&Resume> = wired
+                    .routes
+                    .iter()
+                    .filter_map(|r| r.resume.as_ref())
+                    .collect();
+                // Without fail_fast it cannot fail: a store it cannot read replays.
+                let _ = resume_from_checkpoints(&resumes, metrics, false).await;
+            }
+        } else {
+            wired
+                .informers
+                .iter()
+                .for_each(|i| i.deactivate_listeners());
+            wired
+                .routes
+                .iter()
+                .for_each(|r| r.route.queue().set_active(false));
+        }
+        wired.cancel = live.informers_cancel.child_token();
+        wired.tasks = wired
+            .informers
+            .iter()
+            .filter_map(|i| i.spawn(wired.cancel.clone()))
+            .collect();
+    }
+}
+
 impl App {
     /// Resolves resources, creates informers, route queues, listeners and sinks, and binds the
     /// admin port.
@@ -168,6 +476,7 @@ impl App {
         client: Client,
         metrics: Arc<Metrics>,
     ) -> Result<Self, Error> {
+        let config = Arc::new(config);
         let k = &config.kubernetes;
         let factory = Arc::new(SharedInformerFactory::new(
             client.clone(),
@@ -240,7 +549,7 @@ impl App {
                     "Resume off: this sink keeps no checkpoint (plain standard output, or core NATS)"),
             }
         }
-        let mut deliveries: HashMap<&str, (Arc<Delivery>, Arc<Budget>)> = HashMap::new();
+        let mut deliveries = HashMap::new();
         for s in &config.sinks {
             let delivery = Delivery {
                 sink: sinks[&s.name].clone(),
@@ -252,149 +561,47 @@ impl App {
                 max_retries: s.retry.max_retries,
             };
             deliveries.insert(
-                s.name.as_str(),
+                s.name.clone(),
                 (Arc::new(delivery), Arc::new(Budget::new(s.max_pending))),
             );
         }
-        let mut routes = Vec::new();
-        let mut resumes = Vec::new();
+        let wiring = Arc::new(Wiring {
+            config: config.clone(),
+            client: client.clone(),
+            metrics: metrics.clone(),
+            factory: factory.clone(),
+            deliveries,
+            stores,
+            kafka_sinks,
+        });
+        let mut resources = Resources {
+            wired: Vec::new(),
+            pending: BTreeMap::new(),
+            leading: !config.leader_election.enabled,
+            live: None,
+        };
         for (index, r) in config.resources.iter().enumerate() {
-            let ResolvedResource {
-                api_resource,
-                namespaced,
-            } = cluster::resolve(&client, index, r).await?;
             let name = r.effective_name();
-            info!(resource = %name, plural = %api_resource.plural, namespaced, "Resolved resource");
-            let transform = object_transform(&api_resource, &config.message);
-            let namespaces: Vec<Option<String>> = if r.namespaces.is_empty() {
-                vec![None]
-            } else {
-                r.namespaces.iter().cloned().map(Some).collect()
-            };
-            let informers: Vec<_> = namespaces
-                .into_iter()
-                .map(|namespace| {
-                    let key = InformerKey {
-                        group: api_resource.group.clone(),
-                        version: api_resource.version.clone(),
-                        plural: api_resource.plural.clone(),
-                        namespace,
-                        label_selector: r.label_selector.clone(),
-                        field_selector: r.field_selector.clone(),
-                    };
-                    factory.informer_for(&api_resource, key, Some(transform.clone()))
-                })
-                .collect();
-            let sink_names = config
-                .routes
-                .iter()
-                .filter(|rt| rt.resource == name)
-                .flat_map(|rt| &rt.sinks);
-            for sink_name in sink_names {
-                let sink_cfg = config
-                    .sinks
-                    .iter()
-                    .find(|s| &s.name == sink_name)
-                    .expect("validated");
-                let (delivery, budget) = &deliveries[sink_name.as_str()];
-                let route_name = format!("{name}/{sink_name}");
-                let labels = [name.as_str(), sink_name.as_str()];
-                let retry = &sink_cfg.retry;
-                let queue = Arc::new(RouteQueue::new(
-                    route_name.clone(),
-                    Box::new(controller_rate_limiter(RetrySettings {
-                        base: retry.base_delay,
-                        max: retry.max_delay,
-                        qps: retry.qps,
-                        burst: retry.burst,
-                    })),
-                    metrics.workqueue.for_queue(&route_name),
-                    budget.clone(),
-                    metrics.listener_buffered.with_label_values(&labels),
-                    metrics.listener_coalesced.with_label_values(&labels),
-                ));
-                let store = stores.get(sink_name.as_str()).cloned();
-                // With resume, the listeners pass everything to the resumer, which compares
-                // the initial state with the checkpoint and applies the type filter after.
-                let resumer = store.as_ref().map(|_| {
-                    Arc::new(Resumer::new(
-                        route_name.clone(),
-                        queue.clone(),
-                        &r.events,
-                        TypeMeta {
-                            api_version: api_resource.api_version.clone(),
-                            kind: api_resource.kind.clone(),
-                        },
-                        informers.len(),
-                        resume::OUTCOMES.map(|o| {
-                            metrics
-                                .resume_objects
-                                .with_label_values(&[route_name.as_str(), o])
-                        }),
-                    ))
-                });
-                let (handler, accepted): (Arc<dyn NotificationHandler>, &[EventType]) =
-                    match &resumer {
-                        Some(r) => (r.clone(), &EventType::ALL),
-                        None => (queue.clone(), &r.events),
-                    };
-                for informer in &informers {
-                    let listener = ProcessorListener::new(
-                        format!("{route_name}@{}", informer.name()),
-                        accepted,
-                        r.resync(),
-                        handler.clone(),
-                    );
-                    informer
-                        .add_listener(Arc::new(listener))
-                        .expect("informers start after build");
+            match cluster::resolve(&client, index, r).await {
+                Ok(ResolvedResource {
+                    api_resource,
+                    namespaced,
+                }) => {
+                    info!(resource = %name, plural = %api_resource.plural, namespaced, "Resolved resource");
+                    let mut wired = wiring.wire(index, api_resource).await?;
+                    wiring.add_informers(&mut wired);
+                    resources.wired.push(wired);
+                    metrics.resource_pending.with_label_values(&[&name]).set(0);
                 }
-                let encoder = Encoder::new(
-                    &config.cluster,
-                    &api_resource,
-                    &config.message,
-                    sink_cfg.encoding(),
-                );
-                if let (Some(kafka), Some(topics_cfg)) = (
-                    kafka_sinks.get(sink_name.as_str()),
-                    sink_cfg
-                        .kafka
-                        .as_ref()
-                        .and_then(|k| k.create_topics.as_ref()),
-                ) {
-                    let topics = kafka.topics_for(&encoder.sample_message(), &r.namespaces).ok_or_else(|| {
-                        sinks::Error::Setup(format!(
-                            "sink {sink_name}: create_topics needs topics known at start, but the topic \
-                             template uses {{namespace}} and resource {name:?} watches all namespaces"
-                        ))
-                    })?;
-                    kafka
-                        .create_topics(
-                            &topics,
-                            topics_cfg.partitions,
-                            topics_cfg.replication_factor,
-                        )
-                        .await?;
+                Err(err @ cluster::Error::NotServed { .. })
+                    if !config.kubernetes.require_all_resources =>
+                {
+                    let reason = wiring.pending_reason(index, &err.to_string());
+                    warn!(resource = %name, "{reason}; it starts when the API server serves it");
+                    resources.pending.insert(index, reason);
+                    metrics.resource_pending.with_label_values(&[&name]).set(1);
                 }
-                let mut route =
-                    Route::new(name.clone(), queue, encoder, delivery.clone(), &metrics);
-                if let (Some(store), Some(resumer)) = (store, resumer) {
-                    let checkpointer = Arc::new(Checkpointer::new(
-                        route_name.clone(),
-                        store,
-                        metrics.checkpoint_lag.with_label_values(&[&route_name]),
-                        metrics
-                            .checkpoint_write_failures
-                            .with_label_values(&[&route_name]),
-                    ));
-                    route = route.with_checkpointer(checkpointer.clone());
-                    resumes.push(Resume {
-                        resumer,
-                        checkpointer,
-                        interval: sink_cfg.checkpoint_interval,
-                    });
-                }
-                routes.push((Arc::new(route), sink_cfg.workers));
+                Err(err) => return Err(err.into()),
             }
         }
         let le = &config.leader_election;
@@ -407,7 +614,7 @@ impl App {
                 .informers()
                 .iter()
                 .for_each(|i| i.deactivate_listeners());
-            routes.iter().for_each(|(r, _)| r.queue().set_active(false));
+            resources.queues().iter().for_each(|q| q.set_active(false));
             Some(LeaderElector::new(
                 client.clone(),
                 le,
@@ -418,7 +625,7 @@ impl App {
         } else {
             metrics.leader.set(1);
             // This replica publishes from the start: resume before the first list.
-            resume_from_checkpoints(&resumes, &metrics, true).await?;
+            resume_from_checkpoints(&resources.resumes(), &metrics, true).await?;
             None
         };
         let address = config.admin.address;
@@ -426,15 +633,14 @@ impl App {
             .await
             .map_err(|source| Error::Admin { address, source })?;
         Ok(Self {
-            config,
             client,
             metrics,
             factory,
-            routes,
+            wiring,
+            resources: Arc::new(tokio::sync::Mutex::new(resources)),
             sinks: sinks.into_values().collect(),
             admin,
             elector,
-            resumes: Arc::new(resumes),
         })
     }
 
@@ -460,23 +666,37 @@ impl App {
         let informers_cancel = CancellationToken::new();
         let admin_cancel = CancellationToken::new();
         let api_ok = Arc::new(AtomicBool::new(true));
+        // What `/readyz` reports of pending resources, kept beside the async lock.
+        let pending_notes: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
         let readiness: admin::Readiness = {
             let factory = self.factory.clone();
             let api_ok = api_ok.clone();
             let sinks = self.sinks.clone();
+            let pending_notes = pending_notes.clone();
             Arc::new(move || {
-                let mut reasons: Vec<String> = factory
-                    .informers()
-                    .iter()
-                    .filter(|i| !i.has_synced())
-                    .map(|i| format!("informer {} has not synced", i.name()))
-                    .collect();
+                let mut reasons = Vec::new();
+                let mut notes = pending_notes
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
+                for i in factory.informers().iter().filter(|i| !i.has_synced()) {
+                    match i.problem() {
+                        // Refused: reported, retried, and not a reason to hold the rest back.
+                        Some(p) if p.starts_with("forbidden") => {
+                            notes.push(format!("informer {}: {p}", i.name()));
+                        }
+                        Some(p) => {
+                            reasons.push(format!("informer {} has not synced: {p}", i.name()))
+                        }
+                        None => reasons.push(format!("informer {} has not synced", i.name())),
+                    }
+                }
                 if !api_ok.load(Ordering::Relaxed) {
                     reasons.push("the Kubernetes API server is unreachable".into());
                 }
                 reasons.extend(sinks.iter().filter_map(|s| s.health().err()));
                 if reasons.is_empty() {
-                    Ok(())
+                    Ok(notes)
                 } else {
                     Err(reasons)
                 }
@@ -495,42 +715,64 @@ impl App {
             self.metrics.clone(),
             admin_cancel.clone(),
         ));
-        let queues: Vec<Arc<RouteQueue>> =
-            self.routes.iter().map(|(r, _)| r.queue().clone()).collect();
-        let gauges = tokio::spawn(update_unfinished_work(queues.clone(), admin_cancel.clone()));
-        let running = pipeline::start(&self.routes);
         let checkpoints_cancel = CancellationToken::new();
-        let checkpoint_tasks: Vec<_> = self
-            .resumes
-            .iter()
-            .map(|r| {
-                tokio::spawn(
-                    r.checkpointer
-                        .clone()
-                        .run(r.interval, checkpoints_cancel.clone()),
-                )
-            })
-            .collect();
+        {
+            let mut resources = self.resources.lock().await;
+            let routes: Vec<(Arc<Route>, usize)> = resources
+                .wired
+                .iter()
+                .flat_map(|w| w.routes.iter().map(|r| (r.route.clone(), r.workers)))
+                .collect();
+            let checkpoint_tasks = resources
+                .resumes()
+                .iter()
+                .map(|r| {
+                    tokio::spawn(
+                        r.checkpointer
+                            .clone()
+                            .run(r.interval, checkpoints_cancel.clone()),
+                    )
+                })
+                .collect();
+            resources.live = Some(Live {
+                running: pipeline::start(&routes),
+                checkpoint_tasks,
+                informers_cancel: informers_cancel.clone(),
+                checkpoints_cancel: checkpoints_cancel.clone(),
+            });
+            *pending_notes.lock().unwrap_or_else(|e| e.into_inner()) =
+                resources.pending.values().cloned().collect();
+        }
+        let gauges = tokio::spawn(update_unfinished_work(
+            self.resources.clone(),
+            admin_cancel.clone(),
+        ));
         let elector_cancel = CancellationToken::new();
         let election = self.elector.map(|elector| {
             let mut leading = elector.subscribe();
-            let (queues, factory) = (queues.clone(), self.factory.clone());
-            let (resumes, metrics) = (self.resumes.clone(), self.metrics.clone());
+            let (resources, metrics) = (self.resources.clone(), self.metrics.clone());
             // The elector reports changes of leadership only (renewals are silent); a
             // change seen late may hide a lost-and-regained lease, which is a change too.
             let follow = tokio::spawn(async move {
                 while leading.changed().await.is_ok() {
                     let now = *leading.borrow_and_update();
+                    let mut resources = resources.lock().await;
+                    resources.leading = now;
                     // Every change ends a term: listeners stop and routes drop what they
                     // hold (a worker drops what it took), so nothing of the old term is
                     // published after the new one's replay.
-                    let informers = factory.informers();
+                    let informers: Vec<_> = resources
+                        .wired
+                        .iter()
+                        .flat_map(|w| w.informers.iter().cloned())
+                        .collect();
+                    let queues = resources.queues();
                     informers.iter().for_each(|i| i.deactivate_listeners());
                     queues.iter().for_each(|q| q.set_active(false));
                     if now {
                         // With resume, the cache is compared with what the last leader's
                         // sink acknowledged (its checkpoint); else it is replayed whole.
-                        for r in resumes.iter() {
+                        for r in resources.resumes() {
                             // What this replica's sink acknowledged in an earlier term and
                             // has not written yet belongs in the checkpoint it compares with.
                             if let Err(err) = r.checkpointer.flush().await {
@@ -538,7 +780,8 @@ impl App {
                             }
                         }
                         // Without fail_fast it cannot fail: a store it cannot read replays.
-                        let _ = resume_from_checkpoints(&resumes, &metrics, false).await;
+                        let _ =
+                            resume_from_checkpoints(&resources.resumes(), &metrics, false).await;
                         // Consumers get the state this replica follows from here on,
                         // including what changed while no replica led: each cached object
                         // once, and what the first list has not cached yet comes from it.
@@ -551,25 +794,56 @@ impl App {
             });
             (tokio::spawn(elector.run(elector_cancel.clone())), follow)
         });
-        let informer_tasks = self.factory.start(&informers_cancel);
-        info!(admin = %admin_addr, informers = informer_tasks.len(), routes = queues.len(), "Started");
+        let informers_started = {
+            let mut resources = self.resources.lock().await;
+            for i in 0..resources.wired.len() {
+                resources.start(i, false, &self.metrics).await;
+            }
+            resources
+                .wired
+                .iter()
+                .map(|w| w.informers.len())
+                .sum::<usize>()
+        };
+        let discovery_cancel = CancellationToken::new();
+        let discovery = tokio::spawn(follow_discovery(
+            self.wiring.clone(),
+            self.resources.clone(),
+            pending_notes,
+            discovery_cancel.clone(),
+        ));
+        info!(admin = %admin_addr, informers = informers_started, "Started");
 
         shutdown.await;
-        let grace = self.config.shutdown.grace_period;
+        let grace = self.wiring.config.shutdown.grace_period;
         info!(grace_period = ?grace, "Shutting down: stopping informers, then draining the queues");
+        // Nothing is wired or unwired from here on.
+        discovery_cancel.cancel();
+        let _ = discovery.await;
+        let mut resources = self.resources.lock().await;
         informers_cancel.cancel();
-        futures::future::join_all(informer_tasks).await;
+        let tasks: Vec<_> = resources
+            .wired
+            .iter_mut()
+            .flat_map(|w| w.tasks.drain(..))
+            .collect();
+        futures::future::join_all(tasks).await;
+        let live = resources.live.take().expect("set at start");
         let report = Report {
-            undelivered: running.drain(tokio::time::Instant::now() + grace).await,
+            undelivered: live
+                .running
+                .drain(tokio::time::Instant::now() + grace)
+                .await,
         };
         // Drained: what the sinks acknowledged goes to the checkpoints, all of it.
-        checkpoints_cancel.cancel();
-        futures::future::join_all(checkpoint_tasks).await;
-        for r in self.resumes.iter() {
+        live.checkpoints_cancel.cancel();
+        futures::future::join_all(live.checkpoint_tasks).await;
+        for r in resources.resumes() {
             if let Err(err) = r.checkpointer.flush().await {
                 warn!(route = %r.checkpointer.route(), error = %err, "Final checkpoint write failed; a restart re-sends what it lacks");
             }
         }
+        drop(resources);
         // Drained: now the lease can go to a standby.
         elector_cancel.cancel();
         if let Some((elector, follow)) = election {
@@ -590,13 +864,142 @@ impl App {
     }
 }
 
+/// Keeps the wired resources in step with what the API server serves: a pending kind that
+/// appears is wired and started (everything from its first list is delivered); a wired kind
+/// that is no longer served (its CRD was deleted) has its informers stopped, what they still
+/// cache delivered as deleted, and waits as pending again. Looks again at every change of a
+/// CRD (a watch of CustomResourceDefinitions, when the service account may) and every
+/// `kubernetes.discovery_refresh`.
+async fn follow_discovery(
+    wiring: Arc<Wiring>,
+    resources: Arc<tokio::sync::Mutex<Resources>>,
+    notes: Arc<std::sync::Mutex<Vec<String>>>,
+    cancel: CancellationToken,
+) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let crds = kube::Api::<kube::api::DynamicObject>::all_with(
+        wiring.client.clone(),
+        &kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(
+                "apiextensions.k8s.io",
+                "v1",
+                "CustomResourceDefinition",
+            ),
+            "customresourcedefinitions",
+        ),
+    );
+    let mut crd_events = watcher(crds, watcher::Config::default())
+        .default_backoff()
+        .boxed();
+    let mut crd_watch_failed = false;
+    let period = wiring.config.kubernetes.discovery_refresh;
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+            event = crd_events.next() => match event {
+                Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => continue,
+                Some(Ok(_)) => crd_watch_failed = false,
+                Some(Err(err)) => {
+                    if !crd_watch_failed {
+                        warn!(error = %err, every = ?period, "Cannot watch CustomResourceDefinitions; new and deleted kinds are found by the periodic discovery refresh");
+                        crd_watch_failed = true;
+                    }
+                    continue;
+                }
+                None => return,
+            },
+        }
+        let mut resources = resources.lock().await;
+        refresh(&wiring, &mut resources).await;
+        *notes.lock().unwrap_or_else(|e| e.into_inner()) =
+            resources.pending.values().cloned().collect();
+    }
+}
+
+/// One look at discovery: see [`follow_discovery`].
+async fn refresh(wiring: &Wiring, resources: &mut Resources) {
+    let config = &wiring.config;
+    let metrics = &wiring.metrics;
+    let pending: Vec<usize> = resources.pending.keys().copied().collect();
+    for index in pending {
+        let r = &config.resources[index];
+        let name = r.effective_name();
+        let api_resource = match cluster::resolve(&wiring.client, index, r).await {
+            Ok(resolved) => resolved.api_resource,
+            Err(err) => {
+                let reason = wiring.pending_reason(index, &err.to_string());
+                if !matches!(err, cluster::Error::NotServed { .. }) {
+                    warn!(resource = %name, "{reason}");
+                }
+                resources.pending.insert(index, reason);
+                continue;
+            }
+        };
+        let position = resources.wired.iter().position(|w| w.index == index);
+        let (i, new) = match position {
+            Some(i) => (i, false),
+            None => match wiring.wire(index, api_resource.clone()).await {
+                Ok(wired) => {
+                    resources.wired.push(wired);
+                    (resources.wired.len() - 1, true)
+                }
+                Err(err) => {
+                    warn!(resource = %name, error = %err, "Cannot wire the resource now served; retrying at the next refresh");
+                    continue;
+                }
+            },
+        };
+        resources.wired[i].api_resource = api_resource;
+        wiring.add_informers(&mut resources.wired[i]);
+        resources.start(i, new, metrics).await;
+        resources.pending.remove(&index);
+        metrics.resource_pending.with_label_values(&[&name]).set(0);
+        info!(resource = %name, "The API server serves it now; watching (its first list is delivered)");
+    }
+    for i in 0..resources.wired.len() {
+        let index = resources.wired[i].index;
+        if resources.wired[i].informers.is_empty() {
+            continue;
+        }
+        let r = &config.resources[index];
+        let name = r.effective_name();
+        let Err(err @ cluster::Error::NotServed { .. }) =
+            cluster::resolve(&wiring.client, index, r).await
+        else {
+            continue;
+        };
+        let wired = &mut resources.wired[i];
+        // Its objects' deletes came from the watch; what is still cached goes as deleted.
+        wired.informers.iter().for_each(|i| i.mark_gone());
+        wired.cancel.cancel();
+        futures::future::join_all(wired.tasks.drain(..)).await;
+        for informer in wired.informers.drain(..) {
+            wiring.factory.remove(&informer);
+        }
+        let reason = wiring.pending_reason(index, &err.to_string());
+        warn!(resource = %name, "No longer served (its CRD was deleted?): informers stopped; {reason}");
+        resources.pending.insert(index, reason);
+        metrics.resource_pending.with_label_values(&[&name]).set(1);
+    }
+}
+
 /// client-go refreshes the unfinished-work gauges of every queue every 500 ms.
-async fn update_unfinished_work(queues: Vec<Arc<RouteQueue>>, cancel: CancellationToken) {
+async fn update_unfinished_work(
+    resources: Arc<tokio::sync::Mutex<Resources>>,
+    cancel: CancellationToken,
+) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tick.tick() => queues.iter().for_each(|q| q.queue().update_unfinished_work()),
+            _ = tick.tick() => {
+                let queues = resources.lock().await.queues();
+                queues.iter().for_each(|q| q.queue().update_unfinished_work());
+            }
         }
     }
 }

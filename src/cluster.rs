@@ -170,25 +170,37 @@ pub async fn connect(cfg: &KubernetesConfig, metrics: &Metrics) -> Result<(Clien
     }
 }
 
-/// A client for `config` whose every request (list, watch, discovery, lease) first takes a
-/// token of the `qps`/`burst` bucket of `cfg`, as client-go's rate limiter does, and whose
-/// 429 answers are counted with their Retry-After.
+/// A client for `config` whose every request (list, watch, discovery, lease), and every retry
+/// of one, first takes a token of the `qps`/`burst` bucket of `cfg`, as client-go's rate
+/// limiter does, and whose 429 answers are counted with their Retry-After (and retried after
+/// it, as kube does by default).
+///
+/// Every read also times out after `watch_stall_timeout` without a byte (0: never): a watch
+/// that delivers neither an event nor a bookmark for that long fails and is re-watched (the
+/// API server sends a bookmark about every minute; kube's own idle timeout is the watch
+/// timeout plus 5 s). The clock restarts at each request sent, not when a pooled connection
+/// went idle.
 pub fn client(
-    config: kube::Config,
+    mut config: kube::Config,
     cfg: &KubernetesConfig,
     metrics: &Metrics,
 ) -> Result<Client, kube::Error> {
-    let layer = ApiLimitLayer {
-        bucket: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
-        metrics: ApiMetrics {
-            requests: metrics.api_requests.clone(),
-            throttled: metrics.api_throttled.clone(),
-            retry_after: metrics.api_retry_after_seconds.clone(),
-            waited: metrics.api_client_wait_seconds.clone(),
-        },
-    };
+    if !cfg.watch_stall_timeout.is_zero() {
+        config.read_timeout = Some(cfg.watch_stall_timeout);
+        config.reset_reader_on_write = true;
+    }
+    // kube retries 429, 503 and 504 (after Retry-After) deep inside its stack, where nobody
+    // sees them; the same retry goes outside the limit here, so that each attempt takes a
+    // token and each 429 is counted.
+    config.default_retry = false;
+    let layer = ApiLimitLayer::new(cfg, metrics);
     Ok(kube::client::ClientBuilder::try_from(config)?
         .with_layer(&layer)
+        // Retry needs a service it can clone.
+        .with_layer(&tower::buffer::BufferLayer::new(1024))
+        .with_layer(&tower::retry::RetryLayer::new(
+            kube::client::retry::RetryPolicy::server_retry(),
+        ))
         .build())
 }
 
@@ -207,7 +219,22 @@ pub struct ApiLimitLayer {
     metrics: ApiMetrics,
 }
 
-impl<S> tower_layer::Layer<S> for ApiLimitLayer {
+impl ApiLimitLayer {
+    /// The bucket of `cfg` (`qps`, `burst`), counting into `metrics`.
+    fn new(cfg: &KubernetesConfig, metrics: &Metrics) -> Self {
+        Self {
+            bucket: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
+            metrics: ApiMetrics {
+                requests: metrics.api_requests.clone(),
+                throttled: metrics.api_throttled.clone(),
+                retry_after: metrics.api_retry_after_seconds.clone(),
+                waited: metrics.api_client_wait_seconds.clone(),
+            },
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for ApiLimitLayer {
     type Service = ApiLimit<S>;
 
     fn layer(&self, inner: S) -> ApiLimit<S> {
@@ -224,9 +251,9 @@ pub struct ApiLimit<S> {
     layer: ApiLimitLayer,
 }
 
-impl<S, Req, B> tower_service::Service<Req> for ApiLimit<S>
+impl<S, Req, B> tower::Service<Req> for ApiLimit<S>
 where
-    S: tower_service::Service<Req, Response = http::Response<B>>,
+    S: tower::Service<Req, Response = http::Response<B>>,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -335,8 +362,8 @@ mod tests {
         task::{Context, Poll},
     };
 
-    use tower_layer::Layer;
-    use tower_service::Service;
+    use tower::Layer;
+    use tower::Service;
 
     use super::*;
 
@@ -377,15 +404,7 @@ mod tests {
             burst: 2,
             ..Default::default()
         };
-        let layer = ApiLimitLayer {
-            bucket: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
-            metrics: ApiMetrics {
-                requests: metrics.api_requests.clone(),
-                throttled: metrics.api_throttled.clone(),
-                retry_after: metrics.api_retry_after_seconds.clone(),
-                waited: metrics.api_client_wait_seconds.clone(),
-            },
-        };
+        let layer = ApiLimitLayer::new(&cfg, &metrics);
         let server = Server::default();
         let mut service = layer.layer(server.clone());
         let start = tokio::time::Instant::now();
@@ -400,7 +419,10 @@ mod tests {
             .collect();
         offsets.sort();
         // Two at once (the burst), then one every 100 ms (10 per second).
-        let want: Vec<u128> = [0, 0].into_iter().chain((1..=10).map(|i| i * 100)).collect();
+        let want: Vec<u128> = [0, 0]
+            .into_iter()
+            .chain((1..=10).map(|i| i * 100))
+            .collect();
         assert_eq!(offsets, want);
         assert_eq!(metrics.api_requests.get(), 12);
         assert_eq!(metrics.api_throttled.get(), 6);

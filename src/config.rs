@@ -84,7 +84,8 @@ pub struct KubernetesConfig {
     /// Fail the start when a configured kind is not served; otherwise it waits as pending.
     #[serde(default)]
     pub require_all_resources: bool,
-    /// How often pending kinds are looked up again by discovery (besides every CRD change).
+    /// How often discovery is asked again whether pending kinds are served now and watched
+    /// kinds still are (besides at every CRD change, when CRDs may be watched).
     #[serde(default = "default_discovery_refresh", with = "humantime_serde")]
     pub discovery_refresh: Duration,
     /// Requests per second to the API server, over every list, watch, discovery and lease
@@ -94,8 +95,9 @@ pub struct KubernetesConfig {
     /// Requests the rate limit lets through at once.
     #[serde(default = "default_burst")]
     pub burst: u32,
-    /// A watch that delivers neither an event nor a bookmark for this long is restarted
-    /// (with a relist); 0 disables the check.
+    /// A watch that delivers neither an event nor a bookmark for this long is restarted from
+    /// its last resourceVersion and counted; 0 leaves it to kube's idle timeout (the watch
+    /// timeout plus 5 s).
     #[serde(default = "default_watch_stall_timeout", with = "humantime_serde")]
     pub watch_stall_timeout: Duration,
 }
@@ -658,10 +660,7 @@ impl Config {
             );
         }
         if !(self.kubernetes.qps.is_finite() && self.kubernetes.qps > 0.0) {
-            err(
-                "kubernetes.qps".into(),
-                "must be a positive number".into(),
-            );
+            err("kubernetes.qps".into(), "must be a positive number".into());
         }
         if self.kubernetes.burst == 0 {
             err("kubernetes.burst".into(), "must be at least 1".into());

@@ -4,8 +4,8 @@
 
 use crate::workqueue::metrics::WorkqueueMetricFamilies;
 use prometheus::{
-    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, exponential_buckets,
+    HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    exponential_buckets,
 };
 
 /// The process's metrics. One instance per process (tests make their own).

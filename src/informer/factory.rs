@@ -139,6 +139,8 @@ impl SharedInformerFactory {
                 deleted: m
                     .informer_watch_events
                     .with_label_values(&[&name, "deleted"]),
+                forbidden: m.informer_forbidden.with_label_values(&[&name]),
+                stalls: m.informer_watch_stalls.with_label_values(&[&name]),
             },
         );
         let informer = Arc::new(SharedIndexInformer::new(
@@ -168,11 +170,19 @@ impl SharedInformerFactory {
             .collect()
     }
 
+    /// Forgets `informer` (a stopped one): the next request for its key creates a new one.
+    pub fn remove(&self, informer: &Arc<SharedIndexInformer>) {
+        self.informers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(_, i)| !Arc::ptr_eq(i, informer));
+    }
+
     /// Starts every informer; each task ends after `cancel` fires and its FIFO is drained.
     pub fn start(&self, cancel: &CancellationToken) -> Vec<JoinHandle<()>> {
         self.informers()
             .into_iter()
-            .map(|i| tokio::spawn(i.run(cancel.clone())))
+            .filter_map(|i| i.spawn(cancel.clone()))
             .collect()
     }
 

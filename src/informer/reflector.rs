@@ -18,6 +18,15 @@
 //! Errors are logged, counted, and retried by the watcher with backoff; nothing already in the
 //! FIFO or cache is dropped. A list interrupted by an error is discarded and the next `Init`
 //! starts it again, so a partial list never reaches `replace` (which would delete the rest).
+//! A refusal (403 Forbidden) is reported with the verb and resource (log, the
+//! `forbidden` gauge, [`Reflector::problem`] for `/readyz`) and retried like any error, so a
+//! permission granted later takes effect without a restart.
+//!
+//! A watch that delivers nothing, neither an event nor a bookmark, for
+//! `kubernetes.watch_stall_timeout` fails with a read timeout of the client (see
+//! `cluster::client`); the watcher then re-watches from the last resourceVersion after its
+//! backoff, and the stall is counted in `stalls`. The API server sends a bookmark about every
+//! minute on an idle watch, so a healthy quiet watch never trips it.
 
 use std::sync::{Arc, Mutex};
 
@@ -49,6 +58,24 @@ pub struct ReflectorMetrics {
     pub applied: IntCounter,
     /// DELETED watch events.
     pub deleted: IntCounter,
+    /// 1 while the last list or watch was refused (403).
+    pub forbidden: prometheus::IntGauge,
+    /// Watches restarted because they went silent.
+    pub stalls: IntCounter,
+}
+
+/// Whether `err` is a read that timed out: the client's stall timeout on a silent watch.
+fn is_stall(err: &watcher::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
+    while let Some(e) = source {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        source = e.source();
+    }
+    false
 }
 
 /// One list+watch loop. See the module docs.
@@ -60,6 +87,7 @@ pub struct Reflector {
     transform: Option<Transform>,
     metrics: ReflectorMetrics,
     last_sync_resource_version: Mutex<String>,
+    problem: Mutex<Option<String>>,
 }
 
 impl Reflector {
@@ -80,6 +108,44 @@ impl Reflector {
             transform,
             metrics,
             last_sync_resource_version: Mutex::new(String::new()),
+            problem: Mutex::new(None),
+        }
+    }
+
+    /// Why the last list or watch failed, until one succeeds again.
+    pub fn problem(&self) -> Option<String> {
+        self.problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_problem(&self, problem: Option<String>) {
+        let mut p = self.problem.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_some() || problem.is_some() {
+            *p = problem;
+        }
+    }
+
+    /// What an error says, and whether it is a refusal (403).
+    fn describe(&self, err: &watcher::Error) -> (String, bool) {
+        let (verb, status) = match err {
+            watcher::Error::InitialListFailed(kube::Error::Api(s)) => ("list", Some(s)),
+            watcher::Error::WatchStartFailed(kube::Error::Api(s))
+            | watcher::Error::WatchFailed(kube::Error::Api(s)) => ("watch", Some(s)),
+            watcher::Error::WatchError(s) => ("watch", Some(s)),
+            _ => ("", None),
+        };
+        match status {
+            Some(s) if s.code == 403 => (
+                format!(
+                    "forbidden to {verb} {} (403: {}); grant the service account {verb} on it",
+                    self.api.resource_url(),
+                    s.message
+                ),
+                true,
+            ),
+            _ => (err.to_string(), false),
         }
     }
 
@@ -114,6 +180,10 @@ impl Reflector {
                 event = stream.next() => event,
             };
             let Some(event) = event else { break };
+            if event.is_ok() {
+                self.set_problem(None);
+                self.metrics.forbidden.set(0);
+            }
             match event {
                 Ok(watcher::Event::Init) => {
                     if lists > 0 {
@@ -143,7 +213,17 @@ impl Reflector {
                 }
                 Err(err) => {
                     self.metrics.watch_errors.inc();
-                    warn!(informer = %self.name, error = %err, "List/watch failed; retrying with backoff");
+                    let (problem, forbidden) = self.describe(&err);
+                    if is_stall(&err) {
+                        self.metrics.stalls.inc();
+                        warn!(informer = %self.name, "Watch delivered neither an event nor a bookmark for kubernetes.watch_stall_timeout; restarting it");
+                    } else if forbidden {
+                        self.metrics.forbidden.set(1);
+                        warn!(informer = %self.name, "{problem}; retrying with backoff");
+                    } else {
+                        warn!(informer = %self.name, error = %err, "List/watch failed; retrying with backoff");
+                    }
+                    self.set_problem(Some(problem));
                 }
             }
         }

@@ -56,6 +56,10 @@ pub struct SharedIndexInformer {
     reflector: Reflector,
     listeners: RwLock<Vec<Arc<ProcessorListener>>>,
     started: AtomicBool,
+    // Set by the first `spawn`: an informer shared by several resources runs once.
+    spawned: AtomicBool,
+    // Set when the kind stopped being served: a stop then deletes what the cache holds.
+    gone: AtomicBool,
     // Set (under the FIFO lock) once listeners were told the first list is through.
     sync_signalled: AtomicBool,
     metrics: InformerMetrics,
@@ -85,6 +89,8 @@ impl SharedIndexInformer {
             reflector,
             listeners: RwLock::new(Vec::new()),
             started: AtomicBool::new(false),
+            spawned: AtomicBool::new(false),
+            gone: AtomicBool::new(false),
             sync_signalled: AtomicBool::new(false),
             metrics,
         }
@@ -187,6 +193,11 @@ impl SharedIndexInformer {
         };
         self.reflector.run(cancel.clone()).await;
         sync_signal.abort();
+        if self.gone.load(Ordering::SeqCst) {
+            // The kind is no longer served (its CRD was deleted): what the watch has not
+            // deleted yet is deleted now, as a relist that found nothing would.
+            self.fifo.replace(Vec::new());
+        }
         // The reflector has stopped: let the FIFO drain into the listeners.
         self.fifo.close();
         let _ = process.await;
@@ -194,6 +205,30 @@ impl SharedIndexInformer {
             let _ = r.await;
         }
         debug!(informer = %self.name, "Informer stopped");
+    }
+
+    /// Runs the informer in a task unless an earlier call already did (several resources
+    /// of the config may share one informer).
+    pub fn spawn(
+        self: &Arc<Self>,
+        cancel: CancellationToken,
+    ) -> Option<tokio::task::JoinHandle<()>> {
+        self.spawned
+            .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+            .then(|| tokio::spawn(self.clone().run(cancel)))
+    }
+
+    /// Marks the kind as no longer served: when the informer is stopped, every object still
+    /// cached is delivered as deleted (final state unknown) before the FIFO drains.
+    pub fn mark_gone(&self) {
+        self.gone.store(true, Ordering::SeqCst);
+    }
+
+    /// Why the last list or watch failed, until one succeeds again (a refusal names the
+    /// verb and resource).
+    pub fn problem(&self) -> Option<String> {
+        self.reflector.problem()
     }
 
     /// Switches every listener off: they drop what the informer distributes until

@@ -44,6 +44,12 @@ pub fn start(routes: &[(Arc<Route>, usize)]) -> Running {
 }
 
 impl Running {
+    /// Starts `workers` workers for each of `routes` too.
+    pub fn add(&mut self, routes: &[(Arc<Route>, usize)]) {
+        self.routes
+            .extend(routes.iter().map(|(r, n)| (r.clone(), r.spawn_workers(*n))));
+    }
+
     /// Drains every route queue (`shut_down_with_drain`) until `deadline`, then stops the
     /// workers (aborting any still stuck in a publish) and returns what each route still
     /// holds, by route name. Call it once the informers have stopped feeding the queues.

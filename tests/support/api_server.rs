@@ -41,6 +41,8 @@ pub struct ResourceDef {
     pub verbs: &'static [&'static str],
     /// Custom resources carry kind/apiVersion on list items; built-ins do not.
     pub custom: bool,
+    /// Discovery lists it and its paths answer (a deleted CRD's kind is not served).
+    pub served: bool,
 }
 
 impl ResourceDef {
@@ -67,6 +69,7 @@ pub fn default_resources() -> Vec<ResourceDef> {
         namespaced,
         verbs: RW,
         custom,
+        served: true,
     };
     vec![
         d("", "v1", "ConfigMap", "configmaps", true, false),
@@ -75,6 +78,14 @@ pub fn default_resources() -> Vec<ResourceDef> {
         d("apps", "v1", "Deployment", "deployments", true, false),
         d("example.com", "v1", "Widget", "widgets", true, true),
         d("coordination.k8s.io", "v1", "Lease", "leases", true, false),
+        d(
+            "apiextensions.k8s.io",
+            "v1",
+            "CustomResourceDefinition",
+            "customresourcedefinitions",
+            false,
+            false,
+        ),
         ResourceDef {
             verbs: &["create"],
             ..d("", "v1", "Binding", "bindings", true, false)
@@ -106,6 +117,10 @@ struct Store {
 
 #[derive(Default)]
 struct Faults {
+    /// Plurals whose list and watch get 403 Forbidden.
+    forbidden: std::collections::HashSet<String>,
+    /// Bookmarks on open watches this often (the real server: about every minute).
+    bookmark_interval: Option<Duration>,
     block_watches: bool,
     fail_next_lists: u32,
     // Lease writes (create or replace) naming this holder get 503: a leader whose renewals
@@ -121,7 +136,9 @@ pub struct Counts {
 }
 
 struct Shared {
-    resources: Vec<ResourceDef>,
+    resources: std::sync::RwLock<Vec<ResourceDef>>,
+    // Bumped to make every open watch go silent (connection kept, nothing sent).
+    stall: watch::Sender<u64>,
     store: Mutex<Store>,
     events: broadcast::Sender<HistoryEvent>,
     kill: watch::Sender<u64>,
@@ -176,7 +193,8 @@ impl ApiServer {
 
     pub async fn with_resources(resources: Vec<ResourceDef>) -> Self {
         let shared = Arc::new(Shared {
-            resources,
+            resources: std::sync::RwLock::new(resources),
+            stall: watch::channel(0).0,
             store: Mutex::new(Store {
                 rv: 100,
                 next_uid: 1,
@@ -184,7 +202,10 @@ impl ApiServer {
             }),
             events: broadcast::channel(100_000).0,
             kill: watch::channel(0).0,
-            faults: Mutex::default(),
+            faults: Mutex::new(Faults {
+                bookmark_interval: Some(Duration::from_secs(60)),
+                ..Default::default()
+            }),
             counts: Mutex::default(),
             addr: Mutex::default(),
         });
@@ -225,6 +246,8 @@ impl ApiServer {
     fn resource_of(&self, api_version: &str, kind: &str) -> usize {
         self.shared
             .resources
+            .read()
+            .unwrap()
             .iter()
             .position(|r| r.group_version() == api_version && r.kind == kind)
             .unwrap_or_else(|| panic!("test server does not serve {api_version} {kind}"))
@@ -249,7 +272,7 @@ impl ApiServer {
     /// Deletes an object; watchers get its last state with the deletion's resourceVersion.
     pub fn delete(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Value {
         let res = self.resource_of(api_version, kind);
-        let ns = if self.shared.resources[res].namespaced {
+        let ns = if self.shared.def(res).namespaced {
             namespace
         } else {
             ""
@@ -290,6 +313,106 @@ impl ApiServer {
         self.shared.faults.lock().unwrap().block_watches = blocked;
     }
 
+    /// List and watch of `plural` get 403 Forbidden while `forbidden` is set (RBAC that
+    /// does not grant them).
+    pub fn forbid(&self, plural: &str, forbidden: bool) {
+        let mut f = self.shared.faults.lock().unwrap();
+        if forbidden {
+            f.forbidden.insert(plural.to_owned());
+        } else {
+            f.forbidden.remove(plural);
+        }
+    }
+
+    /// Watches opened from now on send a bookmark this often when idle (default: a minute,
+    /// as the real server; `None`: only when they time out).
+    pub fn set_bookmark_interval(&self, every: Option<Duration>) {
+        self.shared.faults.lock().unwrap().bookmark_interval = every;
+    }
+
+    /// Every open watch goes silent: the connection stays open, nothing more is sent (no
+    /// event, no bookmark), as behind a proxy that lost the stream. New watches are normal.
+    pub fn stall_watches(&self) {
+        self.shared.stall.send_modify(|g| *g += 1);
+    }
+
+    /// Installs a CRD: its kind is served from now on (discovery, list, watch, writes) and its
+    /// CustomResourceDefinition object is created (watchers of CRDs see it).
+    pub fn install_crd(
+        &self,
+        group: &str,
+        version: &str,
+        kind: &str,
+        plural: &str,
+        namespaced: bool,
+    ) -> Value {
+        let leak = |s: &str| -> &'static str { Box::leak(s.to_owned().into_boxed_str()) };
+        {
+            let mut resources = self.shared.resources.write().unwrap();
+            match resources
+                .iter_mut()
+                .find(|r| r.group == group && r.version == version && r.plural == plural)
+            {
+                Some(r) => r.served = true,
+                None => resources.push(ResourceDef {
+                    group: leak(group),
+                    version: leak(version),
+                    kind: leak(kind),
+                    plural: leak(plural),
+                    namespaced,
+                    verbs: RW,
+                    custom: true,
+                    served: true,
+                }),
+            }
+        }
+        self.create(json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": format!("{plural}.{group}")},
+            "spec": {
+                "group": group,
+                "names": {"kind": kind, "plural": plural},
+                "scope": if namespaced { "Namespaced" } else { "Cluster" },
+                "versions": [{"name": version, "served": true, "storage": true}],
+            },
+            "status": {"conditions": [{"type": "Established", "status": "True"}]},
+        }))
+    }
+
+    /// Deletes a CRD as the real server does: every object of its kind is deleted (watchers
+    /// see each DELETED), the kind is no longer served, then the CRD object goes.
+    pub fn delete_crd(&self, group: &str, plural: &str) {
+        let (res, def) = {
+            let resources = self.shared.resources.read().unwrap();
+            let res = resources
+                .iter()
+                .position(|r| r.group == group && r.plural == plural && r.served)
+                .unwrap_or_else(|| panic!("no served CRD {plural}.{group}"));
+            (res, resources[res].clone())
+        };
+        let objects: Vec<(String, String)> = self
+            .shared
+            .store
+            .lock()
+            .unwrap()
+            .objects
+            .keys()
+            .filter(|(r, _, _)| *r == res)
+            .map(|(_, ns, name)| (ns.clone(), name.clone()))
+            .collect();
+        for (ns, name) in objects {
+            self.delete(&def.group_version(), def.kind, &ns, &name);
+        }
+        self.shared.resources.write().unwrap()[res].served = false;
+        self.delete(
+            "apiextensions.k8s.io/v1",
+            "CustomResourceDefinition",
+            "",
+            &format!("{plural}.{group}"),
+        );
+    }
+
     /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
     pub fn refuse_lease_writes_from(&self, holder: Option<&str>) {
         self.shared.faults.lock().unwrap().refuse_lease_holder = holder.map(str::to_owned);
@@ -298,7 +421,7 @@ impl ApiServer {
     /// The object at `api_version`/`kind` `namespace/name`, if any.
     pub fn get(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Option<Value> {
         let res = self.resource_of(api_version, kind);
-        let ns = if self.shared.resources[res].namespaced {
+        let ns = if self.shared.def(res).namespaced {
             namespace
         } else {
             ""
@@ -340,6 +463,11 @@ impl ApiServer {
 }
 
 impl Shared {
+    /// The definition of resource `i`.
+    fn def(&self, i: usize) -> ResourceDef {
+        self.resources.read().unwrap()[i].clone()
+    }
+
     /// Creates (`ADDED`) or replaces (`MODIFIED`) an object and records the watch event. With
     /// `check_rv`, a replace must carry the current resourceVersion (optimistic concurrency).
     /// Errors are (HTTP code, reason, message).
@@ -355,14 +483,16 @@ impl Shared {
         );
         let res = self
             .resources
+            .read()
+            .unwrap()
             .iter()
-            .position(|r| r.group_version() == api_version && r.kind == kind)
+            .position(|r| r.group_version() == api_version && r.kind == kind && r.served)
             .ok_or((
-                400,
-                "BadRequest",
+                404,
+                "NotFound",
                 format!("no resource for {api_version} {kind}"),
             ))?;
-        let def = &self.resources[res];
+        let def = &self.def(res);
         let ns = if def.namespaced {
             obj["metadata"]["namespace"]
                 .as_str()
@@ -462,9 +592,11 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
     };
     let resource = shared
         .resources
+        .read()
+        .unwrap()
         .iter()
-        .position(|r| r.group_version() == gv && r.plural == plural)?;
-    if namespace.is_some() && !shared.resources[resource].namespaced {
+        .position(|r| r.group_version() == gv && r.plural == plural && r.served)?;
+    if namespace.is_some() && !shared.def(resource).namespaced {
         return None;
     }
     Some(Collection {
@@ -566,7 +698,13 @@ async fn handle(
         }
         "/apis" => {
             let mut groups: BTreeMap<&str, &str> = BTreeMap::new();
-            for r in shared.resources.iter().filter(|r| !r.group.is_empty()) {
+            for r in shared
+                .resources
+                .read()
+                .unwrap()
+                .iter()
+                .filter(|r| !r.group.is_empty() && r.served)
+            {
                 groups.insert(r.group, r.version);
             }
             let groups: Vec<Value> = groups
@@ -592,8 +730,10 @@ async fn handle(
     if let Some(gv) = discovery_gv {
         let resources: Vec<Value> = shared
             .resources
+            .read()
+            .unwrap()
             .iter()
-            .filter(|r| r.group_version() == gv)
+            .filter(|r| r.group_version() == gv && r.served)
             .map(|r| {
                 json!({"name": r.plural, "singularName": r.kind.to_lowercase(), "namespaced": r.namespaced,
                        "kind": r.kind, "verbs": r.verbs})
@@ -628,6 +768,15 @@ async fn handle(
         return write_or_get(&shared, &collection, &method, &body);
     }
     let is_watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
+    let def = shared.def(collection.resource);
+    if shared.faults.lock().unwrap().forbidden.contains(def.plural) {
+        let verb = if is_watch { "watch" } else { "list" };
+        let message = format!(
+            "{} is forbidden: User \"system:serviceaccount:test:kube-event-bridge\" cannot {verb} resource \"{}\" in API group \"{}\" at the cluster scope",
+            def.plural, def.plural, def.group
+        );
+        return json_response(StatusCode::FORBIDDEN, &status(403, "Forbidden", &message));
+    }
     {
         let mut counts = shared.counts.lock().unwrap();
         let c = counts.entry(path.to_owned()).or_default();
@@ -657,7 +806,7 @@ fn write_or_get(
     method: &axum::http::Method,
     body: &[u8],
 ) -> Response<Body> {
-    let def = &shared.resources[c.resource];
+    let def = &shared.def(c.resource);
     let failure = |(code, reason, msg): (u16, &str, String)| {
         json_response(
             StatusCode::from_u16(code).unwrap(),
@@ -747,7 +896,7 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
             return too_many_requests();
         }
     }
-    let def = shared.resources[filter.resource].clone();
+    let def = shared.def(filter.resource);
     let rv_param = q.get("resourceVersion").map(String::as_str).unwrap_or("");
     let version_match = q.get("resourceVersionMatch").map(String::as_str);
     let limit: Option<usize> = q
@@ -882,7 +1031,8 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
     if shared.faults.lock().unwrap().block_watches {
         return too_many_requests();
     }
-    let def = shared.resources[filter.resource].clone();
+    let def = shared.def(filter.resource);
+    let bookmark_every = shared.faults.lock().unwrap().bookmark_interval;
     let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
     let send_initial = q.get("sendInitialEvents").is_some_and(|v| v == "true");
     if send_initial && q.get("resourceVersionMatch").map(String::as_str) != Some("NotOlderThan") {
@@ -902,6 +1052,8 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
     let rv_param = q.get("resourceVersion").cloned().unwrap_or_default();
     let mut kill = shared.kill.subscribe();
     kill.borrow_and_update();
+    let mut stall = shared.stall.subscribe();
+    stall.borrow_and_update();
     // Subscribe and read the state under one lock, so no event falls between the two.
     let (mut live, mut first, mut last_rv) = {
         let store = shared.store.lock().unwrap();
@@ -947,8 +1099,25 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
                 return;
             }
         }
+        let mut tick = tokio::time::interval(bookmark_every.unwrap_or(Duration::from_secs(3600)));
+        tick.tick().await;
         loop {
             tokio::select! {
+                // A stall applies to everything after it, even what is already waiting.
+                biased;
+                _ = stall.changed() => {
+                    // Silent from here on, until the client gives up on the connection.
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(deadline) => {}
+                        _ = tx.closed() => {}
+                    }
+                    return;
+                }
+                _ = tick.tick(), if bookmarks && bookmark_every.is_some() => {
+                    if tx.send(Ok(bookmark(&def, last_rv, false))).await.is_err() {
+                        return;
+                    }
+                }
                 _ = tokio::time::sleep_until(deadline) => {
                     if bookmarks {
                         let _ = tx.send(Ok(bookmark(&def, last_rv, false))).await;

@@ -179,7 +179,16 @@ pub struct RunningApp {
 impl RunningApp {
     /// Builds the service against `api` and runs it.
     pub async fn start(config: kube_event_bridge::config::Config, api: &ApiServer) -> Self {
-        let app = kube_event_bridge::app::App::build(config, api.client())
+        Self::start_with(config, api.client(), Default::default()).await
+    }
+
+    /// Builds the service with `client` (made with `metrics`) and runs it.
+    pub async fn start_with(
+        config: kube_event_bridge::config::Config,
+        client: kube::Client,
+        metrics: Arc<kube_event_bridge::metrics::Metrics>,
+    ) -> Self {
+        let app = kube_event_bridge::app::App::build_with_metrics(config, client, metrics)
             .await
             .unwrap();
         let (metrics, factory, admin) = (

@@ -1,0 +1,322 @@
+//! Kinds that appear and go while the service runs (CRDs installed after it, deleted under
+//! it), kinds it may not watch, watches that go silent, and the API client's rate limit and
+//! 429 accounting: the whole service against the API test server, with a file sink.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use kube_event_bridge::{config::Config, metrics::Metrics};
+use serde_json::{Value, json};
+use support::{ApiServer, RunningApp, configmap, eventually, http_get, typed};
+
+const GROUP: &str = "shop.example.org";
+
+fn config(out: &Path, resources: Value, kubernetes: Value) -> Config {
+    let routes: Vec<Value> = resources
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| json!({"resource": r["name"], "sinks": ["out"]}))
+        .collect();
+    Config::from_value(json!({
+        "cluster": "test",
+        "admin": {"address": "127.0.0.1:0"},
+        "shutdown": {"grace_period": "5s"},
+        "kubernetes": kubernetes,
+        "resources": resources,
+        "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": out}}],
+        "routes": routes,
+    }))
+    .unwrap()
+}
+
+fn gadget(name: &str) -> Value {
+    json!({"apiVersion": format!("{GROUP}/v1"), "kind": "Gadget",
+           "metadata": {"name": name, "namespace": "ns"}, "spec": {"size": 1}})
+}
+
+/// Per object (`kind ns/name`): the event types delivered, in order.
+fn delivered(out: &Path) -> HashMap<String, Vec<String>> {
+    let mut by_object: HashMap<String, Vec<String>> = HashMap::new();
+    for e in support::cloudevent_lines(out) {
+        let key = format!(
+            "{} {}",
+            e["k8skind"].as_str().unwrap(),
+            e["subject"].as_str().unwrap()
+        );
+        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
+        by_object.entry(key).or_default().push(ty.to_owned());
+    }
+    by_object
+}
+
+async fn wait_delivered(
+    out: &Path,
+    what: &str,
+    cond: impl Fn(&HashMap<String, Vec<String>>) -> bool,
+) {
+    let out: PathBuf = out.to_owned();
+    eventually(what, move || cond(&delivered(&out))).await;
+}
+
+fn gauge(metrics: &str, line_start: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// The scenario of a GitOps rollout: the bridge starts before the CRD of a kind it exports.
+/// It starts anyway, exports the built-ins at once, lists the kind as pending; once the CRD
+/// is installed its objects are delivered (each once); when the CRD is deleted its objects'
+/// deletes are delivered, its informer stops and it is pending again; a new CRD brings it
+/// back. The CRD watch alone drives this (the periodic refresh is an hour away).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() {
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "cm", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = config(
+        &out,
+        json!([
+            {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
+            {"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
+        ]),
+        json!({"discovery_refresh": "1h"}),
+    );
+    let app = RunningApp::start(cfg, &api).await;
+    wait_delivered(&out, "the ConfigMap", |d| d.contains_key("ConfigMap ns/cm")).await;
+    let (code, body) = http_get(app.admin, "/readyz").await;
+    assert_eq!(code, 200, "pending kinds do not hold readiness: {body}");
+    assert!(
+        body.contains("resource gadget (shop.example.org/v1 Gadget) is pending: ")
+            && body.contains("does not serve shop.example.org/v1"),
+        "{body}"
+    );
+    let (_, metrics) = http_get(app.admin, "/metrics").await;
+    assert_eq!(
+        gauge(&metrics, "keb_resource_pending{resource=\"gadget\"}"),
+        Some(1.0),
+        "{metrics}"
+    );
+
+    api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
+    for i in 0..5 {
+        api.create(gadget(&format!("g{i}")));
+    }
+    wait_delivered(&out, "5 gadgets", |d| {
+        (0..5).all(|i| d.contains_key(&format!("Gadget ns/g{i}")))
+    })
+    .await;
+    let admin = app.admin;
+    eventually("gadget no longer pending", || {
+        app.metrics
+            .resource_pending
+            .with_label_values(&["gadget"])
+            .get()
+            == 0
+    })
+    .await;
+    let (code, body) = http_get(admin, "/readyz").await;
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+
+    api.delete_crd(GROUP, "gadgets");
+    wait_delivered(&out, "5 gadget deletes", |d| {
+        (0..5).all(|i| d[&format!("Gadget ns/g{i}")].last().map(String::as_str) == Some("deleted"))
+    })
+    .await;
+    let factory = app.factory.clone();
+    eventually("the gadget informer stopped", || {
+        factory
+            .informers()
+            .iter()
+            .all(|i| !i.name().contains("gadgets"))
+    })
+    .await;
+    assert_eq!(
+        app.metrics
+            .resource_pending
+            .with_label_values(&["gadget"])
+            .get(),
+        1
+    );
+
+    api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
+    api.create(gadget("again"));
+    wait_delivered(&out, "the gadget of the new CRD", |d| {
+        d.contains_key("Gadget ns/again")
+    })
+    .await;
+    api.update(typed(&configmap("ns", "cm", "2")));
+    wait_delivered(&out, "the ConfigMap update", |d| {
+        d["ConfigMap ns/cm"].len() == 2
+    })
+    .await;
+    let report = app.stop().await;
+    assert!(report.undelivered.is_empty());
+    let d = delivered(&out);
+    for i in 0..5 {
+        assert_eq!(
+            d[&format!("Gadget ns/g{i}")],
+            ["added", "deleted"],
+            "each once"
+        );
+    }
+    assert_eq!(d["Gadget ns/again"], ["added"]);
+    assert_eq!(d["ConfigMap ns/cm"], ["added", "updated"]);
+    assert_eq!(d.len(), 7, "nothing else: {d:?}");
+}
+
+/// A service account that may not watch CRDs: new kinds are found by the periodic
+/// discovery refresh instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_crd_watch_the_periodic_refresh_finds_new_kinds() {
+    let api = ApiServer::start().await;
+    api.forbid("customresourcedefinitions", true);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = config(
+        &out,
+        json!([{"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}]),
+        json!({"discovery_refresh": "1s"}),
+    );
+    let app = RunningApp::start(cfg, &api).await;
+    api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
+    api.create(gadget("g"));
+    wait_delivered(&out, "the gadget", |d| d.contains_key("Gadget ns/g")).await;
+    app.stop().await;
+}
+
+/// `require_all_resources: true` keeps the fail-fast start.
+#[tokio::test]
+async fn require_all_resources_fails_the_start_naming_the_kind() {
+    let api = ApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(
+        &dir.path().join("out.jsonl"),
+        json!([{"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}]),
+        json!({"require_all_resources": true}),
+    );
+    let err = kube_event_bridge::app::App::build(cfg, api.client())
+        .await
+        .err()
+        .expect("the start fails")
+        .to_string();
+    assert_eq!(
+        err,
+        "resources[0] (shop.example.org/v1 Gadget): the API server does not serve shop.example.org/v1"
+    );
+}
+
+/// A kind the service account may not list: reported (log, gauge, `/readyz` note naming the
+/// verb and resource), retried, and the other kinds keep going; granted later, it starts
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forbidden_kind_is_reported_and_retried_while_the_others_run() {
+    let api = ApiServer::start().await;
+    api.forbid("secrets", true);
+    api.create(typed(&configmap("ns", "cm", "1")));
+    api.create(json!({"apiVersion": "v1", "kind": "Secret",
+                      "metadata": {"name": "s", "namespace": "ns"}, "data": {"k": "dg=="}}));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = config(
+        &out,
+        json!([
+            {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
+            {"name": "secret", "api_version": "v1", "kind": "Secret"},
+        ]),
+        json!({}),
+    );
+    let app = RunningApp::start(cfg, &api).await;
+    wait_delivered(&out, "the ConfigMap", |d| d.contains_key("ConfigMap ns/cm")).await;
+    let metrics = app.metrics.clone();
+    eventually("the forbidden gauge", || {
+        metrics
+            .informer_forbidden
+            .with_label_values(&["v1/secrets"])
+            .get()
+            == 1
+    })
+    .await;
+    let (code, body) = http_get(app.admin, "/readyz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("informer v1/secrets: forbidden to list /api/v1/secrets (403"),
+        "{body}"
+    );
+    api.forbid("secrets", false);
+    wait_delivered(&out, "the Secret once granted", |d| {
+        d.contains_key("Secret ns/s")
+    })
+    .await;
+    assert_eq!(
+        app.metrics
+            .informer_forbidden
+            .with_label_values(&["v1/secrets"])
+            .get(),
+        0
+    );
+    app.stop().await;
+}
+
+/// With the service's own client: a watch that goes silent (no event, no bookmark) is
+/// restarted after `watch_stall_timeout` and counted, and what it missed is delivered; healthy
+/// quiet watches (bookmarks) are not restarted; the server's 429s are counted with their
+/// Retry-After.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_watch_is_restarted_and_429s_are_counted() {
+    let api = ApiServer::start().await;
+    api.set_bookmark_interval(Some(Duration::from_millis(200)));
+    api.create(typed(&configmap("ns", "a", "1")));
+    api.fail_next_lists(2);
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = config(
+        &out,
+        json!([{"name": "configmap", "api_version": "v1", "kind": "ConfigMap"}]),
+        json!({"watch_stall_timeout": "1s"}),
+    );
+    let metrics = Arc::new(Metrics::new());
+    let client = kube_event_bridge::cluster::client(
+        kube::Config::new(api.url().parse().unwrap()),
+        &cfg.kubernetes,
+        &metrics,
+    )
+    .unwrap();
+    let app = RunningApp::start_with(cfg, client, metrics.clone()).await;
+    wait_delivered(&out, "the first ConfigMap", |d| {
+        d.contains_key("ConfigMap ns/a")
+    })
+    .await;
+    assert_eq!(metrics.api_throttled.get(), 2, "two 429s");
+    assert_eq!(metrics.api_retry_after_seconds.get(), 2);
+    let stalls = metrics
+        .informer_watch_stalls
+        .with_label_values(&["v1/configmaps"]);
+    // Quiet but healthy: bookmarks every 200 ms keep the 1 s timeout from firing.
+    api.update(typed(&configmap("ns", "a", "2")));
+    wait_delivered(&out, "an update", |d| d["ConfigMap ns/a"].len() == 2).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(stalls.get(), 0, "bookmarks keep a quiet watch alive");
+
+    api.stall_watches();
+    api.create(typed(&configmap("ns", "b", "1")));
+    wait_delivered(&out, "the change the silent watch missed", |d| {
+        d.contains_key("ConfigMap ns/b")
+    })
+    .await;
+    assert!(stalls.get() >= 1, "the stall is counted");
+    let report = app.stop().await;
+    assert!(report.undelivered.is_empty());
+    let d = delivered(&out);
+    assert_eq!(d["ConfigMap ns/b"], ["added"], "once");
+    assert!(metrics.api_requests.get() > 3);
+}
