@@ -27,7 +27,7 @@ use tracing::{info, warn};
 use crate::{
     admin,
     cluster::{self, ResolvedResource},
-    config::{Config, EventType, SinkType},
+    config::{Config, EventType, ResourceConfig, SinkType},
     informer::{
         InformerKey, NotificationHandler, ProcessorListener, SharedIndexInformer,
         SharedInformerFactory, factory::WatchOptions,
@@ -229,7 +229,8 @@ impl Wiring {
     async fn wire(&self, index: usize, api_resource: ApiResource) -> Result<Wired, Error> {
         let (config, metrics) = (&self.config, &self.metrics);
         let r = &config.resources[index];
-        let name = r.effective_name();
+        let entry = r.effective_name();
+        let name = kind_name(r, &api_resource);
         let namespaces = if r.namespaces.is_empty() {
             1
         } else {
@@ -239,7 +240,7 @@ impl Wiring {
         let sink_names = config
             .routes
             .iter()
-            .filter(|rt| rt.resource == name)
+            .filter(|rt| rt.resource == entry)
             .flat_map(|rt| &rt.sinks);
         for sink_name in sink_names {
             let sink_cfg = config
@@ -582,15 +583,18 @@ impl App {
         };
         for (index, r) in config.resources.iter().enumerate() {
             let name = r.effective_name();
-            match cluster::resolve(&client, index, r).await {
-                Ok(ResolvedResource {
-                    api_resource,
-                    namespaced,
-                }) => {
-                    info!(resource = %name, plural = %api_resource.plural, namespaced, "Resolved resource");
-                    let mut wired = wiring.wire(index, api_resource).await?;
-                    wiring.add_informers(&mut wired);
-                    resources.wired.push(wired);
+            match cluster::resolve_all(&client, index, r).await {
+                Ok(kinds) => {
+                    for ResolvedResource {
+                        api_resource,
+                        namespaced,
+                    } in kinds
+                    {
+                        info!(resource = %kind_name(r, &api_resource), plural = %api_resource.plural, namespaced, "Resolved resource");
+                        let mut wired = wiring.wire(index, api_resource).await?;
+                        wiring.add_informers(&mut wired);
+                        resources.wired.push(wired);
+                    }
                     metrics.resource_pending.with_label_values(&[&name]).set(0);
                 }
                 Err(err @ cluster::Error::NotServed { .. })
@@ -920,70 +924,100 @@ async fn follow_discovery(
     }
 }
 
-/// One look at discovery: see [`follow_discovery`].
+/// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
+/// name, and for a `kind: "*"` entry `/` and the kind's resource (`configmaps`,
+/// `widgets.example.com`).
+fn kind_name(r: &ResourceConfig, api_resource: &ApiResource) -> String {
+    let entry = r.effective_name();
+    if !r.is_wildcard() {
+        return entry;
+    }
+    if api_resource.group.is_empty() {
+        format!("{entry}/{}", api_resource.plural)
+    } else {
+        format!("{entry}/{}.{}", api_resource.plural, api_resource.group)
+    }
+}
+
+fn same_kind(a: &ApiResource, b: &ApiResource) -> bool {
+    a.group == b.group && a.version == b.version && a.plural == b.plural
+}
+
+/// One look at discovery: see [`follow_discovery`]. A lookup that fails for another reason
+/// than "not served" changes nothing (the next one decides).
 async fn refresh(wiring: &Wiring, resources: &mut Resources) {
     let config = &wiring.config;
     let metrics = &wiring.metrics;
-    let pending: Vec<usize> = resources.pending.keys().copied().collect();
-    for index in pending {
-        let r = &config.resources[index];
+    for (index, r) in config.resources.iter().enumerate() {
         let name = r.effective_name();
-        let api_resource = match cluster::resolve(&wiring.client, index, r).await {
-            Ok(resolved) => resolved.api_resource,
+        let (want, not_served) = match cluster::resolve_all(&wiring.client, index, r).await {
+            Ok(kinds) => (
+                kinds
+                    .into_iter()
+                    .map(|k| k.api_resource)
+                    .collect::<Vec<_>>(),
+                None,
+            ),
+            Err(err @ cluster::Error::NotServed { .. }) => (Vec::new(), Some(err.to_string())),
             Err(err) => {
-                let reason = wiring.pending_reason(index, &err.to_string());
-                if !matches!(err, cluster::Error::NotServed { .. }) {
-                    warn!(resource = %name, "{reason}");
-                }
-                resources.pending.insert(index, reason);
+                warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
                 continue;
             }
         };
-        let position = resources.wired.iter().position(|w| w.index == index);
-        let (i, new) = match position {
-            Some(i) => (i, false),
-            None => match wiring.wire(index, api_resource.clone()).await {
-                Ok(wired) => {
-                    resources.wired.push(wired);
-                    (resources.wired.len() - 1, true)
-                }
-                Err(err) => {
-                    warn!(resource = %name, error = %err, "Cannot wire the resource now served; retrying at the next refresh");
-                    continue;
-                }
-            },
-        };
-        resources.wired[i].api_resource = api_resource;
-        wiring.add_informers(&mut resources.wired[i]);
-        resources.start(i, new, metrics).await;
-        resources.pending.remove(&index);
-        metrics.resource_pending.with_label_values(&[&name]).set(0);
-        info!(resource = %name, "The API server serves it now; watching (its first list is delivered)");
-    }
-    for i in 0..resources.wired.len() {
-        let index = resources.wired[i].index;
-        if resources.wired[i].informers.is_empty() {
-            continue;
+        for api_resource in &want {
+            let found = resources
+                .wired
+                .iter()
+                .position(|w| w.index == index && same_kind(&w.api_resource, api_resource));
+            let (i, new) = match found {
+                Some(i) if !resources.wired[i].informers.is_empty() => continue,
+                Some(i) => (i, false),
+                None => match wiring.wire(index, api_resource.clone()).await {
+                    Ok(wired) => {
+                        resources.wired.push(wired);
+                        (resources.wired.len() - 1, true)
+                    }
+                    Err(err) => {
+                        warn!(resource = %name, error = %err, "Cannot wire a kind now served; retrying at the next refresh");
+                        continue;
+                    }
+                },
+            };
+            wiring.add_informers(&mut resources.wired[i]);
+            resources.start(i, new, metrics).await;
+            info!(resource = %kind_name(r, api_resource), "The API server serves it now; watching (its first list is delivered)");
         }
-        let r = &config.resources[index];
-        let name = r.effective_name();
-        let Err(err @ cluster::Error::NotServed { .. }) =
-            cluster::resolve(&wiring.client, index, r).await
-        else {
-            continue;
-        };
-        let wired = &mut resources.wired[i];
-        // Its objects' deletes came from the watch; what is still cached goes as deleted.
-        wired.informers.iter().for_each(|i| i.mark_gone());
-        wired.cancel.cancel();
-        futures::future::join_all(wired.tasks.drain(..)).await;
-        for informer in wired.informers.drain(..) {
-            wiring.factory.remove(&informer);
+        for i in 0..resources.wired.len() {
+            let wired = &mut resources.wired[i];
+            if wired.index != index
+                || wired.informers.is_empty()
+                || want.iter().any(|a| same_kind(a, &wired.api_resource))
+            {
+                continue;
+            }
+            // Its objects' deletes came from the watch; what is still cached goes as deleted.
+            wired.informers.iter().for_each(|i| i.mark_gone());
+            wired.cancel.cancel();
+            futures::future::join_all(wired.tasks.drain(..)).await;
+            for informer in wired.informers.drain(..) {
+                wiring.factory.remove(&informer);
+            }
+            warn!(resource = %kind_name(r, &wired.api_resource), "No longer served (its CRD was deleted?): informers stopped");
         }
-        let reason = wiring.pending_reason(index, &err.to_string());
-        warn!(resource = %name, "No longer served (its CRD was deleted?): informers stopped; {reason}");
-        resources.pending.insert(index, reason);
-        metrics.resource_pending.with_label_values(&[&name]).set(1);
+        let active = resources
+            .wired
+            .iter()
+            .any(|w| w.index == index && !w.informers.is_empty());
+        if active {
+            resources.pending.remove(&index);
+            metrics.resource_pending.with_label_values(&[&name]).set(0);
+        } else {
+            let reason = not_served.unwrap_or_else(|| "no kind selected".into());
+            resources
+                .pending
+                .insert(index, wiring.pending_reason(index, &reason));
+            metrics.resource_pending.with_label_values(&[&name]).set(1);
+        }
     }
 }
 

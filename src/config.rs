@@ -275,11 +275,20 @@ pub struct ResourceConfig {
     /// for non-core groups (`pod`, `deployment.apps`).
     #[serde(default)]
     pub name: Option<String>,
-    /// API version, `v1` for the core group or `group/version` (`apps/v1`, `example.com/v1`).
+    /// API version, `v1` for the core group or `group/version` (`apps/v1`, `example.com/v1`);
+    /// with `kind: "*"` also `group/*` (the group's preferred version) or `*` (every group).
     #[serde(alias = "apiVersion")]
     pub api_version: String,
-    /// Kind, as in an object's `kind` field (`Pod`, `Deployment`, a CRD's kind).
+    /// Kind, as in an object's `kind` field (`Pod`, `Deployment`, a CRD's kind), or `*` for
+    /// every kind of the API version that supports list and watch (needs `name`).
     pub kind: String,
+    /// With `kind: "*"`: kinds left out, as `Kind` (any group) or `group/Kind` (`Event`,
+    /// `events.k8s.io/Event`; the core group is `core/Kind`).
+    #[serde(default)]
+    pub exclude: Vec<String>,
+    /// With `kind: "*"`: `namespaced`, `cluster` or `all` kinds.
+    #[serde(default)]
+    pub scope: ScopeSelection,
     /// Namespaces to watch; empty means all namespaces (and is required for cluster-scoped kinds).
     #[serde(default)]
     pub namespaces: Vec<String>,
@@ -298,7 +307,34 @@ pub struct ResourceConfig {
     pub events: Vec<EventType>,
 }
 
+/// Which kinds a `kind: "*"` selection takes by scope.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScopeSelection {
+    /// Namespaced and cluster-scoped kinds.
+    #[default]
+    All,
+    /// Namespaced kinds only.
+    Namespaced,
+    /// Cluster-scoped kinds only.
+    Cluster,
+}
+
 impl ResourceConfig {
+    /// Whether this entry selects kinds by pattern (`kind: "*"`).
+    pub fn is_wildcard(&self) -> bool {
+        self.kind == "*"
+    }
+
+    /// Whether `exclude` leaves out `kind` of `group` (`""` for core).
+    pub fn excludes(&self, group: &str, kind: &str) -> bool {
+        let group = if group.is_empty() { "core" } else { group };
+        self.exclude.iter().any(|e| match e.rsplit_once('/') {
+            Some((g, k)) => g == group && k == kind,
+            None => e == kind,
+        })
+    }
+
     /// The name routes use: the explicit `name`, else `kind` lower-cased plus `.group`.
     pub fn effective_name(&self) -> String {
         if let Some(name) = &self.name {
@@ -718,14 +754,52 @@ impl Config {
                     format!("{name:?} is used by another resource; set distinct names"),
                 );
             }
-            if let Err(reason) = check_api_version(&r.api_version) {
-                err(at("api_version"), reason);
-            }
-            if r.kind.is_empty() || !r.kind.chars().all(|c| c.is_ascii_alphanumeric()) {
-                err(
-                    at("kind"),
-                    format!("{:?} is not a kind (letters and digits, e.g. Pod)", r.kind),
-                );
+            if r.is_wildcard() {
+                let group_wildcard = r.api_version == "*"
+                    || r.api_version
+                        .strip_suffix("/*")
+                        .is_some_and(|g| check_api_version(&format!("{g}/v1")).is_ok());
+                if !group_wildcard && let Err(reason) = check_api_version(&r.api_version) {
+                    err(
+                        at("api_version"),
+                        format!("{reason}, `group/*` or `*` with kind \"*\""),
+                    );
+                }
+                if r.name.is_none() {
+                    err(
+                        at("name"),
+                        "required with kind \"*\": routes and metric labels name the selection"
+                            .into(),
+                    );
+                }
+                for (j, e) in r.exclude.iter().enumerate() {
+                    let kind = e.rsplit_once('/').map_or(e.as_str(), |(_, k)| k);
+                    if kind.is_empty() || !kind.chars().all(|c| c.is_ascii_alphanumeric()) {
+                        err(
+                            format!("resources[{i}].exclude[{j}]"),
+                            format!("{e:?} is not `Kind` or `group/Kind`"),
+                        );
+                    }
+                }
+            } else {
+                if let Err(reason) = check_api_version(&r.api_version) {
+                    err(at("api_version"), reason);
+                }
+                if r.kind.is_empty() || !r.kind.chars().all(|c| c.is_ascii_alphanumeric()) {
+                    err(
+                        at("kind"),
+                        format!(
+                            "{:?} is not a kind (letters and digits, e.g. Pod, or `*`)",
+                            r.kind
+                        ),
+                    );
+                }
+                if !r.exclude.is_empty() {
+                    err(at("exclude"), "only with kind \"*\"".into());
+                }
+                if r.scope != ScopeSelection::All {
+                    err(at("scope"), "only with kind \"*\"".into());
+                }
             }
             let mut seen = HashSet::new();
             for (j, ns) in r.namespaces.iter().enumerate() {

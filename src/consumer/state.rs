@@ -395,63 +395,64 @@ pub async fn check(
         {
             continue;
         }
-        let resolved = cluster::resolve(client, index, r).await?;
-        let resource_name = if resolved.api_resource.group.is_empty() {
-            resolved.api_resource.plural.clone()
-        } else {
-            format!(
-                "{}.{}",
-                resolved.api_resource.plural, resolved.api_resource.group
-            )
-        };
-        let encoder = Encoder::new(
-            &config.cluster,
-            &resolved.api_resource,
-            &config.message,
-            Encoding::State,
-        );
-        let mut params = ListParams::default();
-        if let Some(l) = &r.label_selector {
-            params = params.labels(l);
-        }
-        if let Some(f) = &r.field_selector {
-            params = params.fields(f);
-        }
-        let apis: Vec<Api<DynamicObject>> = if r.namespaces.is_empty() {
-            vec![Api::all_with(client.clone(), &resolved.api_resource)]
-        } else {
-            r.namespaces
-                .iter()
-                .map(|ns| Api::namespaced_with(client.clone(), ns, &resolved.api_resource))
-                .collect()
-        };
-        for api in apis {
-            let list = api.list(&params).await.map_err(|e| {
-                Error::Read(format!("cannot list {}: {e}", resolved.api_resource.plural))
-            })?;
-            for obj in list {
-                let mut sample = encoder.sample_message();
-                sample.namespace = obj.metadata.namespace.clone();
-                let topic = match &placer {
-                    Placer::Topic(kafka) => kafka.topic_for(&sample),
-                    Placer::Resource => resource_name.clone(),
-                };
-                let key = crate::informer::meta_namespace_key(&obj);
-                topics.insert(topic.clone());
-                cluster.insert(
-                    (topic, key),
-                    obj.metadata.resource_version.clone().unwrap_or_default(),
-                );
+        for resolved in cluster::resolve_all(client, index, r).await? {
+            let resource_name = if resolved.api_resource.group.is_empty() {
+                resolved.api_resource.plural.clone()
+            } else {
+                format!(
+                    "{}.{}",
+                    resolved.api_resource.plural, resolved.api_resource.group
+                )
+            };
+            let encoder = Encoder::new(
+                &config.cluster,
+                &resolved.api_resource,
+                &config.message,
+                Encoding::State,
+            );
+            let mut params = ListParams::default();
+            if let Some(l) = &r.label_selector {
+                params = params.labels(l);
             }
-        }
-        // Places this resource writes to even where the cluster now has no object.
-        match &placer {
-            Placer::Topic(kafka) if !kafka.topic_uses_namespace() => {
-                topics.insert(kafka.topic_for(&encoder.sample_message()));
+            if let Some(f) = &r.field_selector {
+                params = params.fields(f);
             }
-            Placer::Topic(_) => {}
-            Placer::Resource => {
-                topics.insert(resource_name.clone());
+            let apis: Vec<Api<DynamicObject>> = if r.namespaces.is_empty() {
+                vec![Api::all_with(client.clone(), &resolved.api_resource)]
+            } else {
+                r.namespaces
+                    .iter()
+                    .map(|ns| Api::namespaced_with(client.clone(), ns, &resolved.api_resource))
+                    .collect()
+            };
+            for api in apis {
+                let list = api.list(&params).await.map_err(|e| {
+                    Error::Read(format!("cannot list {}: {e}", resolved.api_resource.plural))
+                })?;
+                for obj in list {
+                    let mut sample = encoder.sample_message();
+                    sample.namespace = obj.metadata.namespace.clone();
+                    let topic = match &placer {
+                        Placer::Topic(kafka) => kafka.topic_for(&sample),
+                        Placer::Resource => resource_name.clone(),
+                    };
+                    let key = crate::informer::meta_namespace_key(&obj);
+                    topics.insert(topic.clone());
+                    cluster.insert(
+                        (topic, key),
+                        obj.metadata.resource_version.clone().unwrap_or_default(),
+                    );
+                }
+            }
+            // Places this resource writes to even where the cluster now has no object.
+            match &placer {
+                Placer::Topic(kafka) if !kafka.topic_uses_namespace() => {
+                    topics.insert(kafka.topic_for(&encoder.sample_message()));
+                }
+                Placer::Topic(_) => {}
+                Placer::Resource => {
+                    topics.insert(resource_name.clone());
+                }
             }
         }
     }
