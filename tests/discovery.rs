@@ -461,3 +461,50 @@ async fn every_namespaced_kind_except_some() {
     kinds.sort();
     assert_eq!(kinds, ["ConfigMap ns/cm", "Deployment ns/d", "Widget ns/w"]);
 }
+
+/// With leader election: a kind whose CRD comes later is wired on the leader (published at
+/// once) and on the standby (held off); when the standby takes over, it publishes each of
+/// the kind's objects once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kind_served_later_follows_leadership() {
+    let api = ApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let replica = |identity: &str| {
+        let mut cfg = config(
+            &dir.path().join(format!("{identity}.jsonl")),
+            json!([{"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}]),
+            json!({}),
+        );
+        cfg.leader_election = serde_json::from_value(json!({
+            "enabled": true, "identity": identity, "namespace": "kube-system",
+            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
+        }))
+        .unwrap();
+        cfg
+    };
+    let a = RunningApp::start(replica("a"), &api).await;
+    eventually("a leads", || a.metrics.leader.get() == 1).await;
+    let b = RunningApp::start(replica("b"), &api).await;
+    api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
+    for i in 0..200 {
+        api.create(gadget(&format!("g{i}")));
+    }
+    let (out_a, out_b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    wait_delivered(&out_a, "a publishes every gadget", |d| d.len() == 200).await;
+    let factory = b.factory.clone();
+    eventually("b wired the kind too", || {
+        factory
+            .informers()
+            .iter()
+            .any(|i| i.name().contains("gadgets") && i.has_synced())
+    })
+    .await;
+    assert!(delivered(&out_b).is_empty(), "a standby publishes nothing");
+    a.stop().await; // releases the lease
+    wait_delivered(&out_b, "b publishes every gadget", |d| d.len() == 200).await;
+    b.stop().await;
+    for out in [&out_a, &out_b] {
+        let d = delivered(out);
+        assert!(d.values().all(|types| types == &["added"]), "each once");
+    }
+}
