@@ -814,3 +814,102 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--topic"), "{err}");
 }
+
+/// Pipelined delivery under injected produce errors (librdkafka's mock cluster): a key's
+/// notifications are handed over without awaiting each report; when reports fail, the failed
+/// notification and every later one of its key go back, in order, and are re-sent. Every
+/// notification arrives (re-sends keep their ids), and the last message of each key is its
+/// newest state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_comes_last() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+    mock.create_topic(TOPIC, 1, 1).unwrap();
+    mock.create_topic("kube-event-bridge.checkpoints", 1, 1)
+        .unwrap();
+    let brokers = mock.bootstrap_servers();
+    let api = Arc::new(ApiServer::start().await);
+    for k in 0..5 {
+        api.create(typed(&configmap("ns", &format!("hot-{k}"), "0")));
+    }
+    let sink = kafka_sink(
+        "kafka",
+        &brokers,
+        json!({"create_topics": null, "delivery_timeout": "1s"}),
+    );
+    let running = run(config(vec![sink]), &api).await;
+    running.synced().await;
+    consume_async(brokers.clone(), TOPIC, 5).await;
+    // Every produce request fails for a while: librdkafka retries inside, then reports the
+    // messages as failed after the delivery timeout; the bridge re-sends them.
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS; 40],
+    );
+    for v in 1..=30 {
+        for k in 0..5 {
+            api.update(typed(&configmap("ns", &format!("hot-{k}"), &v.to_string())));
+        }
+    }
+    let published = || {
+        running
+            .metrics
+            .sink_published
+            .with_label_values(&["kafka", "configmap", "updated"])
+            .get()
+    };
+    support::eventually("150 updates acknowledged", || published() >= 150).await;
+    let failed: u64 = ["timeout", "unavailable"]
+        .iter()
+        .map(|r| {
+            running
+                .metrics
+                .sink_failed
+                .with_label_values(&["kafka", "configmap", r])
+                .get()
+        })
+        .sum();
+    let report = running.stop().await;
+    assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
+    assert!(failed > 0, "the injected errors made reports fail");
+    // Read everything on the topic (re-sends included) until quiet.
+    let records = tokio::task::spawn_blocking({
+        let brokers = brokers.clone();
+        move || {
+            let mut all = Vec::new();
+            kube_event_bridge::sinks::kafka::reader::read_to_end(
+                &rdkafka::ClientConfig::new()
+                    .set("bootstrap.servers", &brokers)
+                    .clone(),
+                &[TOPIC.to_owned()],
+                |r| all.push(r),
+            )
+            .unwrap();
+            all
+        }
+    })
+    .await
+    .unwrap();
+    let mut ids = HashSet::new();
+    let mut last: HashMap<String, u64> = HashMap::new();
+    let mut newest: HashMap<String, u64> = HashMap::new();
+    for r in &records {
+        let e: Value = serde_json::from_slice(r.value.as_ref().unwrap()).unwrap();
+        ids.insert(e["id"].as_str().unwrap().to_owned());
+        let key = String::from_utf8(r.key.clone()).unwrap();
+        let rv: u64 = e["k8sresourceversion"].as_str().unwrap().parse().unwrap();
+        last.insert(key.clone(), rv);
+        let n = newest.entry(key).or_default();
+        *n = (*n).max(rv);
+    }
+    assert_eq!(ids.len(), 155, "every notification arrived at least once");
+    assert_eq!(
+        last, newest,
+        "the last message of each key is its newest state"
+    );
+    println!(
+        "{} records for 155 notifications ({} re-sent), {failed} failed reports",
+        records.len(),
+        records.len() - 155
+    );
+}

@@ -202,12 +202,20 @@ async fn kafka(name: &str, cfg: &KafkaSinkConfig, options: &Options) -> Result<S
                     return;
                 }
             };
+            // Some Kafka-protocol brokers (tansu) hand a consumer that starts inside a
+            // multi-record batch the batch again; a record below the next offset is a repeat.
+            let mut next: std::collections::HashMap<(String, i32), i64> = Default::default();
             while !stop.load(Ordering::Relaxed) {
                 match consumer.poll(Duration::from_millis(100)) {
                     None => {}
                     Some(Err(e)) => tracing::warn!(error = %e, "Kafka read error; retrying"),
                     Some(Ok(m)) => {
                         let r = reader::Record::from(&m);
+                        let expected = next.entry((r.topic.clone(), r.partition)).or_default();
+                        if r.offset < *expected {
+                            continue;
+                        }
+                        *expected = r.offset + 1;
                         let event = layout.decode(
                             r.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())),
                             r.value.as_deref(),

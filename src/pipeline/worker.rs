@@ -52,6 +52,37 @@ enum Outcome {
     Retry,
 }
 
+/// What is remembered of a message handed over, for its acknowledgement.
+struct Sent {
+    id: String,
+    event_type: crate::config::EventType,
+    bytes: usize,
+    received: std::time::Instant,
+    started: std::time::Instant,
+}
+
+/// A message handed over, and the future of its acknowledgement.
+struct Pending {
+    ack: crate::sinks::Ack,
+    message: Sent,
+}
+
+enum Submitted {
+    /// Done with, for good (delivered, or failed for good and dead-lettered).
+    Settled,
+    /// Handed over; its acknowledgement is pending.
+    Pending(Pending),
+    /// Not handed over; to retry.
+    Retry,
+}
+
+/// What a worker handed over of a key's batch, in order, and what it could not hand over.
+#[derive(Default)]
+struct HandedOver {
+    pending: Vec<(Notification, Pending)>,
+    not_handed: VecDeque<Notification>,
+}
+
 impl Route {
     /// A route delivering `queue`'s notifications of `resource` with `encoder` through `delivery`.
     pub fn new(
@@ -119,67 +150,113 @@ impl Route {
             .inc();
     }
 
+    /// Takes a key, hands its notifications to the sink in order without awaiting their
+    /// acknowledgements, and moves on to the next key; a task of the key's own awaits the
+    /// acknowledgements and settles or retries (the key stays owned until then).
     async fn work(self: Arc<Self>) {
         let queue = self.queue.queue();
         while let Some(key) = queue.get().await {
-            let (mut batch, term) = self.queue.take(&key);
-            loop {
-                let failed = self.deliver_in_order(&key, &mut batch, term).await;
-                if failed
-                    && self
-                        .delivery
-                        .max_retries
-                        .is_some_and(|max| queue.num_requeues(&key) >= max)
-                {
-                    self.give_up(&key, &mut batch).await;
-                    // The rest (and what arrived meanwhile) goes on, without the delay earned
-                    // by the one that failed; with nothing left the key is simply released.
-                    self.queue.retry(&key, std::mem::take(&mut batch), term);
-                    break;
-                }
-                if failed {
-                    self.queue.retry(&key, std::mem::take(&mut batch), term);
-                    break;
-                }
-                queue.forget(&key);
-                match self.queue.finish(&key) {
-                    Some(more) => batch = more, // shutting down: deliver what arrived, now
-                    None => break,
-                }
-            }
-            queue.done(&key);
+            let (batch, term) = self.queue.take(&key);
+            let handed = self.hand_over(&key, batch, term).await;
+            let route = self.clone();
+            tokio::spawn(async move { route.complete(key, handed, term).await });
         }
     }
 
-    /// Publishes `batch` front to back; stops at the first retriable failure, leaving it and
-    /// what follows in `batch`. Returns whether it stopped on a failure.
-    async fn deliver_in_order(
+    /// Awaits what was handed over for `key`, settles or retries, goes on with what arrived
+    /// meanwhile when shutting down, and releases the key.
+    async fn complete(self: Arc<Self>, key: String, mut handed: HandedOver, term: u64) {
+        let queue = self.queue.queue();
+        loop {
+            let mut batch = self.settle_acks(&key, &mut handed).await;
+            let failed = !batch.is_empty();
+            if failed
+                && self
+                    .delivery
+                    .max_retries
+                    .is_some_and(|max| queue.num_requeues(&key) >= max)
+            {
+                self.give_up(&key, &mut batch).await;
+                // The rest (and what arrived meanwhile) goes on, without the delay earned
+                // by the one that failed; with nothing left the key is simply released.
+                self.queue.retry(&key, batch, term);
+                break;
+            }
+            if failed {
+                self.queue.retry(&key, batch, term);
+                break;
+            }
+            queue.forget(&key);
+            match self.queue.finish(&key) {
+                // Shutting down: deliver what arrived, now.
+                Some(more) => handed = self.hand_over(&key, more, term).await,
+                None => break,
+            }
+        }
+        queue.done(&key);
+    }
+
+    /// Hands `batch` to the sink front to back; stops at the first retriable hand-over
+    /// failure, leaving it and what follows not handed over.
+    async fn hand_over(
         &self,
         key: &str,
-        batch: &mut VecDeque<Notification>,
+        mut batch: VecDeque<Notification>,
         term: u64,
-    ) -> bool {
-        while let Some(n) = batch.front() {
+    ) -> HandedOver {
+        let mut handed = HandedOver::default();
+        while let Some(n) = batch.pop_front() {
             if !self.queue.is_active() || self.queue.term() != term {
                 // Leadership changed since the batch was taken: a standby publishes nothing,
                 // and a new term starts from the informer's cache.
-                let dropped = batch.len();
+                self.queue.settle(batch.len() + 1);
                 batch.clear();
-                self.queue.settle(dropped);
-                return false;
+                break;
             }
-            match self.deliver(key, n).await {
-                Outcome::Settled => {
+            match self.submit(key, &n).await {
+                Submitted::Settled => {
                     if let Some(c) = &self.checkpointer {
-                        c.record(key, n);
+                        c.record(key, &n);
                     }
-                    batch.pop_front();
                     self.queue.settle(1);
                 }
-                Outcome::Retry => return true,
+                Submitted::Pending(ack) => handed.pending.push((n, ack)),
+                Submitted::Retry => {
+                    batch.push_front(n);
+                    break;
+                }
             }
         }
-        false
+        handed.not_handed = batch;
+        handed
+    }
+
+    /// Awaits the acknowledgements of `handed` in order. Returns what goes back for retry, in
+    /// order: from the first retriable failure on, every later notification too (even if
+    /// its own acknowledgement came: consumers may see it again, and then the older one
+    /// re-sent after it; the last message of the key is still the newest state), and what
+    /// was not handed over.
+    async fn settle_acks(&self, key: &str, handed: &mut HandedOver) -> VecDeque<Notification> {
+        let mut retry = VecDeque::new();
+        for (n, pending) in handed.pending.drain(..) {
+            let result = pending.ack.await;
+            self.metrics.in_flight.dec();
+            if !retry.is_empty() {
+                retry.push_back(n);
+                continue;
+            }
+            match self.acknowledged(key, &n, &pending.message, result).await {
+                Outcome::Settled => {
+                    if let Some(c) = &self.checkpointer {
+                        c.record(key, &n);
+                    }
+                    self.queue.settle(1);
+                }
+                Outcome::Retry => retry.push_back(n),
+            }
+        }
+        retry.extend(handed.not_handed.drain(..));
+        retry
     }
 
     /// Fails the front notification of `batch` for good after `max_retries`.
@@ -197,7 +274,8 @@ impl Route {
         queue.forget(&key.to_owned());
     }
 
-    async fn deliver(&self, key: &str, n: &Notification) -> Outcome {
+    /// Encodes `n` and hands it to the sink.
+    async fn submit(&self, key: &str, n: &Notification) -> Submitted {
         let sink = &self.delivery.sink;
         let message = match self.encoder.encode(key, n) {
             Ok(m) => m,
@@ -205,7 +283,7 @@ impl Route {
                 self.failed("encode");
                 error!(error = %err, sink = %sink.name(), resource = %self.resource, key, "Cannot encode notification");
                 self.dead_letter(key, n, None, "encode").await;
-                return Outcome::Settled;
+                return Submitted::Settled;
             }
         };
         if let Some(limit) = &self.delivery.publish_limit {
@@ -216,18 +294,53 @@ impl Route {
         }
         let started = std::time::Instant::now();
         self.metrics.in_flight.inc();
-        let result = sink.publish(&message).await;
-        self.metrics.in_flight.dec();
+        match sink.submit(&message).await {
+            Ok(ack) => Submitted::Pending(Pending {
+                ack,
+                message: Sent {
+                    id: message.id,
+                    event_type: message.event_type,
+                    bytes: message.payload.len(),
+                    received: message.received,
+                    started,
+                },
+            }),
+            Err(err) => {
+                self.metrics.in_flight.dec();
+                let sent = Sent {
+                    id: message.id.clone(),
+                    event_type: message.event_type,
+                    bytes: message.payload.len(),
+                    received: message.received,
+                    started,
+                };
+                match self.acknowledged(key, n, &sent, Err(err)).await {
+                    Outcome::Settled => Submitted::Settled,
+                    Outcome::Retry => Submitted::Retry,
+                }
+            }
+        }
+    }
+
+    /// Accounts for the sink's answer about one message.
+    async fn acknowledged(
+        &self,
+        key: &str,
+        n: &Notification,
+        sent: &Sent,
+        result: crate::sinks::Result<()>,
+    ) -> Outcome {
+        let sink = &self.delivery.sink;
         match result {
             Ok(()) => {
                 self.metrics
                     .publish_duration
-                    .observe(started.elapsed().as_secs_f64());
+                    .observe(sent.started.elapsed().as_secs_f64());
                 self.metrics
                     .end_to_end
-                    .observe(message.received.elapsed().as_secs_f64());
-                self.metrics.published[message.event_type as usize].inc();
-                self.metrics.bytes.inc_by(message.payload.len() as u64);
+                    .observe(sent.received.elapsed().as_secs_f64());
+                self.metrics.published[sent.event_type as usize].inc();
+                self.metrics.bytes.inc_by(sent.bytes as u64);
                 Outcome::Settled
             }
             Err(err) if err.is_retriable() => {
@@ -242,8 +355,9 @@ impl Route {
             }
             Err(err) => {
                 self.failed(err.reason());
-                error!(error = %err, sink = %sink.name(), key, id = %message.id, "Publish failed for good");
-                self.dead_letter(key, n, Some(&message), err.reason()).await;
+                error!(error = %err, sink = %sink.name(), key, id = %sent.id, "Publish failed for good");
+                self.dead_letter(key, n, Some((&sent.id, sent.bytes)), err.reason())
+                    .await;
                 Outcome::Settled
             }
         }
@@ -254,14 +368,14 @@ impl Route {
         &self,
         key: &str,
         n: &Notification,
-        message: Option<&Message>,
+        message: Option<(&str, usize)>,
         reason: &str,
     ) {
         let Some(dlq) = &self.delivery.dead_letter else {
             return;
         };
         let meta = &n.object().metadata;
-        let id = message.map(|m| m.id.clone()).unwrap_or_else(|| {
+        let id = message.map(|(id, _)| id.to_owned()).unwrap_or_else(|| {
             format!(
                 "{}:{}:{}",
                 meta.uid.as_deref().unwrap_or_default(),
@@ -276,7 +390,7 @@ impl Route {
             "sink": self.delivery.sink.name(),
             "type": n.event_type().as_str(),
             "reason": reason,
-            "size": message.map(|m| m.payload.len()),
+            "size": message.map(|(_, size)| size),
         });
         let dead = Message {
             id,

@@ -6,7 +6,7 @@ pub mod nats;
 pub mod stdout;
 pub mod template;
 
-use futures::future::BoxFuture;
+use futures::{FutureExt, future::BoxFuture};
 
 use crate::message::Message;
 
@@ -98,12 +98,27 @@ pub const FAILURE_REASONS: &[&str] = &[
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The acknowledgement of a message handed over with [`Sink::submit`].
+pub type Ack = BoxFuture<'static, Result<()>>;
+
 /// A destination for messages.
 pub trait Sink: Send + Sync {
     /// The sink's configured name.
     fn name(&self) -> &str;
     /// Publishes one message; resolves once the destination accepted it.
     fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<()>>;
+    /// Hands one message over and resolves to the future of its acknowledgement. Messages
+    /// one caller hands over one after another reach the destination in that order (Kafka:
+    /// librdkafka keeps per-partition order with idempotence; JetStream: one connection), so
+    /// a caller may hand over several before awaiting any acknowledgement. The default
+    /// publishes to completion first (no pipelining).
+    fn submit<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<Ack>> {
+        async move {
+            self.publish(message).await?;
+            Ok(Box::pin(async { Ok(()) }) as Ack)
+        }
+        .boxed()
+    }
     /// Pushes out anything buffered; called once at shutdown.
     fn flush(&self) -> BoxFuture<'_, Result<()>>;
     /// Why the sink cannot publish now (for `/readyz`), or `Ok`.

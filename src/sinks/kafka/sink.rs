@@ -38,7 +38,7 @@ use super::{KafkaMode, KafkaSinkConfig, is_valid_topic};
 use crate::{
     message::Message,
     sinks::{
-        Error, Result, Sink,
+        Ack, Error, Result, Sink,
         template::{Field, Template},
     },
 };
@@ -244,29 +244,35 @@ impl KafkaSink {
         }
         h
     }
+}
 
-    fn classify(&self, err: KafkaError, topic: &str, size: usize) -> Error {
-        let code = err.rdkafka_error_code();
-        match code {
-            Some(RDKafkaErrorCode::MessageSizeTooLarge) => Error::TooLarge {
-                size,
-                max: self.max_message_bytes,
-            },
-            Some(
-                RDKafkaErrorCode::TopicAuthorizationFailed
-                | RDKafkaErrorCode::ClusterAuthorizationFailed
-                | RDKafkaErrorCode::SaslAuthenticationFailed
-                | RDKafkaErrorCode::Authentication,
-            ) => Error::Denied(err.to_string()),
-            Some(RDKafkaErrorCode::InvalidTopic) => Error::InvalidDestination {
-                destination: topic.to_owned(),
-                reason: err.to_string(),
-            },
-            Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
-                Error::TimedOut(err.to_string())
-            }
-            _ => Error::Unavailable(err.to_string()),
+/// Pause while librdkafka's local queue is full, and how long a record may wait for room
+/// before its hand-over fails (and is retried through the work queue).
+const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(2);
+const QUEUE_FULL_PATIENCE: Duration = Duration::from_secs(30);
+
+/// What a librdkafka error means for a record of `size` bytes to `topic`.
+fn classify(err: KafkaError, topic: &str, size: usize, max_message_bytes: usize) -> Error {
+    let code = err.rdkafka_error_code();
+    match code {
+        Some(RDKafkaErrorCode::MessageSizeTooLarge) => Error::TooLarge {
+            size,
+            max: max_message_bytes,
+        },
+        Some(
+            RDKafkaErrorCode::TopicAuthorizationFailed
+            | RDKafkaErrorCode::ClusterAuthorizationFailed
+            | RDKafkaErrorCode::SaslAuthenticationFailed
+            | RDKafkaErrorCode::Authentication,
+        ) => Error::Denied(err.to_string()),
+        Some(RDKafkaErrorCode::InvalidTopic) => Error::InvalidDestination {
+            destination: topic.to_owned(),
+            reason: err.to_string(),
+        },
+        Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
+            Error::TimedOut(err.to_string())
         }
+        _ => Error::Unavailable(err.to_string()),
     }
 }
 
@@ -364,6 +370,12 @@ impl Sink for KafkaSink {
     }
 
     fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
+        async move { self.submit(m).await?.await }.boxed()
+    }
+
+    /// Enqueues the record in librdkafka (waiting while its local queue is full) and returns
+    /// its delivery report. With idempotence, records of one partition keep their order.
+    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
         async move {
             let topic = self.topic_for(m);
             if !is_valid_topic(&topic) {
@@ -382,17 +394,33 @@ impl Sink for KafkaSink {
                 record = record.payload(&m.payload[..]);
             }
             let size = m.payload.len();
-            let delivery = self
-                .producer
-                .send_result(record)
-                .map_err(|(e, _)| self.classify(e, &topic, size))?;
-            match delivery.await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err((e, _))) => Err(self.classify(e, &topic, size)),
-                Err(_) => Err(Error::Unavailable(
-                    "the producer dropped the message".into(),
-                )),
-            }
+            let max = self.max_message_bytes;
+            let mut waited = Duration::ZERO;
+            let delivery = loop {
+                match self.producer.send_result(record) {
+                    Ok(delivery) => break delivery,
+                    // The local queue is full: reports are on their way; wait for room, as
+                    // any producer must, but not forever.
+                    Err((e, r))
+                        if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull)
+                            && waited < QUEUE_FULL_PATIENCE =>
+                    {
+                        record = r;
+                        tokio::time::sleep(QUEUE_FULL_PAUSE).await;
+                        waited += QUEUE_FULL_PAUSE;
+                    }
+                    Err((e, _)) => return Err(classify(e, &topic, size, max)),
+                }
+            };
+            Ok(Box::pin(async move {
+                match delivery.await {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err((e, _))) => Err(classify(e, &topic, size, max)),
+                    Err(_) => Err(Error::Unavailable(
+                        "the producer dropped the message".into(),
+                    )),
+                }
+            }) as Ack)
         }
         .boxed()
     }

@@ -32,7 +32,7 @@ use super::{NatsMode, NatsSinkConfig, StreamRetention, StreamStorage};
 use crate::{
     message::Message,
     sinks::{
-        Error, Result, Sink,
+        Ack, Error, Result, Sink,
         template::{
             Template, escape_nats_token, is_valid_nats_subject, nats_filter_covers, nats_wildcard,
         },
@@ -113,25 +113,36 @@ impl NatsSink {
         kind: PublishErrorKind,
         detail: String,
     ) -> Error {
-        match kind {
-            PublishErrorKind::MaxPayloadExceeded => Error::TooLarge {
-                size,
-                max: self.client.server_info().max_payload,
-            },
-            PublishErrorKind::TimedOut
-                if self
-                    .denied
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .contains(subject) =>
-            {
-                Error::Denied(format!(
-                    "publish to {subject} violates the server's permissions"
-                ))
-            }
-            PublishErrorKind::TimedOut => Error::TimedOut(detail),
-            _ => Error::Unavailable(detail),
+        classify(&self.client, &self.denied, subject, size, kind, detail)
+    }
+}
+
+/// What a failed JetStream publish of `size` bytes to `subject` means.
+fn classify(
+    client: &async_nats::Client,
+    denied: &Mutex<HashSet<String>>,
+    subject: &str,
+    size: usize,
+    kind: PublishErrorKind,
+    detail: String,
+) -> Error {
+    match kind {
+        PublishErrorKind::MaxPayloadExceeded => Error::TooLarge {
+            size,
+            max: client.server_info().max_payload,
+        },
+        PublishErrorKind::TimedOut
+            if denied
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(subject) =>
+        {
+            Error::Denied(format!(
+                "publish to {subject} violates the server's permissions"
+            ))
         }
+        PublishErrorKind::TimedOut => Error::TimedOut(detail),
+        _ => Error::Unavailable(detail),
     }
 }
 
@@ -285,15 +296,7 @@ impl Sink for NatsSink {
             let headers = self.headers(m);
             let size = m.payload.len();
             match &self.jetstream {
-                Some(js) => {
-                    let ack = js
-                        .publish_with_headers(subject.clone(), headers, m.payload.clone())
-                        .await
-                        .map_err(|e| self.classify(&subject, size, e.kind(), e.to_string()))?;
-                    ack.await
-                        .map_err(|e| self.classify(&subject, size, e.kind(), e.to_string()))?;
-                    Ok(())
-                }
+                Some(_) => self.submit(m).await?.await,
                 None => self
                     .client
                     .publish_with_headers(subject.clone(), headers, m.payload.clone())
@@ -308,6 +311,37 @@ impl Sink for NatsSink {
                         _ => Error::Unavailable(e.to_string()),
                     }),
             }
+        }
+        .boxed()
+    }
+
+    /// JetStream: writes the message to the connection (waiting while `max_in_flight`
+    /// acknowledgements are pending) and returns its PubAck; one connection keeps the order.
+    /// Core NATS: the publish itself (there is no acknowledgement).
+    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
+        async move {
+            let Some(js) = &self.jetstream else {
+                self.publish(m).await?;
+                return Ok(Box::pin(async { Ok(()) }) as Ack);
+            };
+            let subject = self.subject_for(m);
+            if !is_valid_nats_subject(&subject) {
+                return Err(Error::InvalidDestination {
+                    destination: subject,
+                    reason: "not a NATS subject".into(),
+                });
+            }
+            let size = m.payload.len();
+            let ack = js
+                .publish_with_headers(subject.clone(), self.headers(m), m.payload.clone())
+                .await
+                .map_err(|e| self.classify(&subject, size, e.kind(), e.to_string()))?;
+            let (client, denied) = (self.client.clone(), self.denied.clone());
+            Ok(Box::pin(async move {
+                ack.await.map(|_| ()).map_err(|e| {
+                    classify(&client, &denied, &subject, size, e.kind(), e.to_string())
+                })
+            }) as Ack)
         }
         .boxed()
     }
