@@ -75,7 +75,7 @@ fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
     (notes, live)
 }
 
-fn key(obj: &kube::api::DynamicObject) -> String {
+fn key(obj: &kube_event_bridge::informer::CachedObject) -> String {
     kube_event_bridge::informer::meta_namespace_key(obj)
 }
 

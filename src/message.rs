@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::{
     config::{EventType, MessageConfig},
-    informer::{Notification, NotificationKind, reflector::Transform},
+    informer::{CachedObject, Notification, NotificationKind, reflector::Transform},
 };
 
 /// Errors encoding a notification. They are final: retrying cannot fix the object.
@@ -189,9 +189,9 @@ impl Serialize for Source<'_> {
 
 #[derive(Serialize)]
 struct Data<'a> {
-    object: &'a DynamicObject,
+    object: &'a serde_json::value::RawValue,
     #[serde(rename = "oldObject", skip_serializing_if = "Option::is_none")]
-    old_object: Option<&'a DynamicObject>,
+    old_object: Option<&'a serde_json::value::RawValue>,
 }
 
 impl Encoder {
@@ -315,8 +315,8 @@ impl Encoder {
             k8sfinalstateunknown: final_state_unknown,
             k8sresumed: n.resumed,
             data: Data {
-                object: obj,
-                old_object: old,
+                object: obj.json(),
+                old_object: old.map(CachedObject::json),
             },
         };
         let mut payload = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed) + 256);
@@ -324,7 +324,11 @@ impl Encoder {
             Encoding::Structured => serde_json::to_writer(&mut payload, &envelope),
             Encoding::Binary => serde_json::to_writer(&mut payload, &envelope.data),
             Encoding::State if event_type == EventType::Deleted => Ok(()),
-            Encoding::State => serde_json::to_writer(&mut payload, obj),
+            // The cached JSON is the payload.
+            Encoding::State => {
+                payload.extend_from_slice(obj.json().get().as_bytes());
+                Ok(())
+            }
         };
         serialized.map_err(|source| Error::Serialize {
             key: key.to_owned(),
@@ -534,7 +538,7 @@ mod tests {
 
     #[test]
     fn missing_uid_is_an_error_naming_the_object() {
-        let mut o = (*obj("ns", "a", "1")).clone();
+        let mut o = obj("ns", "a", "1").to_dynamic();
         o.metadata.uid = None;
         let enc = Encoder::new(
             "c",
@@ -546,7 +550,7 @@ mod tests {
             .encode(
                 "ns/a",
                 &note(NotificationKind::Add {
-                    obj: Arc::new(o),
+                    obj: Arc::new(crate::informer::CachedObject::new(&o)),
                     is_initial_list: false,
                 }),
             )
@@ -560,7 +564,7 @@ mod tests {
             &GroupVersionKind::gvk("", "v1", "Secret"),
             "secrets",
         );
-        let mut s = (*obj("ns", "s", "1")).clone();
+        let mut s = obj("ns", "s", "1").to_dynamic();
         s.types = None;
         s.data = serde_json::json!({"data": {"password": "aHVudGVyMg=="}, "stringData": {"token": "t0p"}});
         s.metadata.annotations = Some(

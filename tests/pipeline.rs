@@ -14,7 +14,7 @@ use futures::{FutureExt, future::BoxFuture};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
 use kube_event_bridge::{
     config::MessageConfig,
-    informer::{Notification, NotificationKind, ObjectRef},
+    informer::{CachedObject, Notification, NotificationKind, ObjectRef},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteQueue},
@@ -118,7 +118,7 @@ fn configmaps() -> ApiResource {
 }
 
 fn object(name: &str, rv: u64, padding: usize) -> ObjectRef {
-    Arc::new(DynamicObject {
+    Arc::new(CachedObject::new(&DynamicObject {
         types: Some(TypeMeta {
             api_version: "v1".into(),
             kind: "ConfigMap".into(),
@@ -131,7 +131,7 @@ fn object(name: &str, rv: u64, padding: usize) -> ObjectRef {
             ..Default::default()
         },
         data: serde_json::json!({"data": {"pad": "x".repeat(padding)}}),
-    })
+    }))
 }
 
 fn note(kind: NotificationKind) -> Notification {

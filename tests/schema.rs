@@ -9,13 +9,13 @@ use std::sync::Arc;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube_event_bridge::{
     config::MessageConfig,
-    informer::{Notification, NotificationKind},
+    informer::{CachedObject, Notification, NotificationKind},
     message::{Encoder, Encoding},
 };
 use serde_json::{Value, json};
 use support::schema::{check_cloudevent, check_state_value, cloudevent_errors};
 
-fn object(ns: Option<&str>, rv: &str) -> Arc<DynamicObject> {
+fn object(ns: Option<&str>, rv: &str) -> Arc<CachedObject> {
     let mut v = json!({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": "settings", "uid": "6f1c-uid", "resourceVersion": rv},
@@ -24,7 +24,9 @@ fn object(ns: Option<&str>, rv: &str) -> Arc<DynamicObject> {
     if let Some(ns) = ns {
         v["metadata"]["namespace"] = json!(ns);
     }
-    Arc::new(serde_json::from_value(v).unwrap())
+    Arc::new(CachedObject::new(
+        &serde_json::from_value::<DynamicObject>(v).unwrap(),
+    ))
 }
 
 fn encode(kind: NotificationKind, resumed: bool) -> Value {
@@ -150,7 +152,7 @@ fn every_message_shape_matches_the_schema() {
         let errors = cloudevent_errors(&event);
         assert!(errors.is_empty(), "{shape}: {errors:?}\n{event}");
     }
-    check_state_value(&serde_json::to_value(&*object(Some("shop"), "1")).unwrap());
+    check_state_value(&serde_json::from_str(object(Some("shop"), "1").json().get()).unwrap());
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::{
 
 use kube::api::{DynamicObject, ObjectMeta};
 use kube_event_bridge::{
-    informer::{Notification, NotificationKind, resource_version},
+    informer::{CachedObject, Notification, NotificationKind, resource_version},
     pipeline::{Budget, RouteQueue},
     workqueue::{Queue, QueueMetrics, RateLimiter, RateLimitingQueue},
 };
@@ -111,7 +111,7 @@ fn route_op() -> impl Strategy<Value = RouteOp> {
 
 fn update(key: u8, rv: u64) -> Notification {
     let obj = |rv: u64| {
-        Arc::new(DynamicObject {
+        Arc::new(CachedObject::new(&DynamicObject {
             types: None,
             metadata: ObjectMeta {
                 name: Some(format!("o{key}")),
@@ -119,8 +119,8 @@ fn update(key: u8, rv: u64) -> Notification {
                 resource_version: Some(rv.to_string()),
                 ..Default::default()
             },
-            data: serde_json::Value::Null,
-        })
+            data: serde_json::json!({}),
+        }))
     };
     Notification {
         kind: NotificationKind::Update {

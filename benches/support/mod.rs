@@ -11,7 +11,7 @@ use futures::{FutureExt, future::BoxFuture};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
 use kube_event_bridge::{
     config::{EventType, MessageConfig},
-    informer::{Notification, NotificationKind, ProcessorListener},
+    informer::{CachedObject, Notification, NotificationKind, ObjectRef, ProcessorListener},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
     pipeline::{self, Budget, Checkpointer, Delivery, Route, RouteQueue},
@@ -35,8 +35,8 @@ pub fn encoder() -> Encoder {
 }
 
 /// A ConfigMap `config-{i}` of about `size` bytes of JSON (at least its metadata).
-pub fn object(i: usize, rv: u64, size: usize) -> Arc<DynamicObject> {
-    Arc::new(DynamicObject {
+pub fn object(i: usize, rv: u64, size: usize) -> ObjectRef {
+    Arc::new(CachedObject::new(&DynamicObject {
         types: Some(TypeMeta {
             api_version: "v1".into(),
             kind: "ConfigMap".into(),
@@ -50,7 +50,7 @@ pub fn object(i: usize, rv: u64, size: usize) -> Arc<DynamicObject> {
             ..Default::default()
         },
         data: serde_json::json!({"data": {"payload": "x".repeat(size.saturating_sub(250))}}),
-    })
+    }))
 }
 
 /// `events` updates over `objects` objects of ~`size` bytes, each with a new object (as an
@@ -61,7 +61,7 @@ pub fn notifications(
     objects: usize,
     size: usize,
 ) -> impl Iterator<Item = Notification> {
-    let old: Vec<Arc<DynamicObject>> = (0..objects).map(|i| object(i, 1, size)).collect();
+    let old: Vec<ObjectRef> = (0..objects).map(|i| object(i, 1, size)).collect();
     (0..events).map(move |n| Notification {
         kind: NotificationKind::Update {
             old: old[n % objects].clone(),
@@ -80,7 +80,7 @@ pub fn alternating(
     objects: usize,
     size: usize,
 ) -> impl Iterator<Item = Notification> {
-    let versions: Vec<[Arc<DynamicObject>; 2]> = (0..objects)
+    let versions: Vec<[ObjectRef; 2]> = (0..objects)
         .map(|i| {
             [
                 object(i, 2 * i as u64 + 1, size),
@@ -350,7 +350,10 @@ pub async fn bridge_figures<S: Sink + 'static>(
         checkpointer,
     )
     .await;
-    assert_eq!(run.coalesced, 0, "the bench measures delivery, not coalescing");
+    assert_eq!(
+        run.coalesced, 0,
+        "the bench measures delivery, not coalescing"
+    );
     let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
     Figures {
         events,

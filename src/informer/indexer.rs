@@ -14,9 +14,7 @@ use std::{
     sync::{Arc, RwLock},
 };
 
-use kube::api::DynamicObject;
-
-use super::ObjectRef;
+use super::{CachedObject, ObjectRef};
 
 /// Errors of index queries.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -33,13 +31,13 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Computes the index values of an object (zero, one or many).
-pub type IndexFunc = Arc<dyn Fn(&DynamicObject) -> Vec<String> + Send + Sync>;
+pub type IndexFunc = Arc<dyn Fn(&CachedObject) -> Vec<String> + Send + Sync>;
 
 /// Name of the built-in namespace index (client-go's `NamespaceIndex`).
 pub const NAMESPACE_INDEX: &str = "namespace";
 
 /// client-go's `MetaNamespaceIndexFunc`.
-pub fn namespace_index_func(obj: &DynamicObject) -> Vec<String> {
+pub fn namespace_index_func(obj: &CachedObject) -> Vec<String> {
     vec![obj.metadata.namespace.clone().unwrap_or_default()]
 }
 
@@ -215,7 +213,7 @@ impl Indexer {
     }
 
     /// The objects sharing any of `obj`'s values in index `name`, without duplicates.
-    pub fn index(&self, name: &str, obj: &DynamicObject) -> Result<Vec<ObjectRef>> {
+    pub fn index(&self, name: &str, obj: &CachedObject) -> Result<Vec<ObjectRef>> {
         let inner = self.read();
         let func = inner
             .indexers
@@ -247,8 +245,8 @@ impl Indexer {
 impl Inner {
     fn update_indices(
         &mut self,
-        old: Option<&DynamicObject>,
-        new: Option<&DynamicObject>,
+        old: Option<&CachedObject>,
+        new: Option<&CachedObject>,
         key: &str,
     ) {
         for (name, func) in &self.indexers {
@@ -282,7 +280,7 @@ mod tests {
     use super::*;
     use crate::informer::testing::obj;
 
-    fn labels_index(o: &DynamicObject) -> Vec<String> {
+    fn labels_index(o: &CachedObject) -> Vec<String> {
         o.metadata
             .labels
             .iter()
@@ -292,14 +290,14 @@ mod tests {
     }
 
     fn with_labels(ns: &str, name: &str, labels: &[(&str, &str)]) -> ObjectRef {
-        let mut o = (*obj(ns, name, "1")).clone();
+        let mut o = obj(ns, name, "1").to_dynamic();
         o.metadata.labels = Some(
             labels
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         );
-        Arc::new(o)
+        Arc::new(crate::informer::CachedObject::new(&o))
     }
 
     #[test]

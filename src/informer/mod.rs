@@ -14,34 +14,34 @@ pub mod delta_fifo;
 pub mod factory;
 pub mod indexer;
 pub mod listener;
+pub mod object;
 pub mod reflector;
 pub mod shared_informer;
 
 use std::{sync::Arc, time::Instant};
 
-use kube::api::DynamicObject;
-
 pub use delta_fifo::{Delta, DeltaFifo, DeltaType};
 pub use factory::{InformerKey, SharedInformerFactory};
 pub use indexer::Indexer;
 pub use listener::{NotificationHandler, ProcessorListener};
+pub use object::{CachedObject, ObjectMetaRef};
 pub use shared_informer::SharedIndexInformer;
 
 /// A cached object. Shared between the cache, queues and encoders, and never mutated.
-pub type ObjectRef = Arc<DynamicObject>;
+pub type ObjectRef = Arc<CachedObject>;
 
 /// client-go's `MetaNamespaceKeyFunc`: `namespace/name`, or `name` for cluster-scoped objects.
-pub fn meta_namespace_key(obj: &DynamicObject) -> String {
-    let name = obj.metadata.name.as_deref().unwrap_or_default();
-    match obj.metadata.namespace.as_deref() {
+pub fn meta_namespace_key(obj: &impl ObjectMetaRef) -> String {
+    let name = obj.name().unwrap_or_default();
+    match obj.namespace() {
         Some(ns) if !ns.is_empty() => format!("{ns}/{name}"),
         _ => name.to_owned(),
     }
 }
 
 /// The object's `metadata.resourceVersion`, or `""`.
-pub fn resource_version(obj: &DynamicObject) -> &str {
-    obj.metadata.resource_version.as_deref().unwrap_or_default()
+pub fn resource_version(obj: &impl ObjectMetaRef) -> &str {
+    obj.resource_version().unwrap_or_default()
 }
 
 /// What a listener receives: client-go's `addNotification`, `updateNotification` and
@@ -126,7 +126,7 @@ pub(crate) mod testing {
 
     /// A namespaced ConfigMap-like object with the given resourceVersion.
     pub fn obj(ns: &str, name: &str, rv: &str) -> ObjectRef {
-        let mut o = DynamicObject {
+        let mut o = kube::api::DynamicObject {
             types: Some(kube::api::TypeMeta {
                 api_version: "v1".into(),
                 kind: "ConfigMap".into(),
@@ -138,6 +138,6 @@ pub(crate) mod testing {
         o.metadata.name = Some(name.to_owned());
         o.metadata.resource_version = Some(rv.to_owned());
         o.metadata.uid = Some(format!("uid-{ns}-{name}"));
-        Arc::new(o)
+        Arc::new(CachedObject::new(&o))
     }
 }

@@ -40,7 +40,7 @@ use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::{DeltaFifo, ObjectRef, resource_version};
+use super::{CachedObject, DeltaFifo, ObjectRef, resource_version};
 
 /// Rewrites an object before it is queued and cached (client-go's `TransformFunc`).
 pub type Transform = Arc<dyn Fn(&mut DynamicObject) + Send + Sync>;
@@ -165,7 +165,7 @@ impl Reflector {
             .last_sync_resource_version
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = resource_version(&obj).to_owned();
-        Arc::new(obj)
+        Arc::new(CachedObject::new(&obj))
     }
 
     /// Runs until `cancel` fires.

@@ -54,6 +54,14 @@ impl Running {
     /// workers (aborting any still stuck in a publish) and returns what each route still
     /// holds, by route name. Call it once the informers have stopped feeding the queues.
     pub async fn drain(mut self, deadline: tokio::time::Instant) -> HashMap<String, usize> {
+        // First the queues keep running until they hold nothing: a key waiting out a retry
+        // delay is not being processed, and a draining work queue would drop it.
+        let settled = async {
+            while self.routes.iter().any(|(r, _)| r.queue().held() > 0) {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let _ = tokio::time::timeout_at(deadline, settled).await;
         let drains = self.routes.iter().map(|(r, _)| {
             tokio::time::timeout_at(deadline, r.queue().queue().shut_down_with_drain())
         });

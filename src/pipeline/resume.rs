@@ -35,7 +35,7 @@ use tracing::info;
 use super::{RouteQueue, checkpoint::Checkpoint, checkpoint::Entry};
 use crate::{
     config::EventType,
-    informer::{Notification, NotificationHandler, NotificationKind, ObjectRef},
+    informer::{CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef},
 };
 
 /// Outcomes counted in `keb_resume_objects_total{outcome}`, in this order.
@@ -124,7 +124,7 @@ impl Resumer {
             Some((ns, name)) => (Some(ns.to_owned()), name.to_owned()),
             None => (None, key.to_owned()),
         };
-        Arc::new(DynamicObject {
+        Arc::new(CachedObject::new(&DynamicObject {
             types: Some(self.types.clone()),
             metadata: ObjectMeta {
                 namespace,
@@ -134,7 +134,7 @@ impl Resumer {
                 ..Default::default()
             },
             data: serde_json::json!({}),
-        })
+        }))
     }
 
     fn derived(&self, like: &Notification, kind: NotificationKind) -> Notification {

@@ -635,9 +635,9 @@ mod tests {
         }
 
         fn object(key: u8, uid: u64, rv: u64) -> ObjectRef {
-            let mut o = (*obj("ns", &format!("k{key}"), &rv.to_string())).clone();
+            let mut o = obj("ns", &format!("k{key}"), &rv.to_string()).to_dynamic();
             o.metadata.uid = Some(format!("u{uid}"));
-            Arc::new(o)
+            Arc::new(crate::informer::CachedObject::new(&o))
         }
 
         /// Incarnations in one key's notifications: one per delete, plus one if the last is

@@ -16,6 +16,9 @@ use crate::{
     workqueue::TokenBucket,
 };
 
+/// While shutting down, how long a failed key waits before its next attempt.
+const SHUTDOWN_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// How one sink is published to; shared by the sink's routes.
 pub struct Delivery {
     /// The destination.
@@ -181,6 +184,13 @@ impl Route {
                 // by the one that failed; with nothing left the key is simply released.
                 self.queue.retry(&key, batch, term);
                 break;
+            }
+            if failed && queue.is_shutting_down() {
+                // A draining work queue takes no retries: retry here, within the grace period
+                // (what arrives meanwhile waits for `finish`, as usual).
+                tokio::time::sleep(SHUTDOWN_RETRY_DELAY).await;
+                handed = self.hand_over(&key, batch, term).await;
+                continue;
             }
             if failed {
                 self.queue.retry(&key, batch, term);

@@ -43,7 +43,12 @@ pub fn typed<K: k8s_openapi::Resource + serde::Serialize>(obj: &K) -> serde_json
 /// A short description of a notification: `add ns/a v=1 initial`, `update ns/a v=1->2`,
 /// `sync ns/a v=2`, `delete ns/a v=2 final-state-unknown`.
 pub fn describe(n: &Notification) -> String {
-    let v = |o: &kube::api::DynamicObject| o.data["data"]["v"].as_str().unwrap_or("-").to_owned();
+    let v = |o: &kube_event_bridge::informer::CachedObject| {
+        o.to_dynamic().data["data"]["v"]
+            .as_str()
+            .unwrap_or("-")
+            .to_owned()
+    };
     match &n.kind {
         NotificationKind::Add {
             obj,
