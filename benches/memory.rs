@@ -14,7 +14,7 @@ use std::sync::Arc;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube_event_bridge::{
     config::MessageConfig,
-    informer::{CachedObject, Indexer, indexer::namespace_index_func},
+    informer::{CachedObject, Indexer},
     message::object_transform,
 };
 
@@ -92,10 +92,8 @@ fn measure(mode: &str, objects: usize) {
     let started = std::time::Instant::now();
     let (kept_cached, kept_dynamic) = match mode {
         "cached" => {
+            // With the namespace index, as every informer's.
             let indexer = Indexer::new();
-            indexer
-                .add_indexer("namespace", Arc::new(namespace_index_func))
-                .unwrap();
             for i in 0..objects {
                 let mut obj: DynamicObject = serde_json::from_str(&configmap_json(i)).unwrap();
                 transform(&mut obj);

@@ -50,7 +50,7 @@ fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
     let mut live = HashMap::new();
     for i in 0..objects {
         let obj = object(i, 1_000_000 + i as u64, SIZE);
-        live.insert(key(&obj), obj.metadata.resource_version.clone().unwrap());
+        live.insert(key(&obj), obj.resource_version().unwrap().to_owned());
         notes.push(note(NotificationKind::Add {
             obj,
             is_initial_list: true,
@@ -58,7 +58,7 @@ fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
     }
     for i in (0..objects).step_by(10) {
         let new = object(i, 2_000_000 + i as u64, SIZE);
-        live.insert(key(&new), new.metadata.resource_version.clone().unwrap());
+        live.insert(key(&new), new.resource_version().unwrap().to_owned());
         notes.push(note(NotificationKind::Update {
             old: object(i, 1_000_000 + i as u64, SIZE),
             new,

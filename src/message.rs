@@ -260,18 +260,17 @@ impl Encoder {
     pub fn encode(&self, key: &str, n: &Notification) -> Result<Message> {
         let event_type = n.event_type();
         let obj = n.object();
-        let meta = &obj.metadata;
+        let meta = &**obj;
         let missing = |field| Error::MissingField {
             key: key.to_owned(),
             field,
         };
-        let uid = meta.uid.as_deref().ok_or_else(|| missing("uid"))?;
+        let uid = meta.uid().ok_or_else(|| missing("uid"))?;
         let rv = meta
-            .resource_version
-            .as_deref()
+            .resource_version()
             .ok_or_else(|| missing("resourceVersion"))?;
-        let name = meta.name.as_deref().ok_or_else(|| missing("name"))?;
-        let namespace = meta.namespace.as_deref().filter(|ns| !ns.is_empty());
+        let name = meta.name().ok_or_else(|| missing("name"))?;
+        let namespace = meta.namespace().filter(|ns| !ns.is_empty());
         let id = format!("{uid}:{rv}:{}", event_type.as_str());
         let (initial, final_state_unknown, old) = match &n.kind {
             NotificationKind::Add {

@@ -270,7 +270,7 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
         .indexer()
         .entries()
         .into_iter()
-        .map(|(k, o)| (k, o.metadata.resource_version.clone().unwrap()))
+        .map(|(k, o)| (k, o.resource_version().unwrap().to_owned()))
         .collect();
     assert_eq!(state, cache, "the replayed state is the informer's cache");
     assert_eq!(state.len(), 7);

@@ -627,7 +627,7 @@ async fn tail_and_state_read_the_jetstream_stream() {
         .indexer()
         .entries()
         .into_iter()
-        .map(|(k, o)| (k, o.metadata.resource_version.clone().unwrap()))
+        .map(|(k, o)| (k, o.resource_version().unwrap().to_owned()))
         .collect();
     cache.sort();
     assert_eq!(from_state.len(), 29);

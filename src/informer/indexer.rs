@@ -38,7 +38,7 @@ pub const NAMESPACE_INDEX: &str = "namespace";
 
 /// client-go's `MetaNamespaceIndexFunc`.
 pub fn namespace_index_func(obj: &CachedObject) -> Vec<String> {
-    vec![obj.metadata.namespace.clone().unwrap_or_default()]
+    vec![obj.namespace().unwrap_or_default().to_owned()]
 }
 
 /// Thread-safe cache with named indices. See the module docs for the contract.
@@ -280,8 +280,10 @@ mod tests {
     use super::*;
     use crate::informer::testing::obj;
 
+    // Labels are not kept parsed: an index on them parses the object (on demand).
     fn labels_index(o: &CachedObject) -> Vec<String> {
-        o.metadata
+        o.to_dynamic()
+            .metadata
             .labels
             .iter()
             .flatten()
@@ -305,11 +307,8 @@ mod tests {
         let idx = Indexer::new();
         assert!(idx.upsert("a/x".into(), obj("a", "x", "1")).is_none());
         let old = idx.upsert("a/x".into(), obj("a", "x", "2")).unwrap();
-        assert_eq!(old.metadata.resource_version.as_deref(), Some("1"));
-        assert_eq!(
-            idx.get("a/x").unwrap().metadata.resource_version.as_deref(),
-            Some("2")
-        );
+        assert_eq!(old.resource_version(), Some("1"));
+        assert_eq!(idx.get("a/x").unwrap().resource_version(), Some("2"));
         assert!(idx.delete("a/x").is_some());
         assert!(
             idx.delete("a/x").is_none(),

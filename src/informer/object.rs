@@ -5,60 +5,122 @@
 //! of the several times more a `Value` tree takes. Whatever needs the whole object parses the
 //! JSON on demand ([`CachedObject::to_dynamic`]).
 
-use std::collections::BTreeMap;
-
-use kube::api::{DynamicObject, TypeMeta};
+use kube::api::DynamicObject;
 use serde_json::value::RawValue;
 
-/// The metadata fields the informer machinery reads.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Meta {
-    /// `metadata.name`.
-    pub name: Option<String>,
-    /// `metadata.namespace`.
-    pub namespace: Option<String>,
-    /// `metadata.uid`.
-    pub uid: Option<String>,
-    /// `metadata.resourceVersion`.
-    pub resource_version: Option<String>,
-    /// `metadata.labels`.
-    pub labels: Option<BTreeMap<String, String>>,
+/// Where `metadata.name`, `namespace`, `uid` and `resourceVersion` sit in the JSON: byte
+/// ranges into it (no copies), or, for a value the JSON escapes (which no valid name, uid or
+/// resourceVersion needs), owned copies.
+#[derive(Debug)]
+enum Fields {
+    Spans([(u32, u32); 4]),
+    Owned(Box<[Option<Box<str>>; 4]>),
+}
+
+const NAME: usize = 0;
+const NAMESPACE: usize = 1;
+const UID: usize = 2;
+const RESOURCE_VERSION: usize = 3;
+const ABSENT: (u32, u32) = (u32::MAX, 0);
+
+#[derive(serde::Deserialize)]
+struct Borrowed<'a> {
+    #[serde(borrow)]
+    metadata: BorrowedMeta<'a>,
+}
+
+#[derive(serde::Deserialize)]
+struct BorrowedMeta<'a> {
+    #[serde(borrow, default)]
+    name: Option<&'a str>,
+    #[serde(borrow, default)]
+    namespace: Option<&'a str>,
+    #[serde(borrow, default)]
+    uid: Option<&'a str>,
+    #[serde(borrow, default, rename = "resourceVersion")]
+    resource_version: Option<&'a str>,
 }
 
 /// See the module docs.
 #[derive(Debug)]
 pub struct CachedObject {
-    /// `apiVersion` and `kind`.
-    pub types: Option<TypeMeta>,
-    /// See [`Meta`].
-    pub metadata: Meta,
     json: Box<RawValue>,
+    fields: Fields,
 }
 
 impl CachedObject {
-    /// Serializes `obj` once, and keeps what the machinery reads.
+    /// Serializes `obj` once, and notes where the identifying fields are.
     pub fn new(obj: &DynamicObject) -> Self {
-        let m = &obj.metadata;
-        Self {
-            types: obj.types.clone(),
-            metadata: Meta {
-                name: m.name.clone(),
-                namespace: m.namespace.clone(),
-                uid: m.uid.clone(),
-                resource_version: m.resource_version.clone(),
-                labels: m.labels.clone().filter(|l| !l.is_empty()),
-            },
-            json: serde_json::value::to_raw_value(obj).unwrap_or_else(|_| {
-                // Only a body that is not a JSON object (which `flatten` cannot write) fails;
-                // no API server sends one. Keep the identity rather than fail.
-                let bare = DynamicObject {
-                    types: obj.types.clone(),
-                    metadata: obj.metadata.clone(),
-                    data: serde_json::json!({}),
+        let json = serde_json::value::to_raw_value(obj).unwrap_or_else(|_| {
+            // Only a body that is not a JSON object (which `flatten` cannot write) fails; no
+            // API server sends one. Keep the identity rather than fail.
+            let bare = DynamicObject {
+                types: obj.types.clone(),
+                metadata: obj.metadata.clone(),
+                data: serde_json::json!({}),
+            };
+            serde_json::value::to_raw_value(&bare).expect("metadata serializes to JSON")
+        });
+        let text = json.get();
+        let fields = match serde_json::from_str::<Borrowed<'_>>(text) {
+            Ok(b) => {
+                let span = |v: Option<&str>| {
+                    v.map_or(ABSENT, |v| {
+                        let start = v.as_ptr() as usize - text.as_ptr() as usize;
+                        (start as u32, v.len() as u32)
+                    })
                 };
-                serde_json::value::to_raw_value(&bare).expect("metadata serializes to JSON")
-            }),
+                let m = b.metadata;
+                Fields::Spans([
+                    span(m.name),
+                    span(m.namespace),
+                    span(m.uid),
+                    span(m.resource_version),
+                ])
+            }
+            Err(_) => {
+                let m = &obj.metadata;
+                let owned = |s: &Option<String>| s.as_deref().map(Box::from);
+                Fields::Owned(Box::new([
+                    owned(&m.name),
+                    owned(&m.namespace),
+                    owned(&m.uid),
+                    owned(&m.resource_version),
+                ]))
+            }
+        };
+        Self { json, fields }
+    }
+
+    fn field(&self, i: usize) -> Option<&str> {
+        match &self.fields {
+            Fields::Spans(spans) => {
+                let (start, len) = spans[i];
+                (start != u32::MAX)
+                    .then(|| &self.json.get()[start as usize..(start + len) as usize])
+            }
+            Fields::Owned(values) => values[i].as_deref(),
         }
+    }
+
+    /// `metadata.name`.
+    pub fn name(&self) -> Option<&str> {
+        self.field(NAME)
+    }
+
+    /// `metadata.namespace`.
+    pub fn namespace(&self) -> Option<&str> {
+        self.field(NAMESPACE)
+    }
+
+    /// `metadata.uid`.
+    pub fn uid(&self) -> Option<&str> {
+        self.field(UID)
+    }
+
+    /// `metadata.resourceVersion`.
+    pub fn resource_version(&self) -> Option<&str> {
+        self.field(RESOURCE_VERSION)
     }
 
     /// The object's compact JSON.
@@ -90,13 +152,13 @@ pub trait ObjectMetaRef {
 
 impl ObjectMetaRef for CachedObject {
     fn name(&self) -> Option<&str> {
-        self.metadata.name.as_deref()
+        CachedObject::name(self)
     }
     fn namespace(&self) -> Option<&str> {
-        self.metadata.namespace.as_deref()
+        CachedObject::namespace(self)
     }
     fn resource_version(&self) -> Option<&str> {
-        self.metadata.resource_version.as_deref()
+        CachedObject::resource_version(self)
     }
 }
 
@@ -138,13 +200,24 @@ mod tests {
         }))
         .unwrap();
         let cached = CachedObject::new(&obj);
-        assert_eq!(cached.metadata.name.as_deref(), Some("a"));
-        assert_eq!(cached.metadata.labels.as_ref().unwrap()["app"], "web");
-        assert_eq!(cached.types.as_ref().unwrap().kind, "ConfigMap");
+        assert_eq!(
+            (
+                cached.name(),
+                cached.namespace(),
+                cached.uid(),
+                cached.resource_version()
+            ),
+            (Some("a"), Some("ns"), Some("u"), Some("7"))
+        );
+        let mut escaped = obj.clone();
+        escaped.metadata.name = Some("a\"b".into());
+        escaped.metadata.namespace = None;
+        let cached = CachedObject::new(&escaped);
+        assert_eq!((cached.name(), cached.namespace()), (Some("a\"b"), None));
         let back = cached.to_dynamic();
         assert_eq!(
             serde_json::to_value(&back).unwrap(),
-            serde_json::to_value(&obj).unwrap()
+            serde_json::to_value(&escaped).unwrap()
         );
         assert!(!cached.json().get().contains('\n'), "compact");
     }

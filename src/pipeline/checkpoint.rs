@@ -165,7 +165,7 @@ impl Checkpointer {
             .iter()
             .map(|(key, object)| {
                 let entry = object.as_ref().map(|obj| Entry {
-                    uid: obj.metadata.uid.clone().unwrap_or_default(),
+                    uid: obj.uid().unwrap_or_default().to_owned(),
                     resource_version: resource_version(obj).to_owned(),
                 });
                 (key.clone(), entry)

@@ -175,7 +175,7 @@ impl NotificationHandler for Resumer {
         let key = n.key();
         let entry = remaining.remove(&key);
         drop(state);
-        let uid = n.object().metadata.uid.clone().unwrap_or_default();
+        let uid = n.object().uid().unwrap_or_default().to_owned();
         match (n.kind.clone(), entry) {
             (
                 NotificationKind::Add {

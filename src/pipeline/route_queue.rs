@@ -298,7 +298,7 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
                 obj,
                 final_state_unknown,
             },
-        ) if pending_obj.metadata.uid == obj.metadata.uid => {
+        ) if pending_obj.uid() == obj.uid() => {
             // DeltaFIFO's dedup: keep the older delete unless it only guessed the final state.
             if !*pending_unknown || *final_state_unknown {
                 return true;
@@ -353,7 +353,7 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
 
 /// Same object (uid) at the same resourceVersion.
 fn same_state(a: &ObjectRef, b: &ObjectRef) -> bool {
-    resource_version(a) == resource_version(b) && a.metadata.uid == b.metadata.uid
+    resource_version(a) == resource_version(b) && a.uid() == b.uid()
 }
 
 #[cfg(test)]
@@ -662,7 +662,7 @@ mod tests {
             };
             (
                 t,
-                o.metadata.uid.clone().unwrap(),
+                o.uid().unwrap().to_owned(),
                 resource_version(o).parse().unwrap(),
             )
         }

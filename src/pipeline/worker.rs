@@ -384,12 +384,12 @@ impl Route {
         let Some(dlq) = &self.delivery.dead_letter else {
             return;
         };
-        let meta = &n.object().metadata;
+        let meta = &**n.object();
         let id = message.map(|(id, _)| id.to_owned()).unwrap_or_else(|| {
             format!(
                 "{}:{}:{}",
-                meta.uid.as_deref().unwrap_or_default(),
-                meta.resource_version.as_deref().unwrap_or_default(),
+                meta.uid().unwrap_or_default(),
+                meta.resource_version().unwrap_or_default(),
                 n.event_type().as_str()
             )
         });
@@ -410,8 +410,8 @@ impl Route {
             attributes: Vec::new(),
             content_type: crate::message::DATA_CONTENT_TYPE,
             resource: self.encoder.resource().clone(),
-            namespace: meta.namespace.clone(),
-            name: meta.name.clone().unwrap_or_default(),
+            namespace: meta.namespace().map(str::to_owned),
+            name: meta.name().unwrap_or_default().to_owned(),
             received: n.received,
         };
         if let Err(err) = dlq.publish(&dead).await {

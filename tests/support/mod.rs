@@ -62,7 +62,7 @@ pub fn describe(n: &Notification) -> String {
             )
         }
         NotificationKind::Update { old, new }
-            if old.metadata.resource_version == new.metadata.resource_version =>
+            if old.resource_version() == new.resource_version() =>
         {
             format!("sync {} v={}", n.key(), v(new))
         }
