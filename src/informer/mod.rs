@@ -109,7 +109,7 @@ impl Notification {
         match &self.kind {
             NotificationKind::Add { .. } => EventType::Added,
             NotificationKind::Update { old, new }
-                if resource_version(old) == resource_version(new) =>
+                if Arc::ptr_eq(old, new) || resource_version(old) == resource_version(new) =>
             {
                 EventType::Synced
             }

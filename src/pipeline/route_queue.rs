@@ -89,9 +89,9 @@ pub struct RouteQueue {
 
 #[derive(Default)]
 struct Pending {
-    by_key: HashMap<String, VecDeque<Notification>>,
+    by_key: HashMap<String, VecDeque<Notification>, foldhash::fast::RandomState>,
     // Keys held by a worker or waiting for a retry delay: new notifications do not queue them.
-    parked: HashSet<String>,
+    parked: HashSet<String, foldhash::fast::RandomState>,
 }
 
 impl std::fmt::Debug for RouteQueue {

@@ -64,9 +64,11 @@ struct Sent {
     started: std::time::Instant,
 }
 
-/// A message handed over, and the future of its acknowledgement.
+/// A message handed over, and the future of its acknowledgement (or the acknowledgement, once
+/// polled ready).
 struct Pending {
     ack: crate::sinks::Ack,
+    ready: Option<crate::sinks::Result<()>>,
     message: Sent,
 }
 
@@ -84,6 +86,19 @@ enum Submitted {
 struct HandedOver {
     pending: Vec<(Notification, Pending)>,
     not_handed: VecDeque<Notification>,
+}
+
+impl HandedOver {
+    /// Polls every acknowledgement once; whether all are in.
+    fn all_ready(&mut self) -> bool {
+        use futures::FutureExt;
+        self.pending.iter_mut().all(|(_, p)| {
+            if p.ready.is_none() {
+                p.ready = (&mut p.ack).now_or_never();
+            }
+            p.ready.is_some()
+        })
+    }
 }
 
 impl Route {
@@ -160,9 +175,15 @@ impl Route {
         let queue = self.queue.queue();
         while let Some(key) = queue.get().await {
             let (batch, term) = self.queue.take(&key);
-            let handed = self.hand_over(&key, batch, term).await;
-            let route = self.clone();
-            tokio::spawn(async move { route.complete(key, handed, term).await });
+            let mut handed = self.hand_over(&key, batch, term).await;
+            // Acknowledgements that are in already (a sink without pipelining) are settled
+            // here; a task awaits the others.
+            if handed.all_ready() {
+                self.clone().complete(key, handed, term).await;
+            } else {
+                let route = self.clone();
+                tokio::spawn(async move { route.complete(key, handed, term).await });
+            }
         }
     }
 
@@ -249,7 +270,10 @@ impl Route {
     async fn settle_acks(&self, key: &str, handed: &mut HandedOver) -> VecDeque<Notification> {
         let mut retry = VecDeque::new();
         for (n, pending) in handed.pending.drain(..) {
-            let result = pending.ack.await;
+            let result = match pending.ready {
+                Some(result) => result,
+                None => pending.ack.await,
+            };
             self.metrics.in_flight.dec();
             if !retry.is_empty() {
                 retry.push_back(n);
@@ -307,6 +331,7 @@ impl Route {
         match sink.submit(&message).await {
             Ok(ack) => Submitted::Pending(Pending {
                 ack,
+                ready: None,
                 message: Sent {
                     id: message.id,
                     event_type: message.event_type,

@@ -24,6 +24,10 @@ use std::{
     time::Duration,
 };
 
+/// A fast hasher for the sets of keys (keys are object names, not attacker-chosen input
+/// the process must protect its maps from; foldhash is still seeded per process).
+pub(crate) type FastHash = foldhash::fast::RandomState;
+
 use tokio::{sync::Notify, time::Instant};
 
 use super::QueueMetrics;
@@ -40,14 +44,14 @@ pub struct Queue<T> {
 
 struct State<T> {
     queue: VecDeque<T>,
-    dirty: HashSet<T>,
+    dirty: HashSet<T, FastHash>,
     // Item → when it was handed out.
-    processing: HashMap<T, Instant>,
+    processing: HashMap<T, Instant, FastHash>,
     // Item → when it was first added (for the queue-duration histogram).
-    added: HashMap<T, Instant>,
+    added: HashMap<T, Instant, FastHash>,
     // Delayed items: the heap may hold stale entries; `waiting` has the true ready time.
     heap: BinaryHeap<Reverse<(Instant, u64, T)>>,
-    waiting: HashMap<T, Instant>,
+    waiting: HashMap<T, Instant, FastHash>,
     seq: u64,
     shutting_down: bool,
     draining: bool,
@@ -65,11 +69,11 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
         Self {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
-                dirty: HashSet::new(),
-                processing: HashMap::new(),
-                added: HashMap::new(),
+                dirty: HashSet::default(),
+                processing: HashMap::default(),
+                added: HashMap::default(),
                 heap: BinaryHeap::new(),
-                waiting: HashMap::new(),
+                waiting: HashMap::default(),
                 seq: 0,
                 shutting_down: false,
                 draining: false,

@@ -25,7 +25,7 @@ pub trait RateLimiter<T>: Send + Sync {
 pub struct ItemExponentialFailureRateLimiter<T> {
     base: Duration,
     max: Duration,
-    failures: Mutex<HashMap<T, u32>>,
+    failures: Mutex<HashMap<T, u32, super::queue::FastHash>>,
 }
 
 impl<T> ItemExponentialFailureRateLimiter<T> {
@@ -34,7 +34,7 @@ impl<T> ItemExponentialFailureRateLimiter<T> {
         Self {
             base,
             max,
-            failures: Mutex::new(HashMap::new()),
+            failures: Mutex::new(HashMap::default()),
         }
     }
 }
