@@ -337,9 +337,18 @@ impl Sink for NatsSink {
                 .await
                 .map_err(|e| self.classify(&subject, size, e.kind(), e.to_string()))?;
             let (client, denied) = (self.client.clone(), self.denied.clone());
-            Ok(Box::pin(async move {
+            // The PubAck is awaited by a task of its own: async-nats releases the
+            // `max_in_flight` permit only when the future is polled to its end, and a
+            // worker may hold its acks unpolled while it hands over more messages,
+            // which would wait for permits forever.
+            let acked = tokio::spawn(async move {
                 ack.await.map(|_| ()).map_err(|e| {
                     classify(&client, &denied, &subject, size, e.kind(), e.to_string())
+                })
+            });
+            Ok(Box::pin(async move {
+                acked.await.unwrap_or_else(|e| {
+                    Err(Error::Unavailable(format!("acknowledgement task: {e}")))
                 })
             }) as Ack)
         }
