@@ -22,7 +22,7 @@ use kube::{
 };
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     admin,
@@ -907,6 +907,11 @@ async fn follow_discovery(
             event = crd_events.next() => match event {
                 Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => continue,
                 Some(Ok(_)) => crd_watch_failed = false,
+                // History compacted: the watcher relists by itself; nothing is wrong.
+                Some(Err(watcher::Error::WatchError(status))) if status.code == 410 => {
+                    debug!(message = %status.message, "CustomResourceDefinition watch expired; relisting");
+                    continue;
+                }
                 Some(Err(err)) => {
                     if !crd_watch_failed {
                         warn!(error = %err, every = ?period, "Cannot watch CustomResourceDefinitions; new and deleted kinds are found by the periodic discovery refresh");

@@ -303,3 +303,70 @@ async fn factory_hands_out_one_informer_per_key() {
     assert_eq!(factory.informers().len(), 2);
     assert_eq!(c.name(), "v1/configmaps@ns");
 }
+
+#[tokio::test]
+async fn garbage_on_the_watch_is_counted_and_the_watch_recovers_with_the_cache_intact() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    server.create(typed(&configmap("ns", "b", "1")));
+    let l = Collector::new();
+    let r = start(&server, &[(&l, None)], false);
+    take(&l, 2).await;
+    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    let errors = || {
+        r.metrics
+            .informer_watch_errors
+            .with_label_values(&[r.informer.name()])
+            .get()
+    };
+    assert_eq!(errors(), 0);
+    // The watch is open and delivering before anything is injected.
+    server.update(typed(&configmap("ns", "b", "2")));
+    assert_eq!(take(&l, 1).await, ["update ns/b v=1->2"]);
+    let a = serde_json::to_string(&typed(&configmap("ns", "a", "9"))).unwrap();
+    // (line, whether kube reports it): kube-client drops a line that ends inside a JSON value
+    // without a word (it takes it for the unfinished last line of a closed stream), so a
+    // truncated event is skipped, not counted.
+    let bad_lines = [
+        ("this is not JSON".to_string(), true),
+        (
+            r#"{"type":"MODIFIED","object":{"apiVersion":"v1","kind":"ConfigMap","metadata":{"name":"a""#
+                .to_string(),
+            false,
+        ),
+        (format!(r#"{{"type":"SURPRISE","object":{a}}}"#), true),
+        (r#"{"type":"MODIFIED","object":[1,2,3]}"#.to_string(), true),
+        (
+            r#"{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","status":"Failure","code":500,"reason":"InternalError","message":"test"}}"#
+                .to_string(),
+            true,
+        ),
+    ];
+    for (i, (bad, counted)) in bad_lines.iter().enumerate() {
+        let before = errors();
+        server.inject_watch_lines(&[bad.as_str()]);
+        if *counted {
+            eventually(&format!("{bad:?} counted as a watch error"), || {
+                errors() > before
+            })
+            .await;
+        }
+        // The watch recovers: the next real change arrives, and only it.
+        let v = format!("{}", i + 3);
+        server.update(typed(&configmap("ns", "b", &v)));
+        assert_eq!(
+            take(&l, 1).await,
+            [format!("update ns/b v={}->{v}", i + 2)],
+            "after {bad:?}"
+        );
+        if !*counted {
+            assert_eq!(errors(), before, "{bad:?}");
+        }
+        // Nothing cached was lost or changed by the garbage.
+        assert_eq!(r.informer.indexer().len(), 2);
+        let cached_a = r.informer.indexer().get("ns/a").unwrap();
+        assert_eq!(cached_a.resource_version(), Some("101"), "after {bad:?}");
+        assert!(l.is_empty(), "no phantom notification after {bad:?}");
+    }
+    assert_eq!(relists(&r), 0, "garbage is not a reason to relist");
+}

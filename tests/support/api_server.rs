@@ -9,7 +9,8 @@
 //! selectors with ADDED/DELETED when an object starts/stops matching).
 //!
 //! Faults: `drop_watches` (connections cut mid-stream), `block_watches` (429 with Retry-After),
-//! `fail_next_lists` (429), `compact` (history gone: old RVs get 410), `expire_continue_tokens`.
+//! `inject_watch_lines` (bad input on the wire),
+//! `fail_next_lists` and `throttle_every` (429), `compact` and `trim_history` (history gone: old RVs get 410), `expire_continue_tokens`.
 //! Test code only; never shipped.
 
 use std::{
@@ -123,6 +124,9 @@ struct Faults {
     bookmark_interval: Option<Duration>,
     block_watches: bool,
     fail_next_lists: u32,
+    // Every n-th list or watch request gets 429 with Retry-After; with the count so far.
+    throttle_every: Option<u32>,
+    throttle_seen: u32,
     // Lease writes (create or replace) naming this holder get 503: a leader whose renewals
     // no longer reach the API server.
     refuse_lease_holder: Option<String>,
@@ -142,6 +146,8 @@ struct Shared {
     store: Mutex<Store>,
     events: broadcast::Sender<HistoryEvent>,
     kill: watch::Sender<u64>,
+    // Raw lines every open watch sends next (bad input on the wire).
+    inject: watch::Sender<Vec<Bytes>>,
     faults: Mutex<Faults>,
     counts: Mutex<HashMap<String, Counts>>,
     addr: Mutex<Option<SocketAddr>>,
@@ -202,6 +208,7 @@ impl ApiServer {
             }),
             events: broadcast::channel(100_000).0,
             kill: watch::channel(0).0,
+            inject: watch::channel(Vec::new()).0,
             faults: Mutex::new(Faults {
                 bookmark_interval: Some(Duration::from_secs(60)),
                 ..Default::default()
@@ -306,6 +313,16 @@ impl ApiServer {
     /// Cuts every open watch connection mid-stream (no clean end).
     pub fn drop_watches(&self) {
         self.shared.kill.send_modify(|g| *g += 1);
+    }
+
+    /// Every open watch sends these raw lines next, as they are (malformed JSON, truncated
+    /// objects, unknown event types: what a broken proxy or server might send).
+    pub fn inject_watch_lines(&self, lines: &[&str]) {
+        let lines = lines
+            .iter()
+            .map(|l| Bytes::from(format!("{l}\n")))
+            .collect();
+        self.shared.inject.send_replace(lines);
     }
 
     /// While set, new watch requests get 429 with Retry-After.
@@ -438,6 +455,26 @@ impl ApiServer {
     /// The next `n` list requests get 429 with Retry-After.
     pub fn fail_next_lists(&self, n: u32) {
         self.shared.faults.lock().unwrap().fail_next_lists = n;
+    }
+
+    /// From now on every `n`-th list or watch request gets 429 with Retry-After (`n = 3`: a
+    /// third of them); `None` stops it.
+    pub fn throttle_every(&self, n: Option<u32>) {
+        let mut f = self.shared.faults.lock().unwrap();
+        f.throttle_every = n.filter(|n| *n > 0);
+        f.throttle_seen = 0;
+    }
+
+    /// Keeps only the newest `keep` events of the watch history, as etcd compaction does: a
+    /// watch from an older resourceVersion gets ERROR 410. Long runs call it to bound memory.
+    pub fn trim_history(&self, keep: usize) {
+        let mut store = self.shared.store.lock().unwrap();
+        let drop = store.history.len().saturating_sub(keep);
+        if drop > 0 {
+            let last = store.history[drop - 1].rv;
+            store.history.drain(..drop);
+            store.compacted = store.compacted.max(last);
+        }
     }
 
     /// Continue tokens handed out so far become invalid (410 Expired).
@@ -778,6 +815,15 @@ async fn handle(
         return json_response(StatusCode::FORBIDDEN, &status(403, "Forbidden", &message));
     }
     {
+        let mut f = shared.faults.lock().unwrap();
+        if let Some(n) = f.throttle_every {
+            f.throttle_seen += 1;
+            if f.throttle_seen % n == 0 {
+                return too_many_requests();
+            }
+        }
+    }
+    {
         let mut counts = shared.counts.lock().unwrap();
         let c = counts.entry(path.to_owned()).or_default();
         if is_watch {
@@ -1054,6 +1100,8 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
     kill.borrow_and_update();
     let mut stall = shared.stall.subscribe();
     stall.borrow_and_update();
+    let mut inject = shared.inject.subscribe();
+    inject.borrow_and_update();
     // Subscribe and read the state under one lock, so no event falls between the two.
     let (mut live, mut first, mut last_rv) = {
         let store = shared.store.lock().unwrap();
@@ -1123,6 +1171,14 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
                         let _ = tx.send(Ok(bookmark(&def, last_rv, false))).await;
                     }
                     return; // clean end, like a server-side timeout
+                }
+                _ = inject.changed() => {
+                    let lines = inject.borrow_and_update().clone();
+                    for l in lines {
+                        if tx.send(Ok(l)).await.is_err() {
+                            return;
+                        }
+                    }
                 }
                 _ = kill.changed() => {
                     let _ = tx.send(Err(std::io::Error::other("connection dropped by test"))).await;

@@ -1,0 +1,594 @@
+//! Reliability under faults, with figures: the real service (the release binary, as a pod runs
+//! it) exports ConfigMaps from the API test server to a real nats-server (JetStream) while a
+//! steady workload changes them and a fault is injected; at the end every object's last state
+//! (or its delete) is looked up in the stream.
+//!
+//! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]`
+//! (`-- all 1`: every scenario for one minute). Scenarios: `watch-drop`, `gone-storm`,
+//! `throttle`, `broker-down`, `slow-sink`, `sigterm`, `sigkill`.
+//!
+//! One line per scenario: changes made, messages in the stream, `lost` (objects whose last
+//! state, or whose delete, is missing from the stream once the service caught up), duplicate
+//! message ids, the service's peak RSS (VmHWM; for the restart scenarios, the larger of the two
+//! processes) and the p99 of `keb_end_to_end_latency_seconds` (watch event to PubAck; the
+//! bucket's upper bound, of the last process).
+
+#[path = "../tests/support/api_server.rs"]
+#[allow(dead_code)]
+mod api_server;
+#[path = "../tests/support/nats.rs"]
+#[allow(dead_code)]
+mod nats;
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use api_server::ApiServer;
+use futures::StreamExt;
+use kube_event_bridge::consumer::event::Summary;
+use nats::NatsServer;
+use serde_json::{Value, json};
+
+const STREAM: &str = "KEB_CHAOS";
+const SCENARIOS: [&str; 7] = [
+    "watch-drop",
+    "gone-storm",
+    "throttle",
+    "broker-down",
+    "slow-sink",
+    "sigterm",
+    "sigkill",
+];
+/// Namespaces the objects are spread over.
+const NAMESPACES: usize = 20;
+/// The slow sink's cap on held notifications, and the RSS it must stay under.
+const SLOW_MAX_PENDING: usize = 5_000;
+const SLOW_RSS_CAP_MIB: f64 = 256.0;
+
+struct Options {
+    minutes: Option<f64>,
+    rate: u64,
+    objects: usize,
+}
+
+/// What the workload did, and each object's true last state: `Some(resourceVersion)`, or
+/// `None` once deleted.
+#[derive(Default)]
+struct Truth {
+    changes: u64,
+    objects: HashMap<String, Option<String>>,
+}
+
+/// A small xorshift generator: the workload is random but needs no crate.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+fn configmap(i: usize, version: u64) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": format!("cm-{i:06}"), "namespace": format!("chaos-{}", i % NAMESPACES),
+                     "labels": {"app": "chaos"}},
+        "data": {"version": version.to_string(), "payload": "x".repeat(400)},
+    })
+}
+
+fn key(i: usize) -> String {
+    format!("chaos-{}/cm-{i:06}", i % NAMESPACES)
+}
+
+/// Changes `rate` objects a second until `stop`: updates (75%), deletes (15%) and creates of
+/// deleted objects (recreates), in 10 ms slices; trims the API server's watch history to the
+/// last 10 s of changes (etcd compaction), so that long runs stay bounded.
+async fn workload(
+    api: Arc<ApiServer>,
+    truth: Arc<Mutex<Truth>>,
+    objects: usize,
+    rate: u64,
+    stop: Arc<AtomicBool>,
+) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let start = Instant::now();
+    let mut done = 0u64;
+    let mut version = 1u64;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    let mut trimmed = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        let due = (start.elapsed().as_secs_f64() * rate as f64) as u64;
+        let mut t = truth.lock().unwrap();
+        while done < due {
+            done += 1;
+            version += 1;
+            let i = (rng.next() % objects as u64) as usize;
+            let k = key(i);
+            let exists = t.objects.get(&k).is_some_and(Option::is_some);
+            let rv = if !exists {
+                Some(api.create(configmap(i, version)))
+            } else if rng.next() % 100 < 15 {
+                api.delete(
+                    "v1",
+                    "ConfigMap",
+                    &format!("chaos-{}", i % NAMESPACES),
+                    &format!("cm-{i:06}"),
+                );
+                None
+            } else {
+                Some(api.update(configmap(i, version)))
+            };
+            let rv = rv.map(|o| {
+                o["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            });
+            t.objects.insert(k, rv);
+            t.changes += 1;
+        }
+        drop(t);
+        if trimmed.elapsed() > Duration::from_secs(5) {
+            api.trim_history((rate * 10) as usize);
+            trimmed = Instant::now();
+        }
+    }
+}
+
+/// The service, run from the release binary with a config file.
+struct Service {
+    child: Child,
+    admin: u16,
+    peak_rss_mib: f64,
+}
+
+impl Service {
+    fn start(dir: &Path, config: &Value, kubeconfig: &Path) -> Self {
+        let admin = free_port();
+        let mut config = config.clone();
+        config["admin"] = json!({"address": format!("127.0.0.1:{admin}")});
+        let path = dir.join("config.yaml");
+        std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("service.log"))
+            .unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .env_clear()
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "warn")
+            .args(["run", "--config", path.to_str().unwrap()])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("the service starts");
+        Self {
+            child,
+            admin,
+            peak_rss_mib: 0.0,
+        }
+    }
+
+    /// Samples the peak RSS (VmHWM) while the process lives.
+    fn sample_rss(&mut self) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        if let Some(kb) = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        {
+            self.peak_rss_mib = self.peak_rss_mib.max(kb / 1024.0);
+        }
+    }
+
+    async fn metrics(&self) -> Option<String> {
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{}", self.admin).parse().unwrap();
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            .await
+            .ok()?;
+        let mut body = String::new();
+        s.read_to_string(&mut body).await.ok()?;
+        Some(body)
+    }
+
+    /// Sends `signal` and waits for the exit; returns the exit code (None: killed).
+    fn signal(&mut self, signal: &str) -> Option<i32> {
+        self.sample_rss();
+        Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        self.child.wait().unwrap().code()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Sum of a metric's samples (every label set).
+fn metric_sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The upper bound of the bucket holding the 99th percentile of a histogram (all labels).
+fn histogram_p99(text: &str, name: &str) -> Option<f64> {
+    let bucket = format!("{name}_bucket");
+    let mut buckets: Vec<(f64, f64)> = Vec::new();
+    for l in text.lines().filter(|l| l.starts_with(&bucket)) {
+        let le = l.split("le=\"").nth(1)?.split('"').next()?;
+        let le = if le == "+Inf" {
+            f64::INFINITY
+        } else {
+            le.parse().ok()?
+        };
+        let count: f64 = l.rsplit(' ').next()?.parse().ok()?;
+        match buckets.iter_mut().find(|(b, _)| *b == le) {
+            Some((_, c)) => *c += count,
+            None => buckets.push((le, count)),
+        }
+    }
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last()?.1;
+    (total > 0.0).then_some(())?;
+    buckets
+        .iter()
+        .find(|(_, c)| *c >= 0.99 * total)
+        .map(|(le, _)| *le)
+}
+
+/// What the stream holds: per object its newest message (by resourceVersion) and whether it
+/// is a delete; messages; duplicate ids.
+struct Stream {
+    messages: u64,
+    duplicates: u64,
+    newest: HashMap<String, (u64, bool)>,
+}
+
+async fn read_stream(url: &str) -> Stream {
+    use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+    let client = async_nats::connect(url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let stream = js.get_stream(STREAM).await.unwrap();
+    let mut consumer = stream
+        .create_consumer(pull::Config {
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::None,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let pending = consumer.info().await.unwrap().num_pending;
+    let mut out = Stream {
+        messages: 0,
+        duplicates: 0,
+        newest: HashMap::new(),
+    };
+    let mut ids = std::collections::HashSet::new();
+    let mut messages = consumer.messages().await.unwrap();
+    for _ in 0..pending {
+        let m = messages.next().await.unwrap().unwrap();
+        out.messages += 1;
+        let event: Value = serde_json::from_slice(&m.payload).expect("a structured CloudEvent");
+        if !ids.insert(event["id"].as_str().unwrap_or_default().to_owned()) {
+            out.duplicates += 1;
+        }
+        let s = Summary::of(&event);
+        let rv: u64 = s.resource_version.parse().unwrap_or_default();
+        let deleted = s.event_type == "deleted";
+        let slot = out.newest.entry(s.key()).or_insert((0, true));
+        if rv >= slot.0 {
+            *slot = (rv, deleted);
+        }
+    }
+    out
+}
+
+/// Objects whose true last state is not what the stream says last.
+fn lost(truth: &Truth, stream: &Stream) -> (u64, Vec<String>) {
+    let mut lost = Vec::new();
+    for (k, want) in &truth.objects {
+        let got = stream.newest.get(k);
+        let ok = match (want, got) {
+            (Some(rv), Some((got, false))) => rv.parse::<u64>().ok() == Some(*got),
+            (Some(_), _) => false,
+            (None, Some((_, false))) => false,
+            (None, _) => true,
+        };
+        if !ok {
+            lost.push(format!("{k}: want {want:?}, stream has {got:?}"));
+        }
+    }
+    lost.sort();
+    (lost.len() as u64, lost)
+}
+
+fn service_config(nats_url: &str, scenario: &str, rate: u64) -> Value {
+    let mut sink = json!({
+        "name": "nats", "type": "nats", "workers": 64,
+        "checkpoint_interval": "1s",
+        "nats": {"servers": [nats_url], "ack_timeout": "5s",
+                 "stream": {"name": STREAM, "create": true, "subjects": ["k8s.>"], "duplicate_window": "30m"}},
+        "retry": {"base_delay": "50ms", "max_delay": "2s"},
+    });
+    if scenario == "slow-sink" {
+        // Ten times slower than the input.
+        sink["rate_limit"] = json!({"qps": (rate / 10).max(1) as f64, "burst": 10});
+        sink["max_pending"] = json!(SLOW_MAX_PENDING);
+    }
+    json!({
+        "cluster": "chaos",
+        "shutdown": {"grace_period": "30s"},
+        "kubernetes": {"qps": 1000, "burst": 1000},
+        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "sinks": [sink],
+        "routes": [{"resource": "configmap", "sinks": ["nats"]}],
+    })
+}
+
+/// Default length of a scenario, in minutes.
+fn default_minutes(scenario: &str) -> f64 {
+    match scenario {
+        "watch-drop" => 10.0,
+        "slow-sink" => 2.0,
+        "broker-down" => 3.0,
+        _ => 5.0,
+    }
+}
+
+async fn run(scenario: &str, opts: &Options) -> String {
+    let minutes = opts.minutes.unwrap_or_else(|| default_minutes(scenario));
+    let duration = Duration::from_secs_f64(minutes * 60.0);
+    let dir = tempfile::tempdir().unwrap();
+    let api = Arc::new(ApiServer::start().await);
+    let mut nats = NatsServer::start();
+    let truth = Arc::new(Mutex::new(Truth::default()));
+    {
+        let mut t = truth.lock().unwrap();
+        for i in 0..opts.objects {
+            let o = api.create(configmap(i, 0));
+            t.objects.insert(
+                key(i),
+                Some(
+                    o["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned(),
+                ),
+            );
+        }
+    }
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let config = service_config(&nats.url(), scenario, opts.rate);
+    let mut service = Service::start(dir.path(), &config, &kubeconfig);
+    let mut peak_rss: f64 = 0.0;
+    let mut exits = Vec::new();
+    // The initial list goes out before the load starts.
+    wait_for_stream(
+        &nats.url(),
+        opts.objects as u64 / 2,
+        Duration::from_secs(120),
+    )
+    .await;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(workload(
+        api.clone(),
+        truth.clone(),
+        opts.objects,
+        opts.rate,
+        stop.clone(),
+    ));
+    let started = Instant::now();
+    let mut fault_done = false;
+    let mut last_fault = Instant::now();
+    let faults = Arc::new(AtomicU64::new(0));
+    if scenario == "throttle" {
+        api.throttle_every(Some(3));
+    }
+    while started.elapsed() < duration {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        service.sample_rss();
+        let since = last_fault.elapsed();
+        match scenario {
+            "watch-drop" if since >= Duration::from_secs(5) => {
+                api.drop_watches();
+                faults.fetch_add(1, Ordering::Relaxed);
+                last_fault = Instant::now();
+            }
+            "gone-storm" if since >= Duration::from_secs(4) => {
+                api.compact();
+                api.drop_watches();
+                faults.fetch_add(1, Ordering::Relaxed);
+                last_fault = Instant::now();
+            }
+            "broker-down" if !fault_done && started.elapsed() >= duration / 4 => {
+                let down = Duration::from_secs(60).min(duration / 2);
+                // The service keeps running, the load goes on (on the other runtime thread).
+                tokio::task::block_in_place(|| nats.restart_after(down));
+                faults.fetch_add(down.as_secs(), Ordering::Relaxed);
+                fault_done = true;
+            }
+            "sigterm" | "sigkill" if !fault_done && started.elapsed() >= duration / 2 => {
+                let signal = if scenario == "sigterm" {
+                    "TERM"
+                } else {
+                    "KILL"
+                };
+                exits.push(service.signal(signal));
+                peak_rss = peak_rss.max(service.peak_rss_mib);
+                service = Service::start(dir.path(), &config, &kubeconfig);
+                fault_done = true;
+            }
+            _ => {}
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    load.await.unwrap();
+    api.throttle_every(None);
+    // Caught up: the service holds nothing and the stream stopped growing.
+    let caught_up = catch_up(&service, &nats.url(), Duration::from_secs(300)).await;
+    service.sample_rss();
+    peak_rss = peak_rss.max(service.peak_rss_mib);
+    let p99 = match service.metrics().await {
+        Some(m) => histogram_p99(&m, "keb_end_to_end_latency_seconds"),
+        None => None,
+    };
+    let stream = read_stream(&nats.url()).await;
+    let t = truth.lock().unwrap();
+    let (lost_n, lost_list) = lost(&t, &stream);
+    for l in lost_list.iter().take(10) {
+        eprintln!("  {scenario}: lost {l}");
+    }
+    let extra = match scenario {
+        "watch-drop" | "gone-storm" => format!("  faults {}", faults.load(Ordering::Relaxed)),
+        "broker-down" => format!("  down {} s", faults.load(Ordering::Relaxed)),
+        "sigterm" | "sigkill" => format!("  exit {:?}", exits.first().copied().flatten()),
+        "slow-sink" => format!(
+            "  rss cap {SLOW_RSS_CAP_MIB} MiB: {}",
+            if peak_rss <= SLOW_RSS_CAP_MIB {
+                "held"
+            } else {
+                "EXCEEDED"
+            }
+        ),
+        _ => String::new(),
+    };
+    format!(
+        "{scenario:<12} {minutes:>4} min  changes {:>8}  delivered {:>8}  lost = {lost_n}  duplicates {:>5}  max RSS {:>5.0} MiB  p99 watch→ack {}{}{extra}",
+        t.changes,
+        stream.messages,
+        stream.duplicates,
+        peak_rss,
+        p99.map_or("n/a".into(), |s| if s.is_infinite() {
+            "> 10 s".into()
+        } else {
+            format!("{:.0} ms", s * 1000.0)
+        }),
+        if caught_up { "" } else { "  (NOT CAUGHT UP)" },
+    )
+}
+
+async fn stream_len(url: &str) -> Option<u64> {
+    let client = async_nats::connect(url).await.ok()?;
+    let js = async_nats::jetstream::new(client);
+    let mut s = js.get_stream(STREAM).await.ok()?;
+    Some(s.info().await.ok()?.state.messages)
+}
+
+async fn wait_for_stream(url: &str, n: u64, within: Duration) {
+    let deadline = Instant::now() + within;
+    while stream_len(url).await.unwrap_or(0) < n {
+        assert!(
+            Instant::now() < deadline,
+            "the service did not publish its first list"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until the service holds no notification and the stream has not grown for 5 s.
+async fn catch_up(service: &Service, url: &str, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    let (mut last, mut still_since) = (0, Instant::now());
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let held = match service.metrics().await {
+            Some(m) => metric_sum(&m, "keb_listener_buffered_notifications"),
+            None => f64::NAN,
+        };
+        let len = stream_len(url).await.unwrap_or(0);
+        if len != last || held != 0.0 {
+            (last, still_since) = (len, Instant::now());
+        } else if still_since.elapsed() >= Duration::from_secs(5) {
+            return true;
+        }
+    }
+    false
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1).filter(|a| a != "--bench");
+    let mut scenario = None;
+    let mut opts = Options {
+        minutes: None,
+        rate: 5_000,
+        objects: 20_000,
+    };
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--rate" => opts.rate = args.next().and_then(|v| v.parse().ok()).expect("--rate N"),
+            "--objects" => {
+                opts.objects = args
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .expect("--objects N")
+            }
+            s if scenario.is_none() && (s == "all" || SCENARIOS.contains(&s)) => {
+                scenario = Some(s.to_owned())
+            }
+            m if opts.minutes.is_none() && m.parse::<f64>().is_ok() => {
+                opts.minutes = m.parse().ok()
+            }
+            other => {
+                eprintln!(
+                    "unknown argument {other:?}; usage: cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate N] [--objects N]; scenarios: {}",
+                    SCENARIOS.join(", ")
+                );
+                std::process::exit(2);
+            }
+        }
+    }
+    let scenario = scenario.unwrap_or_else(|| "all".into());
+    let list: Vec<&str> = if scenario == "all" {
+        SCENARIOS.to_vec()
+    } else {
+        vec![scenario.as_str()]
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    println!(
+        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, 15% deletes, recreates), service binary → nats-server JetStream; {} cores",
+        opts.rate,
+        opts.objects,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    for s in list {
+        let line = runtime.block_on(run(s, &opts));
+        println!("{line}");
+    }
+}
