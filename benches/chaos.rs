@@ -5,7 +5,10 @@
 //!
 //! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]`
 //! (`-- all 1`: every scenario for one minute). Scenarios: `watch-drop`, `gone-storm`,
-//! `throttle`, `broker-down`, `slow-sink`, `sigterm`, `sigkill`.
+//! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`. Every
+//! scenario exports to JetStream except `kafka-broker-down`, which exports to librdkafka's
+//! mock cluster (in this process, on a loopback port the service connects to), the one Kafka
+//! broker here that can be taken down and brought back with its data.
 //!
 //! One line per scenario: changes made, messages in the stream, `lost` (objects whose last
 //! state, or whose delete, is missing from the stream once the service caught up), duplicate
@@ -38,11 +41,12 @@ use nats::NatsServer;
 use serde_json::{Value, json};
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 7] = [
+const SCENARIOS: [&str; 8] = [
     "watch-drop",
     "gone-storm",
     "throttle",
     "broker-down",
+    "kafka-broker-down",
     "slow-sink",
     "sigterm",
     "sigkill",
@@ -170,7 +174,7 @@ impl Service {
         let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
             .env_clear()
             .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", "info")
             .args(["run", "--config", path.to_str().unwrap()])
             .stdout(Stdio::null())
             .stderr(log)
@@ -274,6 +278,155 @@ struct Stream {
     messages: u64,
     duplicates: u64,
     newest: HashMap<String, (u64, bool)>,
+    ids: std::collections::HashSet<String>,
+    /// Messages the broker dropped by its own limits before they were read.
+    evicted: u64,
+}
+
+impl Stream {
+    fn new() -> Self {
+        Self {
+            messages: 0,
+            duplicates: 0,
+            newest: HashMap::new(),
+            ids: std::collections::HashSet::new(),
+            evicted: 0,
+        }
+    }
+
+    /// Folds one structured CloudEvent in.
+    fn add(&mut self, payload: &[u8]) {
+        self.messages += 1;
+        let event: Value = serde_json::from_slice(payload).expect("a structured CloudEvent");
+        if !self
+            .ids
+            .insert(event["id"].as_str().unwrap_or_default().to_owned())
+        {
+            self.duplicates += 1;
+        }
+        let s = Summary::of(&event);
+        let rv: u64 = s.resource_version.parse().unwrap_or_default();
+        let deleted = s.event_type == "deleted";
+        let slot = self.newest.entry(s.key()).or_insert((0, true));
+        if rv >= slot.0 {
+            *slot = (rv, deleted);
+        }
+    }
+}
+
+/// Where the service exports to.
+enum Broker {
+    Nats(NatsServer),
+    Kafka(rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>),
+}
+
+const KAFKA_TOPIC: &str = "chaos-events";
+/// The mock cluster keeps at most 5 MB (and 100,000 messages) per partition and evicts older
+/// ones; 64 partitions hold a few minutes of this load. Evictions are reported.
+const KAFKA_PARTITIONS: i32 = 64;
+
+impl Broker {
+    fn start(kafka: bool) -> Self {
+        if !kafka {
+            return Self::Nats(NatsServer::start());
+        }
+        let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+        mock.create_topic(KAFKA_TOPIC, KAFKA_PARTITIONS, 1).unwrap();
+        // The mock cluster answers no admin requests: the checkpoint topic exists beforehand.
+        mock.create_topic("kube-event-bridge.checkpoints", 1, 1)
+            .unwrap();
+        Self::Kafka(mock)
+    }
+
+    /// The service's sink.
+    fn sink(&self) -> Value {
+        let mut sink = json!({
+            "workers": 64, "checkpoint_interval": "1s",
+            "retry": {"base_delay": "50ms", "max_delay": "2s"},
+        });
+        match self {
+            Self::Nats(n) => {
+                sink["name"] = json!("out");
+                sink["type"] = json!("nats");
+                sink["nats"] = json!({"servers": [n.url()], "ack_timeout": "5s",
+                    "stream": {"name": STREAM, "create": true, "subjects": ["k8s.>"], "duplicate_window": "30m"}});
+            }
+            Self::Kafka(m) => {
+                sink["name"] = json!("out");
+                sink["type"] = json!("kafka");
+                sink["kafka"] = json!({"brokers": [m.bootstrap_servers()], "topic": KAFKA_TOPIC,
+                    "create_topics": null, "delivery_timeout": "5s"});
+            }
+        }
+        sink
+    }
+
+    fn kafka_client(
+        m: &rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    ) -> rdkafka::ClientConfig {
+        let mut c = rdkafka::ClientConfig::new();
+        c.set("bootstrap.servers", m.bootstrap_servers());
+        c
+    }
+
+    /// Messages the destination holds now.
+    async fn len(&self) -> u64 {
+        match self {
+            Self::Nats(n) => stream_len(&n.url()).await.unwrap_or(0),
+            Self::Kafka(m) => tokio::task::block_in_place(|| {
+                use rdkafka::consumer::{BaseConsumer, Consumer};
+                let Ok(c) = Self::kafka_client(m).create::<BaseConsumer>() else {
+                    return 0;
+                };
+                (0..KAFKA_PARTITIONS)
+                    .filter_map(|p| {
+                        c.fetch_watermarks(KAFKA_TOPIC, p, Duration::from_secs(5))
+                            .ok()
+                    })
+                    .map(|(lo, hi)| (hi - lo) as u64)
+                    .sum()
+            }),
+        }
+    }
+
+    /// Every message, folded.
+    async fn read(&self) -> Stream {
+        match self {
+            Self::Nats(n) => read_stream(&n.url()).await,
+            Self::Kafka(m) => tokio::task::block_in_place(|| {
+                use rdkafka::consumer::{BaseConsumer, Consumer};
+                let mut out = Stream::new();
+                let c: BaseConsumer = Self::kafka_client(m).create().unwrap();
+                out.evicted = (0..KAFKA_PARTITIONS)
+                    .map(|p| {
+                        c.fetch_watermarks(KAFKA_TOPIC, p, Duration::from_secs(5))
+                            .unwrap()
+                            .0 as u64
+                    })
+                    .sum();
+                kube_event_bridge::sinks::kafka::reader::read_to_end(
+                    &Self::kafka_client(m),
+                    &[KAFKA_TOPIC.to_owned()],
+                    |r| out.add(r.value.as_deref().unwrap_or_default()),
+                )
+                .expect("the events topic reads");
+                out
+            }),
+        }
+    }
+
+    /// Takes the broker down for `down` under load (blocking this runtime thread; the load and
+    /// the API server go on on the other).
+    fn outage(&mut self, down: Duration) {
+        tokio::task::block_in_place(|| match self {
+            Self::Nats(n) => n.restart_after(down),
+            Self::Kafka(m) => {
+                m.broker_down(1).unwrap();
+                std::thread::sleep(down);
+                m.broker_up(1).unwrap();
+            }
+        });
+    }
 }
 
 async fn read_stream(url: &str) -> Stream {
@@ -290,27 +443,11 @@ async fn read_stream(url: &str) -> Stream {
         .await
         .unwrap();
     let pending = consumer.info().await.unwrap().num_pending;
-    let mut out = Stream {
-        messages: 0,
-        duplicates: 0,
-        newest: HashMap::new(),
-    };
-    let mut ids = std::collections::HashSet::new();
+    let mut out = Stream::new();
     let mut messages = consumer.messages().await.unwrap();
     for _ in 0..pending {
         let m = messages.next().await.unwrap().unwrap();
-        out.messages += 1;
-        let event: Value = serde_json::from_slice(&m.payload).expect("a structured CloudEvent");
-        if !ids.insert(event["id"].as_str().unwrap_or_default().to_owned()) {
-            out.duplicates += 1;
-        }
-        let s = Summary::of(&event);
-        let rv: u64 = s.resource_version.parse().unwrap_or_default();
-        let deleted = s.event_type == "deleted";
-        let slot = out.newest.entry(s.key()).or_insert((0, true));
-        if rv >= slot.0 {
-            *slot = (rv, deleted);
-        }
+        out.add(&m.payload);
     }
     out
 }
@@ -334,14 +471,8 @@ fn lost(truth: &Truth, stream: &Stream) -> (u64, Vec<String>) {
     (lost.len() as u64, lost)
 }
 
-fn service_config(nats_url: &str, scenario: &str, rate: u64) -> Value {
-    let mut sink = json!({
-        "name": "nats", "type": "nats", "workers": 64,
-        "checkpoint_interval": "1s",
-        "nats": {"servers": [nats_url], "ack_timeout": "5s",
-                 "stream": {"name": STREAM, "create": true, "subjects": ["k8s.>"], "duplicate_window": "30m"}},
-        "retry": {"base_delay": "50ms", "max_delay": "2s"},
-    });
+fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
+    let mut sink = broker.sink();
     if scenario == "slow-sink" {
         // Ten times slower than the input.
         sink["rate_limit"] = json!({"qps": (rate / 10).max(1) as f64, "burst": 10});
@@ -353,7 +484,7 @@ fn service_config(nats_url: &str, scenario: &str, rate: u64) -> Value {
         "kubernetes": {"qps": 1000, "burst": 1000},
         "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
         "sinks": [sink],
-        "routes": [{"resource": "configmap", "sinks": ["nats"]}],
+        "routes": [{"resource": "configmap", "sinks": ["out"]}],
     })
 }
 
@@ -362,7 +493,7 @@ fn default_minutes(scenario: &str) -> f64 {
     match scenario {
         "watch-drop" => 10.0,
         "slow-sink" => 2.0,
-        "broker-down" => 3.0,
+        "broker-down" | "kafka-broker-down" => 3.0,
         _ => 5.0,
     }
 }
@@ -372,7 +503,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let duration = Duration::from_secs_f64(minutes * 60.0);
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(ApiServer::start().await);
-    let mut nats = NatsServer::start();
+    let mut broker = Broker::start(scenario == "kafka-broker-down");
     let truth = Arc::new(Mutex::new(Truth::default()));
     {
         let mut t = truth.lock().unwrap();
@@ -390,17 +521,12 @@ async fn run(scenario: &str, opts: &Options) -> String {
         }
     }
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let config = service_config(&nats.url(), scenario, opts.rate);
+    let config = service_config(&broker, scenario, opts.rate);
     let mut service = Service::start(dir.path(), &config, &kubeconfig);
     let mut peak_rss: f64 = 0.0;
     let mut exits = Vec::new();
     // The initial list goes out before the load starts.
-    wait_for_stream(
-        &nats.url(),
-        opts.objects as u64 / 2,
-        Duration::from_secs(120),
-    )
-    .await;
+    wait_for_messages(&broker, opts.objects as u64 / 2, Duration::from_secs(120)).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(workload(
@@ -433,10 +559,11 @@ async fn run(scenario: &str, opts: &Options) -> String {
                 faults.fetch_add(1, Ordering::Relaxed);
                 last_fault = Instant::now();
             }
-            "broker-down" if !fault_done && started.elapsed() >= duration / 4 => {
+            "broker-down" | "kafka-broker-down"
+                if !fault_done && started.elapsed() >= duration / 4 =>
+            {
                 let down = Duration::from_secs(60).min(duration / 2);
-                // The service keeps running, the load goes on (on the other runtime thread).
-                tokio::task::block_in_place(|| nats.restart_after(down));
+                broker.outage(down);
                 faults.fetch_add(down.as_secs(), Ordering::Relaxed);
                 fault_done = true;
             }
@@ -458,22 +585,35 @@ async fn run(scenario: &str, opts: &Options) -> String {
     load.await.unwrap();
     api.throttle_every(None);
     // Caught up: the service holds nothing and the stream stopped growing.
-    let caught_up = catch_up(&service, &nats.url(), Duration::from_secs(300)).await;
+    let caught_up = catch_up(&service, &broker, Duration::from_secs(300)).await;
     service.sample_rss();
     peak_rss = peak_rss.max(service.peak_rss_mib);
-    let p99 = match service.metrics().await {
-        Some(m) => histogram_p99(&m, "keb_end_to_end_latency_seconds"),
-        None => None,
+    let (p99, acked) = match service.metrics().await {
+        Some(m) => (
+            histogram_p99(&m, "keb_end_to_end_latency_seconds"),
+            metric_sum(&m, "keb_sink_published_total") as u64,
+        ),
+        None => (None, 0),
     };
-    let stream = read_stream(&nats.url()).await;
+    let stream = broker.read().await;
     let t = truth.lock().unwrap();
     let (lost_n, lost_list) = lost(&t, &stream);
     for l in lost_list.iter().take(10) {
         eprintln!("  {scenario}: lost {l}");
     }
+    if lost_n > 0 || !caught_up {
+        let keep = std::env::temp_dir().join(format!("chaos-{scenario}.log"));
+        let _ = std::fs::copy(dir.path().join("service.log"), &keep);
+        eprintln!(
+            "  {scenario}: the service's log is kept in {}",
+            keep.display()
+        );
+    }
     let extra = match scenario {
         "watch-drop" | "gone-storm" => format!("  faults {}", faults.load(Ordering::Relaxed)),
-        "broker-down" => format!("  down {} s", faults.load(Ordering::Relaxed)),
+        "broker-down" | "kafka-broker-down" => {
+            format!("  down {} s", faults.load(Ordering::Relaxed))
+        }
         "sigterm" | "sigkill" => format!("  exit {:?}", exits.first().copied().flatten()),
         "slow-sink" => format!(
             "  rss cap {SLOW_RSS_CAP_MIB} MiB: {}",
@@ -486,7 +626,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         _ => String::new(),
     };
     format!(
-        "{scenario:<12} {minutes:>4} min  changes {:>8}  delivered {:>8}  lost = {lost_n}  duplicates {:>5}  max RSS {:>5.0} MiB  p99 watch→ack {}{}{extra}",
+        "{scenario:<12} {minutes:>4} min  changes {:>8}  acked {acked:>8}  delivered {:>8}  lost = {lost_n}  duplicates {:>5}  max RSS {:>5.0} MiB  p99 watch→ack {}{}{extra}",
         t.changes,
         stream.messages,
         stream.duplicates,
@@ -497,7 +637,14 @@ async fn run(scenario: &str, opts: &Options) -> String {
             format!("{:.0} ms", s * 1000.0)
         }),
         if caught_up { "" } else { "  (NOT CAUGHT UP)" },
-    )
+    ) + &if stream.evicted > 0 {
+        format!(
+            "  (THE BROKER EVICTED {} MESSAGES: lost is not meaningful)",
+            stream.evicted
+        )
+    } else {
+        String::new()
+    }
 }
 
 async fn stream_len(url: &str) -> Option<u64> {
@@ -507,9 +654,9 @@ async fn stream_len(url: &str) -> Option<u64> {
     Some(s.info().await.ok()?.state.messages)
 }
 
-async fn wait_for_stream(url: &str, n: u64, within: Duration) {
+async fn wait_for_messages(broker: &Broker, n: u64, within: Duration) {
     let deadline = Instant::now() + within;
-    while stream_len(url).await.unwrap_or(0) < n {
+    while broker.len().await < n {
         assert!(
             Instant::now() < deadline,
             "the service did not publish its first list"
@@ -519,7 +666,7 @@ async fn wait_for_stream(url: &str, n: u64, within: Duration) {
 }
 
 /// Waits until the service holds no notification and the stream has not grown for 5 s.
-async fn catch_up(service: &Service, url: &str, within: Duration) -> bool {
+async fn catch_up(service: &Service, broker: &Broker, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     let (mut last, mut still_since) = (0, Instant::now());
     while Instant::now() < deadline {
@@ -528,7 +675,7 @@ async fn catch_up(service: &Service, url: &str, within: Duration) -> bool {
             Some(m) => metric_sum(&m, "keb_listener_buffered_notifications"),
             None => f64::NAN,
         };
-        let len = stream_len(url).await.unwrap_or(0);
+        let len = broker.len().await;
         if len != last || held != 0.0 {
             (last, still_since) = (len, Instant::now());
         } else if still_since.elapsed() >= Duration::from_secs(5) {
@@ -570,6 +717,14 @@ fn main() {
             }
         }
     }
+    // The library's own warnings (a read that stalls, say) show on stderr.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let scenario = scenario.unwrap_or_else(|| "all".into());
     let list: Vec<&str> = if scenario == "all" {
         SCENARIOS.to_vec()
@@ -582,7 +737,7 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, 15% deletes, recreates), service binary → nats-server JetStream; {} cores",
+        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, 15% deletes, recreates), service binary → nats-server JetStream (Kafka: librdkafka's mock cluster); {} cores",
         opts.rate,
         opts.objects,
         std::thread::available_parallelism().map_or(0, |n| n.get())

@@ -253,6 +253,29 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
         self.len() == 0
     }
 
+    /// Queues every item waiting for its `add_after` delay now; returns how many.
+    pub fn add_waiting_now(&self) -> usize {
+        let mut s = self.lock();
+        if s.shutting_down {
+            return 0;
+        }
+        s.heap.clear();
+        // In the order they would have become ready.
+        let mut items: Vec<(Instant, T)> = s.waiting.drain().map(|(x, at)| (at, x)).collect();
+        items.sort_unstable();
+        let n = items.len();
+        let mut woke = false;
+        for (_, x) in items {
+            woke |= self.add_locked(&mut s, x);
+        }
+        drop(s);
+        if woke {
+            self.work.notify_waiters();
+            self.work.notify_one();
+        }
+        n
+    }
+
     /// Items waiting for their `add_after` delay.
     pub fn waiting(&self) -> usize {
         self.lock().waiting.len()

@@ -19,6 +19,9 @@ pub trait RateLimiter<T>: Send + Sync {
     fn forget(&self, item: &T);
     /// How many times `item` was retried since it was last forgotten.
     fn num_requeues(&self, item: &T) -> u32;
+    /// The destination works again: overall pacing starts afresh (a token bucket refills and
+    /// forgets the retries it spaced out); per-item histories are kept.
+    fn recovered(&self) {}
 }
 
 /// Per-item exponential backoff: `base · 2^n` for the n-th failure, at most `max`.
@@ -102,6 +105,11 @@ impl TokenBucket {
             Duration::from_secs_f64(-s.0 / self.rate)
         }
     }
+
+    /// Full again, with no reservation outstanding.
+    pub fn refill(&self) {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner()) = (self.burst, Instant::now());
+    }
 }
 
 /// One token bucket shared by every item.
@@ -125,6 +133,9 @@ impl<T> RateLimiter<T> for BucketRateLimiter {
     fn forget(&self, _item: &T) {}
     fn num_requeues(&self, _item: &T) -> u32 {
         0
+    }
+    fn recovered(&self) {
+        self.bucket.refill();
     }
 }
 
@@ -157,6 +168,9 @@ impl<T> RateLimiter<T> for MaxOfRateLimiter<T> {
             .map(|l| l.num_requeues(item))
             .max()
             .unwrap_or(0)
+    }
+    fn recovered(&self) {
+        self.limiters.iter().for_each(|l| l.recovered());
     }
 }
 
