@@ -10,11 +10,12 @@
 //! mock cluster (in this process, on a loopback port the service connects to), the one Kafka
 //! broker here that can be taken down and brought back with its data.
 //!
-//! One line per scenario: changes made, messages in the stream, `lost` (objects whose last
-//! state, or whose delete, is missing from the stream once the service caught up), duplicate
-//! message ids, the service's peak RSS (VmHWM; for the restart scenarios, the larger of the two
-//! processes) and the p99 of `keb_end_to_end_latency_seconds` (watch event to PubAck; the
-//! bucket's upper bound, of the last process).
+//! One line per scenario: changes made, messages the broker acknowledged (last process) and
+//! holds, `lost` (objects whose last state, or whose delete, is missing once the service
+//! caught up), duplicate message ids, the service's peak RSS (VmHWM; for the restart
+//! scenarios, the larger of the two processes), the peak of notifications it held (sampled
+//! every 250 ms under load) and the p99 of `keb_end_to_end_latency_seconds` (watch event to
+//! acknowledgement; the bucket's upper bound, of the last process).
 
 #[path = "../tests/support/api_server.rs"]
 #[allow(dead_code)]
@@ -543,9 +544,13 @@ async fn run(scenario: &str, opts: &Options) -> String {
     if scenario == "throttle" {
         api.throttle_every(Some(3));
     }
+    let mut peak_held = 0.0f64;
     while started.elapsed() < duration {
         tokio::time::sleep(Duration::from_millis(250)).await;
         service.sample_rss();
+        if let Some(m) = service.metrics().await {
+            peak_held = peak_held.max(metric_sum(&m, "keb_listener_buffered_notifications"));
+        }
         let since = last_fault.elapsed();
         match scenario {
             "watch-drop" if since >= Duration::from_secs(5) => {
@@ -626,7 +631,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         _ => String::new(),
     };
     format!(
-        "{scenario:<12} {minutes:>4} min  changes {:>8}  acked {acked:>8}  delivered {:>8}  lost = {lost_n}  duplicates {:>5}  max RSS {:>5.0} MiB  p99 watch→ack {}{}{extra}",
+        "{scenario:<12} {minutes:>4} min  changes {:>8}  acked {acked:>8}  delivered {:>8}  lost = {lost_n}  duplicates {:>5}  max RSS {:>5.0} MiB  peak held {peak_held:>6.0}  p99 watch→ack {}{}{extra}",
         t.changes,
         stream.messages,
         stream.duplicates,

@@ -79,6 +79,19 @@ fn start(server: &ApiServer, probes: &[Probe], streaming_list: bool) -> Running 
     }
 }
 
+/// An informer with one listener over ConfigMaps `ns/<name>` (created at v=1), after their
+/// initial adds arrived and with its watch open.
+async fn watching(server: &ApiServer, names: &[&str]) -> (Arc<Collector>, Running) {
+    for name in names {
+        server.create(typed(&configmap("ns", name, "1")));
+    }
+    let l = Collector::new();
+    let r = start(server, &[(&l, None)], false);
+    take(&l, names.len()).await;
+    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    (l, r)
+}
+
 fn relists(r: &Running) -> u64 {
     r.metrics
         .informer_relists
@@ -131,12 +144,7 @@ async fn updates_carry_old_and_new_and_deletes_carry_the_last_state() {
 #[tokio::test]
 async fn a_dropped_watch_loses_nothing_and_does_not_relist() {
     let server = ApiServer::start().await;
-    server.create(typed(&configmap("ns", "a", "1")));
-    server.create(typed(&configmap("ns", "c", "1")));
-    let l = Collector::new();
-    let r = start(&server, &[(&l, None)], false);
-    take(&l, 2).await;
-    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    let (l, r) = watching(&server, &["a", "c"]).await;
     // Cut the connection, keep the reflector out while things change, then let it back in.
     server.block_watches(true);
     server.drop_watches();
@@ -159,12 +167,7 @@ async fn a_dropped_watch_loses_nothing_and_does_not_relist() {
 #[tokio::test]
 async fn objects_deleted_while_the_watch_was_gone_come_out_as_final_state_unknown_deletes() {
     let server = ApiServer::start().await;
-    server.create(typed(&configmap("ns", "a", "1")));
-    server.create(typed(&configmap("ns", "b", "1")));
-    let l = Collector::new();
-    let r = start(&server, &[(&l, None)], false);
-    take(&l, 2).await;
-    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    let (l, r) = watching(&server, &["a", "b"]).await;
     server.block_watches(true);
     server.drop_watches();
     server.delete("v1", "ConfigMap", "ns", "b");
@@ -307,12 +310,7 @@ async fn factory_hands_out_one_informer_per_key() {
 #[tokio::test]
 async fn garbage_on_the_watch_is_counted_and_the_watch_recovers_with_the_cache_intact() {
     let server = ApiServer::start().await;
-    server.create(typed(&configmap("ns", "a", "1")));
-    server.create(typed(&configmap("ns", "b", "1")));
-    let l = Collector::new();
-    let r = start(&server, &[(&l, None)], false);
-    take(&l, 2).await;
-    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    let (l, r) = watching(&server, &["a", "b"]).await;
     let errors = || {
         r.metrics
             .informer_watch_errors
