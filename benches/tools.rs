@@ -45,6 +45,7 @@ fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
         received: Instant::now(),
         observed: jiff::Timestamp::now(),
         resumed: false,
+        filtered_out: false,
     };
     let mut notes = Vec::new();
     let mut live = HashMap::new();

@@ -37,7 +37,9 @@ use crate::{
     metrics::Metrics,
     pipeline::{
         self, Budget, CheckpointStore, Checkpointer, Delivery, Resumer, Route, RouteQueue,
-        checkpoint::FileCheckpointStore, resume,
+        checkpoint::FileCheckpointStore,
+        filter::{self, FilterMetrics, RouteFilter},
+        resume,
     },
     sinks::{
         self, Sink,
@@ -236,6 +238,9 @@ impl Wiring {
         } else {
             r.namespaces.len()
         };
+        let rules = filter::Rules::of(r)
+            .map_err(|e| sinks::Error::Setup(format!("resources[{index}].filter: {e}")))?
+            .map(Arc::new);
         let mut routes = Vec::new();
         let sink_names = config
             .routes
@@ -265,13 +270,35 @@ impl Wiring {
                 metrics.listener_buffered.with_label_values(&labels),
                 metrics.listener_coalesced.with_label_values(&labels),
             ));
+            // The filter stage, when the resource filters, sits right in front of the queue.
+            let front: Arc<dyn NotificationHandler> = match &rules {
+                Some(rules) => Arc::new(RouteFilter::new(
+                    route_name.clone(),
+                    rules.clone(),
+                    queue.clone(),
+                    r.events.contains(&EventType::Deleted),
+                    FilterMetrics {
+                        filtered: filter::REASONS.map(|reason| {
+                            metrics.filtered.with_label_values(&[
+                                name.as_str(),
+                                sink_name.as_str(),
+                                reason,
+                            ])
+                        }),
+                        errors: metrics
+                            .filter_errors
+                            .with_label_values(&[name.as_str(), sink_name.as_str()]),
+                    },
+                )),
+                None => queue.clone(),
+            };
             let store = self.stores.get(sink_name.as_str()).cloned();
             // With resume, the listeners pass everything to the resumer, which compares
             // the initial state with the checkpoint and applies the type filter after.
             let resumer = store.as_ref().map(|_| {
                 Arc::new(Resumer::new(
                     route_name.clone(),
-                    queue.clone(),
+                    front.clone(),
                     &r.events,
                     TypeMeta {
                         api_version: api_resource.api_version.clone(),
@@ -287,7 +314,7 @@ impl Wiring {
             });
             let (handler, accepted): (Arc<dyn NotificationHandler>, &[EventType]) = match &resumer {
                 Some(r) => (r.clone(), &EventType::ALL),
-                None => (queue.clone(), &r.events),
+                None => (front.clone(), &r.events),
             };
             let encoder = Encoder::new(
                 &config.cluster,

@@ -181,6 +181,10 @@ pub struct MessageConfig {
     /// Keep the values of a Secret's `data` and `stringData`; by default they are redacted.
     #[serde(default)]
     pub allow_secret_data: bool,
+    /// `patch`: update messages carry `data.patch`, a JSON Patch from the old to the new
+    /// object.
+    #[serde(default)]
+    pub diff: DiffMode,
 }
 
 impl Default for MessageConfig {
@@ -189,6 +193,7 @@ impl Default for MessageConfig {
             include_old_object: true,
             strip_managed_fields: true,
             allow_secret_data: false,
+            diff: DiffMode::None,
         }
     }
 }
@@ -305,6 +310,42 @@ pub struct ResourceConfig {
     /// Which notification types to emit.
     #[serde(default = "all_event_types")]
     pub events: Vec<EventType>,
+    /// Namespaces left out (with `namespaces` empty: every namespace but these).
+    #[serde(default)]
+    pub exclude_namespaces: Vec<String>,
+    /// A CEL expression over `object`, `oldObject` and `type`; only notifications for which it
+    /// is true are published (see `pipeline::filter` for what consumers still get).
+    #[serde(default)]
+    pub filter: Option<String>,
+    /// What an evaluation error of `filter` does to the notification.
+    #[serde(default)]
+    pub filter_error: FilterErrorPolicy,
+    /// JSON pointers (`/status`, `/metadata/resourceVersion`): an update that changes only
+    /// these is not published.
+    #[serde(default)]
+    pub ignore_fields: Vec<String>,
+}
+
+/// What an evaluation error of a resource's `filter` does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FilterErrorPolicy {
+    /// Publish the notification.
+    #[default]
+    Pass,
+    /// Drop the notification (counted in `keb_filtered_total{reason="filter_error"}`).
+    Drop,
+}
+
+/// What update messages carry besides the new object.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiffMode {
+    /// Nothing more.
+    #[default]
+    None,
+    /// `data.patch`: an RFC 6902 JSON Patch from `oldObject` to `object`.
+    Patch,
 }
 
 /// Which kinds a `kind: "*"` selection takes by scope.
@@ -820,6 +861,27 @@ impl Config {
             }
             if r.events.is_empty() {
                 err(at("events"), "at least one event type is required".into());
+            }
+            for (j, ns) in r.exclude_namespaces.iter().enumerate() {
+                let at = format!("resources[{i}].exclude_namespaces[{j}]");
+                if !is_dns_label(ns) {
+                    err(at, format!("{ns:?} is not a namespace name"));
+                } else if r.namespaces.contains(ns) {
+                    err(at, format!("{ns:?} is also in namespaces"));
+                }
+            }
+            if let Some(filter) = &r.filter
+                && let Err(reason) = crate::pipeline::filter::Expr::compile(filter)
+            {
+                err(at("filter"), format!("{reason} (in `{filter}`)"));
+            }
+            for (j, p) in r.ignore_fields.iter().enumerate() {
+                if !p.starts_with('/') || p.len() < 2 {
+                    err(
+                        format!("resources[{i}].ignore_fields[{j}]"),
+                        format!("{p:?} is not a JSON pointer to a field (like \"/status\")"),
+                    );
+                }
             }
         }
         if self.sinks.is_empty() {

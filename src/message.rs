@@ -13,7 +13,7 @@ use kube::api::{ApiResource, DynamicObject, TypeMeta};
 use serde::Serialize;
 
 use crate::{
-    config::{EventType, MessageConfig},
+    config::{DiffMode, EventType, MessageConfig},
     informer::{CachedObject, Notification, NotificationKind, reflector::Transform},
 };
 
@@ -105,6 +105,20 @@ pub struct Message {
     pub received: std::time::Instant,
 }
 
+impl Message {
+    /// What the message weighs on the wire, roughly: payload, key and attributes (as
+    /// headers). Sinks' own headers and record framing come on top.
+    pub fn wire_size(&self) -> usize {
+        self.payload.len()
+            + self.key.len()
+            + self
+                .attributes
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .sum::<usize>()
+    }
+}
+
 /// Media type of structured-mode payloads.
 pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
 /// Media type of binary-mode payloads (the `data` member).
@@ -117,6 +131,7 @@ pub struct Encoder {
     source_prefix: String,
     types: [String; 4],
     include_old_object: bool,
+    diff: DiffMode,
     encoding: Encoding,
     // Size of the last payload: the next buffer starts that large, so serializing rarely
     // reallocates.
@@ -130,6 +145,7 @@ impl Clone for Encoder {
             source_prefix: self.source_prefix.clone(),
             types: self.types.clone(),
             include_old_object: self.include_old_object,
+            diff: self.diff,
             encoding: self.encoding,
             size_hint: AtomicUsize::new(self.size_hint.load(Ordering::Relaxed)),
         }
@@ -162,6 +178,10 @@ struct Envelope<'a> {
     k8sfinalstateunknown: bool,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     k8sresumed: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    k8sfilteredout: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    k8struncated: bool,
     data: Data<'a>,
 }
 
@@ -192,6 +212,84 @@ struct Data<'a> {
     object: &'a serde_json::value::RawValue,
     #[serde(rename = "oldObject", skip_serializing_if = "Option::is_none")]
     old_object: Option<&'a serde_json::value::RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<&'a json_patch::Patch>,
+}
+
+/// How much of a message is left out to fit the destination's size limit, in the order the
+/// steps are taken (each one keeps the previous ones' cuts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Trim {
+    /// The whole message.
+    None = 0,
+    /// Without `data.oldObject` (the patch stays).
+    OldObject,
+    /// Without `data.oldObject` and `data.patch`.
+    Patch,
+    /// `data.object` is a reference: apiVersion, kind and metadata without annotations and
+    /// managedFields; the message says `k8struncated: true`.
+    Reference,
+}
+
+impl Trim {
+    /// The label of `keb_message_degraded_total{step}`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::OldObject => "old_object",
+            Self::Patch => "patch",
+            Self::Reference => "reference",
+        }
+    }
+}
+
+/// Metadata fields a reference-only message keeps.
+const REFERENCE_METADATA: [&str; 9] = [
+    "name",
+    "namespace",
+    "uid",
+    "resourceVersion",
+    "generation",
+    "creationTimestamp",
+    "deletionTimestamp",
+    "labels",
+    "ownerReferences",
+];
+
+/// The reference-only form of `obj` (see [`Trim::Reference`]).
+pub fn reference_of(obj: &CachedObject) -> Box<serde_json::value::RawValue> {
+    #[derive(serde::Deserialize)]
+    struct Parts {
+        #[serde(rename = "apiVersion", default)]
+        api_version: Option<serde_json::Value>,
+        #[serde(default)]
+        kind: Option<serde_json::Value>,
+        #[serde(default)]
+        metadata: serde_json::Map<String, serde_json::Value>,
+    }
+    let parts: Parts = serde_json::from_str(obj.json().get()).unwrap_or(Parts {
+        api_version: None,
+        kind: None,
+        metadata: Default::default(),
+    });
+    let metadata: serde_json::Map<_, _> = parts
+        .metadata
+        .into_iter()
+        .filter(|(k, _)| REFERENCE_METADATA.contains(&k.as_str()))
+        .collect();
+    let reference = serde_json::json!({
+        "apiVersion": parts.api_version,
+        "kind": parts.kind,
+        "metadata": metadata,
+    });
+    serde_json::value::to_raw_value(&reference).expect("a JSON value serializes")
+}
+
+/// RFC 6902 JSON Patch from `old` to `new`.
+pub fn patch_between(old: &CachedObject, new: &CachedObject) -> Option<json_patch::Patch> {
+    let old: serde_json::Value = serde_json::from_str(old.json().get()).ok()?;
+    let new: serde_json::Value = serde_json::from_str(new.json().get()).ok()?;
+    Some(json_patch::diff(&old, &new))
 }
 
 impl Encoder {
@@ -228,6 +326,7 @@ impl Encoder {
             source_prefix,
             types,
             include_old_object: options.include_old_object,
+            diff: options.diff,
             encoding,
             size_hint: AtomicUsize::new(1024),
         }
@@ -258,6 +357,26 @@ impl Encoder {
     /// Encodes one notification about the object at `key` (`namespace/name`, as
     /// [`Notification::key`] gives it).
     pub fn encode(&self, key: &str, n: &Notification) -> Result<Message> {
+        self.encode_trimmed(key, n, Trim::None)
+    }
+
+    /// The steps of [`Trim`] that change the message of `n`, in order (`Reference` always).
+    pub fn trim_steps(&self, n: &Notification) -> Vec<Trim> {
+        let update = n.event_type() == EventType::Updated && !n.resumed;
+        let mut steps = Vec::with_capacity(3);
+        let carries_data = self.encoding != Encoding::State;
+        if carries_data && update && self.include_old_object {
+            steps.push(Trim::OldObject);
+        }
+        if carries_data && update && self.diff == DiffMode::Patch {
+            steps.push(Trim::Patch);
+        }
+        steps.push(Trim::Reference);
+        steps
+    }
+
+    /// [`Encoder::encode`], leaving out what `trim` says.
+    pub fn encode_trimmed(&self, key: &str, n: &Notification, trim: Trim) -> Result<Message> {
         let event_type = n.event_type();
         let obj = n.object();
         let meta = &**obj;
@@ -280,14 +399,26 @@ impl Encoder {
                 false,
                 false,
                 // A resumed update's `old` is a stub from the checkpoint, not an object.
-                (self.include_old_object && event_type == EventType::Updated && !n.resumed)
-                    .then_some(&**old),
+                (event_type == EventType::Updated && !n.resumed).then_some(&**old),
             ),
             NotificationKind::Delete {
                 final_state_unknown,
                 ..
             } => (false, *final_state_unknown, None),
         };
+        let old_object = old.filter(|_| self.include_old_object && trim < Trim::OldObject);
+        let patch = match old {
+            Some(old) if self.diff == DiffMode::Patch && trim < Trim::Patch => {
+                Some(patch_between(old, obj).ok_or_else(|| Error::Serialize {
+                    key: key.to_owned(),
+                    source: serde::ser::Error::custom("the object is not JSON"),
+                })?)
+            }
+            _ => None,
+        };
+        let truncated = trim == Trim::Reference;
+        let reference = truncated.then(|| reference_of(obj));
+        let object = reference.as_deref().unwrap_or(obj.json());
         let r = &*self.resource;
         let envelope = Envelope {
             specversion: "1.0",
@@ -313,9 +444,12 @@ impl Encoder {
             k8sinitial: initial,
             k8sfinalstateunknown: final_state_unknown,
             k8sresumed: n.resumed,
+            k8sfilteredout: n.filtered_out,
+            k8struncated: truncated,
             data: Data {
-                object: obj.json(),
-                old_object: old.map(CachedObject::json),
+                object,
+                old_object: old_object.map(CachedObject::json),
+                patch: patch.as_ref(),
             },
         };
         let mut payload = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed) + 256);
@@ -325,7 +459,7 @@ impl Encoder {
             Encoding::State if event_type == EventType::Deleted => Ok(()),
             // The cached JSON is the payload.
             Encoding::State => {
-                payload.extend_from_slice(obj.json().get().as_bytes());
+                payload.extend_from_slice(object.get().as_bytes());
                 Ok(())
             }
         };
@@ -384,6 +518,12 @@ impl Envelope<'_> {
         }
         if self.k8sresumed {
             a.push(("k8sresumed", "true".to_owned()));
+        }
+        if self.k8sfilteredout {
+            a.push(("k8sfilteredout", "true".to_owned()));
+        }
+        if self.k8struncated {
+            a.push(("k8struncated", "true".to_owned()));
         }
         a
     }
@@ -450,6 +590,7 @@ mod tests {
             received: std::time::Instant::now(),
             observed: "2026-01-02T03:04:05Z".parse().unwrap(),
             resumed: false,
+            filtered_out: false,
         }
     }
 

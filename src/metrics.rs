@@ -30,6 +30,15 @@ pub struct Metrics {
     /// `keb_listener_coalesced_total{resource,sink}`: updates merged because the sink was at
     /// its `max_pending` cap.
     pub listener_coalesced: IntCounterVec,
+    /// `keb_filtered_total{resource,sink,reason}`: notifications a route's filter did not
+    /// publish (`filter`, `filter_error`, `namespace`, `suppressed`).
+    pub filtered: IntCounterVec,
+    /// `keb_filter_errors_total{resource,sink}`: filter evaluations that failed.
+    pub filter_errors: IntCounterVec,
+    /// `keb_message_degraded_total{sink,resource,step}`: messages over the destination's size
+    /// limit, by the step that made them fit (`old_object`, `patch`, `reference`) or
+    /// `dead_letter`.
+    pub message_degraded: IntCounterVec,
     /// `keb_sink_published_total{sink,resource,type}`: messages the sink acknowledged.
     pub sink_published: IntCounterVec,
     /// `keb_sink_failed_total{sink,resource,reason}`: failed publish attempts.
@@ -191,6 +200,21 @@ impl Metrics {
                 "keb_listener_coalesced_total",
                 "Updates merged into a pending notification because the sink was at its cap",
                 &["resource", "sink"],
+            ),
+            filtered: counter(
+                "keb_filtered_total",
+                "Notifications a route's filter did not publish, by reason",
+                &["resource", "sink", "reason"],
+            ),
+            filter_errors: counter(
+                "keb_filter_errors_total",
+                "Filter evaluations that failed (the notification passed or was dropped as filter_error says)",
+                &["resource", "sink"],
+            ),
+            message_degraded: counter(
+                "keb_message_degraded_total",
+                "Messages over the destination's size limit, by the step that made them fit",
+                &["sink", "resource", "step"],
             ),
             sink_published: counter(
                 "keb_sink_published_total",

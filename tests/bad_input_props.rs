@@ -154,6 +154,7 @@ fn notification(kind: NotificationKind) -> Notification {
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
         resumed: false,
+        filtered_out: false,
     }
 }
 

@@ -140,6 +140,7 @@ fn note(kind: NotificationKind) -> Notification {
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
         resumed: false,
+        filtered_out: false,
     }
 }
 

@@ -45,6 +45,7 @@ fn encode(kind: NotificationKind, resumed: bool) -> Value {
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
         resumed,
+        filtered_out: false,
     };
     let m = encoder.encode(&n.key(), &n).unwrap();
     serde_json::from_slice(&m.payload).unwrap()

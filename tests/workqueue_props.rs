@@ -130,6 +130,7 @@ fn update(key: u8, rv: u64) -> Notification {
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
         resumed: false,
+        filtered_out: false,
     }
 }
 

@@ -70,6 +70,7 @@ pub fn notifications(
         received: std::time::Instant::now(),
         observed: jiff::Timestamp::now(),
         resumed: false,
+        filtered_out: false,
     })
 }
 
@@ -98,6 +99,7 @@ pub fn alternating(
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
             resumed: false,
+            filtered_out: false,
         }
     })
 }

@@ -37,6 +37,11 @@ pub trait NotificationHandler: Send + Sync {
     /// the cache it was handed) has been passed on. Called once per activation, in order with
     /// the notifications.
     fn on_synced(&self) {}
+
+    /// From a route's resume: the consumers have the object at `key` (the checkpoint holds
+    /// it); `unchanged` is the informer's object when it is the version the checkpoint knows
+    /// (no notification follows for it). Filters use it to know what was published.
+    fn on_known(&self, _key: &str, _unchanged: Option<&super::ObjectRef>) {}
 }
 
 /// See the module docs for the contract.
@@ -190,6 +195,7 @@ mod tests {
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
             resumed: false,
+            filtered_out: false,
         }
     }
 

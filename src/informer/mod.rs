@@ -59,6 +59,9 @@ pub struct Notification {
     /// knows (apiVersion, kind, namespace, name, uid, resourceVersion), and messages omit
     /// `oldObject`. See `pipeline::resume`.
     pub resumed: bool,
+    /// A `deleted` notification made by a route's filter: the object still exists but no
+    /// longer passes the filter, and consumers that had it must drop it (`k8sfilteredout`).
+    pub filtered_out: bool,
 }
 
 /// The three notifications of `ResourceEventHandler`.

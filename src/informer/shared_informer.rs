@@ -269,6 +269,7 @@ impl SharedIndexInformer {
                     received,
                     observed,
                     resumed: false,
+                    filtered_out: false,
                 };
                 self.metrics.notifications[n.event_type() as usize].inc();
                 for l in &switched_on {
@@ -325,6 +326,7 @@ impl SharedIndexInformer {
                 received: delta.received,
                 observed: delta.observed,
                 resumed: false,
+                filtered_out: false,
             });
         }
     }

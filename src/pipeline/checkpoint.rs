@@ -340,6 +340,7 @@ mod tests {
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
             resumed: false,
+            filtered_out: false,
         }
     }
 

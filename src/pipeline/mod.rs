@@ -14,6 +14,7 @@
 //!   a dead-letter sink, recorded there as a small reference (id, key, reason, size).
 
 pub mod checkpoint;
+pub mod filter;
 pub mod resume;
 pub mod route_queue;
 pub mod worker;

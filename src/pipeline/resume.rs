@@ -3,7 +3,7 @@
 //! or a new leader publishes what changed while no replica published, and only that.
 //!
 //! # Contract
-//! The [`Resumer`] sits between a route's listeners and its [`RouteQueue`]. While resuming
+//! The [`Resumer`] sits between a route's listeners and its [`RouteQueue`](super::RouteQueue) (or its filter). While resuming
 //! (from [`Resumer::begin`] with a checkpoint until every informer of the route has passed on
 //! its initial state), for each object of the initial state:
 //! - not in the checkpoint → `added`, not marked initial;
@@ -32,7 +32,7 @@ use kube::api::{DynamicObject, ObjectMeta, TypeMeta};
 use prometheus::IntCounter;
 use tracing::info;
 
-use super::{RouteQueue, checkpoint::Checkpoint, checkpoint::Entry};
+use super::{checkpoint::Checkpoint, checkpoint::Entry};
 use crate::{
     config::EventType,
     informer::{CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef},
@@ -44,7 +44,7 @@ pub const OUTCOMES: [&str; 5] = ["unchanged", "updated", "deleted", "added", "re
 /// See the module docs.
 pub struct Resumer {
     route: String,
-    queue: Arc<RouteQueue>,
+    next: Arc<dyn NotificationHandler>,
     accepts: [bool; 4],
     types: TypeMeta,
     informers: usize,
@@ -64,11 +64,11 @@ enum State {
 }
 
 impl Resumer {
-    /// A resumer in front of `queue`, for a route fed by `informers` informers, passing on
+    /// A resumer in front of `next` (the route's queue, or its filter), for a route fed by `informers` informers, passing on
     /// the `accepted` event types. `types` are the apiVersion and kind of stubs.
     pub fn new(
         route: String,
-        queue: Arc<RouteQueue>,
+        next: Arc<dyn NotificationHandler>,
         accepted: &[EventType],
         types: TypeMeta,
         informers: usize,
@@ -80,7 +80,7 @@ impl Resumer {
         }
         Self {
             route,
-            queue,
+            next,
             accepts,
             types,
             informers: informers.max(1),
@@ -114,7 +114,7 @@ impl Resumer {
 
     fn forward(&self, n: Notification) {
         if self.accepts[n.event_type() as usize] {
-            self.queue.push(n);
+            self.next.on_notification(n);
         }
     }
 
@@ -143,6 +143,7 @@ impl Resumer {
             received: like.received,
             observed: like.observed,
             resumed: true,
+            filtered_out: false,
         }
     }
 
@@ -199,6 +200,7 @@ impl NotificationHandler for Resumer {
                         && e.resource_version == crate::informer::resource_version(&obj) =>
                 {
                     self.count(0);
+                    self.next.on_known(&key, Some(&obj));
                 }
                 Some(e) if e.uid == uid => {
                     self.count(1);
@@ -224,7 +226,12 @@ impl NotificationHandler for Resumer {
                 self.forward_gone(&n, &key, &e);
                 self.forward(n);
             }
-            _ => self.forward(n),
+            (_, entry) => {
+                if entry.is_some() {
+                    self.next.on_known(&key, None);
+                }
+                self.forward(n)
+            }
         }
     }
 
@@ -258,6 +265,7 @@ impl NotificationHandler for Resumer {
                 received,
                 observed,
                 resumed: true,
+                filtered_out: false,
             });
         }
         info!(route = %self.route, deleted, "Resumed: objects gone while down are deleted");

@@ -387,6 +387,7 @@ mod tests {
             received: std::time::Instant::now(),
             observed: jiff::Timestamp::now(),
             resumed: false,
+            filtered_out: false,
         }
     }
     fn add(o: ObjectRef) -> Notification {

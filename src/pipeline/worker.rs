@@ -10,11 +10,15 @@ use tracing::{debug, error, info, warn};
 use super::RouteQueue;
 use crate::{
     informer::Notification,
-    message::{Encoder, Message},
+    message::{Encoder, Message, Trim},
     metrics::Metrics,
     sinks::Sink,
     workqueue::TokenBucket,
 };
+
+/// Room left under a sink's size limit for what [`Message::wire_size`] does not count
+/// (record framing, the sink's own headers).
+const SIZE_MARGIN: usize = 1024;
 
 /// While shutting down, how long a failed key waits before its next attempt.
 const SHUTDOWN_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(200);
@@ -42,6 +46,8 @@ struct RouteMetrics {
     publish_duration: Histogram,
     end_to_end: Histogram,
     failed: IntCounterVec,
+    // `keb_message_degraded_total` by step: old_object, patch, reference, dead_letter.
+    degraded: [IntCounter; 4],
 }
 
 /// One (resource, sink) route. See the module docs of [`super`].
@@ -135,6 +141,11 @@ impl Route {
                 .end_to_end_latency
                 .with_label_values(&[labels[1], labels[0]]),
             failed: metrics.sink_failed.clone(),
+            degraded: ["old_object", "patch", "reference", "dead_letter"].map(|step| {
+                metrics
+                    .message_degraded
+                    .with_label_values(&[labels[0], labels[1], step])
+            }),
         };
         for reason in crate::sinks::FAILURE_REASONS {
             metrics
@@ -318,52 +329,121 @@ impl Route {
         queue.forget(&key.to_owned());
     }
 
+    /// Encodes `n` so that it fits the sink's size limit, trimming it step by step (see
+    /// [`Trim`]); `None` when even a reference is too large (dead-lettered then).
+    async fn encode_fitting(
+        &self,
+        key: &str,
+        n: &Notification,
+        mut trim: Trim,
+    ) -> Option<(Message, Trim)> {
+        let sink = &self.delivery.sink;
+        let limit = sink
+            .max_message_bytes()
+            .map(|m| m.saturating_sub(SIZE_MARGIN));
+        loop {
+            let message = match self.encoder.encode_trimmed(key, n, trim) {
+                Ok(m) => m,
+                Err(err) => {
+                    self.failed("encode");
+                    error!(error = %err, sink = %sink.name(), resource = %self.resource, key, "Cannot encode notification");
+                    self.dead_letter(key, n, None, "encode").await;
+                    return None;
+                }
+            };
+            let Some(limit) = limit.filter(|&l| message.wire_size() > l) else {
+                return Some((message, trim));
+            };
+            match self.next_trim(n, trim) {
+                Some(next) => trim = next,
+                None => {
+                    self.too_large(key, n, &message, limit).await;
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// The step after `trim` that changes `n`'s message.
+    fn next_trim(&self, n: &Notification, trim: Trim) -> Option<Trim> {
+        self.encoder
+            .trim_steps(n)
+            .into_iter()
+            .find(|&step| step > trim)
+    }
+
+    async fn too_large(&self, key: &str, n: &Notification, message: &Message, limit: usize) {
+        self.metrics.degraded[3].inc();
+        self.failed("too_large");
+        error!(sink = %self.delivery.sink.name(), resource = %self.resource, key, size = message.wire_size(), limit,
+               "Even a reference-only message exceeds the sink's size limit; dead-lettering it");
+        self.dead_letter(
+            key,
+            n,
+            Some((&message.id, message.payload.len())),
+            "too_large",
+        )
+        .await;
+    }
+
     /// Encodes `n` and hands it to the sink.
     async fn submit(&self, key: &str, n: &Notification) -> Submitted {
         let sink = &self.delivery.sink;
-        let message = match self.encoder.encode(key, n) {
-            Ok(m) => m,
-            Err(err) => {
-                self.failed("encode");
-                error!(error = %err, sink = %sink.name(), resource = %self.resource, key, "Cannot encode notification");
-                self.dead_letter(key, n, None, "encode").await;
+        let mut trim = Trim::None;
+        loop {
+            let Some((message, fitted)) = self.encode_fitting(key, n, trim).await else {
                 return Submitted::Settled;
-            }
-        };
-        if let Some(limit) = &self.delivery.publish_limit {
-            let wait = limit.reserve();
-            if !wait.is_zero() {
-                tokio::time::sleep(wait).await;
-            }
-        }
-        let started = std::time::Instant::now();
-        self.metrics.in_flight.inc();
-        match sink.submit(&message).await {
-            Ok(ack) => Submitted::Pending(Pending {
-                ack,
-                ready: None,
-                message: Sent {
-                    id: message.id,
-                    event_type: message.event_type,
-                    bytes: message.payload.len(),
-                    received: message.received,
-                    started,
-                },
-            }),
-            Err(err) => {
-                self.metrics.in_flight.dec();
-                let sent = Sent {
-                    id: message.id.clone(),
-                    event_type: message.event_type,
-                    bytes: message.payload.len(),
-                    received: message.received,
-                    started,
-                };
-                match self.acknowledged(key, n, &sent, Err(err)).await {
-                    Outcome::Settled => Submitted::Settled,
-                    Outcome::Retry => Submitted::Retry,
+            };
+            trim = fitted;
+            if let Some(limit) = &self.delivery.publish_limit {
+                let wait = limit.reserve();
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
                 }
             }
+            let started = std::time::Instant::now();
+            self.metrics.in_flight.inc();
+            let sent = Sent {
+                id: message.id.clone(),
+                event_type: message.event_type,
+                bytes: message.payload.len(),
+                received: message.received,
+                started,
+            };
+            let err = match sink.submit(&message).await {
+                Ok(ack) => {
+                    if trim != Trim::None {
+                        self.metrics.degraded[trim as usize - 1].inc();
+                        debug!(sink = %sink.name(), key, step = trim.as_str(), size = message.wire_size(),
+                               "Message trimmed to fit the sink's size limit");
+                    }
+                    return Submitted::Pending(Pending {
+                        ack,
+                        ready: None,
+                        message: sent,
+                    });
+                }
+                Err(err) => err,
+            };
+            self.metrics.in_flight.dec();
+            // The sink's own check can be stricter than the estimate (record framing, the
+            // sink's headers): a message it refuses at once as too large is trimmed further.
+            if matches!(err, crate::sinks::Error::TooLarge { .. }) {
+                match self.next_trim(n, trim) {
+                    Some(next) => {
+                        trim = next;
+                        continue;
+                    }
+                    None => {
+                        self.too_large(key, n, &message, message.wire_size()).await;
+                        return Submitted::Settled;
+                    }
+                }
+            }
+            return match self.acknowledged(key, n, &sent, Err(err)).await {
+                Outcome::Settled => Submitted::Settled,
+                Outcome::Retry => Submitted::Retry,
+            };
         }
     }
 

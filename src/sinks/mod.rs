@@ -119,6 +119,11 @@ pub trait Sink: Send + Sync {
         }
         .boxed()
     }
+    /// The largest message the destination takes (Kafka: the producer's `message.max.bytes`;
+    /// NATS: the server's `max_payload`), headers and key included; `None`: no limit.
+    fn max_message_bytes(&self) -> Option<usize> {
+        None
+    }
     /// Pushes out anything buffered; called once at shutdown.
     fn flush(&self) -> BoxFuture<'_, Result<()>>;
     /// Why the sink cannot publish now (for `/readyz`), or `Ok`.

@@ -369,6 +369,10 @@ impl Sink for KafkaSink {
         &self.name
     }
 
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(self.max_message_bytes)
+    }
+
     fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
         async move { self.submit(m).await?.await }.boxed()
     }

@@ -284,6 +284,10 @@ impl Sink for NatsSink {
         &self.name
     }
 
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(self.client.server_info().max_payload).filter(|&m| m > 0)
+    }
+
     fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
         async move {
             let subject = self.subject_for(m);
