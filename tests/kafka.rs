@@ -277,17 +277,38 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
     running.stop().await;
 }
 
+/// A ConfigMap whose `data` holds `keys` entries of `size` bytes each.
+fn big_configmap(name: &str, keys: &[(&str, usize, char)]) -> Value {
+    let data: serde_json::Map<String, Value> = keys
+        .iter()
+        .map(|(k, size, fill)| (k.to_string(), json!(fill.to_string().repeat(*size))))
+        .collect();
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"namespace": "ns", "name": name}, "data": data})
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_oversized_object_goes_to_the_dead_letter_topic_and_the_pipeline_goes_on() {
+async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
     let tansu = Tansu::start();
     tansu.create_topic("k8s.deadletter", 1);
     let api = ApiServer::start().await;
-    api.create(typed(&configmap("ns", "huge", &"x".repeat(50_000))));
     api.create(typed(&configmap("ns", "small", "1")));
+    api.create(typed(&configmap("ns", "skipped", "1")));
+    // 3 MB: only a reference fits the 1 MB limit.
+    api.create(big_configmap("huge", &[("v", 3_000_000, 'h')]));
+    // 600 KB objects: their updates fit without oldObject, or without oldObject and patch.
+    api.create(big_configmap("big-edit", &[("v", 600_000, 'e')]));
+    api.create(big_configmap("big-replace", &[("v", 600_000, 'r')]));
+    // Even its reference (labels stay) is over 1 MB: dead-lettered.
+    let labels: serde_json::Map<String, Value> = (0..20_000)
+        .map(|i| (format!("label-{i:05}"), json!("x".repeat(60))))
+        .collect();
+    api.create(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                      "metadata": {"namespace": "ns", "name": "labels", "labels": labels}}));
     let mut main = kafka_sink(
         "kafka",
         &tansu.brokers(),
-        json!({"properties": {"message.max.bytes": "20000"}}),
+        json!({"properties": {"message.max.bytes": "1000000"}}),
     );
     main["dead_letter"] = json!("dlq");
     let dlq = kafka_sink(
@@ -295,21 +316,70 @@ async fn an_oversized_object_goes_to_the_dead_letter_topic_and_the_pipeline_goes
         &tansu.brokers(),
         json!({"topic": "k8s.deadletter", "create_topics": null}),
     );
-    let running = run(config(vec![main, dlq]), &api).await;
+    let mut cfg = config(vec![main, dlq]);
+    cfg.resources[0].filter = Some("object.metadata.name != 'skipped'".into());
+    cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
+    let running = run(cfg, &api).await;
     running.synced().await;
     api.update(typed(&configmap("ns", "small", "2")));
+    api.update(typed(&configmap("ns", "skipped", "2")));
+    api.update(big_configmap(
+        "big-edit",
+        &[("v", 600_000, 'e'), ("w", 10, 'w')],
+    ));
+    api.update(big_configmap("big-replace", &[("v", 600_000, 'R')]));
     let dead = consume_async(tansu.brokers(), "k8s.deadletter", 1).await;
     let record = dead[0].json();
-    assert_eq!(record["key"], "ns/huge");
+    assert_eq!(record["key"], "ns/labels");
     assert_eq!(record["reason"], "too_large");
-    assert!(record["size"].as_u64().unwrap() > 50_000);
-    let records = consume_async(tansu.brokers(), TOPIC, 2).await;
+    let records = consume_async(tansu.brokers(), TOPIC, 7).await;
+    let events = check_events(&records);
+    let by =
+        |name: &str| -> Vec<&Value> { events.iter().filter(|e| e["k8sname"] == name).collect() };
+    assert!(by("skipped").is_empty() && by("labels").is_empty());
+    let small = by("small");
+    assert_eq!(small.len(), 2);
+    let patch: json_patch::Patch =
+        serde_json::from_value(small[1]["data"]["patch"].clone()).unwrap();
+    let mut old = small[1]["data"]["oldObject"].clone();
+    json_patch::patch(&mut old, &patch).unwrap();
+    assert_eq!(old, small[1]["data"]["object"]);
+    let huge = by("huge");
+    assert_eq!(huge.len(), 1);
+    assert_eq!(huge[0]["k8struncated"], true);
+    assert_eq!(huge[0]["data"]["object"]["metadata"]["name"], "huge");
     assert!(
-        records.iter().all(|r| r.key == "ns/small"),
-        "only the small object's two events"
+        huge[0]["data"]["object"].get("data").is_none(),
+        "a reference"
     );
-    let failed = running
-        .metrics
+    let edit = by("big-edit");
+    assert!(edit[0].get("k8struncated").is_none(), "600 KB fits whole");
+    assert!(edit[1]["data"].get("oldObject").is_none(), "dropped first");
+    let ops = edit[1]["data"]["patch"].as_array().unwrap();
+    assert!(ops.contains(&json!({"op": "add", "path": "/data/w", "value": "wwwwwwwwww"})));
+    assert_eq!(ops.len(), 2, "and the resourceVersion: {ops:?}");
+    let replace = by("big-replace");
+    assert!(
+        replace[1]["data"].get("oldObject").is_none() && replace[1]["data"].get("patch").is_none()
+    );
+    assert_eq!(
+        replace[1]["data"]["object"]["data"]["v"]
+            .as_str()
+            .unwrap()
+            .len(),
+        600_000
+    );
+    let m = &running.metrics;
+    let degraded = |step: &str| {
+        m.message_degraded
+            .with_label_values(&["kafka", "configmap", step])
+            .get()
+    };
+    assert_eq!(
+        ["old_object", "patch", "reference", "dead_letter"].map(degraded),
+        [1, 1, 1, 1]
+    );
+    let failed = m
         .sink_failed
         .with_label_values(&["kafka", "configmap", "too_large"])
         .get();

@@ -274,12 +274,27 @@ async fn a_server_restart_during_load_loses_nothing() {
     }
 }
 
+fn team_cm(name: &str, team: &str, v: &str, phase: &str) -> Value {
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"namespace": "ns", "name": name, "labels": {"team": team}},
+           "data": {"v": v}, "status": {"phase": phase}})
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_payload_over_max_payload_goes_to_the_dead_letter_subject_and_the_rest_goes_on() {
-    let nats = NatsServer::with_config("max_payload: 4096");
+async fn filters_suppression_patches_and_oversized_objects_on_a_small_max_payload_server() {
+    let nats = NatsServer::with_config("max_payload: 65536");
     let api = ApiServer::start().await;
-    api.create(typed(&configmap("ns", "small", "1")));
-    api.create(typed(&configmap("ns", "huge", &"x".repeat(10_000))));
+    api.create(team_cm("small", "shop", "1", "a"));
+    api.create(team_cm("other", "web", "1", "a"));
+    // 200 KB: only a reference fits under 64 KB.
+    api.create(team_cm("huge", "shop", &"x".repeat(200_000), "a"));
+    // Its reference keeps the labels, 70 KB of them: dead-lettered.
+    let mut labels: serde_json::Map<String, Value> = (0..1000)
+        .map(|i| (format!("label-{i:04}"), json!("y".repeat(60))))
+        .collect();
+    labels.insert("team".into(), json!("shop"));
+    api.create(json!({"apiVersion": "v1", "kind": "ConfigMap",
+                      "metadata": {"namespace": "ns", "name": "labels", "labels": labels}}));
     let mut main = nats_sink("nats", &nats.url(), json!({}));
     main["dead_letter"] = json!("dlq");
     let dlq = nats_sink(
@@ -287,17 +302,23 @@ async fn a_payload_over_max_payload_goes_to_the_dead_letter_subject_and_the_rest
         &nats.url(),
         json!({"subject": "k8s.deadletter.{kind}"}),
     );
-    let running = run(
-        config(
-            vec![main, dlq],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        ),
-        &api,
-    )
-    .await;
-    wait_for_stream(&nats.url(), 2).await;
-    api.update(typed(&configmap("ns", "small", "2")));
+    let mut cfg = config(
+        vec![main, dlq],
+        json!([{"resource": "configmap", "sinks": ["nats"]}]),
+    );
+    cfg.resources[0].filter = Some(r#"object.metadata.labels["team"] == "shop""#.into());
+    cfg.resources[0].ignore_fields = vec!["/status".into(), "/metadata/resourceVersion".into()];
+    cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
+    let running = run(cfg, &api).await;
+    // small, huge (a reference), the dead letter.
     wait_for_stream(&nats.url(), 3).await;
+    api.update(team_cm("small", "shop", "1", "b")); // status only: suppressed
+    api.update(team_cm("small", "shop", "2", "c")); // published, its patch from phase a
+    api.update(team_cm("other", "web", "2", "a")); // never matches
+    api.update(team_cm("small", "web", "2", "c")); // leaves: k8sfilteredout
+    api.update(team_cm("other", "shop", "2", "a")); // enters: added
+    wait_for_stream(&nats.url(), 6).await;
+    let metrics = running.metrics.clone();
     let report = running.stop().await;
     assert!(report.undelivered.is_empty());
     let messages = read_stream(&nats.url(), STREAM).await;
@@ -307,14 +328,73 @@ async fn a_payload_over_max_payload_goes_to_the_dead_letter_subject_and_the_rest
         .collect();
     assert_eq!(dead.len(), 1);
     let record: Value = serde_json::from_slice(&dead[0].payload).unwrap();
-    assert_eq!(record["key"], "ns/huge");
+    assert_eq!(record["key"], "ns/labels");
     assert_eq!(record["reason"], "too_large");
-    assert!(record["size"].as_u64().unwrap() > 10_000);
-    let small = messages
+    let events: Vec<Value> = messages
         .iter()
-        .filter(|m| m.subject.as_str().ends_with(".small"))
-        .count();
-    assert_eq!(small, 2, "the pipeline went on");
+        .filter(|m| !m.subject.as_str().starts_with("k8s.deadletter"))
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect();
+    events.iter().for_each(support::schema::check_cloudevent);
+    let seen: Vec<String> = events
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {}{}{}",
+                e["k8sname"].as_str().unwrap(),
+                e["type"].as_str().unwrap().rsplit('.').next().unwrap(),
+                if e["k8sfilteredout"] == true {
+                    " filteredout"
+                } else {
+                    ""
+                },
+                if e["k8struncated"] == true {
+                    " truncated"
+                } else {
+                    ""
+                },
+            )
+        })
+        .collect();
+    let mut sorted = seen.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [
+            "huge added truncated",
+            "other added",
+            "small added",
+            "small deleted filteredout",
+            "small updated",
+        ],
+        "in stream order: {seen:?}"
+    );
+    let update = events
+        .iter()
+        .find(|e| e["type"].as_str().unwrap().ends_with("updated"))
+        .unwrap();
+    let patch: json_patch::Patch = serde_json::from_value(update["data"]["patch"].clone()).unwrap();
+    let mut old = update["data"]["oldObject"].clone();
+    assert_eq!(
+        old["status"]["phase"], "a",
+        "the last published state, not the suppressed one"
+    );
+    json_patch::patch(&mut old, &patch).unwrap();
+    assert_eq!(old, update["data"]["object"]);
+    let degraded = |step: &str| {
+        metrics
+            .message_degraded
+            .with_label_values(&["nats", "configmap", step])
+            .get()
+    };
+    assert_eq!(["reference", "dead_letter"].map(degraded), [1, 1]);
+    let filtered = |reason: &str| {
+        metrics
+            .filtered
+            .with_label_values(&["configmap", "nats", reason])
+            .get()
+    };
+    assert_eq!(["filter", "suppressed"].map(filtered), [2, 1]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
