@@ -1,6 +1,7 @@
 //! Throughput of the delivery pipeline with a sink that acknowledges at once: synthetic
 //! informer → ProcessorListener → RouteQueue → workers → CloudEvents encoder → sink. Prints
-//! notifications/s, p50/p99 time from the informer to the sink, and peak RSS.
+//! notifications/s, p50/p99 time from the informer to the sink, and peak RSS; once with the
+//! default config and once with a typical CEL filter and `message.diff: patch`.
 //!
 //! `cargo bench --bench pipeline [-- NOTIFICATIONS OBJECTS WORKERS OBJECT_BYTES]`
 
@@ -13,11 +14,13 @@ use std::sync::{
 
 use futures::{FutureExt, future::BoxFuture};
 use kube_event_bridge::{
-    message::Message,
+    config::{DiffMode, MessageConfig, ResourceConfig},
+    message::{Encoder, Encoding, Message},
     metrics::Metrics,
+    pipeline::filter::Rules,
     sinks::{self, Sink},
 };
-use support::{Timed, alternating, percentiles, run_bridge};
+use support::{Timed, alternating, percentiles, run_bridge_opts};
 
 /// Accepts every message at once.
 struct AckSink {
@@ -55,38 +58,73 @@ fn main() {
         .build()
         .unwrap();
     let size = args.get(3).copied().unwrap_or(600);
-    let notes = alternating(total, objects, size);
-    let sink = Arc::new(Timed::new(AckSink {
-        count: AtomicU64::new(0),
-    }));
-    let metrics = Metrics::new();
-    let run = runtime.block_on(run_bridge(
-        sink.clone(),
-        notes,
-        workers,
-        backlog,
-        &metrics,
-        "configmap/ack",
-    ));
-    let delivered = sink.inner.count.load(Ordering::Relaxed);
-    let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
-    let secs = run.elapsed.as_secs_f64();
     println!(
         "pipeline bench: {total} notifications, {objects} objects, {workers} workers, backlog {backlog}, 2 runtime threads"
     );
-    println!(
-        "  delivered          {delivered:>10}   (coalesced {})",
-        run.coalesced
-    );
-    println!(
-        "  throughput         {:>10.0} notifications/s",
-        delivered as f64 / secs
-    );
-    println!(
-        "  payload            {:>10.1} MB/s ({:.2} KB per message)",
-        run.delivered_bytes as f64 / 1e6 / secs,
-        run.delivered_bytes as f64 / delivered as f64 / 1e3
-    );
-    println!("  informer → sink    p50 {p50:.3} ms, p99 {p99:.3} ms");
-    println!("  peak RSS           {:>10.1} MiB ", run.peak_rss);
+    // Off: the default config. On: a typical label filter (every notification passes it, so
+    // both runs deliver the same) and JSON Patch diffs.
+    let filtered: ResourceConfig = serde_json::from_value(serde_json::json!({
+        "api_version": "v1", "kind": "ConfigMap",
+        "filter": "object.metadata.labels[\"app\"] == \"bench\" && type != \"synced\"",
+    }))
+    .unwrap();
+    let patching = MessageConfig {
+        diff: DiffMode::Patch,
+        ..Default::default()
+    };
+    let metrics = Metrics::new();
+    for (label, name, encoder, rules) in [
+        (
+            "filter and diff off",
+            "configmap/ack",
+            support::encoder(),
+            None,
+        ),
+        (
+            "filter and diff: patch on",
+            "configmap/ack-filtered",
+            Encoder::new(
+                "bench",
+                &support::configmaps(),
+                &patching,
+                Encoding::Structured,
+            ),
+            Rules::of(&filtered).unwrap().map(Arc::new),
+        ),
+    ] {
+        let notes = alternating(total, objects, size);
+        let sink = Arc::new(Timed::new(AckSink {
+            count: AtomicU64::new(0),
+        }));
+        let run = runtime.block_on(run_bridge_opts(
+            sink.clone(),
+            notes,
+            workers,
+            backlog,
+            &metrics,
+            name,
+            None,
+            encoder,
+            rules,
+        ));
+        let delivered = sink.inner.count.load(Ordering::Relaxed);
+        let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
+        let secs = run.elapsed.as_secs_f64();
+        println!("  {label}");
+        println!(
+            "    delivered          {delivered:>10}   (coalesced {})",
+            run.coalesced
+        );
+        println!(
+            "    throughput         {:>10.0} notifications/s",
+            delivered as f64 / secs
+        );
+        println!(
+            "    payload            {:>10.1} MB/s ({:.2} KB per message)",
+            run.delivered_bytes as f64 / 1e6 / secs,
+            run.delivered_bytes as f64 / delivered as f64 / 1e3
+        );
+        println!("    informer → sink    p50 {p50:.3} ms, p99 {p99:.3} ms");
+        println!("    peak RSS           {:>10.1} MiB ", run.peak_rss);
+    }
 }

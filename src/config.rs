@@ -181,8 +181,8 @@ pub struct MessageConfig {
     /// Keep the values of a Secret's `data` and `stringData`; by default they are redacted.
     #[serde(default)]
     pub allow_secret_data: bool,
-    /// `patch`: update messages carry `data.patch`, a JSON Patch from the old to the new
-    /// object.
+    /// `none`, or `patch`: update messages carry `data.patch`, an RFC 6902 JSON Patch from the
+    /// last published state to the new object (`include_old_object: false` then saves bytes).
     #[serde(default)]
     pub diff: DiffMode,
 }
@@ -310,18 +310,23 @@ pub struct ResourceConfig {
     /// Which notification types to emit.
     #[serde(default = "all_event_types")]
     pub events: Vec<EventType>,
-    /// Namespaces left out (with `namespaces` empty: every namespace but these).
+    /// Namespaces whose objects are not published (with `namespaces` empty: every namespace
+    /// but these), e.g. `[kube-system]`.
     #[serde(default)]
     pub exclude_namespaces: Vec<String>,
-    /// A CEL expression over `object`, `oldObject` and `type`; only notifications for which it
-    /// is true are published (see `pipeline::filter` for what consumers still get).
+    /// A CEL expression over `object`, `oldObject` and `type` (`added`, `updated`, `deleted`,
+    /// `synced`); only notifications for which it is true are published, plus what keeps
+    /// consumers' state right (deletes of published objects, `k8sfilteredout` deletes).
+    /// Example: `object.metadata.labels["team"] == "shop" && type != "synced"`.
     #[serde(default)]
     pub filter: Option<String>,
-    /// What an evaluation error of `filter` does to the notification.
+    /// What an evaluation error of `filter` (a field missing on an object) does: `pass`
+    /// publishes the notification, `drop` drops it; either is counted and logged once per
+    /// object.
     #[serde(default)]
     pub filter_error: FilterErrorPolicy,
     /// JSON pointers (`/status`, `/metadata/resourceVersion`): an update that changes only
-    /// these is not published.
+    /// these fields is not published; the next published one carries the newest state.
     #[serde(default)]
     pub ignore_fields: Vec<String>,
 }

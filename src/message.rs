@@ -736,4 +736,123 @@ mod tests {
         assert_eq!(kept.data["data"]["password"], "aHVudGVyMg==");
         assert!(kept.metadata.managed_fields.is_some());
     }
+
+    fn big(rv: &str, v: &str) -> Arc<CachedObject> {
+        let o: DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"namespace": "ns", "name": "a", "uid": "u", "resourceVersion": rv,
+                         "labels": {"team": "shop"},
+                         "annotations": {"kubectl.kubernetes.io/last-applied-configuration": v}},
+            "data": {"v": v, "same": "s"},
+        }))
+        .unwrap();
+        Arc::new(CachedObject::new(&o))
+    }
+
+    fn patching(include_old_object: bool) -> Encoder {
+        let options = MessageConfig {
+            diff: crate::config::DiffMode::Patch,
+            include_old_object,
+            ..Default::default()
+        };
+        Encoder::new("c", &configmaps(), &options, Encoding::Structured)
+    }
+
+    #[test]
+    fn the_patch_turns_the_old_object_into_the_new_one() {
+        let update = note(NotificationKind::Update {
+            old: big("1", "x"),
+            new: big("2", "y"),
+        });
+        let v = decode(&patching(true).encode("ns/a", &update).unwrap());
+        let patch: json_patch::Patch = serde_json::from_value(v["data"]["patch"].clone()).unwrap();
+        let mut doc = v["data"]["oldObject"].clone();
+        json_patch::patch(&mut doc, &patch).unwrap();
+        assert_eq!(doc, v["data"]["object"]);
+        assert_eq!(
+            patch.0.len(),
+            3,
+            "v, the annotation, resourceVersion: {patch:?}"
+        );
+        let without_old = decode(&patching(false).encode("ns/a", &update).unwrap());
+        assert!(without_old["data"].get("oldObject").is_none());
+        assert_eq!(without_old["data"]["patch"], v["data"]["patch"]);
+        // Neither adds nor resyncs carry one.
+        for n in [
+            note(NotificationKind::Update {
+                old: big("2", "y"),
+                new: big("2", "y"),
+            }),
+            note(NotificationKind::Add {
+                obj: big("2", "y"),
+                is_initial_list: false,
+            }),
+        ] {
+            let v = decode(&patching(true).encode("ns/a", &n).unwrap());
+            assert!(v["data"].get("patch").is_none());
+        }
+    }
+
+    #[test]
+    fn each_trim_step_leaves_out_more_and_the_reference_keeps_metadata_without_annotations() {
+        let enc = patching(true);
+        let update = note(NotificationKind::Update {
+            old: big("1", &"x".repeat(10_000)),
+            new: big("2", &"y".repeat(10_000)),
+        });
+        assert_eq!(
+            enc.trim_steps(&update),
+            [Trim::OldObject, Trim::Patch, Trim::Reference]
+        );
+        let sizes: Vec<usize> = [Trim::None, Trim::OldObject, Trim::Patch, Trim::Reference]
+            .iter()
+            .map(|&t| enc.encode_trimmed("ns/a", &update, t).unwrap().wire_size())
+            .collect();
+        assert!(sizes.windows(2).all(|w| w[0] > w[1]), "{sizes:?}");
+        let patch_only = decode(
+            &enc.encode_trimmed("ns/a", &update, Trim::OldObject)
+                .unwrap(),
+        );
+        assert!(patch_only["data"].get("oldObject").is_none());
+        assert!(patch_only["data"]["patch"].is_array());
+        let reference = decode(
+            &enc.encode_trimmed("ns/a", &update, Trim::Reference)
+                .unwrap(),
+        );
+        assert_eq!(reference["k8struncated"], true);
+        assert_eq!(reference["k8sresourceversion"], "2");
+        let object = &reference["data"]["object"];
+        assert_eq!(object["kind"], "ConfigMap");
+        assert_eq!(object["metadata"]["labels"]["team"], "shop");
+        assert_eq!(object["metadata"]["uid"], "u");
+        assert!(object["metadata"].get("annotations").is_none());
+        assert!(object.get("data").is_none());
+        assert!(reference["data"].get("patch").is_none());
+        // An add has nothing to drop but its object.
+        let add = note(NotificationKind::Add {
+            obj: big("1", "x"),
+            is_initial_list: false,
+        });
+        assert_eq!(enc.trim_steps(&add), [Trim::Reference]);
+    }
+
+    #[test]
+    fn filtered_out_and_truncated_show_in_both_modes() {
+        let mut n = note(NotificationKind::Delete {
+            obj: big("3", "x"),
+            final_state_unknown: false,
+        });
+        n.filtered_out = true;
+        let options = MessageConfig::default();
+        let structured = Encoder::new("c", &configmaps(), &options, Encoding::Structured);
+        let v = decode(&structured.encode("ns/a", &n).unwrap());
+        assert_eq!(v["k8sfilteredout"], true);
+        assert_eq!(v["type"], "io.github.kube-event-bridge.object.deleted");
+        let binary = Encoder::new("c", &configmaps(), &options, Encoding::Binary);
+        let m = binary.encode_trimmed("ns/a", &n, Trim::Reference).unwrap();
+        for flag in ["k8sfilteredout", "k8struncated"] {
+            assert!(m.attributes.contains(&(flag, "true".to_owned())), "{flag}");
+        }
+        assert!(decode(&m)["object"].get("data").is_none());
+    }
 }

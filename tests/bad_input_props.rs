@@ -3,7 +3,10 @@
 //!   error that names the field, never a panic;
 //! - random objects (deep nesting, huge strings, odd unicode, numbers out of range, missing
 //!   metadata) go through the informer's transform, the cache's byte form and the encoder:
-//!   the message is valid JSON carrying exactly the transformed object, or a clear error.
+//!   the message is valid JSON carrying exactly the transformed object, or a clear error;
+//! - random filter expressions compile or fail with a message; random pairs of objects go
+//!   through a filter, `ignore_fields` and the patch between them (which applies), and every
+//!   trim step of the encoder gives valid JSON.
 
 use std::sync::Arc;
 
@@ -218,6 +221,56 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(cases(64))]
+
+    /// Any text as a filter: compiles or fails with a message, never panics.
+    #[test]
+    fn random_filters_compile_or_fail_clearly(
+        text in prop_oneof![
+            odd_string(),
+            "(object|oldObject|type|\\.|metadata|labels|\\[|\\]|\"a\"|==|&&|\\|\\||!|has\\(|\\)| |1|size){0,14}",
+        ]
+    ) {
+        if let Err(e) = kube_event_bridge::pipeline::filter::Expr::compile(&text) {
+            prop_assert!(!e.trim().is_empty());
+        }
+    }
+
+    /// Two random objects as an update: the filter evaluates or errs, suppression compares,
+    /// the patch from one to the other applies, and every trim step is valid JSON.
+    #[test]
+    fn random_updates_are_filtered_diffed_and_trimmed(old in any_object(), new in any_object()) {
+        use kube_event_bridge::{config::DiffMode, message::Trim, pipeline::filter};
+        let (Ok(old), Ok(new)) = (
+            serde_json::from_value::<DynamicObject>(old),
+            serde_json::from_value::<DynamicObject>(new),
+        ) else {
+            return Ok(());
+        };
+        let (old, new) = (Arc::new(CachedObject::new(&old)), Arc::new(CachedObject::new(&new)));
+        let expr = filter::Expr::compile(
+            "has(object.metadata.labels) && object.metadata.labels.exists(k, k.startsWith('a')) \
+             || oldObject.metadata.name == object.metadata.name",
+        )
+        .unwrap();
+        let _ = expr.eval(&new, Some(&old), kube_event_bridge::config::EventType::Updated);
+        let _ = filter::equal_ignoring(&old, &new, &["/status".into(), "/metadata/labels/a~1b".into()]);
+        let patch = kube_event_bridge::message::patch_between(&old, &new).unwrap();
+        let mut doc: Value = serde_json::from_str(old.json().get()).unwrap();
+        prop_assert!(json_patch::patch(&mut doc, &patch).is_ok());
+        prop_assert_eq!(doc, serde_json::from_str::<Value>(new.json().get()).unwrap());
+        let options = MessageConfig { diff: DiffMode::Patch, ..Default::default() };
+        let encoder = Encoder::new("props", &resource("ConfigMap", "configmaps"), &options, Encoding::Structured);
+        let n = notification(NotificationKind::Update { old, new });
+        for trim in [Trim::None, Trim::OldObject, Trim::Patch, Trim::Reference] {
+            if let Ok(m) = encoder.encode_trimmed("ns/name", &n, trim) {
+                prop_assert!(serde_json::from_slice::<Value>(&m.payload).is_ok());
+            }
+        }
+    }
+}
+
 /// A valid config with a NATS and a Kafka sink, so that most fields exist to be broken.
 fn base_config() -> Value {
     json!({
@@ -225,7 +278,9 @@ fn base_config() -> Value {
         "admin": {"address": "127.0.0.1:0"},
         "log": {"format": "json", "level": "info"},
         "kubernetes": {"qps": 50, "burst": 100, "page_size": 500},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap", "namespaces": ["a"]}],
+        "resources": [{"api_version": "v1", "kind": "ConfigMap", "namespaces": ["a"],
+                       "filter": "has(object.metadata.labels) && type != 'synced'",
+                       "ignore_fields": ["/status"], "exclude_namespaces": ["b"]}],
         "sinks": [
             {"name": "out", "type": "stdout", "max_pending": 1000, "workers": 4},
             {"name": "bus", "type": "nats", "nats": {"servers": ["nats://127.0.0.1:4222"],
@@ -248,6 +303,9 @@ const FIELDS: &[(&str, &str)] = &[
     ("/resources/0/api_version", "api_version"),
     ("/resources/0/kind", "kind"),
     ("/resources/0/namespaces", "namespaces"),
+    ("/resources/0/filter", "filter"),
+    ("/resources/0/ignore_fields", "ignore_fields"),
+    ("/resources/0/exclude_namespaces", "exclude_namespaces"),
     ("/sinks/0/name", "name"),
     ("/sinks/0/type", "type"),
     ("/sinks/0/max_pending", "max_pending"),

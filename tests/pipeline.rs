@@ -384,7 +384,7 @@ async fn a_sink_ten_times_slower_than_the_input_keeps_memory_under_the_cap_by_co
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_the_sink_never_takes_goes_to_the_dead_letter_sink_and_the_rest_goes_on() {
+async fn a_message_too_large_is_trimmed_to_a_reference_and_one_that_never_fits_is_dead_lettered() {
     let sink = Arc::new(TestSink {
         max_size: Some(4_000),
         ..TestSink::named("test")
@@ -392,6 +392,7 @@ async fn a_message_the_sink_never_takes_goes_to_the_dead_letter_sink_and_the_res
     let dlq = Arc::new(TestSink::named("dlq"));
     let h = harness(sink.clone(), Some(dlq.clone()), 1_000, None);
     let running = pipeline::start(&[(h.route.clone(), 2)]);
+    let long_name = "l".repeat(5_000);
     h.queue.push(note(NotificationKind::Add {
         obj: object("small", 1, 10),
         is_initial_list: false,
@@ -400,30 +401,44 @@ async fn a_message_the_sink_never_takes_goes_to_the_dead_letter_sink_and_the_res
         obj: object("huge", 2, 10_000),
         is_initial_list: false,
     }));
+    // Even its reference carries the name: it never fits.
+    h.queue.push(note(NotificationKind::Add {
+        obj: object(&long_name, 4, 10),
+        is_initial_list: false,
+    }));
     h.queue.push(note(NotificationKind::Update {
         old: object("small", 1, 10),
         new: object("small", 3, 10),
     }));
     settled(&h.budget).await;
+    let delivered = sink.by_key();
     assert_eq!(
-        sink.by_key()["ns/small"],
+        delivered["ns/small"],
         [(1, "added".to_string()), (3, "updated".to_string())]
     );
-    assert!(!sink.by_key().contains_key("ns/huge"));
+    // The sink refused the whole object at hand-over: it went again as a reference.
+    assert_eq!(delivered["ns/huge"], [(2, "added".to_string())]);
+    assert!(!delivered.contains_key(&format!("ns/{long_name}")));
     let records = dlq.accepted.lock().unwrap().clone();
     assert_eq!(records.len(), 1);
     let (key, id, record) = &records[0];
-    assert_eq!((key.as_str(), id.as_str()), ("ns/huge", "uid-huge:2:added"));
+    assert_eq!(key, &format!("ns/{long_name}"));
+    assert_eq!(id, &format!("uid-{long_name}:4:added"));
     assert_eq!(record["reason"], "too_large");
     assert_eq!(record["sink"], "test");
-    assert!(record["size"].as_u64().unwrap() > 10_000);
+    let m = &h.metrics;
     assert_eq!(
-        h.metrics
-            .sink_failed
+        m.sink_failed
             .with_label_values(&["test", "configmap", "too_large"])
             .get(),
         1
     );
+    let degraded = |step: &str| {
+        m.message_degraded
+            .with_label_values(&["test", "configmap", step])
+            .get()
+    };
+    assert_eq!(["reference", "dead_letter"].map(degraded), [1, 1]);
     assert!(
         running
             .drain(tokio::time::Instant::now() + Duration::from_secs(5))

@@ -195,3 +195,72 @@ fn broken_messages_are_caught() {
         );
     }
 }
+
+#[test]
+fn filtered_out_truncated_and_patched_messages_match_the_schema() {
+    use kube_event_bridge::{config::DiffMode, message::Trim};
+    let resource = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("", "v1", "ConfigMap"),
+        "configmaps",
+    );
+    let options = MessageConfig {
+        diff: DiffMode::Patch,
+        ..Default::default()
+    };
+    let encoder = Encoder::new("prod", &resource, &options, Encoding::Structured);
+    let note = |kind, filtered_out| Notification {
+        kind,
+        received: std::time::Instant::now(),
+        observed: jiff::Timestamp::now(),
+        resumed: false,
+        filtered_out,
+    };
+    let update = note(
+        NotificationKind::Update {
+            old: object(Some("shop"), "1"),
+            new: object(Some("shop"), "2"),
+        },
+        false,
+    );
+    let out = note(
+        NotificationKind::Delete {
+            obj: object(Some("shop"), "3"),
+            final_state_unknown: false,
+        },
+        true,
+    );
+    let decode = |m: kube_event_bridge::message::Message| -> Value {
+        serde_json::from_slice(&m.payload).unwrap()
+    };
+    let patched = decode(encoder.encode("shop/settings", &update).unwrap());
+    assert!(patched["data"]["patch"].is_array());
+    let mut shapes = vec![("patched update", patched.clone())];
+    for trim in [Trim::OldObject, Trim::Patch, Trim::Reference] {
+        shapes.push((
+            trim.as_str(),
+            decode(
+                encoder
+                    .encode_trimmed("shop/settings", &update, trim)
+                    .unwrap(),
+            ),
+        ));
+    }
+    shapes.push((
+        "filtered out",
+        decode(encoder.encode("shop/settings", &out).unwrap()),
+    ));
+    for (shape, event) in &shapes {
+        let errors = cloudevent_errors(event);
+        assert!(errors.is_empty(), "{shape}: {errors:?}\n{event}");
+    }
+    let mut e = patched.clone();
+    e["type"] = json!("io.github.kube-event-bridge.object.synced");
+    e["data"].as_object_mut().unwrap().remove("oldObject");
+    assert!(!cloudevent_errors(&e).is_empty(), "a patch on a resync");
+    let mut e = patched;
+    e["k8sfilteredout"] = json!(true);
+    assert!(
+        !cloudevent_errors(&e).is_empty(),
+        "k8sfilteredout on an update"
+    );
+}

@@ -11,10 +11,16 @@ use futures::{FutureExt, future::BoxFuture};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
 use kube_event_bridge::{
     config::{EventType, MessageConfig},
-    informer::{CachedObject, Notification, NotificationKind, ObjectRef, ProcessorListener},
+    informer::{
+        CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef,
+        ProcessorListener,
+    },
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
-    pipeline::{self, Budget, Checkpointer, Delivery, Route, RouteQueue},
+    pipeline::{
+        self, Budget, Checkpointer, Delivery, Route, RouteQueue,
+        filter::{self, FilterMetrics, RouteFilter, Rules},
+    },
     sinks::{self, Sink},
     workqueue::rate_limiter::default_controller_rate_limiter,
 };
@@ -214,6 +220,34 @@ pub async fn run_bridge_with(
     name: &str,
     checkpointer: Option<Arc<Checkpointer>>,
 ) -> Run {
+    run_bridge_opts(
+        sink,
+        notes,
+        workers,
+        backlog,
+        metrics,
+        name,
+        checkpointer,
+        encoder(),
+        None,
+    )
+    .await
+}
+
+/// [`run_bridge_with`] with `encoder` and, when given, a filter stage with `rules` between
+/// the listener and the route queue (as the service wires a resource with a `filter`).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_bridge_opts(
+    sink: Arc<dyn Sink>,
+    notes: impl IntoIterator<Item = Notification>,
+    workers: usize,
+    backlog: usize,
+    metrics: &Metrics,
+    name: &str,
+    checkpointer: Option<Arc<Checkpointer>>,
+    encoder: Encoder,
+    rules: Option<Arc<Rules>>,
+) -> Run {
     let budget = Arc::new(Budget::new(100_000));
     let queue = Arc::new(RouteQueue::new(
         name.to_owned(),
@@ -231,7 +265,7 @@ pub async fn run_bridge_with(
     let mut route = Route::new(
         "configmap".into(),
         queue.clone(),
-        encoder(),
+        encoder,
         Arc::new(Delivery {
             sink,
             dead_letter: None,
@@ -254,7 +288,23 @@ pub async fn run_bridge_with(
         EventType::Deleted,
         EventType::Synced,
     ];
-    let listener = ProcessorListener::new(name, &all, None, queue.clone());
+    let front: Arc<dyn NotificationHandler> = match rules {
+        Some(rules) => Arc::new(RouteFilter::new(
+            name.to_owned(),
+            rules,
+            queue.clone(),
+            true,
+            FilterMetrics {
+                filtered: filter::REASONS
+                    .map(|r| metrics.filtered.with_label_values(&["configmap", name, r])),
+                errors: metrics
+                    .filter_errors
+                    .with_label_values(&["configmap", name]),
+            },
+        )),
+        None => queue.clone(),
+    };
+    let listener = ProcessorListener::new(name, &all, None, front);
     let bytes = || {
         metrics
             .sink_bytes
