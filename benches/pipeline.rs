@@ -73,6 +73,15 @@ fn main() {
         ..Default::default()
     };
     let metrics = Metrics::new();
+    let patch_encoder = || {
+        Encoder::new(
+            "bench",
+            &support::configmaps(),
+            &patching,
+            Encoding::Structured,
+        )
+    };
+    let rules = || Rules::of(&filtered).unwrap().map(Arc::new);
     for (label, name, encoder, rules) in [
         (
             "filter and diff off",
@@ -81,15 +90,22 @@ fn main() {
             None,
         ),
         (
+            "filter on",
+            "configmap/ack-filter",
+            support::encoder(),
+            rules(),
+        ),
+        (
+            "diff: patch on",
+            "configmap/ack-patch",
+            patch_encoder(),
+            None,
+        ),
+        (
             "filter and diff: patch on",
-            "configmap/ack-filtered",
-            Encoder::new(
-                "bench",
-                &support::configmaps(),
-                &patching,
-                Encoding::Structured,
-            ),
-            Rules::of(&filtered).unwrap().map(Arc::new),
+            "configmap/ack-both",
+            patch_encoder(),
+            rules(),
         ),
     ] {
         let notes = alternating(total, objects, size);

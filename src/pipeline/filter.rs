@@ -31,6 +31,7 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use cel::common::{types, value::Val};
 use prometheus::IntCounter;
 use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
 use tracing::warn;
@@ -53,8 +54,11 @@ pub const REASONS: [&str; 4] = ["filter", "filter_error", "namespace", "suppress
 pub struct Expr {
     program: cel::Program,
     env: Arc<cel::Env>,
-    uses_object: bool,
-    uses_old: bool,
+    // Top-level fields of `object` and `oldObject` the expression reads (`metadata`,
+    // `spec`), when it reads them only as `object.field…`: the rest is not even parsed.
+    // `None` parses everything; a variable not used at all is not parsed.
+    object_fields: Option<Option<HashSet<String>>>,
+    old_fields: Option<Option<HashSet<String>>>,
 }
 
 impl std::fmt::Debug for Expr {
@@ -84,8 +88,12 @@ impl Expr {
         })?;
         let refs = program.references();
         let expr = Self {
-            uses_object: refs.has_variable("object"),
-            uses_old: refs.has_variable("oldObject"),
+            object_fields: refs
+                .has_variable("object")
+                .then(|| fields_read(source, "object")),
+            old_fields: refs
+                .has_variable("oldObject")
+                .then(|| fields_read(source, "oldObject")),
             program,
             env,
         };
@@ -132,22 +140,29 @@ impl Expr {
         Ok(())
     }
 
-    /// Whether the notification about `object` (and `old`) of type `ty` passes.
+    /// Whether the notification about `object` (and `old`) of type `ty` passes. The objects'
+    /// JSON is read straight into CEL values that borrow its strings, skipping the top-level
+    /// fields the expression does not read.
     pub fn eval(
         &self,
         object: &CachedObject,
         old: Option<&CachedObject>,
         ty: EventType,
     ) -> Result<bool, String> {
-        let object = self
-            .uses_object
-            .then(|| to_cel(object.json().get()))
-            .transpose()?;
-        let old = match old {
-            Some(old) if self.uses_old => Some(to_cel(old.json().get())?),
-            _ => None,
+        let mut ctx = cel::Context::with_env(self.env.clone());
+        let null = || Box::new(cel::common::types::CelNull) as Box<dyn Val>;
+        let object = match &self.object_fields {
+            Some(keep) => to_val(object.json().get(), keep.as_ref())?,
+            None => null(),
         };
-        match self.eval_values(object.as_ref(), old.as_ref(), ty) {
+        let old = match (&self.old_fields, old) {
+            (Some(keep), Some(old)) => to_val(old.json().get(), keep.as_ref())?,
+            _ => null(),
+        };
+        ctx.add_variable_as_val("object", object);
+        ctx.add_variable_as_val("oldObject", old);
+        ctx.add_variable_from_value("type", ty.as_str());
+        match self.program.execute(&ctx) {
             Ok(cel::Value::Bool(b)) => Ok(b),
             Ok(other) => Err(format!(
                 "the filter gave a {:?} value, not a boolean",
@@ -169,6 +184,33 @@ impl Expr {
         ctx.add_variable_from_value("type", ty.as_str());
         self.program.execute(&ctx)
     }
+}
+
+/// The top-level fields of `var` that `source` reads, when every whole-word occurrence of
+/// `var` is followed by `.field`; `None` (everything) otherwise, e.g. for `object["spec"]`,
+/// `size(object)` or `var` in a string literal.
+fn fields_read(source: &str, var: &str) -> Option<HashSet<String>> {
+    let is_word = |c: char| c.is_alphanumeric() || c == '_';
+    let mut fields = HashSet::new();
+    for (i, _) in source.match_indices(var) {
+        let before = source[..i].chars().next_back();
+        let rest = &source[i + var.len()..];
+        if before.is_some_and(is_word) || rest.chars().next().is_some_and(is_word) {
+            continue; // part of a longer name
+        }
+        let field: String = rest
+            .trim_start()
+            .strip_prefix('.')?
+            .trim_start()
+            .chars()
+            .take_while(|&c| is_word(c))
+            .collect();
+        if field.is_empty() {
+            return None;
+        }
+        fields.insert(field);
+    }
+    Some(fields)
 }
 
 /// The 1-based column of the first whole-word occurrence of `name` in `source`.
@@ -196,6 +238,113 @@ pub fn to_cel(json: &str) -> Result<cel::Value, String> {
     let mut de = serde_json::Deserializer::from_str(json);
     de.deserialize_any(CelVisitor)
         .map_err(|e| format!("cannot read the object: {e}"))
+}
+
+/// Parses JSON straight into a CEL value borrowing its strings; at the top level only the
+/// fields in `keep` (all when `None`).
+fn to_val<'a>(json: &'a str, keep: Option<&HashSet<String>>) -> Result<Box<dyn Val + 'a>, String> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    de.deserialize_any(ValVisitor { keep })
+        .map_err(|e| format!("cannot read the object: {e}"))
+}
+
+struct ValVisitor<'k> {
+    keep: Option<&'k HashSet<String>>,
+}
+
+impl<'de> Visitor<'de> for ValVisitor<'_> {
+    type Value = Box<dyn Val + 'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelBool::from(v)))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelInt::from(v)))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(match i64::try_from(v) {
+            Ok(i) => Box::new(types::CelInt::from(i)),
+            Err(_) => Box::new(types::CelUInt::from(v)),
+        })
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelDouble::from(v)))
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelString::from(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelString::from(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelString::from(v)))
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelNull))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items: Vec<Box<dyn Val + 'de>> = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(v) = seq.next_element_seed(ValSeed)? {
+            items.push(v);
+        }
+        Ok(Box::new(types::CelList::from(items)))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut entries: HashMap<types::CelMapKey<'de>, Box<dyn Val + 'de>> = HashMap::new();
+        while let Some(k) = map.next_key_seed(KeySeed)? {
+            if let Some(keep) = self.keep
+                && !keep.contains(k.as_ref())
+            {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
+            }
+            let v = map.next_value_seed(ValSeed)?;
+            let key = match k {
+                std::borrow::Cow::Borrowed(k) => types::CelMapKey::from(k),
+                std::borrow::Cow::Owned(k) => types::CelMapKey::from(k),
+            };
+            entries.insert(key, v);
+        }
+        Ok(Box::new(types::CelMap::from(entries)))
+    }
+}
+
+struct ValSeed;
+
+impl<'de> serde::de::DeserializeSeed<'de> for ValSeed {
+    type Value = Box<dyn Val + 'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(ValVisitor { keep: None })
+    }
+}
+
+/// A map key, borrowed from the JSON unless it has escapes.
+struct KeySeed;
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeySeed {
+    type Value = std::borrow::Cow<'de, str>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = std::borrow::Cow<'de, str>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v))
+    }
 }
 
 struct CelVisitor;
@@ -282,14 +431,14 @@ pub fn remove_pointers(value: &mut serde_json::Value, pointers: &[String]) {
 
 /// Whether `a` and `b` are equal once `pointers` are removed from both.
 pub fn equal_ignoring(a: &CachedObject, b: &CachedObject, pointers: &[String]) -> bool {
-    let parse = |o: &CachedObject| serde_json::from_str::<serde_json::Value>(o.json().get()).ok();
-    match (parse(a), parse(b)) {
-        (Some(mut a), Some(mut b)) => {
+    // Only the top-level fields that differ are parsed; what is equal stays equal.
+    match crate::message::differing_fields(a, b) {
+        Some((mut a, mut b)) => {
             remove_pointers(&mut a, pointers);
             remove_pointers(&mut b, pointers);
             a == b
         }
-        _ => false,
+        None => false,
     }
 }
 
@@ -845,6 +994,37 @@ mod tests {
             drain(&q),
             ["deleted 1 filteredout", "deleted 2 filteredout"]
         );
+    }
+
+    #[test]
+    fn only_the_top_level_fields_read_are_parsed() {
+        let set = |s: &[&str]| Some(s.iter().map(|s| s.to_string()).collect::<HashSet<_>>());
+        assert_eq!(
+            fields_read(
+                "object.metadata.name == 'a' && object . spec.x > oldObject.status.y",
+                "object"
+            ),
+            set(&["metadata", "spec"])
+        );
+        assert_eq!(
+            fields_read("oldObject.status.y == 1", "oldObject"),
+            set(&["status"])
+        );
+        assert_eq!(fields_read("oldObject.status.y == 1", "object"), set(&[]));
+        assert_eq!(fields_read("size(object) > 1", "object"), None);
+        assert_eq!(fields_read("object['spec'].x == 1", "object"), None);
+        assert_eq!(fields_read("object.spec.x == 'the object'", "object"), None);
+        // Pruned or not, the verdict is the same.
+        let o = object("a", "1", "shop", "x");
+        for e in [
+            "object.status.phase == 'x'",
+            "has(object.data) && object.metadata.labels.team == 'shop'",
+        ] {
+            let pruned = Expr::compile(e).unwrap();
+            let whole = Expr::compile(&format!("{e} && size(object) > 0")).unwrap();
+            assert_eq!(pruned.eval(&o, None, EventType::Added), Ok(true), "{e}");
+            assert_eq!(whole.eval(&o, None, EventType::Added), Ok(true), "{e}");
+        }
     }
 
     #[test]
