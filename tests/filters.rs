@@ -282,3 +282,83 @@ async fn patches_apply_and_status_only_updates_are_suppressed_only_when_status_i
     assert_eq!(suppressed, 10);
     app.stop().await;
 }
+
+/// `type subject [filteredout] [resumed]`.
+fn brief(e: &Value) -> String {
+    let mut d = format!("{} {}", short_type(e), e["subject"].as_str().unwrap());
+    for flag in ["k8sfilteredout", "k8sresumed"] {
+        if e[flag] == true {
+            d.push(' ');
+            d.push_str(flag.trim_start_matches("k8s"));
+        }
+    }
+    d
+}
+
+/// Runs the bridge with `filter` until `path` holds `total` events and nothing more comes.
+async fn run_filtered(api: &ApiServer, dir: &Path, filter: &str, total: usize) -> Vec<Value> {
+    let cfg = config(
+        dir,
+        json!([{"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": filter}]),
+        json!({}),
+    );
+    let app = RunningApp::start(cfg, api).await;
+    app.synced().await;
+    let events = settle(&dir.join("shop.jsonl"), total).await;
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(app.stop().await.undelivered.is_empty());
+    assert_eq!(
+        cloudevent_lines(&dir.join("shop.jsonl")).len(),
+        total,
+        "nothing more"
+    );
+    events
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_filtered_objects_that_left_or_vanished_are_deleted_exactly_once() {
+    let api = ApiServer::start().await;
+    for i in 0..300 {
+        let team = if i % 2 == 0 { "shop" } else { "web" };
+        api.create(cm("ns", &format!("cm-{i:03}"), team, "1"));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shop = r#"object.metadata.labels["team"] == "shop""#;
+    let first = run_filtered(&api, dir.path(), shop, 150).await;
+    assert!(first.iter().all(|e| e["k8sinitial"] == true));
+    // While down: a published object relabelled out, one deleted, one changed; an
+    // unpublished one relabelled in, one deleted; a new matching one.
+    api.update(cm("ns", "cm-000", "web", "1"));
+    api.delete("v1", "ConfigMap", "ns", "cm-002");
+    api.update(cm("ns", "cm-004", "shop", "2"));
+    api.update(cm("ns", "cm-001", "shop", "1"));
+    api.delete("v1", "ConfigMap", "ns", "cm-003");
+    api.create(cm("ns", "cm-new", "shop", "1"));
+    let second = run_filtered(&api, dir.path(), shop, 155).await;
+    let mut got: Vec<String> = second[150..].iter().map(brief).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "added ns/cm-001 resumed",
+            "added ns/cm-new resumed",
+            "deleted ns/cm-000 filteredout",
+            "deleted ns/cm-002 resumed",
+            "updated ns/cm-004 resumed",
+        ]
+    );
+    // The filter changes between runs: unchanged objects it no longer takes are deleted.
+    let narrower = format!(r#"{shop} && !(object.metadata.name in ["cm-006", "cm-008"])"#);
+    let third = run_filtered(&api, dir.path(), &narrower, 157).await;
+    let mut got: Vec<String> = third[155..].iter().map(brief).collect();
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "deleted ns/cm-006 filteredout",
+            "deleted ns/cm-008 filteredout"
+        ]
+    );
+    // And they are not deleted again.
+    run_filtered(&api, dir.path(), &narrower, 157).await;
+}

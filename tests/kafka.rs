@@ -294,6 +294,7 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "small", "1")));
     api.create(typed(&configmap("ns", "skipped", "1")));
+    api.create(typed(&configmap("kube-system", "excluded", "1")));
     // 3 MB: only a reference fits the 1 MB limit.
     api.create(big_configmap("huge", &[("v", 3_000_000, 'h')]));
     // 600 KB objects: their updates fit without oldObject, or without oldObject and patch.
@@ -317,12 +318,28 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
         json!({"topic": "k8s.deadletter", "create_topics": null}),
     );
     let mut cfg = config(vec![main, dlq]);
-    cfg.resources[0].filter = Some("object.metadata.name != 'skipped'".into());
+    cfg.resources[0].filter = Some(
+        "object.metadata.name != 'skipped' \
+         && !(has(object.metadata.labels) && has(object.metadata.labels.hidden))"
+            .into(),
+    );
+    cfg.resources[0].exclude_namespaces = vec!["kube-system".into()];
+    cfg.resources[0].ignore_fields = vec![
+        "/metadata/annotations".into(),
+        "/metadata/resourceVersion".into(),
+    ];
     cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
     let running = run(cfg, &api).await;
     running.synced().await;
     api.update(typed(&configmap("ns", "small", "2")));
+    let mut touched = configmap("ns", "small", "2");
+    touched.metadata.annotations = Some([("touched".to_string(), "1".to_string())].into());
+    api.update(typed(&touched)); // annotations only: suppressed
+    let mut hidden = touched.clone();
+    hidden.metadata.labels = Some([("hidden".to_string(), "yes".to_string())].into());
+    api.update(typed(&hidden)); // leaves the filter
     api.update(typed(&configmap("ns", "skipped", "2")));
+    api.update(typed(&configmap("kube-system", "excluded", "2")));
     api.update(big_configmap(
         "big-edit",
         &[("v", 600_000, 'e'), ("w", 10, 'w')],
@@ -332,13 +349,18 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
     let record = dead[0].json();
     assert_eq!(record["key"], "ns/labels");
     assert_eq!(record["reason"], "too_large");
-    let records = consume_async(tansu.brokers(), TOPIC, 7).await;
+    let records = consume_async(tansu.brokers(), TOPIC, 8).await;
     let events = check_events(&records);
     let by =
         |name: &str| -> Vec<&Value> { events.iter().filter(|e| e["k8sname"] == name).collect() };
-    assert!(by("skipped").is_empty() && by("labels").is_empty());
+    assert!(by("skipped").is_empty() && by("labels").is_empty() && by("excluded").is_empty());
     let small = by("small");
-    assert_eq!(small.len(), 2);
+    assert_eq!(small.len(), 3);
+    assert_eq!(small[2]["k8sfilteredout"], true);
+    assert_eq!(
+        small[2]["data"]["object"]["metadata"]["labels"]["hidden"],
+        "yes"
+    );
     let patch: json_patch::Patch =
         serde_json::from_value(small[1]["data"]["patch"].clone()).unwrap();
     let mut old = small[1]["data"]["oldObject"].clone();
@@ -384,6 +406,15 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
         .with_label_values(&["kafka", "configmap", "too_large"])
         .get();
     assert_eq!(failed, 1);
+    let filtered = |reason: &str| {
+        m.filtered
+            .with_label_values(&["configmap", "kafka", reason])
+            .get()
+    };
+    assert_eq!(
+        ["filter", "namespace", "suppressed"].map(filtered),
+        [2, 2, 1]
+    );
     running.stop().await;
 }
 
