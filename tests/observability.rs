@@ -40,7 +40,8 @@ async fn scrape() -> String {
     let out = dir.path().join("out.jsonl");
     let config = Config::from_value(json!({
         "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        // With a filter, so that the filter families have their series.
+        "resources": [{"api_version": "v1", "kind": "ConfigMap", "filter": "type != 'synced'"}],
         "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": out}}],
         "routes": [{"resource": "configmap", "sinks": ["out"]}],
     }))
