@@ -9,7 +9,13 @@ use serde_json::{Value, json};
 use crate::message::TYPE_PREFIX;
 
 /// The CloudEvents attributes that are flags (`"true"` in a header, `true` in JSON).
-const FLAGS: [&str; 3] = ["k8sinitial", "k8sfinalstateunknown", "k8sresumed"];
+const FLAGS: [&str; 5] = [
+    "k8sinitial",
+    "k8sfinalstateunknown",
+    "k8sresumed",
+    "k8sfilteredout",
+    "k8struncated",
+];
 
 /// A binary-mode message (or a state-topic record) mapped back to structured mode: every
 /// header named `prefix` + attribute becomes that attribute (the flag extensions `"true"`
@@ -122,6 +128,9 @@ pub struct Summary {
     pub name: String,
     /// `k8sresourceversion`.
     pub resource_version: String,
+    /// What the line adds in brackets: `filtered-out` (`k8sfilteredout`), `truncated`
+    /// (`k8struncated`); empty for most events.
+    pub notes: Vec<&'static str>,
 }
 
 impl Summary {
@@ -141,6 +150,14 @@ impl Summary {
             namespace: s("k8snamespace"),
             name: s("k8sname"),
             resource_version: s("k8sresourceversion"),
+            notes: [
+                ("k8sfilteredout", "filtered-out"),
+                ("k8struncated", "truncated"),
+            ]
+            .into_iter()
+            .filter(|(flag, _)| event[flag] == true)
+            .map(|(_, note)| note)
+            .collect(),
         }
     }
 
@@ -305,14 +322,18 @@ pub fn human_line(s: &Summary, color: bool) -> String {
         (true, "deleted") => format!("\x1b[31m{ty}\x1b[0m"),
         (true, _) => format!("\x1b[2m{ty}\x1b[0m"),
     };
-    format!(
+    let mut line = format!(
         "{}  {}  {}  {}  {}",
         s.time,
         ty,
         s.kind,
         s.key(),
         s.resource_version
-    )
+    );
+    if !s.notes.is_empty() {
+        line += &format!("  [{}]", s.notes.join(", "));
+    }
+    line
 }
 
 #[cfg(test)]
@@ -374,6 +395,8 @@ mod tests {
             ("content-type", "application/json"),
             ("ce_type", "io.github.kube-event-bridge.object.deleted"),
             ("ce_k8sfinalstateunknown", "true"),
+            ("ce_k8sfilteredout", "true"),
+            ("ce_k8struncated", "true"),
             ("ce_k8sname", "a"),
             ("other", "x"),
         ];
@@ -381,6 +404,14 @@ mod tests {
             .decode(headers, Some(br#"{"object":{}}"#))
             .unwrap();
         assert_eq!(e["k8sfinalstateunknown"], true);
+        assert_eq!(
+            e["k8sfilteredout"], true,
+            "a flag, as the state fold reads it"
+        );
+        assert_eq!(
+            human_line(&Summary::of(&e), false),
+            "  deleted     a    [filtered-out, truncated]"
+        );
         assert_eq!(e["datacontenttype"], "application/json");
         assert_eq!(e["data"], json!({"object": {}}));
         assert!(e.get("other").is_none());
