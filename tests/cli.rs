@@ -89,6 +89,30 @@ fn each_kind_of_bad_config_exits_2_naming_the_field() {
             "resources[0].resync_period: must be 0 (off) or at least 1s",
         ),
         ("resources: [\n".to_string(), "cannot load config"),
+        (
+            GOOD.replace("v1, kind", "v1, filter: 'object.metadata.name ==', kind"),
+            "resources[0].filter: syntax error at line 1, column 24",
+        ),
+        (
+            GOOD.replace("v1, kind", "v1, filter: 'obj.metadata.name == \"a\"', kind"),
+            "resources[0].filter: unknown name `obj` at line 1, column 1",
+        ),
+        (
+            GOOD.replace("v1, kind", "v1, filter: 'object.metadata.name', kind"),
+            "resources[0].filter: the expression must be a boolean",
+        ),
+        (
+            GOOD.replace("v1, kind", "v1, filter_error: ignore, kind"),
+            "resources[0].filter_error: unknown variant `ignore`",
+        ),
+        (
+            GOOD.replace("v1, kind", "v1, ignore_fields: [status], kind"),
+            "resources[0].ignore_fields[0]: \"status\" is not a JSON pointer",
+        ),
+        (
+            format!("{GOOD}message: {{diff: merge}}\n"),
+            "message.diff: unknown variant `merge`",
+        ),
     ];
     for (yaml, expected) in cases {
         let (code, stderr) = check_config(&yaml);
@@ -98,6 +122,46 @@ fn each_kind_of_bad_config_exits_2_naming_the_field() {
             "expected {expected:?} in:\n{stderr}"
         );
     }
+}
+
+#[test]
+fn the_shipped_filters_example_is_valid() {
+    let out = Command::new(BIN)
+        .args(["check-config", "config/filters.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let effective: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(effective["message"]["diff"], "patch");
+    assert_eq!(effective["resources"][0]["filter_error"], "drop");
+}
+
+#[test]
+fn run_with_a_bad_filter_exits_2_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    std::fs::write(
+        &path,
+        GOOD.replace("v1, kind", "v1, filter: 'type ==', kind"),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .arg("run")
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("resources[0].filter: syntax error at line 1, column 8"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -80,7 +80,7 @@ impl Expr {
                 Some(e) => format!(
                     "syntax error at line {}, column {}: {}",
                     e.pos.0,
-                    e.pos.1 + 1,
+                    e.pos.1,
                     e.msg.strip_prefix("Syntax error: ").unwrap_or(&e.msg)
                 ),
                 None => "syntax error".to_owned(),
@@ -106,10 +106,10 @@ impl Expr {
     /// count, an operator or function applied to types it does not take (the sample's
     /// metadata has Kubernetes' types), or a result that is not a boolean.
     fn check(&self, source: &str) -> Result<(), String> {
-        let sample = sample_object();
         for ty in EventType::ALL {
-            let old = matches!(ty, EventType::Updated | EventType::Synced).then_some(&sample);
-            match self.eval_values(Some(&sample), old, ty) {
+            let old = matches!(ty, EventType::Updated | EventType::Synced).then_some(SAMPLE);
+            let sample = |json| to_val(json, None).expect("a valid sample");
+            match self.run(sample(SAMPLE), old.map_or_else(null, sample), ty) {
                 Ok(cel::Value::Bool(_)) => {}
                 Ok(other) => {
                     return Err(format!(
@@ -149,8 +149,6 @@ impl Expr {
         old: Option<&CachedObject>,
         ty: EventType,
     ) -> Result<bool, String> {
-        let mut ctx = cel::Context::with_env(self.env.clone());
-        let null = || Box::new(cel::common::types::CelNull) as Box<dyn Val>;
         let object = match &self.object_fields {
             Some(keep) => to_val(object.json().get(), keep.as_ref())?,
             None => null(),
@@ -159,10 +157,7 @@ impl Expr {
             (Some(keep), Some(old)) => to_val(old.json().get(), keep.as_ref())?,
             _ => null(),
         };
-        ctx.add_variable_as_val("object", object);
-        ctx.add_variable_as_val("oldObject", old);
-        ctx.add_variable_from_value("type", ty.as_str());
-        match self.program.execute(&ctx) {
+        match self.run(object, old, ty) {
             Ok(cel::Value::Bool(b)) => Ok(b),
             Ok(other) => Err(format!(
                 "the filter gave a {:?} value, not a boolean",
@@ -172,18 +167,22 @@ impl Expr {
         }
     }
 
-    fn eval_values(
+    fn run<'v>(
         &self,
-        object: Option<&cel::Value>,
-        old: Option<&cel::Value>,
+        object: Box<dyn Val + 'v>,
+        old: Box<dyn Val + 'v>,
         ty: EventType,
     ) -> Result<cel::Value, cel::ExecutionError> {
         let mut ctx = cel::Context::with_env(self.env.clone());
-        ctx.add_variable_from_value("object", object.cloned().unwrap_or(cel::Value::Null));
-        ctx.add_variable_from_value("oldObject", old.cloned().unwrap_or(cel::Value::Null));
+        ctx.add_variable_as_val("object", object);
+        ctx.add_variable_as_val("oldObject", old);
         ctx.add_variable_from_value("type", ty.as_str());
         self.program.execute(&ctx)
     }
+}
+
+fn null<'v>() -> Box<dyn Val + 'v> {
+    Box::new(types::CelNull)
 }
 
 /// The top-level fields of `var` that `source` reads, when every whole-word occurrence of
@@ -224,21 +223,10 @@ fn column_of(source: &str, name: &str) -> Option<usize> {
     })
 }
 
-fn sample_object() -> cel::Value {
-    to_cel(
-        r#"{"apiVersion":"v1","kind":"Sample","metadata":{"name":"sample","namespace":"default",
-        "uid":"00000000-0000-0000-0000-000000000000","resourceVersion":"1","generation":1,
-        "creationTimestamp":"2026-01-01T00:00:00Z","labels":{},"annotations":{}}}"#,
-    )
-    .expect("valid sample")
-}
-
-/// Parses JSON straight into a CEL value (no intermediate `serde_json::Value`).
-pub fn to_cel(json: &str) -> Result<cel::Value, String> {
-    let mut de = serde_json::Deserializer::from_str(json);
-    de.deserialize_any(CelVisitor)
-        .map_err(|e| format!("cannot read the object: {e}"))
-}
+/// What a filter is checked against at load: metadata with Kubernetes' types.
+const SAMPLE: &str = r#"{"apiVersion":"v1","kind":"Sample","metadata":{"name":"sample",
+    "namespace":"default","uid":"00000000-0000-0000-0000-000000000000","resourceVersion":"1",
+    "generation":1,"creationTimestamp":"2026-01-01T00:00:00Z","labels":{},"annotations":{}}}"#;
 
 /// Parses JSON straight into a CEL value borrowing its strings; at the top level only the
 /// fields in `keep` (all when `None`).
@@ -344,63 +332,6 @@ impl<'de> Visitor<'de> for KeySeed {
     }
     fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
         Ok(std::borrow::Cow::Owned(v))
-    }
-}
-
-struct CelVisitor;
-
-impl<'de> Visitor<'de> for CelVisitor {
-    type Value = cel::Value;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        f.write_str("JSON")
-    }
-    fn visit_bool<E>(self, v: bool) -> Result<cel::Value, E> {
-        Ok(cel::Value::Bool(v))
-    }
-    fn visit_i64<E>(self, v: i64) -> Result<cel::Value, E> {
-        Ok(cel::Value::Int(v))
-    }
-    fn visit_u64<E>(self, v: u64) -> Result<cel::Value, E> {
-        Ok(i64::try_from(v).map_or(cel::Value::UInt(v), cel::Value::Int))
-    }
-    fn visit_f64<E>(self, v: f64) -> Result<cel::Value, E> {
-        Ok(cel::Value::Float(v))
-    }
-    fn visit_str<E>(self, v: &str) -> Result<cel::Value, E> {
-        Ok(cel::Value::String(Arc::new(v.to_owned())))
-    }
-    fn visit_string<E>(self, v: String) -> Result<cel::Value, E> {
-        Ok(cel::Value::String(Arc::new(v)))
-    }
-    fn visit_unit<E>(self) -> Result<cel::Value, E> {
-        Ok(cel::Value::Null)
-    }
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<cel::Value, A::Error> {
-        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-        while let Some(v) = seq.next_element_seed(Seed)? {
-            items.push(v);
-        }
-        Ok(cel::Value::List(Arc::new(items)))
-    }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<cel::Value, A::Error> {
-        let mut entries = HashMap::with_capacity(map.size_hint().unwrap_or(0));
-        while let Some(k) = map.next_key::<String>()? {
-            let v = map.next_value_seed(Seed)?;
-            entries.insert(cel::objects::Key::String(Arc::new(k)), v);
-        }
-        Ok(cel::Value::Map(cel::objects::Map {
-            map: Arc::new(entries),
-        }))
-    }
-}
-
-struct Seed;
-
-impl<'de> serde::de::DeserializeSeed<'de> for Seed {
-    type Value = cel::Value;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<cel::Value, D::Error> {
-        d.deserialize_any(CelVisitor)
     }
 }
 
