@@ -5,7 +5,10 @@
 //!
 //! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]`
 //! (`-- all 1`: every scenario for one minute). Scenarios: `watch-drop`, `gone-storm`,
-//! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`. Every
+//! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`,
+//! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`,
+//! and watch drops: objects leave and re-enter the stream; the final stream must hold exactly
+//! the matching objects, those that left with a `k8sfilteredout` delete). Every
 //! scenario exports to JetStream except `kafka-broker-down`, which exports to librdkafka's
 //! mock cluster (in this process, on a loopback port the service connects to), the one Kafka
 //! broker here that can be taken down and brought back with its data.
@@ -42,7 +45,7 @@ use nats::NatsServer;
 use serde_json::{Value, json};
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 8] = [
+const SCENARIOS: [&str; 9] = [
     "watch-drop",
     "gone-storm",
     "throttle",
@@ -51,6 +54,7 @@ const SCENARIOS: [&str; 8] = [
     "slow-sink",
     "sigterm",
     "sigkill",
+    "filter-churn",
 ];
 /// Namespaces the objects are spread over.
 const NAMESPACES: usize = 20;
@@ -70,6 +74,13 @@ struct Options {
 struct Truth {
     changes: u64,
     objects: HashMap<String, Option<String>>,
+    /// Whether each object's last state passes `filter-churn`'s filter.
+    matching: HashMap<String, bool>,
+    /// Updates that touched only an annotation (`filter-churn` suppresses them).
+    annotation_only: u64,
+    /// `objects` as of each object's last change that was not annotation-only: what a stream
+    /// that suppresses those ends with.
+    unsuppressed: HashMap<String, Option<String>>,
 }
 
 /// A small xorshift generator: the workload is random but needs no crate.
@@ -84,11 +95,16 @@ impl Rng {
     }
 }
 
+/// Whether `configmap(i, version)` carries `keep: "yes"` (two versions in three).
+fn keeps(i: usize, version: u64) -> bool {
+    !(i as u64 + version).is_multiple_of(3)
+}
+
 fn configmap(i: usize, version: u64) -> Value {
     json!({
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": format!("cm-{i:06}"), "namespace": format!("chaos-{}", i % NAMESPACES),
-                     "labels": {"app": "chaos"}},
+                     "labels": {"app": "chaos", "keep": if keeps(i, version) { "yes" } else { "no" }}},
         "data": {"version": version.to_string(), "payload": "x".repeat(400)},
     })
 }
@@ -97,7 +113,8 @@ fn key(i: usize) -> String {
     format!("chaos-{}/cm-{i:06}", i % NAMESPACES)
 }
 
-/// Changes `rate` objects a second until `stop`: updates (75%), deletes (15%) and creates of
+/// Changes `rate` objects a second until `stop`: updates (75%; 10 of those points change only
+/// an annotation), deletes (15%) and creates of
 /// deleted objects (recreates), in 10 ms slices; trims the API server's watch history to the
 /// last 10 s of changes (etcd compaction), so that long runs stay bounded.
 async fn workload(
@@ -123,9 +140,12 @@ async fn workload(
             let i = (rng.next() % objects as u64) as usize;
             let k = key(i);
             let exists = t.objects.get(&k).is_some_and(Option::is_some);
+            let roll = rng.next() % 100;
             let rv = if !exists {
+                t.matching.insert(k.clone(), keeps(i, version));
                 Some(api.create(configmap(i, version)))
-            } else if rng.next() % 100 < 15 {
+            } else if roll < 15 {
+                t.unsuppressed.insert(k.clone(), None);
                 api.delete(
                     "v1",
                     "ConfigMap",
@@ -133,7 +153,21 @@ async fn workload(
                     &format!("cm-{i:06}"),
                 );
                 None
+            } else if roll < 25 {
+                // Only an annotation changes (the data and labels of the current state stay).
+                let mut current = api
+                    .get(
+                        "v1",
+                        "ConfigMap",
+                        &format!("chaos-{}", i % NAMESPACES),
+                        &format!("cm-{i:06}"),
+                    )
+                    .expect("it exists");
+                current["metadata"]["annotations"] = json!({"touched": version.to_string()});
+                t.annotation_only += 1;
+                Some(api.update(current))
             } else {
+                t.matching.insert(k.clone(), keeps(i, version));
                 Some(api.update(configmap(i, version)))
             };
             let rv = rv.map(|o| {
@@ -142,6 +176,9 @@ async fn workload(
                     .unwrap()
                     .to_owned()
             });
+            if roll >= 25 || !exists {
+                t.unsuppressed.insert(k.clone(), rv.clone());
+            }
             t.objects.insert(k, rv);
             t.changes += 1;
         }
@@ -282,6 +319,8 @@ struct Stream {
     ids: std::collections::HashSet<String>,
     /// Messages the broker dropped by its own limits before they were read.
     evicted: u64,
+    /// Deletes marked `k8sfilteredout`.
+    filtered_out: u64,
 }
 
 impl Stream {
@@ -292,6 +331,7 @@ impl Stream {
             newest: HashMap::new(),
             ids: std::collections::HashSet::new(),
             evicted: 0,
+            filtered_out: 0,
         }
     }
 
@@ -304,6 +344,9 @@ impl Stream {
             .insert(event["id"].as_str().unwrap_or_default().to_owned())
         {
             self.duplicates += 1;
+        }
+        if event["k8sfilteredout"] == true {
+            self.filtered_out += 1;
         }
         let s = Summary::of(&event);
         let rv: u64 = s.resource_version.parse().unwrap_or_default();
@@ -453,10 +496,19 @@ async fn read_stream(url: &str) -> Stream {
     out
 }
 
-/// Objects whose true last state is not what the stream says last.
-fn lost(truth: &Truth, stream: &Stream) -> (u64, Vec<String>) {
+/// Objects whose true last state is not what the stream says last. With `filtered`, an
+/// object whose last state fails the filter must be absent (never published, or deleted).
+fn lost(truth: &Truth, stream: &Stream, filtered: bool) -> (u64, Vec<String>) {
     let mut lost = Vec::new();
-    for (k, want) in &truth.objects {
+    let objects = if filtered {
+        &truth.unsuppressed
+    } else {
+        &truth.objects
+    };
+    for (k, want) in objects {
+        let want = &want
+            .clone()
+            .filter(|_| !filtered || truth.matching.get(k).copied().unwrap_or(false));
         let got = stream.newest.get(k);
         let ok = match (want, got) {
             (Some(rv), Some((got, false))) => rv.parse::<u64>().ok() == Some(*got),
@@ -479,11 +531,19 @@ fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
         sink["rate_limit"] = json!({"qps": (rate / 10).max(1) as f64, "burst": 10});
         sink["max_pending"] = json!(SLOW_MAX_PENDING);
     }
+    let mut resource = json!({"api_version": "v1", "kind": "ConfigMap"});
+    let mut message = json!({});
+    if scenario == "filter-churn" {
+        resource["filter"] = json!(r#"object.metadata.labels["keep"] == "yes""#);
+        resource["ignore_fields"] = json!(["/metadata/annotations", "/metadata/resourceVersion"]);
+        message["diff"] = json!("patch");
+    }
     json!({
         "cluster": "chaos",
         "shutdown": {"grace_period": "30s"},
         "kubernetes": {"qps": 1000, "burst": 1000},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+        "message": message,
+        "resources": [resource],
         "sinks": [sink],
         "routes": [{"resource": "configmap", "sinks": ["out"]}],
     })
@@ -510,6 +570,9 @@ async fn run(scenario: &str, opts: &Options) -> String {
         let mut t = truth.lock().unwrap();
         for i in 0..opts.objects {
             let o = api.create(configmap(i, 0));
+            t.matching.insert(key(i), keeps(i, 0));
+            let rv = o["metadata"]["resourceVersion"].as_str().map(str::to_owned);
+            t.unsuppressed.insert(key(i), rv);
             t.objects.insert(
                 key(i),
                 Some(
@@ -553,7 +616,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         }
         let since = last_fault.elapsed();
         match scenario {
-            "watch-drop" if since >= Duration::from_secs(5) => {
+            "watch-drop" | "filter-churn" if since >= Duration::from_secs(5) => {
                 api.drop_watches();
                 faults.fetch_add(1, Ordering::Relaxed);
                 last_fault = Instant::now();
@@ -593,16 +656,22 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let caught_up = catch_up(&service, &broker, Duration::from_secs(300)).await;
     service.sample_rss();
     peak_rss = peak_rss.max(service.peak_rss_mib);
-    let (p99, acked) = match service.metrics().await {
+    let (p99, acked, suppressed) = match service.metrics().await {
         Some(m) => (
             histogram_p99(&m, "keb_end_to_end_latency_seconds"),
             metric_sum(&m, "keb_sink_published_total") as u64,
+            m.lines()
+                .filter(|l| {
+                    l.starts_with("keb_filtered_total{") && l.contains("reason=\"suppressed\"")
+                })
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64,
         ),
-        None => (None, 0),
+        None => (None, 0, 0),
     };
     let stream = broker.read().await;
     let t = truth.lock().unwrap();
-    let (lost_n, lost_list) = lost(&t, &stream);
+    let (lost_n, lost_list) = lost(&t, &stream, scenario == "filter-churn");
     for l in lost_list.iter().take(10) {
         eprintln!("  {scenario}: lost {l}");
     }
@@ -616,6 +685,13 @@ async fn run(scenario: &str, opts: &Options) -> String {
     }
     let extra = match scenario {
         "watch-drop" | "gone-storm" => format!("  faults {}", faults.load(Ordering::Relaxed)),
+        "filter-churn" => format!(
+            "  faults {}  annotation-only updates {}  filtered out (k8sfilteredout) {}  suppressed {}",
+            faults.load(Ordering::Relaxed),
+            t.annotation_only,
+            stream.filtered_out,
+            suppressed
+        ),
         "broker-down" | "kafka-broker-down" => {
             format!("  down {} s", faults.load(Ordering::Relaxed))
         }
@@ -742,7 +818,7 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, 15% deletes, recreates), service binary → nats-server JetStream (Kafka: librdkafka's mock cluster); {} cores",
+        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, of which 10 points touch only an annotation; 15% deletes; recreates), service binary → nats-server JetStream (Kafka: librdkafka's mock cluster); {} cores",
         opts.rate,
         opts.objects,
         std::thread::available_parallelism().map_or(0, |n| n.get())
