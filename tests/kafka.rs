@@ -922,6 +922,53 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
 /// notification arrives (re-sends keep their ids), and the last message of each key is its
 /// newest state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+    mock.create_topic(TOPIC, 1, 1).unwrap();
+    let brokers = mock.bootstrap_servers();
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "a", "1")));
+    let mut cfg = config(vec![kafka_sink(
+        "kafka",
+        &brokers,
+        json!({"create_topics": null}),
+    )]);
+    cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
+    let running = run(cfg, &api).await;
+    running.synced().await;
+    consume_async(brokers.clone(), TOPIC, 1).await;
+    // The broker refuses the next two produce requests as too large (a topic whose
+    // max.message.bytes is below the producer's message.max.bytes): the update goes again
+    // without oldObject, then without its patch.
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE; 2],
+    );
+    api.update(typed(&configmap("ns", "a", "2")));
+    let records = consume_async(brokers.clone(), TOPIC, 2).await;
+    let update = records[1].json();
+    assert_eq!(update["type"], "io.github.kube-event-bridge.object.updated");
+    assert!(update.get("k8struncated").is_none());
+    assert!(update["data"].get("oldObject").is_none() && update["data"].get("patch").is_none());
+    assert_eq!(
+        update["data"]["object"]["data"]["v"], "2",
+        "the object itself fits"
+    );
+    let m = &running.metrics;
+    let degraded = |step: &str| {
+        m.message_degraded
+            .with_label_values(&["kafka", "configmap", step])
+            .get()
+    };
+    assert_eq!(
+        ["old_object", "patch", "reference", "dead_letter"].map(degraded),
+        [0, 1, 0, 0]
+    );
+    running.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_comes_last() {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
     let mock = rdkafka::mocking::MockCluster::new(1).unwrap();

@@ -62,6 +62,9 @@ pub struct Route {
     failing: std::sync::atomic::AtomicBool,
     // When the last failure warning was logged, and failures since.
     failure_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
+    // Per key: the id of a message the destination refused as too large in its
+    // acknowledgement, and the trim step its retry starts from.
+    trim_hints: std::sync::Mutex<std::collections::HashMap<String, (String, Trim)>>,
 }
 
 enum Outcome {
@@ -72,6 +75,8 @@ enum Outcome {
 /// What is remembered of a message handed over, for its acknowledgement.
 struct Sent {
     id: String,
+    // How much of the message was left out to fit.
+    trim: Trim,
     event_type: crate::config::EventType,
     bytes: usize,
     received: std::time::Instant,
@@ -161,6 +166,7 @@ impl Route {
             checkpointer: None,
             failing: std::sync::atomic::AtomicBool::new(false),
             failure_log: std::sync::Mutex::new((None, 0)),
+            trim_hints: std::sync::Mutex::new(std::collections::HashMap::new()),
         }
     }
 
@@ -364,6 +370,20 @@ impl Route {
         }
     }
 
+    /// Where a retry of `n` starts trimming: a step recorded when the destination refused its
+    /// message as too large, else nothing.
+    fn trim_hint(&self, key: &str, n: &Notification) -> Trim {
+        let mut hints = self.trim_hints.lock().unwrap_or_else(|e| e.into_inner());
+        match hints.get(key) {
+            Some((id, trim)) if *id == message_id(n) => {
+                let trim = *trim;
+                hints.remove(key);
+                trim
+            }
+            _ => Trim::None,
+        }
+    }
+
     /// The step after `trim` that changes `n`'s message.
     fn next_trim(&self, n: &Notification, trim: Trim) -> Option<Trim> {
         self.encoder
@@ -389,7 +409,8 @@ impl Route {
     /// Encodes `n` and hands it to the sink.
     async fn submit(&self, key: &str, n: &Notification) -> Submitted {
         let sink = &self.delivery.sink;
-        let mut trim = Trim::None;
+        // A message the broker refused as too large after the hand-over goes again trimmed.
+        let mut trim = self.trim_hint(key, n);
         loop {
             let Some((message, fitted)) = self.encode_fitting(key, n, trim).await else {
                 return Submitted::Settled;
@@ -405,6 +426,7 @@ impl Route {
             self.metrics.in_flight.inc();
             let sent = Sent {
                 id: message.id.clone(),
+                trim,
                 event_type: message.event_type,
                 bytes: message.payload.len(),
                 received: message.received,
@@ -413,7 +435,6 @@ impl Route {
             let err = match sink.submit(&message).await {
                 Ok(ack) => {
                     if trim != Trim::None {
-                        self.metrics.degraded[trim as usize - 1].inc();
                         debug!(sink = %sink.name(), key, step = trim.as_str(), size = message.wire_size(),
                                "Message trimmed to fit the sink's size limit");
                     }
@@ -465,6 +486,11 @@ impl Route {
                     .end_to_end
                     .observe(sent.received.elapsed().as_secs_f64());
                 self.metrics.published[sent.event_type as usize].inc();
+                if sent.trim != Trim::None {
+                    // Counted once accepted: a trimmed message the destination refused again
+                    // is counted at the step that made it fit.
+                    self.metrics.degraded[sent.trim as usize - 1].inc();
+                }
                 self.metrics.bytes.inc_by(sent.bytes as u64);
                 if self.failing.load(std::sync::atomic::Ordering::Relaxed)
                     && self
@@ -474,6 +500,20 @@ impl Route {
                     self.recovered();
                 }
                 Outcome::Settled
+            }
+            // The destination's own limit is stricter than the one the sink knows (a Kafka
+            // topic's max.message.bytes): retry with the next trim step.
+            Err(err @ crate::sinks::Error::TooLarge { .. })
+                if self.next_trim(n, sent.trim).is_some() =>
+            {
+                let next = self.next_trim(n, sent.trim).expect("checked");
+                warn!(error = %err, sink = %sink.name(), key, id = %sent.id, step = next.as_str(),
+                      "The destination refused the message as too large; sending it again trimmed");
+                self.trim_hints
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key.to_owned(), (sent.id.clone(), next));
+                Outcome::Retry
             }
             Err(err) if err.is_retriable() => {
                 self.failed(err.reason());
@@ -493,6 +533,9 @@ impl Route {
             }
             Err(err) => {
                 self.failed(err.reason());
+                if matches!(err, crate::sinks::Error::TooLarge { .. }) {
+                    self.metrics.degraded[3].inc();
+                }
                 error!(error = %err, sink = %sink.name(), key, id = %sent.id, "Publish failed for good");
                 self.dead_letter(key, n, Some((&sent.id, sent.bytes)), err.reason())
                     .await;
@@ -525,14 +568,7 @@ impl Route {
             return;
         };
         let meta = &**n.object();
-        let id = message.map(|(id, _)| id.to_owned()).unwrap_or_else(|| {
-            format!(
-                "{}:{}:{}",
-                meta.uid().unwrap_or_default(),
-                meta.resource_version().unwrap_or_default(),
-                n.event_type().as_str()
-            )
-        });
+        let id = message.map_or_else(|| message_id(n), |(id, _)| id.to_owned());
         let record = json!({
             "id": id,
             "key": key,
@@ -558,4 +594,15 @@ impl Route {
             error!(error = %err, sink = %dlq.name(), key, "Dead-letter publish failed; the record is lost");
         }
     }
+}
+
+/// The id the message of `n` has: `uid:resourceVersion:type`.
+fn message_id(n: &Notification) -> String {
+    let meta = &**n.object();
+    format!(
+        "{}:{}:{}",
+        meta.uid().unwrap_or_default(),
+        meta.resource_version().unwrap_or_default(),
+        n.event_type().as_str()
+    )
 }
