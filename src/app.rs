@@ -404,7 +404,7 @@ impl Wiring {
                     plural: api_resource.plural.clone(),
                     namespace,
                     label_selector: r.label_selector.clone(),
-                    field_selector: r.field_selector.clone(),
+                    field_selector: r.effective_field_selector(),
                 };
                 self.factory
                     .informer_for(api_resource, key, Some(transform.clone()))

@@ -310,8 +310,9 @@ pub struct ResourceConfig {
     /// Which notification types to emit.
     #[serde(default = "all_event_types")]
     pub events: Vec<EventType>,
-    /// Namespaces whose objects are not published (with `namespaces` empty: every namespace
-    /// but these), e.g. `[kube-system]`.
+    /// Namespaces left out (with `namespaces` empty: every namespace but these), e.g.
+    /// `[kube-system]`; the API server filters them (`metadata.namespace!=…` field selectors),
+    /// so their objects are neither sent nor cached.
     #[serde(default)]
     pub exclude_namespaces: Vec<String>,
     /// A CEL expression over `object`, `oldObject` and `type` (`added`, `updated`, `deleted`,
@@ -367,6 +368,27 @@ pub enum ScopeSelection {
 }
 
 impl ResourceConfig {
+    /// The field selector the informers use: `field_selector`, and with `namespaces` empty
+    /// one `metadata.namespace!=…` per excluded namespace, so that the API server leaves
+    /// those objects out of lists and watches (they are never cached).
+    pub fn effective_field_selector(&self) -> Option<String> {
+        let excluded = self
+            .namespaces
+            .is_empty()
+            .then_some(&self.exclude_namespaces)
+            .into_iter()
+            .flatten()
+            .map(|ns| format!("metadata.namespace!={ns}"));
+        let all: Vec<String> = self
+            .field_selector
+            .iter()
+            .filter(|f| !f.is_empty())
+            .cloned()
+            .chain(excluded)
+            .collect();
+        (!all.is_empty()).then(|| all.join(","))
+    }
+
     /// Whether this entry selects kinds by pattern (`kind: "*"`).
     pub fn is_wildcard(&self) -> bool {
         self.kind == "*"

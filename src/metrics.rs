@@ -31,7 +31,7 @@ pub struct Metrics {
     /// its `max_pending` cap.
     pub listener_coalesced: IntCounterVec,
     /// `keb_filtered_total{resource,sink,reason}`: notifications a route's filter did not
-    /// publish (`filter`, `filter_error`, `namespace`, `suppressed`).
+    /// publish (`filter`, `filter_error`, `suppressed`).
     pub filtered: IntCounterVec,
     /// `keb_filter_errors_total{resource,sink}`: filter evaluations that failed.
     pub filter_errors: IntCounterVec,

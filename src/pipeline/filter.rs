@@ -1,8 +1,8 @@
-//! Change-aware filtering between a route's listeners (or its resumer) and its queue:
-//! `exclude_namespaces`, the CEL `filter`, and no-op suppression by `ignore_fields`.
+//! Change-aware filtering between a route's listeners (or its resumer) and its queue: the CEL
+//! `filter` and no-op suppression by `ignore_fields`. (`exclude_namespaces` is a field selector
+//! the API server applies: see `ResourceConfig::effective_field_selector`.)
 //!
 //! # Contract
-//! - A notification whose namespace is excluded is dropped (`reason="namespace"`).
 //! - The filter is a CEL expression over `object` (the newest state), `oldObject` (the
 //!   previous state for `updated` and `synced`, else `null`) and `type` (`added`, `updated`,
 //!   `deleted`, `synced`); a notification passes when it yields `true`. An evaluation error
@@ -39,16 +39,14 @@ use tracing::warn;
 use super::RouteQueue;
 use crate::{
     config::{EventType, FilterErrorPolicy, ResourceConfig},
-    informer::{
-        CachedObject, Notification, NotificationHandler, NotificationKind, ObjectMetaRef, ObjectRef,
-    },
+    informer::{CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef},
 };
 
 /// The variables a filter sees.
 pub const VARIABLES: [&str; 3] = ["object", "oldObject", "type"];
 
 /// Reasons counted in `keb_filtered_total{reason}`, in this order.
-pub const REASONS: [&str; 4] = ["filter", "filter_error", "namespace", "suppressed"];
+pub const REASONS: [&str; 3] = ["filter", "filter_error", "suppressed"];
 
 /// A compiled filter expression.
 pub struct Expr {
@@ -378,7 +376,6 @@ pub fn equal_ignoring(a: &CachedObject, b: &CachedObject, pointers: &[String]) -
 pub struct Rules {
     filter: Option<Expr>,
     on_error: FilterErrorPolicy,
-    exclude_namespaces: HashSet<String>,
     ignore_fields: Vec<String>,
 }
 
@@ -386,13 +383,12 @@ impl Rules {
     /// The rules of `r`, or `None` when it filters nothing. The config was validated, so the
     /// expression compiles.
     pub fn of(r: &ResourceConfig) -> Result<Option<Self>, String> {
-        if r.filter.is_none() && r.exclude_namespaces.is_empty() && r.ignore_fields.is_empty() {
+        if r.filter.is_none() && r.ignore_fields.is_empty() {
             return Ok(None);
         }
         Ok(Some(Self {
             filter: r.filter.as_deref().map(Expr::compile).transpose()?,
             on_error: r.filter_error,
-            exclude_namespaces: r.exclude_namespaces.iter().cloned().collect(),
             ignore_fields: r.ignore_fields.clone(),
         }))
     }
@@ -401,7 +397,7 @@ impl Rules {
 /// Counters of one route.
 pub struct FilterMetrics {
     /// `keb_filtered_total{resource,sink,reason}`, by [`REASONS`].
-    pub filtered: [IntCounter; 4],
+    pub filtered: [IntCounter; 3],
     /// `keb_filter_errors_total{resource,sink}`.
     pub errors: IntCounter,
 }
@@ -554,11 +550,6 @@ impl NotificationHandler for RouteFilter {
             return;
         }
         let obj = n.object().clone();
-        if let Some(ns) = obj.namespace()
-            && self.rules.exclude_namespaces.contains(ns)
-        {
-            return self.drop_for(2);
-        }
         let key = n.key();
         let ty = n.event_type();
         let has_filter = self.rules.filter.is_some();
@@ -618,7 +609,7 @@ impl NotificationHandler for RouteFilter {
                 if !self.rules.ignore_fields.is_empty() && ty == EventType::Updated && !n.resumed {
                     if equal_ignoring(&old, &new, &self.rules.ignore_fields) {
                         st.bases.entry(key).or_insert(old);
-                        return self.drop_for(3);
+                        return self.drop_for(2);
                     }
                     if let Some(base) = st.bases.remove(&key) {
                         n.kind = NotificationKind::Update { old: base, new };
@@ -666,6 +657,7 @@ impl NotificationHandler for RouteFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::informer::ObjectMetaRef;
     use crate::workqueue::{
         metrics::QueueMetrics, rate_limiter::ItemExponentialFailureRateLimiter,
     };
@@ -694,7 +686,7 @@ mod tests {
         }
     }
 
-    fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 4]) {
+    fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 3]) {
         let r: ResourceConfig = serde_yaml_like(config);
         let rules = Arc::new(Rules::of(&r).unwrap().expect("rules"));
         let queue = Arc::new(RouteQueue::new(
@@ -886,28 +878,36 @@ mod tests {
         // A resync is not an update: never suppressed.
         on(object("a", "4", "web", "z"), object("a", "4", "web", "z"));
         assert_eq!(drain(&q), ["updated 4 from 1", "synced 4 from 4"]);
-        assert_eq!(filtered[3].get(), 2);
+        assert_eq!(filtered[2].get(), 2);
     }
 
     #[test]
     fn without_ignore_fields_status_updates_pass() {
-        let (f, q, _) = stage(r#"{"exclude_namespaces": ["kube-system"]}"#);
+        let (f, q, _) = stage(r#"{"filter": "true"}"#);
         f.on_notification(note(NotificationKind::Update {
             old: object("a", "1", "shop", "x"),
             new: object("a", "2", "shop", "y"),
         }));
-        assert_eq!(drain(&q), ["updated 2 from 1"]);
+        assert_eq!(drain(&q), ["added 2"], "not published yet: enters as added");
+        f.on_notification(note(NotificationKind::Update {
+            old: object("a", "2", "shop", "y"),
+            new: object("a", "3", "shop", "z"),
+        }));
+        assert_eq!(drain(&q), ["updated 3 from 2"]);
     }
 
     #[test]
-    fn excluded_namespaces_are_dropped() {
-        let (f, q, filtered) = stage(r#"{"exclude_namespaces": ["ns"]}"#);
-        f.on_notification(note(NotificationKind::Add {
-            obj: object("a", "1", "shop", "x"),
-            is_initial_list: false,
-        }));
-        assert!(drain(&q).is_empty());
-        assert_eq!(filtered[2].get(), 1);
+    fn excluded_namespaces_become_field_selectors_when_all_namespaces_are_watched() {
+        let r = serde_yaml_like(
+            r#"{"exclude_namespaces": ["kube-system", "b"], "field_selector": "status.phase=Running"}"#,
+        );
+        assert_eq!(
+            r.effective_field_selector().as_deref(),
+            Some("status.phase=Running,metadata.namespace!=kube-system,metadata.namespace!=b")
+        );
+        let r = serde_yaml_like(r#"{"exclude_namespaces": ["a"], "namespaces": ["c"]}"#);
+        assert_eq!(r.effective_field_selector(), None);
+        assert!(Rules::of(&r).unwrap().is_none(), "no filter stage for that");
     }
 
     #[test]

@@ -644,27 +644,34 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
 }
 
 fn selector_matches(obj: &Value, labels: Option<&String>, fields: Option<&String>) -> bool {
-    let pairs = |s: Option<&String>| -> Vec<(String, String)> {
+    // (key, value, equal): `k=v`, `k==v` or `k!=v`.
+    let terms = |s: Option<&String>| -> Vec<(String, String, bool)> {
         s.map(|s| {
             s.split(',')
                 .filter(|p| !p.is_empty())
                 .map(|p| {
                     let (k, v) = p
                         .split_once('=')
-                        .expect("test server supports k=v selectors only");
-                    (k.trim_end_matches('=').to_owned(), v.to_owned())
+                        .expect("test server supports k=v, k==v and k!=v selectors only");
+                    match k.strip_suffix('!') {
+                        Some(k) => (k.to_owned(), v.to_owned(), false),
+                        None => (k.to_owned(), v.trim_start_matches('=').to_owned(), true),
+                    }
                 })
                 .collect()
         })
         .unwrap_or_default()
     };
-    let labels_ok = pairs(labels)
+    let labels_ok = terms(labels)
         .iter()
-        .all(|(k, v)| obj["metadata"]["labels"][k].as_str() == Some(v));
-    let fields_ok = pairs(fields).iter().all(|(k, v)| match k.as_str() {
-        "metadata.name" => obj["metadata"]["name"].as_str() == Some(v),
-        "metadata.namespace" => obj["metadata"]["namespace"].as_str() == Some(v),
-        other => panic!("test server does not support field selector {other}"),
+        .all(|(k, v, eq)| (obj["metadata"]["labels"][k].as_str() == Some(v)) == *eq);
+    let fields_ok = terms(fields).iter().all(|(k, v, eq)| {
+        let field = match k.as_str() {
+            "metadata.name" => &obj["metadata"]["name"],
+            "metadata.namespace" => &obj["metadata"]["namespace"],
+            other => panic!("test server does not support field selector {other}"),
+        };
+        (field.as_str() == Some(v)) == *eq
     });
     labels_ok && fields_ok
 }
