@@ -185,6 +185,7 @@ struct WiredRoute {
 struct Wired {
     index: usize,
     api_resource: ApiResource,
+    namespaced: bool,
     routes: Vec<WiredRoute>,
     informers: Vec<Arc<SharedIndexInformer>>,
     cancel: CancellationToken,
@@ -228,7 +229,12 @@ impl Resources {
 impl Wiring {
     /// The route queues, resumers and checkpointers of `resources[index]` (resolved as
     /// `api_resource`), without informers.
-    async fn wire(&self, index: usize, api_resource: ApiResource) -> Result<Wired, Error> {
+    async fn wire(
+        &self,
+        index: usize,
+        api_resource: ApiResource,
+        namespaced: bool,
+    ) -> Result<Wired, Error> {
         let (config, metrics) = (&self.config, &self.metrics);
         let r = &config.resources[index];
         let entry = r.effective_name();
@@ -377,6 +383,7 @@ impl Wiring {
         Ok(Wired {
             index,
             api_resource,
+            namespaced,
             routes,
             informers: Vec::new(),
             cancel: CancellationToken::new(),
@@ -404,7 +411,7 @@ impl Wiring {
                     plural: api_resource.plural.clone(),
                     namespace,
                     label_selector: r.label_selector.clone(),
-                    field_selector: r.effective_field_selector(),
+                    field_selector: r.effective_field_selector(wired.namespaced),
                 };
                 self.factory
                     .informer_for(api_resource, key, Some(transform.clone()))
@@ -618,7 +625,7 @@ impl App {
                     } in kinds
                     {
                         info!(resource = %kind_name(r, &api_resource), plural = %api_resource.plural, namespaced, "Resolved resource");
-                        let mut wired = wiring.wire(index, api_resource).await?;
+                        let mut wired = wiring.wire(index, api_resource, namespaced).await?;
                         wiring.add_informers(&mut wired);
                         resources.wired.push(wired);
                     }
@@ -986,7 +993,7 @@ async fn refresh(wiring: &Wiring, resources: &mut Resources) {
             Ok(kinds) => (
                 kinds
                     .into_iter()
-                    .map(|k| k.api_resource)
+                    .map(|k| (k.api_resource, k.namespaced))
                     .collect::<Vec<_>>(),
                 None,
             ),
@@ -996,7 +1003,7 @@ async fn refresh(wiring: &Wiring, resources: &mut Resources) {
                 continue;
             }
         };
-        for api_resource in &want {
+        for (api_resource, namespaced) in &want {
             let found = resources
                 .wired
                 .iter()
@@ -1004,7 +1011,7 @@ async fn refresh(wiring: &Wiring, resources: &mut Resources) {
             let (i, new) = match found {
                 Some(i) if !resources.wired[i].informers.is_empty() => continue,
                 Some(i) => (i, false),
-                None => match wiring.wire(index, api_resource.clone()).await {
+                None => match wiring.wire(index, api_resource.clone(), *namespaced).await {
                     Ok(wired) => {
                         resources.wired.push(wired);
                         (resources.wired.len() - 1, true)
@@ -1023,7 +1030,7 @@ async fn refresh(wiring: &Wiring, resources: &mut Resources) {
             let wired = &mut resources.wired[i];
             if wired.index != index
                 || wired.informers.is_empty()
-                || want.iter().any(|a| same_kind(a, &wired.api_resource))
+                || want.iter().any(|(a, _)| same_kind(a, &wired.api_resource))
             {
                 continue;
             }

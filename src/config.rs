@@ -368,13 +368,13 @@ pub enum ScopeSelection {
 }
 
 impl ResourceConfig {
-    /// The field selector the informers use: `field_selector`, and with `namespaces` empty
-    /// one `metadata.namespace!=…` per excluded namespace, so that the API server leaves
-    /// those objects out of lists and watches (they are never cached).
-    pub fn effective_field_selector(&self) -> Option<String> {
-        let excluded = self
-            .namespaces
-            .is_empty()
+    /// The field selector the informers of a `namespaced` (or cluster-scoped) kind use:
+    /// `field_selector`, and for a namespaced kind watched in every namespace one
+    /// `metadata.namespace!=…` per excluded namespace, so that the API server leaves those
+    /// objects out of lists and watches (they are never cached). Cluster-scoped kinds have no
+    /// namespace field to select on.
+    pub fn effective_field_selector(&self, namespaced: bool) -> Option<String> {
+        let excluded = (namespaced && self.namespaces.is_empty())
             .then_some(&self.exclude_namespaces)
             .into_iter()
             .flatten()

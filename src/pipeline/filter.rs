@@ -902,11 +902,16 @@ mod tests {
             r#"{"exclude_namespaces": ["kube-system", "b"], "field_selector": "status.phase=Running"}"#,
         );
         assert_eq!(
-            r.effective_field_selector().as_deref(),
+            r.effective_field_selector(true).as_deref(),
             Some("status.phase=Running,metadata.namespace!=kube-system,metadata.namespace!=b")
         );
+        assert_eq!(
+            r.effective_field_selector(false).as_deref(),
+            Some("status.phase=Running"),
+            "a cluster-scoped kind of a wildcard selection"
+        );
         let r = serde_yaml_like(r#"{"exclude_namespaces": ["a"], "namespaces": ["c"]}"#);
-        assert_eq!(r.effective_field_selector(), None);
+        assert_eq!(r.effective_field_selector(true), None);
         assert!(Rules::of(&r).unwrap().is_none(), "no filter stage for that");
     }
 
