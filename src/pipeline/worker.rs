@@ -65,6 +65,8 @@ pub struct Route {
     // Per key: the id of a message the destination refused as too large in its
     // acknowledgement, and the trim step its retry starts from.
     trim_hints: std::sync::Mutex<std::collections::HashMap<String, (String, Trim)>>,
+    // Whether `trim_hints` holds any: the hot path skips its lock when not.
+    has_trim_hints: std::sync::atomic::AtomicBool,
 }
 
 enum Outcome {
@@ -167,6 +169,7 @@ impl Route {
             failing: std::sync::atomic::AtomicBool::new(false),
             failure_log: std::sync::Mutex::new((None, 0)),
             trim_hints: std::sync::Mutex::new(std::collections::HashMap::new()),
+            has_trim_hints: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -373,15 +376,23 @@ impl Route {
     /// Where a retry of `n` starts trimming: a step recorded when the destination refused its
     /// message as too large, else nothing.
     fn trim_hint(&self, key: &str, n: &Notification) -> Trim {
+        use std::sync::atomic::Ordering;
+        if !self.has_trim_hints.load(Ordering::Relaxed) {
+            return Trim::None;
+        }
         let mut hints = self.trim_hints.lock().unwrap_or_else(|e| e.into_inner());
-        match hints.get(key) {
+        let trim = match hints.get(key) {
             Some((id, trim)) if *id == message_id(n) => {
                 let trim = *trim;
                 hints.remove(key);
                 trim
             }
             _ => Trim::None,
+        };
+        if hints.is_empty() {
+            self.has_trim_hints.store(false, Ordering::SeqCst);
         }
+        trim
     }
 
     /// The step after `trim` that changes `n`'s message.
@@ -509,10 +520,12 @@ impl Route {
                 let next = self.next_trim(n, sent.trim).expect("checked");
                 warn!(error = %err, sink = %sink.name(), key, id = %sent.id, step = next.as_str(),
                       "The destination refused the message as too large; sending it again trimmed");
-                self.trim_hints
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(key.to_owned(), (sent.id.clone(), next));
+                let mut hints = self.trim_hints.lock().unwrap_or_else(|e| e.into_inner());
+                hints.insert(key.to_owned(), (sent.id.clone(), next));
+                // Set under the lock, as `trim_hint` clears it under the lock.
+                self.has_trim_hints
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                drop(hints);
                 Outcome::Retry
             }
             Err(err) if err.is_retriable() => {
