@@ -151,16 +151,6 @@ fn resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", kind), plural)
 }
 
-fn notification(kind: NotificationKind) -> Notification {
-    Notification {
-        kind,
-        received: std::time::Instant::now(),
-        observed: jiff::Timestamp::now(),
-        resumed: false,
-        filtered_out: false,
-    }
-}
-
 proptest! {
     #![proptest_config(cases(64))]
 
@@ -196,7 +186,7 @@ proptest! {
                     NotificationKind::Update { old: cached.clone(), new: cached.clone() },
                     NotificationKind::Delete { obj: cached.clone(), final_state_unknown: true },
                 ] {
-                    match encoder.encode(key, &notification(kind)) {
+                    match encoder.encode(key, &Notification::new(kind)) {
                         Ok(m) => {
                             let payload = serde_json::from_slice::<Value>(&m.payload);
                             prop_assert!(payload.is_ok(), "the payload is JSON");
@@ -262,7 +252,7 @@ proptest! {
         prop_assert_eq!(doc, serde_json::from_str::<Value>(new.json().get()).unwrap());
         let options = MessageConfig { diff: DiffMode::Patch, ..Default::default() };
         let encoder = Encoder::new("props", &resource("ConfigMap", "configmaps"), &options, Encoding::Structured);
-        let n = notification(NotificationKind::Update { old, new });
+        let n = Notification::new(NotificationKind::Update { old, new });
         for trim in [Trim::None, Trim::OldObject, Trim::Patch, Trim::Reference] {
             if let Ok(m) = encoder.encode_trimmed("ns/name", &n, trim) {
                 prop_assert!(serde_json::from_slice::<Value>(&m.payload).is_ok());

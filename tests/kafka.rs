@@ -392,15 +392,7 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
         600_000
     );
     let m = &running.metrics;
-    let degraded = |step: &str| {
-        m.message_degraded
-            .with_label_values(&["kafka", "configmap", step])
-            .get()
-    };
-    assert_eq!(
-        ["old_object", "patch", "reference", "dead_letter"].map(degraded),
-        [1, 1, 1, 1]
-    );
+    assert_eq!(support::degraded(m, "kafka"), [1, 1, 1, 1]);
     let failed = m
         .sink_failed
         .with_label_values(&["kafka", "configmap", "too_large"])
@@ -957,15 +949,7 @@ async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
         "the object itself fits"
     );
     let m = &running.metrics;
-    let degraded = |step: &str| {
-        m.message_degraded
-            .with_label_values(&["kafka", "configmap", step])
-            .get()
-    };
-    assert_eq!(
-        ["old_object", "patch", "reference", "dead_letter"].map(degraded),
-        [0, 1, 0, 0]
-    );
+    assert_eq!(support::degraded(m, "kafka"), [0, 1, 0, 0]);
     running.stop().await;
 }
 

@@ -381,13 +381,8 @@ async fn filters_suppression_patches_and_oversized_objects_on_a_small_max_payloa
     );
     json_patch::patch(&mut old, &patch).unwrap();
     assert_eq!(old, update["data"]["object"]);
-    let degraded = |step: &str| {
-        metrics
-            .message_degraded
-            .with_label_values(&["nats", "configmap", step])
-            .get()
-    };
-    assert_eq!(["reference", "dead_letter"].map(degraded), [1, 1]);
+    // [old_object, patch, reference, dead_letter]
+    assert_eq!(support::degraded(&metrics, "nats"), [0, 0, 1, 1]);
     let filtered = |reason: &str| {
         metrics
             .filtered

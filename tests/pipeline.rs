@@ -134,16 +134,6 @@ fn object(name: &str, rv: u64, padding: usize) -> ObjectRef {
     }))
 }
 
-fn note(kind: NotificationKind) -> Notification {
-    Notification {
-        kind,
-        received: std::time::Instant::now(),
-        observed: jiff::Timestamp::now(),
-        resumed: false,
-        filtered_out: false,
-    }
-}
-
 struct Harness {
     queue: Arc<RouteQueue>,
     route: Arc<Route>,
@@ -260,7 +250,7 @@ fn push_load_sampled(
                 .entry(format!("ns/{name}"))
                 .or_default()
                 .push((rv, ty.into()));
-            q.push(note(kind));
+            q.push(Notification::new(kind));
             *peak = (*peak).max(q.held());
         }
     }
@@ -271,7 +261,7 @@ fn push_load_sampled(
             .entry(format!("ns/{name}"))
             .or_default()
             .push((rv, "deleted".into()));
-        q.push(note(NotificationKind::Delete {
+        q.push(Notification::new(NotificationKind::Delete {
             obj: object(&name, rv, padding),
             final_state_unknown: false,
         }));
@@ -393,20 +383,20 @@ async fn a_message_too_large_is_trimmed_to_a_reference_and_one_that_never_fits_i
     let h = harness(sink.clone(), Some(dlq.clone()), 1_000, None);
     let running = pipeline::start(&[(h.route.clone(), 2)]);
     let long_name = "l".repeat(5_000);
-    h.queue.push(note(NotificationKind::Add {
+    h.queue.push(Notification::new(NotificationKind::Add {
         obj: object("small", 1, 10),
         is_initial_list: false,
     }));
-    h.queue.push(note(NotificationKind::Add {
+    h.queue.push(Notification::new(NotificationKind::Add {
         obj: object("huge", 2, 10_000),
         is_initial_list: false,
     }));
     // Even its reference carries the name: it never fits.
-    h.queue.push(note(NotificationKind::Add {
+    h.queue.push(Notification::new(NotificationKind::Add {
         obj: object(&long_name, 4, 10),
         is_initial_list: false,
     }));
-    h.queue.push(note(NotificationKind::Update {
+    h.queue.push(Notification::new(NotificationKind::Update {
         old: object("small", 1, 10),
         new: object("small", 3, 10),
     }));
@@ -456,11 +446,11 @@ async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
     let dlq = Arc::new(TestSink::named("dlq"));
     let h = harness(sink.clone(), Some(dlq.clone()), 1_000, Some(3));
     let running = pipeline::start(&[(h.route.clone(), 2)]);
-    h.queue.push(note(NotificationKind::Add {
+    h.queue.push(Notification::new(NotificationKind::Add {
         obj: object("bad", 1, 10),
         is_initial_list: false,
     }));
-    h.queue.push(note(NotificationKind::Add {
+    h.queue.push(Notification::new(NotificationKind::Add {
         obj: object("good", 2, 10),
         is_initial_list: false,
     }));
@@ -470,7 +460,7 @@ async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].2["reason"], "max_retries");
     // The key is released: its next notification is tried (and, still failing, given up).
-    h.queue.push(note(NotificationKind::Update {
+    h.queue.push(Notification::new(NotificationKind::Update {
         old: object("bad", 1, 10),
         new: object("bad", 3, 10),
     }));

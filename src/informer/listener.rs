@@ -189,32 +189,22 @@ mod tests {
         )
     }
 
-    fn note(kind: NotificationKind) -> Notification {
-        Notification {
-            kind,
-            received: std::time::Instant::now(),
-            observed: jiff::Timestamp::now(),
-            resumed: false,
-            filtered_out: false,
-        }
-    }
-
     #[test]
     fn unrequested_types_are_dropped() {
         let (l, c) = listener(&[EventType::Deleted, EventType::Synced], None);
-        l.add(note(NotificationKind::Add {
+        l.add(Notification::new(NotificationKind::Add {
             obj: obj("ns", "a", "1"),
             is_initial_list: true,
         }));
-        l.add(note(NotificationKind::Update {
+        l.add(Notification::new(NotificationKind::Update {
             old: obj("ns", "a", "1"),
             new: obj("ns", "a", "2"),
         }));
-        l.add(note(NotificationKind::Update {
+        l.add(Notification::new(NotificationKind::Update {
             old: obj("ns", "a", "2"),
             new: obj("ns", "a", "2"),
         }));
-        l.add(note(NotificationKind::Delete {
+        l.add(Notification::new(NotificationKind::Delete {
             obj: obj("ns", "a", "3"),
             final_state_unknown: false,
         }));

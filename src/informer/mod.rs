@@ -92,6 +92,17 @@ pub enum NotificationKind {
 }
 
 impl Notification {
+    /// A notification of `kind` received now (not resumed, not a filter's).
+    pub fn new(kind: NotificationKind) -> Self {
+        Self {
+            kind,
+            received: Instant::now(),
+            observed: jiff::Timestamp::now(),
+            resumed: false,
+            filtered_out: false,
+        }
+    }
+
     /// The object the notification is about (the newest state).
     pub fn object(&self) -> &ObjectRef {
         match &self.kind {

@@ -334,16 +334,6 @@ mod tests {
     use super::*;
     use crate::informer::testing::obj;
 
-    fn note(kind: NotificationKind) -> Notification {
-        Notification {
-            kind,
-            received: std::time::Instant::now(),
-            observed: jiff::Timestamp::now(),
-            resumed: false,
-            filtered_out: false,
-        }
-    }
-
     fn checkpointer(store: Arc<dyn CheckpointStore>) -> Checkpointer {
         Checkpointer::new(
             "configmap/out".into(),
@@ -360,21 +350,21 @@ mod tests {
         let c = checkpointer(store.clone());
         c.record(
             "ns/a",
-            &note(NotificationKind::Add {
+            &Notification::new(NotificationKind::Add {
                 obj: obj("ns", "a", "1"),
                 is_initial_list: true,
             }),
         );
         c.record(
             "ns/b",
-            &note(NotificationKind::Add {
+            &Notification::new(NotificationKind::Add {
                 obj: obj("ns", "b", "2"),
                 is_initial_list: false,
             }),
         );
         c.record(
             "ns/a",
-            &note(NotificationKind::Update {
+            &Notification::new(NotificationKind::Update {
                 old: obj("ns", "a", "1"),
                 new: obj("ns", "a", "3"),
             }),
@@ -384,7 +374,7 @@ mod tests {
         assert_eq!(c.lag.get(), 0);
         c.record(
             "ns/b",
-            &note(NotificationKind::Delete {
+            &Notification::new(NotificationKind::Delete {
                 obj: obj("ns", "b", "4"),
                 final_state_unknown: false,
             }),
@@ -456,7 +446,7 @@ mod tests {
         let c = checkpointer(store);
         c.record(
             "ns/a",
-            &note(NotificationKind::Add {
+            &Notification::new(NotificationKind::Add {
                 obj: obj("ns", "a", "1"),
                 is_initial_list: false,
             }),

@@ -187,15 +187,9 @@ fn null<'v>() -> Box<dyn Val + 'v> {
 /// `var` is followed by `.field`; `None` (everything) otherwise, e.g. for `object["spec"]`,
 /// `size(object)` or `var` in a string literal.
 fn fields_read(source: &str, var: &str) -> Option<HashSet<String>> {
-    let is_word = |c: char| c.is_alphanumeric() || c == '_';
     let mut fields = HashSet::new();
-    for (i, _) in source.match_indices(var) {
-        let before = source[..i].chars().next_back();
-        let rest = &source[i + var.len()..];
-        if before.is_some_and(is_word) || rest.chars().next().is_some_and(is_word) {
-            continue; // part of a longer name
-        }
-        let field: String = rest
+    for i in whole_words(source, var) {
+        let field: String = source[i + var.len()..]
             .trim_start()
             .strip_prefix('.')?
             .trim_start()
@@ -212,12 +206,21 @@ fn fields_read(source: &str, var: &str) -> Option<HashSet<String>> {
 
 /// The 1-based column of the first whole-word occurrence of `name` in `source`.
 fn column_of(source: &str, name: &str) -> Option<usize> {
-    let is_word = |c: char| c.is_alphanumeric() || c == '_';
-    source.match_indices(name).find_map(|(i, _)| {
+    whole_words(source, name)
+        .next()
+        .map(|i| source[..i].chars().count() + 1)
+}
+
+fn is_word(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// Byte offsets of the occurrences of `name` in `source` that are not part of a longer name.
+fn whole_words<'a>(source: &'a str, name: &'a str) -> impl Iterator<Item = usize> + 'a {
+    source.match_indices(name).filter_map(move |(i, _)| {
         let before = source[..i].chars().next_back();
         let after = source[i + name.len()..].chars().next();
-        (!before.is_some_and(is_word) && !after.is_some_and(is_word))
-            .then(|| source[..i].chars().count() + 1)
+        (!before.is_some_and(is_word) && !after.is_some_and(is_word)).then_some(i)
     })
 }
 
@@ -505,29 +508,19 @@ impl RouteFilter {
         }
     }
 
-    fn matches(
-        &self,
-        st: &mut State,
-        key: &str,
-        object: &CachedObject,
-        old: Option<&CachedObject>,
-        ty: EventType,
-    ) -> bool {
-        self.verdict(st, key, object, old, ty) == Verdict::Pass
-    }
-
     /// Whether the object still belongs to the stream: the filter passes it as `added` or as
     /// `updated` (a filter on `type` alone never removes an object).
     fn member(&self, st: &mut State, key: &str, new: &CachedObject, old: &CachedObject) -> bool {
-        self.matches(st, key, new, None, EventType::Added)
-            || self.matches(st, key, new, Some(old), EventType::Updated)
+        self.verdict(st, key, new, None, EventType::Added) == Verdict::Pass
+            || self.verdict(st, key, new, Some(old), EventType::Updated) == Verdict::Pass
     }
 
     fn drop_for(&self, reason: usize) {
         self.metrics.filtered[reason].inc();
     }
 
-    fn filtered_out(&self, like: &Notification, obj: ObjectRef) {
+    /// Publishes the `k8sfilteredout` delete of `obj`, received at `at`.
+    fn filtered_out(&self, obj: ObjectRef, at: (std::time::Instant, jiff::Timestamp)) {
         if !self.publishes_deletes {
             return;
         }
@@ -536,8 +529,8 @@ impl RouteFilter {
                 obj,
                 final_state_unknown: false,
             },
-            received: like.received,
-            observed: like.observed,
+            received: at.0,
+            observed: at.1,
             resumed: false,
             filtered_out: true,
         });
@@ -575,7 +568,7 @@ impl NotificationHandler for RouteFilter {
                 } else {
                     if st.published.remove(&key) {
                         drop(st);
-                        return self.filtered_out(&n, obj);
+                        return self.filtered_out(obj, (n.received, n.observed));
                     }
                     return self.drop_for(verdict.reason());
                 }
@@ -589,14 +582,16 @@ impl NotificationHandler for RouteFilter {
                             st.published.remove(&key);
                             st.bases.remove(&key);
                             drop(st);
-                            return self.filtered_out(&n, new);
+                            return self.filtered_out(new, (n.received, n.observed));
                         }
                         return self.drop_for(verdict.reason());
                     }
                     if !published {
                         st.published.insert(key.clone());
                         st.bases.remove(&key);
-                        if self.matches(&mut st, &key, &new, None, EventType::Added) {
+                        if self.verdict(&mut st, &key, &new, None, EventType::Added)
+                            == Verdict::Pass
+                        {
                             n.kind = NotificationKind::Add {
                                 obj: new,
                                 is_initial_list: false,
@@ -631,17 +626,8 @@ impl NotificationHandler for RouteFilter {
                 // The filter changed since the consumers got it.
                 st.published.remove(key);
                 drop(st);
-                let now = Notification {
-                    kind: NotificationKind::Add {
-                        obj: obj.clone(),
-                        is_initial_list: false,
-                    },
-                    received: std::time::Instant::now(),
-                    observed: jiff::Timestamp::now(),
-                    resumed: false,
-                    filtered_out: false,
-                };
-                self.filtered_out(&now, obj.clone());
+                let now = (std::time::Instant::now(), jiff::Timestamp::now());
+                self.filtered_out(obj.clone(), now);
             }
             _ => {
                 st.published.insert(key.to_owned());
@@ -674,16 +660,6 @@ mod tests {
         }))
         .unwrap();
         Arc::new(CachedObject::new(&o))
-    }
-
-    fn note(kind: NotificationKind) -> Notification {
-        Notification {
-            kind,
-            received: std::time::Instant::now(),
-            observed: jiff::Timestamp::now(),
-            resumed: false,
-            filtered_out: false,
-        }
     }
 
     fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 3]) {
@@ -799,7 +775,7 @@ mod tests {
     #[test]
     fn objects_leaving_the_filter_get_a_filtered_out_delete_and_come_back_as_added() {
         let (f, q, filtered) = stage(r#"{"filter": "object.metadata.labels.team == 'shop'"}"#);
-        let on = |kind| f.on_notification(note(kind));
+        let on = |kind| f.on_notification(Notification::new(kind));
         on(NotificationKind::Add {
             obj: object("a", "1", "shop", "x"),
             is_initial_list: true,
@@ -839,11 +815,11 @@ mod tests {
     fn a_filter_on_type_alone_never_removes_objects() {
         let (f, q, _) = stage(r#"{"filter": "type != 'synced'"}"#);
         let a1 = object("a", "1", "shop", "x");
-        f.on_notification(note(NotificationKind::Add {
+        f.on_notification(Notification::new(NotificationKind::Add {
             obj: a1.clone(),
             is_initial_list: true,
         }));
-        f.on_notification(note(NotificationKind::Update {
+        f.on_notification(Notification::new(NotificationKind::Update {
             old: a1.clone(),
             new: a1.clone(),
         }));
@@ -856,7 +832,7 @@ mod tests {
             let (f, q, filtered) = stage(&format!(
                 r#"{{"filter": "object.spec.replicas > 2", "filter_error": "{policy}"}}"#
             ));
-            f.on_notification(note(NotificationKind::Add {
+            f.on_notification(Notification::new(NotificationKind::Add {
                 obj: object("a", "1", "shop", "x"),
                 is_initial_list: false,
             }));
@@ -871,7 +847,8 @@ mod tests {
     fn status_only_updates_are_suppressed_and_the_next_update_starts_from_the_last_published() {
         let (f, q, filtered) =
             stage(r#"{"ignore_fields": ["/status", "/metadata/resourceVersion"]}"#);
-        let on = |old, new| f.on_notification(note(NotificationKind::Update { old, new }));
+        let on =
+            |old, new| f.on_notification(Notification::new(NotificationKind::Update { old, new }));
         on(object("a", "1", "shop", "x"), object("a", "2", "shop", "y"));
         on(object("a", "2", "shop", "y"), object("a", "3", "shop", "z"));
         on(object("a", "3", "shop", "z"), object("a", "4", "web", "z"));
@@ -884,12 +861,12 @@ mod tests {
     #[test]
     fn without_ignore_fields_status_updates_pass() {
         let (f, q, _) = stage(r#"{"filter": "true"}"#);
-        f.on_notification(note(NotificationKind::Update {
+        f.on_notification(Notification::new(NotificationKind::Update {
             old: object("a", "1", "shop", "x"),
             new: object("a", "2", "shop", "y"),
         }));
         assert_eq!(drain(&q), ["added 2"], "not published yet: enters as added");
-        f.on_notification(note(NotificationKind::Update {
+        f.on_notification(Notification::new(NotificationKind::Update {
             old: object("a", "2", "shop", "y"),
             new: object("a", "3", "shop", "z"),
         }));
@@ -922,7 +899,7 @@ mod tests {
         f.on_known("ns/a", Some(&object("a", "1", "shop", "x")));
         // Unchanged, but the filter no longer takes it: removed at once.
         f.on_known("ns/b", Some(&object("b", "1", "web", "x")));
-        f.on_notification(note(NotificationKind::Update {
+        f.on_notification(Notification::new(NotificationKind::Update {
             old: object("a", "1", "shop", "x"),
             new: object("a", "2", "web", "x"),
         }));

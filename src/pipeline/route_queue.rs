@@ -381,26 +381,17 @@ mod tests {
         (q, budget)
     }
 
-    fn note(kind: NotificationKind) -> Notification {
-        Notification {
-            kind,
-            received: std::time::Instant::now(),
-            observed: jiff::Timestamp::now(),
-            resumed: false,
-            filtered_out: false,
-        }
-    }
     fn add(o: ObjectRef) -> Notification {
-        note(NotificationKind::Add {
+        Notification::new(NotificationKind::Add {
             obj: o,
             is_initial_list: false,
         })
     }
     fn update(old: ObjectRef, new: ObjectRef) -> Notification {
-        note(NotificationKind::Update { old, new })
+        Notification::new(NotificationKind::Update { old, new })
     }
     fn delete(o: ObjectRef) -> Notification {
-        note(NotificationKind::Delete {
+        Notification::new(NotificationKind::Delete {
             obj: o,
             final_state_unknown: false,
         })
@@ -753,7 +744,7 @@ mod tests {
                     }
                     Op::Replay => {
                         for (k, (u, r)) in &cluster {
-                            q.push(note(NotificationKind::Add {
+                            q.push(Notification::new(NotificationKind::Add {
                                 obj: object(*k, *u, *r),
                                 is_initial_list: true,
                             }));
@@ -766,7 +757,7 @@ mod tests {
                         must_delete.clear();
                         delivered.clear();
                         for (k, (u, r)) in &cluster {
-                            q.push(note(NotificationKind::Add {
+                            q.push(Notification::new(NotificationKind::Add {
                                 obj: object(*k, *u, *r),
                                 is_initial_list: true,
                             }));

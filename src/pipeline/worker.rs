@@ -85,6 +85,19 @@ struct Sent {
     started: std::time::Instant,
 }
 
+impl Sent {
+    fn of(message: Message, trim: Trim, started: std::time::Instant) -> Self {
+        Self {
+            bytes: message.payload.len(),
+            id: message.id,
+            trim,
+            event_type: message.event_type,
+            received: message.received,
+            started,
+        }
+    }
+}
+
 /// A message handed over, and the future of its acknowledgement (or the acknowledgement, once
 /// polled ready).
 struct Pending {
@@ -420,6 +433,12 @@ impl Route {
     /// Encodes `n` and hands it to the sink.
     async fn submit(&self, key: &str, n: &Notification) -> Submitted {
         let sink = &self.delivery.sink;
+        if let Some(limit) = &self.delivery.publish_limit {
+            let wait = limit.reserve();
+            if !wait.is_zero() {
+                tokio::time::sleep(wait).await;
+            }
+        }
         // A message the broker refused as too large after the hand-over goes again trimmed.
         let mut trim = self.trim_hint(key, n);
         loop {
@@ -427,22 +446,8 @@ impl Route {
                 return Submitted::Settled;
             };
             trim = fitted;
-            if let Some(limit) = &self.delivery.publish_limit {
-                let wait = limit.reserve();
-                if !wait.is_zero() {
-                    tokio::time::sleep(wait).await;
-                }
-            }
             let started = std::time::Instant::now();
             self.metrics.in_flight.inc();
-            let sent = Sent {
-                id: message.id.clone(),
-                trim,
-                event_type: message.event_type,
-                bytes: message.payload.len(),
-                received: message.received,
-                started,
-            };
             let err = match sink.submit(&message).await {
                 Ok(ack) => {
                     if trim != Trim::None {
@@ -452,7 +457,7 @@ impl Route {
                     return Submitted::Pending(Pending {
                         ack,
                         ready: None,
-                        message: sent,
+                        message: Sent::of(message, trim, started),
                     });
                 }
                 Err(err) => err,
@@ -472,6 +477,7 @@ impl Route {
                     }
                 }
             }
+            let sent = Sent::of(message, trim, started);
             return match self.acknowledged(key, n, &sent, Err(err)).await {
                 Outcome::Settled => Submitted::Settled,
                 Outcome::Retry => Submitted::Retry,

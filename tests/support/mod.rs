@@ -309,3 +309,14 @@ pub fn sorted_ids(events: &[serde_json::Value]) -> Vec<String> {
     ids.sort();
     ids
 }
+
+/// `keb_message_degraded_total` of `sink`'s ConfigMap route by step: `old_object`, `patch`,
+/// `reference`, `dead_letter`.
+pub fn degraded(metrics: &kube_event_bridge::metrics::Metrics, sink: &str) -> [u64; 4] {
+    ["old_object", "patch", "reference", "dead_letter"].map(|step| {
+        metrics
+            .message_degraded
+            .with_label_values(&[sink, "configmap", step])
+            .get()
+    })
+}

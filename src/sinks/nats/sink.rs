@@ -46,6 +46,9 @@ pub struct NatsSink {
     jetstream: Option<jetstream::Context>,
     subject: Template,
     denied: Arc<Mutex<HashSet<String>>>,
+    // The server's `max_payload` at connect (read once: `server_info` clones the whole INFO).
+    // A server reached later with a smaller one refuses at hand-over, which trims further.
+    max_payload: usize,
 }
 
 impl NatsSink {
@@ -75,8 +78,10 @@ impl NatsSink {
             }
         };
         info!(sink = %name, servers = %servers, mode = ?cfg.mode, "Connected to NATS");
+        let max_payload = client.server_info().max_payload;
         Ok(Self {
             name: name.to_owned(),
+            max_payload,
             client,
             jetstream,
             subject,
@@ -285,7 +290,7 @@ impl Sink for NatsSink {
     }
 
     fn max_message_bytes(&self) -> Option<usize> {
-        Some(self.client.server_info().max_payload).filter(|&m| m > 0)
+        Some(self.max_payload).filter(|&m| m > 0)
     }
 
     fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
