@@ -6,9 +6,10 @@
 //! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]`
 //! (`-- all 1`: every scenario for one minute). Scenarios: `watch-drop`, `gone-storm`,
 //! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`,
-//! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`,
-//! and watch drops: objects leave and re-enter the stream; the final stream must hold exactly
-//! the matching objects, those that left with a `k8sfilteredout` delete). Every
+//! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
+//! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
+//! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
+//! delete, and every patch applied to the object last read must give the new one). Every
 //! scenario exports to JetStream except `kafka-broker-down`, which exports to librdkafka's
 //! mock cluster (in this process, on a loopback port the service connects to), the one Kafka
 //! broker here that can be taken down and brought back with its data.
@@ -321,6 +322,12 @@ struct Stream {
     evicted: u64,
     /// Deletes marked `k8sfilteredout`.
     filtered_out: u64,
+    /// Each object as the stream last gave it, for applying patches as a consumer does.
+    objects: HashMap<String, Value>,
+    /// Updates with `data.patch`, and those whose patch applied to the last object gives
+    /// something else than their `data.object` (or does not apply).
+    patches: u64,
+    patch_mismatches: u64,
 }
 
 impl Stream {
@@ -332,6 +339,9 @@ impl Stream {
             ids: std::collections::HashSet::new(),
             evicted: 0,
             filtered_out: 0,
+            objects: HashMap::new(),
+            patches: 0,
+            patch_mismatches: 0,
         }
     }
 
@@ -351,6 +361,23 @@ impl Stream {
         let s = Summary::of(&event);
         let rv: u64 = s.resource_version.parse().unwrap_or_default();
         let deleted = s.event_type == "deleted";
+        if deleted {
+            self.objects.remove(&s.key());
+        } else {
+            let object = event["data"]["object"].clone();
+            if let Some(patch) = event["data"].get("patch") {
+                self.patches += 1;
+                let applied = self.objects.get(&s.key()).cloned().and_then(|mut doc| {
+                    let patch: json_patch::Patch = serde_json::from_value(patch.clone()).ok()?;
+                    json_patch::patch(&mut doc, &patch).ok()?;
+                    Some(doc)
+                });
+                if applied.as_ref() != Some(&object) {
+                    self.patch_mismatches += 1;
+                }
+            }
+            self.objects.insert(s.key(), object);
+        }
         let slot = self.newest.entry(s.key()).or_insert((0, true));
         if rv >= slot.0 {
             *slot = (rv, deleted);
@@ -536,7 +563,9 @@ fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
     if scenario == "filter-churn" {
         resource["filter"] = json!(r#"object.metadata.labels["keep"] == "yes""#);
         resource["ignore_fields"] = json!(["/metadata/annotations", "/metadata/resourceVersion"]);
+        // Patches alone: the bench applies each to the object it last read, as a consumer.
         message["diff"] = json!("patch");
+        message["include_old_object"] = json!(false);
     }
     json!({
         "cluster": "chaos",
@@ -686,11 +715,13 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let extra = match scenario {
         "watch-drop" | "gone-storm" => format!("  faults {}", faults.load(Ordering::Relaxed)),
         "filter-churn" => format!(
-            "  faults {}  annotation-only updates {}  filtered out (k8sfilteredout) {}  suppressed {}",
+            "  faults {}  annotation-only updates {}  filtered out (k8sfilteredout) {}  suppressed {}  patches {} (not giving the object: {})",
             faults.load(Ordering::Relaxed),
             t.annotation_only,
             stream.filtered_out,
-            suppressed
+            suppressed,
+            stream.patches,
+            stream.patch_mismatches
         ),
         "broker-down" | "kafka-broker-down" => {
             format!("  down {} s", faults.load(Ordering::Relaxed))

@@ -451,10 +451,16 @@ impl Encoder {
         let old_object = old.filter(|_| self.include_old_object && trim < Trim::OldObject);
         let patch = match old {
             Some(old) if self.diff == DiffMode::Patch && trim < Trim::Patch => {
-                Some(patch_between(old, obj).ok_or_else(|| Error::Serialize {
-                    key: key.to_owned(),
-                    source: serde::ser::Error::custom("the object is not JSON"),
-                })?)
+                let patch = patch_between(old, obj);
+                if patch.is_none() {
+                    // Not reached with cached objects (valid JSON); the message still goes,
+                    // with its objects.
+                    tracing::warn!(
+                        key,
+                        "Cannot diff the old and new object; the update goes without data.patch"
+                    );
+                }
+                patch
             }
             _ => None,
         };
