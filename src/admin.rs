@@ -7,7 +7,32 @@ use axum::{Router, extract::State, http::StatusCode, response::IntoResponse, rou
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+
 use crate::metrics::Metrics;
+
+/// The admin HTTP server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminConfig {
+    /// Address to listen on; port 0 picks a free port (logged at start).
+    #[serde(default = "default_admin_address")]
+    pub address: SocketAddr,
+}
+
+impl Default for AdminConfig {
+    fn default() -> Self {
+        Self {
+            address: default_admin_address(),
+        }
+    }
+}
+
+fn default_admin_address() -> SocketAddr {
+    SocketAddr::from(([0, 0, 0, 0], 8080))
+}
 
 /// `Ok` with notes (pending or refused resources, which do not make the service unready:
 /// it exports what it can) when ready; the reasons when not.

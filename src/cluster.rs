@@ -1,4 +1,5 @@
-//! Connecting to the Kubernetes API and resolving configured kinds by discovery.
+//! Connecting to the Kubernetes API: its settings, the one client every request goes through
+//! (with a client-side rate limit that counts requests), and clear connection errors.
 //!
 //! Connection trouble is reported, not hidden: a failure names the kubeconfig, context and
 //! server that were tried.
@@ -7,21 +8,124 @@ use std::{path::PathBuf, time::Duration};
 
 use kube::{
     Client,
-    api::{ApiResource, GroupVersionKind},
     config::{KubeConfigOptions, Kubeconfig},
-    discovery::{self, ApiCapabilities, Scope, verbs},
 };
 
 use std::sync::Arc;
 
-use crate::{
-    config::{KubernetesConfig, ResourceConfig, ScopeSelection},
-    metrics::Metrics,
-    workqueue::TokenBucket,
-};
+use serde::{Deserialize, Serialize};
+
+use crate::{metrics::Metrics, problems::Section, workqueue::TokenBucket};
 
 /// How long the start-up reachability check waits for the API server.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How to reach the Kubernetes API server.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    /// Path of a kubeconfig file; unset means `$KUBECONFIG`, then `~/.kube/config`, then in-cluster.
+    #[serde(default)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context to use; unset means the file's current context.
+    #[serde(default)]
+    pub context: Option<String>,
+    /// Objects per page of a list request (client-go uses 500).
+    #[serde(default = "default_page_size")]
+    pub page_size: u32,
+    /// Use a streaming watch-list (`sendInitialEvents=true`) for the initial state instead of a
+    /// paged list; needs the WatchList feature on the server (on by default from Kubernetes 1.35).
+    #[serde(default)]
+    pub streaming_list: bool,
+    /// Server-side timeout of each watch request, in seconds (the watcher re-watches after it).
+    #[serde(default = "default_watch_timeout")]
+    pub watch_timeout_seconds: u32,
+    /// Fail the start when a configured kind is not served; otherwise it waits as pending.
+    #[serde(default)]
+    pub require_all_resources: bool,
+    /// How often discovery is asked again whether pending kinds are served now and watched
+    /// kinds still are (besides at every CRD change, when CRDs may be watched).
+    #[serde(default = "default_discovery_refresh", with = "humantime_serde")]
+    pub discovery_refresh: Duration,
+    /// Requests per second to the API server, over every list, watch, discovery and lease
+    /// request (client-side rate limit, as client-go's QPS).
+    #[serde(default = "default_qps")]
+    pub qps: f64,
+    /// Requests the rate limit lets through at once.
+    #[serde(default = "default_burst")]
+    pub burst: u32,
+    /// A watch that delivers neither an event nor a bookmark for this long is restarted from
+    /// its last resourceVersion and counted; 0 leaves it to kube's idle timeout (the watch
+    /// timeout plus 5 s).
+    #[serde(default = "default_watch_stall_timeout", with = "humantime_serde")]
+    pub watch_stall_timeout: Duration,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: None,
+            context: None,
+            page_size: default_page_size(),
+            streaming_list: false,
+            watch_timeout_seconds: default_watch_timeout(),
+            require_all_resources: false,
+            discovery_refresh: default_discovery_refresh(),
+            qps: default_qps(),
+            burst: default_burst(),
+            watch_stall_timeout: default_watch_stall_timeout(),
+        }
+    }
+}
+
+impl KubernetesConfig {
+    /// Checks what serde cannot: reports into `p` (paths relative to `kubernetes`).
+    pub fn validate(&self, p: &mut Section) {
+        if self.page_size == 0 {
+            p.add("page_size", "must be at least 1");
+        }
+        if self.watch_timeout_seconds == 0 {
+            p.add("watch_timeout_seconds", "must be at least 1");
+        }
+        if self.discovery_refresh < Duration::from_secs(1) {
+            p.add("discovery_refresh", "must be at least 1s");
+        }
+        if !(self.qps.is_finite() && self.qps > 0.0) {
+            p.add("qps", "must be a positive number");
+        }
+        if self.burst == 0 {
+            p.add("burst", "must be at least 1");
+        }
+        let stall = self.watch_stall_timeout;
+        if !stall.is_zero() && stall < Duration::from_secs(1) {
+            p.add("watch_stall_timeout", "must be 0 (off) or at least 1s");
+        }
+    }
+}
+
+// client-go's ListPager page size.
+fn default_page_size() -> u32 {
+    500
+}
+// Below kube-apiserver's 5-10 min range, so that proxies with shorter idle limits don't cut it.
+fn default_watch_timeout() -> u32 {
+    290
+}
+fn default_discovery_refresh() -> Duration {
+    Duration::from_secs(60)
+}
+// kubectl's QPS; client-go's 5/10 is too low for dozens of informers listing at start.
+fn default_qps() -> f64 {
+    50.0
+}
+// Lets about a hundred informers start their lists at once.
+fn default_burst() -> u32 {
+    100
+}
+// The API server sends a bookmark about every minute: two missed, plus some slack.
+fn default_watch_stall_timeout() -> Duration {
+    Duration::from_secs(150)
+}
 
 /// Errors connecting or resolving resources.
 #[derive(Debug, thiserror::Error)]
@@ -291,163 +395,6 @@ where
             Ok(response)
         })
     }
-}
-
-/// A configured kind, resolved by discovery.
-#[derive(Debug, Clone)]
-pub struct ResolvedResource {
-    /// Group, version, kind and plural.
-    pub api_resource: ApiResource,
-    /// Whether objects live in namespaces.
-    pub namespaced: bool,
-}
-
-/// The kinds `resources[index]` selects now: its one kind ([`resolve`]), or for `kind: "*"`
-/// every kind of the selected API versions (a group's preferred version for `group/*`)
-/// that supports list and watch, within `scope` and not in `exclude` (cluster-scoped kinds
-/// are left out when the entry lists namespaces). A group whose discovery fails is skipped
-/// with a warning (an aggregated API that is down must not stop the rest); none selected
-/// is [`Error::NotServed`].
-pub async fn resolve_all(
-    client: &Client,
-    index: usize,
-    r: &ResourceConfig,
-) -> Result<Vec<ResolvedResource>> {
-    if !r.is_wildcard() {
-        return resolve(client, index, r).await.map(|one| vec![one]);
-    }
-    let err = |reason: String| Error::Resource {
-        index,
-        api_version: r.api_version.clone(),
-        kind: r.kind.clone(),
-        reason,
-    };
-    let groups: Vec<discovery::ApiGroup> = if r.api_version == "*" {
-        let names = client
-            .list_api_groups()
-            .await
-            .map_err(|e| err(format!("discovery failed: {e}")))?;
-        let mut groups = Vec::new();
-        for name in std::iter::once(String::new()).chain(names.groups.into_iter().map(|g| g.name)) {
-            match discovery::group(client, &name).await {
-                Ok(g) => groups.push(g),
-                Err(e) => tracing::warn!(group = %name, error = %e,
-                    "Discovery of an API group failed; its kinds are left out until it answers"),
-            }
-        }
-        groups
-    } else if let Some(group) = r.api_version.strip_suffix("/*") {
-        match discovery::group(client, group).await {
-            Ok(g) => vec![g],
-            Err(kube::Error::Discovery(_)) => Vec::new(),
-            Err(kube::Error::Api(s)) if s.code == 404 => Vec::new(),
-            Err(e) => return Err(err(format!("discovery failed: {e}"))),
-        }
-    } else {
-        let (group, version) = r
-            .api_version
-            .split_once('/')
-            .unwrap_or(("", &r.api_version));
-        let gv = kube::core::GroupVersion::gv(group, version);
-        match discovery::pinned_group(client, &gv).await {
-            Ok(g) => vec![g],
-            Err(kube::Error::Api(s)) if s.code == 404 => Vec::new(),
-            Err(e) => return Err(err(format!("discovery failed: {e}"))),
-        }
-    };
-    let pinned_version = r
-        .api_version
-        .split_once('/')
-        .map_or(r.api_version.as_str(), |(_, v)| v);
-    let mut selected = Vec::new();
-    for g in &groups {
-        let resources = if r.api_version.ends_with('*') {
-            g.recommended_resources()
-        } else {
-            g.versioned_resources(pinned_version)
-        };
-        for (api_resource, caps) in resources {
-            let namespaced = caps.scope == Scope::Namespaced;
-            let in_scope = match r.scope {
-                ScopeSelection::All => true,
-                ScopeSelection::Namespaced => namespaced,
-                ScopeSelection::Cluster => !namespaced,
-            };
-            if caps.supports_operation(verbs::LIST)
-                && caps.supports_operation(verbs::WATCH)
-                && in_scope
-                && (namespaced || r.namespaces.is_empty())
-                && !r.excludes(&api_resource.group, &api_resource.kind)
-            {
-                selected.push(ResolvedResource {
-                    api_resource,
-                    namespaced,
-                });
-            }
-        }
-    }
-    if selected.is_empty() {
-        return Err(Error::NotServed {
-            index,
-            api_version: r.api_version.clone(),
-            kind: r.kind.clone(),
-            reason: "no kind that can be listed and watched matches (yet)".into(),
-        });
-    }
-    Ok(selected)
-}
-
-/// Resolves `resources[index]` by discovery: the kind must exist and support list and watch,
-/// and a cluster-scoped kind cannot be limited to namespaces.
-pub async fn resolve(
-    client: &Client,
-    index: usize,
-    r: &ResourceConfig,
-) -> Result<ResolvedResource> {
-    let err = |reason: String| Error::Resource {
-        index,
-        api_version: r.api_version.clone(),
-        kind: r.kind.clone(),
-        reason,
-    };
-    let (group, version) = r
-        .api_version
-        .split_once('/')
-        .unwrap_or(("", &r.api_version));
-    let gvk = GroupVersionKind::gvk(group, version, &r.kind);
-    let not_served = |reason: String| Error::NotServed {
-        index,
-        api_version: r.api_version.clone(),
-        kind: r.kind.clone(),
-        reason,
-    };
-    let (api_resource, caps): (ApiResource, ApiCapabilities) = discovery::pinned_kind(client, &gvk)
-        .await
-        .map_err(|e| match e {
-            kube::Error::Api(s) if s.code == 404 => {
-                not_served(format!("the API server does not serve {}", r.api_version))
-            }
-            kube::Error::Discovery(_) => {
-                not_served(format!("{} has no kind {:?}", r.api_version, r.kind))
-            }
-            other => err(format!("discovery failed: {other}")),
-        })?;
-    for verb in [verbs::LIST, verbs::WATCH] {
-        if !caps.supports_operation(verb) {
-            return Err(err(format!(
-                "resource {:?} does not support {verb}",
-                api_resource.plural
-            )));
-        }
-    }
-    let namespaced = caps.scope == Scope::Namespaced;
-    if !namespaced && !r.namespaces.is_empty() {
-        return Err(err("is cluster-scoped; remove `namespaces`".into()));
-    }
-    Ok(ResolvedResource {
-        api_resource,
-        namespaced,
-    })
 }
 
 #[cfg(test)]

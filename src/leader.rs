@@ -30,7 +30,87 @@ use tokio::{sync::watch, time::Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::config::LeaderElectionConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::problems::Section;
+
+/// Leader election on a `coordination.k8s.io/v1` Lease. Durations are client-go's defaults.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaderElectionConfig {
+    /// Elect one leader among the replicas; only the leader publishes, standbys keep warm
+    /// caches. Off for a single replica.
+    #[serde(default)]
+    pub enabled: bool,
+    /// Name of the Lease.
+    #[serde(default = "default_lease_name")]
+    pub lease_name: String,
+    /// Namespace of the Lease; unset means `$POD_NAMESPACE`, then the service account's.
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// This replica's identity in the Lease; unset means `$POD_NAME`, then the host name.
+    #[serde(default)]
+    pub identity: Option<String>,
+    /// How long a lease lasts without renewal before another replica may take it.
+    #[serde(default = "default_lease_duration", with = "humantime_serde")]
+    pub lease_duration: Duration,
+    /// How long the leader tries to renew before it stops publishing; below `lease_duration`,
+    /// so that it stops before anyone else can start.
+    #[serde(default = "default_renew_deadline", with = "humantime_serde")]
+    pub renew_deadline: Duration,
+    /// Pause between attempts to acquire or renew the lease.
+    #[serde(default = "default_retry_period", with = "humantime_serde")]
+    pub retry_period: Duration,
+}
+
+impl Default for LeaderElectionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            lease_name: default_lease_name(),
+            namespace: None,
+            identity: None,
+            lease_duration: default_lease_duration(),
+            renew_deadline: default_renew_deadline(),
+            retry_period: default_retry_period(),
+        }
+    }
+}
+
+impl LeaderElectionConfig {
+    /// Checks what serde cannot: reports into `p` (paths relative to `leader_election`).
+    pub fn validate(&self, p: &mut Section) {
+        if self.renew_deadline >= self.lease_duration {
+            p.add(
+                "renew_deadline",
+                "must be shorter than lease_duration (fencing)",
+            );
+        }
+        if self.retry_period.is_zero() || self.retry_period >= self.renew_deadline {
+            p.add(
+                "retry_period",
+                "must be above 0 and shorter than renew_deadline",
+            );
+        }
+        if self.lease_duration < Duration::from_secs(1) {
+            p.add("lease_duration", "must be at least 1s");
+        }
+    }
+}
+
+fn default_lease_name() -> String {
+    "kube-event-bridge".into()
+}
+// client-go's leader election defaults: 15 s lease, 10 s renew deadline, 2 s retry period.
+fn default_lease_duration() -> Duration {
+    Duration::from_secs(15)
+}
+fn default_renew_deadline() -> Duration {
+    Duration::from_secs(10)
+}
+fn default_retry_period() -> Duration {
+    Duration::from_secs(2)
+}
 
 /// One candidate for the lease. See the module docs.
 pub struct LeaderElector {

@@ -33,5 +33,7 @@ pub mod leader;
 pub mod message;
 pub mod metrics;
 pub mod pipeline;
+pub mod problems;
+pub mod selection;
 pub mod sinks;
 pub mod workqueue;

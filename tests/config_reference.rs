@@ -1,4 +1,5 @@
-//! Keeps README.md's configuration reference in sync with `src/config.rs`: every field's
+//! Keeps README.md's configuration reference in sync with the settings structs (assembled in
+//! `src/config/`, each component's beside it): every field's
 //! `///` line and default must appear in the README table, verbatim. On failure the test
 //! prints the table to paste.
 
@@ -33,7 +34,15 @@ const SECTIONS: &[(&str, &str)] = &[
 
 /// The files whose structs make up the configuration.
 const SOURCES: &[&str] = &[
-    include_str!("../src/config.rs"),
+    include_str!("../src/config/mod.rs"),
+    include_str!("../src/config/resource.rs"),
+    include_str!("../src/config/sink.rs"),
+    include_str!("../src/cluster.rs"),
+    include_str!("../src/admin.rs"),
+    include_str!("../src/leader.rs"),
+    include_str!("../src/message/mod.rs"),
+    include_str!("../src/sinks/secret.rs"),
+    include_str!("../src/sinks/stdout/config.rs"),
     include_str!("../src/sinks/nats/config.rs"),
     include_str!("../src/sinks/kafka/config.rs"),
 ];

@@ -23,9 +23,9 @@ use super::{
     Error, NatsSource, Result, event::Summary, find_sink, kafka_topics, progress::Progress,
 };
 use crate::{
-    cluster,
     config::{Config, SinkType},
     message::{Encoder, Encoding},
+    selection,
     sinks::{
         kafka::{KafkaMode, KafkaSink, KafkaSinkConfig, client_config, reader::read_to_end},
         nats::{NatsMode, NatsSinkConfig},
@@ -395,7 +395,7 @@ pub async fn check(
         {
             continue;
         }
-        for resolved in cluster::resolve_all(client, index, r).await? {
+        for resolved in selection::resolve_all(client, index, r).await? {
             let resource_name = if resolved.api_resource.group.is_empty() {
                 resolved.api_resource.plural.clone()
             } else {

@@ -25,8 +25,8 @@ use std::{
 
 use tokio::time::Instant;
 
+use super::EventType;
 use super::Notification;
-use crate::config::EventType;
 
 /// Receives a listener's notifications. Must not block.
 pub trait NotificationHandler: Send + Sync {

@@ -186,6 +186,49 @@ impl ObjectMetaRef for DynamicObject {
     }
 }
 
+/// `old` and `new` reduced to the top-level fields whose JSON differs, parsed: an update
+/// usually changes one or two (`metadata`, `status`), and the rest need not be parsed to be
+/// diffed or compared. Cached JSON is written by one serializer, so equal text means equal
+/// values.
+pub fn differing_fields(
+    old: &CachedObject,
+    new: &CachedObject,
+) -> Option<(serde_json::Value, serde_json::Value)> {
+    use serde_json::value::RawValue;
+    type Fields<'a> = std::collections::BTreeMap<&'a str, &'a RawValue>;
+    let (old, new) = (old.json().get(), new.json().get());
+    let (Ok(a), Ok(b)) = (
+        serde_json::from_str::<Fields>(old),
+        serde_json::from_str::<Fields>(new),
+    ) else {
+        // Escaped keys cannot be borrowed: parse everything.
+        return Some((
+            serde_json::from_str(old).ok()?,
+            serde_json::from_str(new).ok()?,
+        ));
+    };
+    let parse = |raw: &RawValue| serde_json::from_str::<serde_json::Value>(raw.get());
+    let (mut x, mut y) = (serde_json::Map::new(), serde_json::Map::new());
+    for (k, va) in &a {
+        match b.get(k) {
+            Some(vb) if vb.get() == va.get() => {}
+            Some(vb) => {
+                x.insert((*k).to_owned(), parse(va).ok()?);
+                y.insert((*k).to_owned(), parse(vb).ok()?);
+            }
+            None => {
+                x.insert((*k).to_owned(), parse(va).ok()?);
+            }
+        }
+    }
+    for (k, vb) in &b {
+        if !a.contains_key(k) {
+            y.insert((*k).to_owned(), parse(vb).ok()?);
+        }
+    }
+    Some((serde_json::Value::Object(x), serde_json::Value::Object(y)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod filter;
 pub mod resume;
+pub mod route;
 pub mod route_queue;
 pub mod worker;
 
@@ -26,6 +27,7 @@ use tracing::warn;
 
 pub use checkpoint::{CheckpointStore, Checkpointer};
 pub use resume::Resumer;
+pub use route::{BuiltRoute, RouteBuilder};
 pub use route_queue::{Budget, RouteQueue};
 pub use worker::{Delivery, Route};
 

@@ -33,13 +33,46 @@ use prometheus::IntCounter;
 use tracing::info;
 
 use super::{checkpoint::Checkpoint, checkpoint::Entry};
-use crate::{
-    config::EventType,
-    informer::{CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef},
+use crate::informer::{
+    CachedObject, EventType, Notification, NotificationHandler, NotificationKind, ObjectRef,
 };
 
-/// Outcomes counted in `keb_resume_objects_total{outcome}`, in this order.
-pub const OUTCOMES: [&str; 5] = ["unchanged", "updated", "deleted", "added", "recreated"];
+/// What a resume found for one object, counted in `keb_resume_objects_total{outcome}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Same uid and resourceVersion as the checkpoint: nothing published.
+    Unchanged = 0,
+    /// A newer resourceVersion: published as updated.
+    Updated,
+    /// In the checkpoint but gone: published as deleted.
+    Deleted,
+    /// Not in the checkpoint: published as added.
+    Added,
+    /// A new uid under a checkpointed key: delete then add.
+    Recreated,
+}
+
+impl Outcome {
+    /// Every outcome, in discriminant order.
+    pub const ALL: [Outcome; 5] = [
+        Self::Unchanged,
+        Self::Updated,
+        Self::Deleted,
+        Self::Added,
+        Self::Recreated,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unchanged => "unchanged",
+            Self::Updated => "updated",
+            Self::Deleted => "deleted",
+            Self::Added => "added",
+            Self::Recreated => "recreated",
+        }
+    }
+}
 
 /// See the module docs.
 pub struct Resumer {
@@ -52,7 +85,7 @@ pub struct Resumer {
     // Mirrors `state` (set and cleared under its lock): once a resume is over, notifications
     // go straight to the queue without taking the lock.
     resuming: AtomicBool,
-    outcomes: [IntCounter; 5],
+    outcomes: [IntCounter; Outcome::ALL.len()],
 }
 
 enum State {
@@ -72,7 +105,7 @@ impl Resumer {
         accepted: &[EventType],
         types: TypeMeta,
         informers: usize,
-        outcomes: [IntCounter; 5],
+        outcomes: [IntCounter; Outcome::ALL.len()],
     ) -> Self {
         let mut accepts = [false; 4];
         for t in accepted {
@@ -158,8 +191,8 @@ impl Resumer {
         ));
     }
 
-    fn count(&self, outcome: usize) {
-        self.outcomes[outcome].inc();
+    fn count(&self, outcome: Outcome) {
+        self.outcomes[outcome as usize].inc();
     }
 }
 
@@ -186,7 +219,7 @@ impl NotificationHandler for Resumer {
                 entry,
             ) => match entry {
                 None => {
-                    self.count(3);
+                    self.count(Outcome::Added);
                     self.forward(self.derived(
                         &n,
                         NotificationKind::Add {
@@ -199,16 +232,16 @@ impl NotificationHandler for Resumer {
                     if e.uid == uid
                         && e.resource_version == crate::informer::resource_version(&obj) =>
                 {
-                    self.count(0);
+                    self.count(Outcome::Unchanged);
                     self.next.on_known(&key, Some(&obj));
                 }
                 Some(e) if e.uid == uid => {
-                    self.count(1);
+                    self.count(Outcome::Updated);
                     let old = self.stub(&key, &e);
                     self.forward(self.derived(&n, NotificationKind::Update { old, new: obj }));
                 }
                 Some(e) => {
-                    self.count(4);
+                    self.count(Outcome::Recreated);
                     self.forward_gone(&n, &key, &e);
                     self.forward(self.derived(
                         &n,
@@ -222,7 +255,7 @@ impl NotificationHandler for Resumer {
             // A change after the initial state: the informer follows the key from here on;
             // an older incarnation the checkpoint knows is deleted first.
             (_, Some(e)) if e.uid != uid => {
-                self.count(2);
+                self.count(Outcome::Deleted);
                 self.forward_gone(&n, &key, &e);
                 self.forward(n);
             }
@@ -256,7 +289,7 @@ impl NotificationHandler for Resumer {
         let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
         let deleted = vanished.len();
         for (key, entry) in vanished {
-            self.count(2);
+            self.count(Outcome::Deleted);
             self.forward(Notification {
                 kind: NotificationKind::Delete {
                     obj: self.stub(&key, &entry),

@@ -647,10 +647,10 @@ mod tests {
         fn fact(n: &Notification) -> (char, String, u64) {
             let o = n.object();
             let t = match n.event_type() {
-                crate::config::EventType::Added => 'A',
-                crate::config::EventType::Updated => 'U',
-                crate::config::EventType::Deleted => 'D',
-                crate::config::EventType::Synced => 'S',
+                crate::informer::EventType::Added => 'A',
+                crate::informer::EventType::Updated => 'U',
+                crate::informer::EventType::Deleted => 'D',
+                crate::informer::EventType::Synced => 'S',
             };
             (
                 t,

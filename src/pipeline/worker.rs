@@ -9,10 +9,10 @@ use tracing::{debug, error, info, warn};
 
 use super::RouteQueue;
 use crate::{
-    informer::Notification,
+    informer::{EventType, Notification},
     message::{Encoder, Message, Trim},
     metrics::Metrics,
-    sinks::Sink,
+    sinks::{FailureReason, Sink},
     workqueue::TokenBucket,
 };
 
@@ -40,14 +40,57 @@ pub struct Delivery {
 }
 
 struct RouteMetrics {
-    published: [IntCounter; 4],
+    published: [IntCounter; EventType::ALL.len()],
     in_flight: IntGauge,
     bytes: IntCounter,
     publish_duration: Histogram,
     end_to_end: Histogram,
     failed: IntCounterVec,
-    // `keb_message_degraded_total` by step: old_object, patch, reference, dead_letter.
-    degraded: [IntCounter; 4],
+    degraded: [IntCounter; Degradation::ALL.len()],
+}
+
+/// The `step` label of `keb_message_degraded_total`: how far a message over the
+/// destination's size limit was cut before it was accepted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Degradation {
+    /// Sent without `data.oldObject` ([`Trim::OldObject`]).
+    OldObject = 0,
+    /// Sent without `data.oldObject` and `data.patch` ([`Trim::Patch`]).
+    Patch,
+    /// Sent as a reference ([`Trim::Reference`]).
+    Reference,
+    /// Too large even as a reference: dead-lettered.
+    DeadLetter,
+}
+
+impl Degradation {
+    /// Every step, in discriminant order.
+    pub const ALL: [Degradation; 4] = [
+        Self::OldObject,
+        Self::Patch,
+        Self::Reference,
+        Self::DeadLetter,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::OldObject => "old_object",
+            Self::Patch => "patch",
+            Self::Reference => "reference",
+            Self::DeadLetter => "dead_letter",
+        }
+    }
+
+    /// The step a message sent at `trim` counts at; `None` for a whole message.
+    pub fn of(trim: Trim) -> Option<Self> {
+        match trim {
+            Trim::None => None,
+            Trim::OldObject => Some(Self::OldObject),
+            Trim::Patch => Some(Self::Patch),
+            Trim::Reference => Some(Self::Reference),
+        }
+    }
 }
 
 /// One (resource, sink) route. See the module docs of [`super`].
@@ -79,7 +122,7 @@ struct Sent {
     id: String,
     // How much of the message was left out to fit.
     trim: Trim,
-    event_type: crate::config::EventType,
+    event_type: EventType,
     bytes: usize,
     received: std::time::Instant,
     started: std::time::Instant,
@@ -147,10 +190,10 @@ impl Route {
         let sink = delivery.sink.name().to_owned();
         let labels = [sink.as_str(), resource.as_str()];
         let metrics = RouteMetrics {
-            published: ["added", "updated", "deleted", "synced"].map(|t| {
+            published: EventType::ALL.map(|t| {
                 metrics
                     .sink_published
-                    .with_label_values(&[labels[0], labels[1], t])
+                    .with_label_values(&[labels[0], labels[1], t.as_str()])
             }),
             in_flight: metrics.sink_in_flight.with_label_values(&[labels[0]]),
             bytes: metrics.sink_bytes.with_label_values(&labels),
@@ -161,13 +204,13 @@ impl Route {
                 .end_to_end_latency
                 .with_label_values(&[labels[1], labels[0]]),
             failed: metrics.sink_failed.clone(),
-            degraded: ["old_object", "patch", "reference", "dead_letter"].map(|step| {
+            degraded: Degradation::ALL.map(|step| {
                 metrics
                     .message_degraded
-                    .with_label_values(&[labels[0], labels[1], step])
+                    .with_label_values(&[labels[0], labels[1], step.as_str()])
             }),
         };
-        for reason in crate::sinks::FAILURE_REASONS {
+        for reason in FailureReason::ALL.map(FailureReason::as_str) {
             metrics
                 .failed
                 .with_label_values(&[labels[0], labels[1], reason]);
@@ -204,10 +247,10 @@ impl Route {
             .collect()
     }
 
-    fn failed(&self, reason: &str) {
+    fn failed(&self, reason: FailureReason) {
         self.metrics
             .failed
-            .with_label_values(&[self.delivery.sink.name(), &self.resource, reason])
+            .with_label_values(&[self.delivery.sink.name(), &self.resource, reason.as_str()])
             .inc();
     }
 
@@ -343,10 +386,11 @@ impl Route {
         if let Some(c) = &self.checkpointer {
             c.record(key, &n); // settled for good: a restart must not re-send it
         }
-        self.failed("max_retries");
+        self.failed(FailureReason::MaxRetries);
         error!(sink = %self.delivery.sink.name(), resource = %self.resource, key,
                retries = queue.num_requeues(&key.to_owned()), "Giving up on a notification after max_retries");
-        self.dead_letter(key, &n, None, "max_retries").await;
+        self.dead_letter(key, &n, None, FailureReason::MaxRetries)
+            .await;
         self.queue.settle(1);
         queue.forget(&key.to_owned());
     }
@@ -367,9 +411,9 @@ impl Route {
             let message = match self.encoder.encode_trimmed(key, n, trim) {
                 Ok(m) => m,
                 Err(err) => {
-                    self.failed("encode");
+                    self.failed(FailureReason::Encode);
                     error!(error = %err, sink = %sink.name(), resource = %self.resource, key, "Cannot encode notification");
-                    self.dead_letter(key, n, None, "encode").await;
+                    self.dead_letter(key, n, None, FailureReason::Encode).await;
                     return None;
                 }
             };
@@ -417,15 +461,15 @@ impl Route {
     }
 
     async fn too_large(&self, key: &str, n: &Notification, message: &Message, limit: usize) {
-        self.metrics.degraded[3].inc();
-        self.failed("too_large");
+        self.metrics.degraded[Degradation::DeadLetter as usize].inc();
+        self.failed(FailureReason::TooLarge);
         error!(sink = %self.delivery.sink.name(), resource = %self.resource, key, size = message.wire_size(), limit,
                "Even a reference-only message exceeds the sink's size limit; dead-lettering it");
         self.dead_letter(
             key,
             n,
             Some((&message.id, message.payload.len())),
-            "too_large",
+            FailureReason::TooLarge,
         )
         .await;
     }
@@ -503,10 +547,10 @@ impl Route {
                     .end_to_end
                     .observe(sent.received.elapsed().as_secs_f64());
                 self.metrics.published[sent.event_type as usize].inc();
-                if sent.trim != Trim::None {
+                if let Some(step) = Degradation::of(sent.trim) {
                     // Counted once accepted: a trimmed message the destination refused again
                     // is counted at the step that made it fit.
-                    self.metrics.degraded[sent.trim as usize - 1].inc();
+                    self.metrics.degraded[step as usize].inc();
                 }
                 self.metrics.bytes.inc_by(sent.bytes as u64);
                 if self.failing.load(std::sync::atomic::Ordering::Relaxed)
@@ -553,7 +597,7 @@ impl Route {
             Err(err) => {
                 self.failed(err.reason());
                 if matches!(err, crate::sinks::Error::TooLarge { .. }) {
-                    self.metrics.degraded[3].inc();
+                    self.metrics.degraded[Degradation::DeadLetter as usize].inc();
                 }
                 error!(error = %err, sink = %sink.name(), key, id = %sent.id, "Publish failed for good");
                 self.dead_letter(key, n, Some((&sent.id, sent.bytes)), err.reason())
@@ -581,7 +625,7 @@ impl Route {
         key: &str,
         n: &Notification,
         message: Option<(&str, usize)>,
-        reason: &str,
+        reason: FailureReason,
     ) {
         let Some(dlq) = &self.delivery.dead_letter else {
             return;
@@ -594,7 +638,7 @@ impl Route {
             "resource": self.resource,
             "sink": self.delivery.sink.name(),
             "type": n.event_type().as_str(),
-            "reason": reason,
+            "reason": reason.as_str(),
             "size": message.map(|(_, size)| size),
         });
         let dead = Message {
@@ -615,13 +659,12 @@ impl Route {
     }
 }
 
-/// The id the message of `n` has: `uid:resourceVersion:type`.
+/// The id the message of `n` has (see [`crate::message::message_id`]).
 fn message_id(n: &Notification) -> String {
     let meta = &**n.object();
-    format!(
-        "{}:{}:{}",
+    crate::message::message_id(
         meta.uid().unwrap_or_default(),
         meta.resource_version().unwrap_or_default(),
-        n.event_type().as_str()
+        n.event_type(),
     )
 }

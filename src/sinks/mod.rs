@@ -1,10 +1,15 @@
 //! Sinks: where messages go. Every sink implements [`Sink`]; a publish returns only once the
 //! destination has accepted the message, and its error says whether a retry can help.
 
+pub mod checkpoint;
 pub mod kafka;
 pub mod nats;
+pub mod secret;
 pub mod stdout;
 pub mod template;
+
+pub use checkpoint::CheckpointStore;
+pub use secret::SecretRef;
 
 use futures::{FutureExt, future::BoxFuture};
 
@@ -64,36 +69,79 @@ impl Error {
         matches!(self, Self::Io(_) | Self::Unavailable(_) | Self::TimedOut(_))
     }
 
-    /// A short, bounded label for the `reason` of `keb_sink_failed_total`.
-    pub fn reason(&self) -> &'static str {
+    /// The bounded `reason` of `keb_sink_failed_total` for this error.
+    pub fn reason(&self) -> FailureReason {
         match self {
-            Self::Io(_) => "io",
-            Self::Unavailable(_) => "unavailable",
-            Self::TimedOut(_) => "timeout",
-            Self::TooLarge { .. } => "too_large",
-            Self::InvalidDestination { .. } => "invalid_destination",
-            Self::Denied(_) => "denied",
-            Self::Open { .. } => "open",
-            Self::Setup(_) => "setup",
+            Self::Io(_) => FailureReason::Io,
+            Self::Unavailable(_) => FailureReason::Unavailable,
+            Self::TimedOut(_) => FailureReason::Timeout,
+            Self::TooLarge { .. } => FailureReason::TooLarge,
+            Self::InvalidDestination { .. } => FailureReason::InvalidDestination,
+            Self::Denied(_) => FailureReason::Denied,
+            Self::Open { .. } => FailureReason::Open,
+            Self::Setup(_) => FailureReason::Setup,
         }
     }
 }
 
-/// Every `reason` label of `keb_sink_failed_total`: the sink errors' reasons, plus the
-/// pipeline's own (`encode`, `max_retries`). Routes start each at zero, so that every series
-/// exists before the first failure.
-pub const FAILURE_REASONS: &[&str] = &[
-    "io",
-    "unavailable",
-    "timeout",
-    "too_large",
-    "invalid_destination",
-    "denied",
-    "open",
-    "setup",
-    "encode",
-    "max_retries",
-];
+/// The `reason` label of `keb_sink_failed_total`: the sink errors' reasons, plus the
+/// pipeline's own (`encode`, `max_retries`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureReason {
+    /// [`Error::Io`].
+    Io,
+    /// [`Error::Unavailable`].
+    Unavailable,
+    /// [`Error::TimedOut`].
+    Timeout,
+    /// [`Error::TooLarge`], or a message too large even as a reference.
+    TooLarge,
+    /// [`Error::InvalidDestination`].
+    InvalidDestination,
+    /// [`Error::Denied`].
+    Denied,
+    /// [`Error::Open`].
+    Open,
+    /// [`Error::Setup`].
+    Setup,
+    /// The notification could not be encoded.
+    Encode,
+    /// Retried `max_retries` times.
+    MaxRetries,
+}
+
+impl FailureReason {
+    /// Every reason; routes start each at zero, so that every series exists before the first
+    /// failure.
+    pub const ALL: [FailureReason; 10] = [
+        Self::Io,
+        Self::Unavailable,
+        Self::Timeout,
+        Self::TooLarge,
+        Self::InvalidDestination,
+        Self::Denied,
+        Self::Open,
+        Self::Setup,
+        Self::Encode,
+        Self::MaxRetries,
+    ];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Io => "io",
+            Self::Unavailable => "unavailable",
+            Self::Timeout => "timeout",
+            Self::TooLarge => "too_large",
+            Self::InvalidDestination => "invalid_destination",
+            Self::Denied => "denied",
+            Self::Open => "open",
+            Self::Setup => "setup",
+            Self::Encode => "encode",
+            Self::MaxRetries => "max_retries",
+        }
+    }
+}
 
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

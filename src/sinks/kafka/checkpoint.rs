@@ -26,8 +26,8 @@ use super::{
     sink::client_config,
 };
 use crate::{
-    pipeline::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
     sinks,
+    sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
 };
 
 /// See the module docs.

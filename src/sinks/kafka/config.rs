@@ -5,9 +5,11 @@ use std::{collections::BTreeMap, path::PathBuf, time::Duration};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::SecretRef,
     message::Encoding,
-    sinks::template::{Field, Template},
+    sinks::{
+        SecretRef,
+        template::{Field, Template},
+    },
 };
 
 /// Settings of a `kafka` sink.

@@ -15,8 +15,8 @@ use tracing::{info, warn};
 
 use super::{NatsSink, NatsSinkConfig};
 use crate::{
-    pipeline::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
     sinks,
+    sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
 };
 
 /// Writes waiting for their acknowledgement at once.

@@ -4,7 +4,7 @@ use std::{path::PathBuf, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{config::SecretRef, message::Encoding};
+use crate::{message::Encoding, sinks::SecretRef};
 
 /// Settings of a `nats` sink.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -169,7 +169,7 @@ pub async fn connect_client(
             async move { events(event) }
         });
     let auth = &cfg.auth;
-    let secret = |r: &crate::config::SecretRef, what: &str| {
+    let secret = |r: &crate::sinks::SecretRef, what: &str| {
         r.resolve().map_err(|e| setup(format!("{what}: {e}")))
     };
     if let Some(token) = &auth.token {

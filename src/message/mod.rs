@@ -1,7 +1,12 @@
-//! Notification → message: the CloudEvents 1.0 envelope, the key, and the object transform
-//! (managedFields stripped, Secret data redacted) applied before objects are cached.
+//! Notification → message: the CloudEvents 1.0 envelope and its settings.
 //!
 //! The envelope is the product's public interface; README.md documents it field by field.
+//! [`trim`] leaves parts out of messages too large for their destination; [`transform`] is
+//! what informers apply to objects before caching them (managedFields stripped, Secret data
+//! redacted).
+
+pub mod transform;
+pub mod trim;
 
 use std::sync::{
     Arc,
@@ -9,13 +14,66 @@ use std::sync::{
 };
 
 use bytes::Bytes;
-use kube::api::{ApiResource, DynamicObject, TypeMeta};
-use serde::Serialize;
+use kube::api::ApiResource;
+use serde::{Deserialize, Serialize};
 
-use crate::{
-    config::{DiffMode, EventType, MessageConfig},
-    informer::{CachedObject, Notification, NotificationKind, reflector::Transform},
-};
+use crate::informer::{CachedObject, EventType, Notification, NotificationKind, object};
+
+pub use transform::{REDACTED, object_transform, redact_secret};
+pub use trim::{Trim, reference_of};
+
+/// What goes into each message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MessageConfig {
+    /// Put the previous state in `data.oldObject` of update messages.
+    #[serde(default = "default_true")]
+    pub include_old_object: bool,
+    /// Remove `metadata.managedFields` from objects (it is large and rarely useful downstream).
+    #[serde(default = "default_true")]
+    pub strip_managed_fields: bool,
+    /// Keep the values of a Secret's `data` and `stringData`; by default they are redacted.
+    #[serde(default)]
+    pub allow_secret_data: bool,
+    /// `none`, or `patch`: update messages carry `data.patch`, an RFC 6902 JSON Patch from the
+    /// last published state to the new object (`include_old_object: false` then saves bytes).
+    #[serde(default)]
+    pub diff: DiffMode,
+}
+
+impl Default for MessageConfig {
+    fn default() -> Self {
+        Self {
+            include_old_object: true,
+            strip_managed_fields: true,
+            allow_secret_data: false,
+            diff: DiffMode::None,
+        }
+    }
+}
+
+/// What update messages carry besides the new object.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiffMode {
+    /// Nothing more.
+    #[default]
+    None,
+    /// `data.patch`: an RFC 6902 JSON Patch from `oldObject` to `object`.
+    Patch,
+}
+
+// On unless a setting turns it off.
+fn default_true() -> bool {
+    true
+}
+
+/// The id of the message about `uid` at `resource_version` of `event_type`:
+/// `uid:resourceVersion:type`. Deterministic, so that brokers (JetStream's `Nats-Msg-Id`) and
+/// consumers can deduplicate redelivery.
+pub fn message_id(uid: &str, resource_version: &str, event_type: EventType) -> String {
+    format!("{uid}:{resource_version}:{}", event_type.as_str())
+}
 
 /// Errors encoding a notification. They are final: retrying cannot fix the object.
 #[derive(Debug, thiserror::Error)]
@@ -44,9 +102,6 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Prefix of the CloudEvents `type` attribute; the event type follows (`….added`).
 pub const TYPE_PREFIX: &str = "io.github.kube-event-bridge.object";
-
-/// Value that replaces each redacted Secret value.
-pub const REDACTED: &str = "<redacted>";
 
 /// How a message carries its CloudEvent (CloudEvents' content modes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -216,122 +271,10 @@ struct Data<'a> {
     patch: Option<&'a json_patch::Patch>,
 }
 
-/// How much of a message is left out to fit the destination's size limit, in the order the
-/// steps are taken (each one keeps the previous ones' cuts).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Trim {
-    /// The whole message.
-    None = 0,
-    /// Without `data.oldObject` (the patch stays).
-    OldObject,
-    /// Without `data.oldObject` and `data.patch`.
-    Patch,
-    /// `data.object` is a reference: apiVersion, kind and metadata without annotations and
-    /// managedFields; the message says `k8struncated: true`.
-    Reference,
-}
-
-impl Trim {
-    /// The label of `keb_message_degraded_total{step}`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::None => "none",
-            Self::OldObject => "old_object",
-            Self::Patch => "patch",
-            Self::Reference => "reference",
-        }
-    }
-}
-
-/// Metadata fields a reference-only message keeps.
-const REFERENCE_METADATA: [&str; 9] = [
-    "name",
-    "namespace",
-    "uid",
-    "resourceVersion",
-    "generation",
-    "creationTimestamp",
-    "deletionTimestamp",
-    "labels",
-    "ownerReferences",
-];
-
-/// The reference-only form of `obj` (see [`Trim::Reference`]).
-pub fn reference_of(obj: &CachedObject) -> Box<serde_json::value::RawValue> {
-    #[derive(serde::Deserialize)]
-    struct Parts {
-        #[serde(rename = "apiVersion", default)]
-        api_version: Option<serde_json::Value>,
-        #[serde(default)]
-        kind: Option<serde_json::Value>,
-        #[serde(default)]
-        metadata: serde_json::Map<String, serde_json::Value>,
-    }
-    let parts: Parts = serde_json::from_str(obj.json().get()).unwrap_or(Parts {
-        api_version: None,
-        kind: None,
-        metadata: Default::default(),
-    });
-    let metadata: serde_json::Map<_, _> = parts
-        .metadata
-        .into_iter()
-        .filter(|(k, _)| REFERENCE_METADATA.contains(&k.as_str()))
-        .collect();
-    let reference = serde_json::json!({
-        "apiVersion": parts.api_version,
-        "kind": parts.kind,
-        "metadata": metadata,
-    });
-    serde_json::value::to_raw_value(&reference).expect("a JSON value serializes")
-}
-
 /// RFC 6902 JSON Patch from `old` to `new`.
 pub fn patch_between(old: &CachedObject, new: &CachedObject) -> Option<json_patch::Patch> {
-    let (old, new) = differing_fields(old, new)?;
+    let (old, new) = object::differing_fields(old, new)?;
     Some(json_patch::diff(&old, &new))
-}
-
-/// `old` and `new` reduced to the top-level fields whose JSON differs, parsed: an update
-/// usually changes one or two (`metadata`, `status`), and the rest need not be parsed to be
-/// diffed or compared. Cached JSON is written by one serializer, so equal text means equal
-/// values.
-pub fn differing_fields(
-    old: &CachedObject,
-    new: &CachedObject,
-) -> Option<(serde_json::Value, serde_json::Value)> {
-    use serde_json::value::RawValue;
-    type Fields<'a> = std::collections::BTreeMap<&'a str, &'a RawValue>;
-    let (old, new) = (old.json().get(), new.json().get());
-    let (Ok(a), Ok(b)) = (
-        serde_json::from_str::<Fields>(old),
-        serde_json::from_str::<Fields>(new),
-    ) else {
-        // Escaped keys cannot be borrowed: parse everything.
-        return Some((
-            serde_json::from_str(old).ok()?,
-            serde_json::from_str(new).ok()?,
-        ));
-    };
-    let parse = |raw: &RawValue| serde_json::from_str::<serde_json::Value>(raw.get());
-    let (mut x, mut y) = (serde_json::Map::new(), serde_json::Map::new());
-    for (k, va) in &a {
-        match b.get(k) {
-            Some(vb) if vb.get() == va.get() => {}
-            Some(vb) => {
-                x.insert((*k).to_owned(), parse(va).ok()?);
-                y.insert((*k).to_owned(), parse(vb).ok()?);
-            }
-            None => {
-                x.insert((*k).to_owned(), parse(va).ok()?);
-            }
-        }
-    }
-    for (k, vb) in &b {
-        if !a.contains_key(k) {
-            y.insert((*k).to_owned(), parse(vb).ok()?);
-        }
-    }
-    Some((serde_json::Value::Object(x), serde_json::Value::Object(y)))
 }
 
 impl Encoder {
@@ -402,21 +345,6 @@ impl Encoder {
         self.encode_trimmed(key, n, Trim::None)
     }
 
-    /// The steps of [`Trim`] that change the message of `n`, in order (`Reference` always).
-    pub fn trim_steps(&self, n: &Notification) -> Vec<Trim> {
-        let update = n.event_type() == EventType::Updated && !n.resumed;
-        let mut steps = Vec::with_capacity(3);
-        let carries_data = self.encoding != Encoding::State;
-        if carries_data && update && self.include_old_object {
-            steps.push(Trim::OldObject);
-        }
-        if carries_data && update && self.diff == DiffMode::Patch {
-            steps.push(Trim::Patch);
-        }
-        steps.push(Trim::Reference);
-        steps
-    }
-
     /// [`Encoder::encode`], leaving out what `trim` says.
     pub fn encode_trimmed(&self, key: &str, n: &Notification, trim: Trim) -> Result<Message> {
         let event_type = n.event_type();
@@ -432,7 +360,7 @@ impl Encoder {
             .ok_or_else(|| missing("resourceVersion"))?;
         let name = meta.name().ok_or_else(|| missing("name"))?;
         let namespace = meta.namespace().filter(|ns| !ns.is_empty());
-        let id = format!("{uid}:{rv}:{}", event_type.as_str());
+        let id = message_id(uid, rv, event_type);
         let (initial, final_state_unknown, old) = match &n.kind {
             NotificationKind::Add {
                 is_initial_list, ..
@@ -577,52 +505,11 @@ impl Envelope<'_> {
     }
 }
 
-/// The transform every informer applies before caching (client-go's `TransformFunc`):
-/// restores `apiVersion`/`kind` (list items of built-in types omit them), strips
-/// `metadata.managedFields`, and redacts Secrets unless allowed. Doing it before the cache
-/// means redacted data never sits in memory and stripped fields cost nothing.
-pub fn object_transform(resource: &ApiResource, options: &MessageConfig) -> Transform {
-    let types = TypeMeta {
-        api_version: resource.api_version.clone(),
-        kind: resource.kind.clone(),
-    };
-    let strip = options.strip_managed_fields;
-    let redact =
-        !options.allow_secret_data && resource.group.is_empty() && resource.kind == "Secret";
-    std::sync::Arc::new(move |obj: &mut DynamicObject| {
-        if obj.types.as_ref().is_none_or(|t| t.kind.is_empty()) {
-            obj.types = Some(types.clone());
-        }
-        if strip {
-            obj.metadata.managed_fields = None;
-        }
-        if redact {
-            redact_secret(obj);
-        }
-    })
-}
-
-/// Replaces every value of `data` and `stringData` with [`REDACTED`] (keys stay, so consumers
-/// see which entries exist), and drops the last-applied-configuration annotation, which holds
-/// the same data in clear.
-pub fn redact_secret(obj: &mut DynamicObject) {
-    for field in ["data", "stringData"] {
-        if let Some(map) = obj.data.get_mut(field).and_then(|v| v.as_object_mut()) {
-            for value in map.values_mut() {
-                *value = serde_json::Value::String(REDACTED.to_owned());
-            }
-        }
-    }
-    if let Some(annotations) = obj.metadata.annotations.as_mut() {
-        annotations.remove("kubectl.kubernetes.io/last-applied-configuration");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::informer::testing::obj;
-    use kube::api::GroupVersionKind;
+    use kube::api::{DynamicObject, GroupVersionKind};
     use std::sync::Arc;
 
     fn configmaps() -> ApiResource {
@@ -746,45 +633,6 @@ mod tests {
         assert_eq!(err.to_string(), "object ns/a has no metadata.uid");
     }
 
-    #[test]
-    fn secrets_are_redacted_unless_allowed() {
-        let secrets = ApiResource::from_gvk_with_plural(
-            &GroupVersionKind::gvk("", "v1", "Secret"),
-            "secrets",
-        );
-        let mut s = obj("ns", "s", "1").to_dynamic();
-        s.types = None;
-        s.data = serde_json::json!({"data": {"password": "aHVudGVyMg=="}, "stringData": {"token": "t0p"}});
-        s.metadata.annotations = Some(
-            [(
-                "kubectl.kubernetes.io/last-applied-configuration".to_string(),
-                "{...}".to_string(),
-            )]
-            .into(),
-        );
-        s.metadata.managed_fields = Some(vec![Default::default()]);
-        let mut redacted = s.clone();
-        object_transform(&secrets, &MessageConfig::default())(&mut redacted);
-        assert_eq!(redacted.data["data"]["password"], REDACTED);
-        assert_eq!(redacted.data["stringData"]["token"], REDACTED);
-        assert!(redacted.metadata.annotations.unwrap().is_empty());
-        assert!(redacted.metadata.managed_fields.is_none());
-        assert_eq!(
-            redacted.types.unwrap().kind,
-            "Secret",
-            "list items get their kind back"
-        );
-        let allowed = MessageConfig {
-            allow_secret_data: true,
-            strip_managed_fields: false,
-            ..Default::default()
-        };
-        let mut kept = s.clone();
-        object_transform(&secrets, &allowed)(&mut kept);
-        assert_eq!(kept.data["data"]["password"], "aHVudGVyMg==");
-        assert!(kept.metadata.managed_fields.is_some());
-    }
-
     fn big(rv: &str, v: &str) -> Arc<CachedObject> {
         let o: DynamicObject = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "ConfigMap",
@@ -799,7 +647,7 @@ mod tests {
 
     fn patching(include_old_object: bool) -> Encoder {
         let options = MessageConfig {
-            diff: crate::config::DiffMode::Patch,
+            diff: DiffMode::Patch,
             include_old_object,
             ..Default::default()
         };

@@ -10,6 +10,12 @@ use tokio::{
     sync::Mutex,
 };
 
+mod checkpoint;
+mod config;
+
+pub use checkpoint::FileCheckpointStore;
+pub use config::StdoutSinkConfig;
+
 use super::{Error, Result, Sink};
 use crate::message::Message;
 
@@ -87,7 +93,7 @@ impl Sink for StdoutSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::EventType;
+    use crate::informer::EventType;
 
     #[tokio::test]
     async fn appends_one_line_per_message_to_a_file() {

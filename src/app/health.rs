@@ -1,0 +1,102 @@
+//! Health: what `/readyz` reports (informers synced, API server reachable, sinks healthy;
+//! pending and forbidden kinds as notes), the probe of the API server behind it, and the
+//! work queues' unfinished-work gauges.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use kube::Client;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::resources::Resources;
+use crate::{admin, informer::SharedInformerFactory, metrics::Metrics, sinks::Sink};
+
+/// How often the API server's health is probed for `/readyz`.
+const API_PROBE_PERIOD: Duration = Duration::from_secs(5);
+
+/// What `/readyz` answers: not ready while an informer has not synced (a forbidden one is
+/// only noted: it is retried and must not hold the rest back), the API server is unreachable
+/// or a sink is unhealthy; `pending` notes the kinds not served yet.
+pub(super) fn readiness(
+    factory: Arc<SharedInformerFactory>,
+    api_ok: Arc<AtomicBool>,
+    sinks: Vec<Arc<dyn Sink>>,
+    pending: Arc<std::sync::Mutex<Vec<String>>>,
+) -> admin::Readiness {
+    Arc::new(move || {
+        let mut reasons = Vec::new();
+        let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for i in factory.informers().iter().filter(|i| !i.has_synced()) {
+            match i.problem() {
+                Some(p) if p.starts_with("forbidden") => {
+                    notes.push(format!("informer {}: {p}", i.name()));
+                }
+                Some(p) => reasons.push(format!("informer {} has not synced: {p}", i.name())),
+                None => reasons.push(format!("informer {} has not synced", i.name())),
+            }
+        }
+        if !api_ok.load(Ordering::Relaxed) {
+            reasons.push("the Kubernetes API server is unreachable".into());
+        }
+        reasons.extend(sinks.iter().filter_map(|s| s.health().err()));
+        if reasons.is_empty() {
+            Ok(notes)
+        } else {
+            Err(reasons)
+        }
+    })
+}
+
+/// client-go refreshes the unfinished-work gauges of every queue every 500 ms.
+pub(super) async fn update_unfinished_work(
+    resources: Arc<tokio::sync::Mutex<Resources>>,
+    cancel: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {
+                let queues = resources.lock().await.queues();
+                queues.iter().for_each(|q| q.queue().update_unfinished_work());
+            }
+        }
+    }
+}
+
+/// Probes the API server every few seconds so that `/readyz` reports an outage even while
+/// watches are quiet.
+pub(super) async fn probe_api(
+    client: Client,
+    ok: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+    cancel: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(API_PROBE_PERIOD);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let reachable = matches!(
+            tokio::time::timeout(API_PROBE_PERIOD, client.apiserver_version()).await,
+            Ok(Ok(_))
+        );
+        if ok.swap(reachable, Ordering::Relaxed) != reachable {
+            if reachable {
+                info!("Kubernetes API server reachable again");
+            } else {
+                warn!(
+                    "Kubernetes API server unreachable; informers retry with backoff, the cache is kept"
+                );
+            }
+        }
+        metrics.api_reachable.set(reachable as i64);
+    }
+}

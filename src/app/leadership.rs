@@ -1,0 +1,202 @@
+//! Following leadership: only the leader publishes. Every change of leadership ends a term;
+//! becoming leader compares the cache with what the last leader's sinks acknowledged (the
+//! checkpoints) and publishes what changed, or replays the cache where there is none.
+
+use std::sync::Arc;
+
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+use super::resources::{Resources, resume_from_checkpoints};
+use crate::{leader::LeaderElector, metrics::Metrics};
+
+impl Resources {
+    /// Applies a change of leadership: `leading` is the new state. Every change ends a term:
+    /// listeners stop and routes drop what they hold (a worker drops what it took), so that
+    /// nothing of the old term is published after the new one's replay. Becoming leader
+    /// writes what this replica's sinks acknowledged in an earlier term to the checkpoints,
+    /// loads them, starts each route's resume, and switches the routes and listeners on
+    /// (each cached object handed over once).
+    pub(super) async fn set_leading(&mut self, leading: bool, metrics: &Metrics) {
+        self.leading = leading;
+        let informers: Vec<_> = self
+            .wired
+            .iter()
+            .flat_map(|w| w.informers.iter().cloned())
+            .collect();
+        let queues = self.queues();
+        informers.iter().for_each(|i| i.deactivate_listeners());
+        queues.iter().for_each(|q| q.set_active(false));
+        if !leading {
+            return;
+        }
+        for r in self.resumes() {
+            // What this replica's sink acknowledged in an earlier term and has not written
+            // yet belongs in the checkpoint it compares with.
+            if let Err(err) = r.checkpointer.flush().await {
+                warn!(route = %r.checkpointer.route(), error = %err, "Checkpoint write failed before resuming; those objects may be re-sent");
+            }
+        }
+        // Without fail_fast it cannot fail: a store it cannot read replays.
+        let _ = resume_from_checkpoints(&self.resumes(), metrics, false).await;
+        // Consumers get the state this replica follows from here on, including what changed
+        // while no replica led: each cached object once, and what the first list has not
+        // cached yet comes from it.
+        queues.iter().for_each(|q| q.set_active(true));
+        let replayed: usize = informers.iter().map(|i| i.activate_listeners()).sum();
+        info!(objects = replayed, "Leading: replayed the cache");
+    }
+}
+
+/// Follows `elector`'s changes of leadership until it stops. The elector reports changes
+/// only (renewals are silent); a change seen late may hide a lost-and-regained lease, which
+/// is a change too.
+pub(super) fn follow(
+    elector: &LeaderElector,
+    resources: Arc<tokio::sync::Mutex<Resources>>,
+    metrics: Arc<Metrics>,
+) -> JoinHandle<()> {
+    let mut leading = elector.subscribe();
+    tokio::spawn(async move {
+        while leading.changed().await.is_ok() {
+            let now = *leading.borrow_and_update();
+            resources.lock().await.set_leading(now, &metrics).await;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        app::resources::{Resume, Wired, WiredRoute},
+        informer::{Notification, NotificationKind, testing::obj},
+        message::{Encoder, Encoding, MessageConfig},
+        pipeline::{Delivery, RouteBuilder},
+        sinks::{
+            CheckpointStore,
+            stdout::{FileCheckpointStore, StdoutSink},
+        },
+    };
+    use kube::api::{ApiResource, GroupVersionKind, TypeMeta};
+    use std::collections::BTreeMap;
+
+    /// Resources with one wired ConfigMap route to a file sink with a checkpoint, no
+    /// informers (none is needed to follow leadership), standing by.
+    async fn standby(dir: &std::path::Path, metrics: &Metrics) -> Resources {
+        let configmaps = ApiResource::from_gvk_with_plural(
+            &GroupVersionKind::gvk("", "v1", "ConfigMap"),
+            "configmaps",
+        );
+        let out = dir.join("out.jsonl");
+        let sink = Arc::new(StdoutSink::open("out", Some(&out)).await.unwrap());
+        let delivery = Arc::new(Delivery {
+            sink,
+            dead_letter: None,
+            publish_limit: None,
+            max_retries: None,
+        });
+        let encoder = Encoder::new(
+            "c",
+            &configmaps,
+            &MessageConfig::default(),
+            Encoding::Structured,
+        );
+        let store: Arc<dyn CheckpointStore> = Arc::new(FileCheckpointStore::beside(&out));
+        let built = RouteBuilder::new("configmap", "out", encoder, delivery, metrics)
+            .checkpoint(Some(store))
+            .resume(
+                TypeMeta {
+                    api_version: "v1".into(),
+                    kind: "ConfigMap".into(),
+                },
+                1,
+            )
+            .build();
+        built.route.queue().set_active(false);
+        let wired = Wired {
+            index: 0,
+            api_resource: configmaps,
+            namespaced: true,
+            routes: vec![WiredRoute {
+                route: built.route,
+                workers: 1,
+                handler: built.handler,
+                accepted: built.accepted,
+                resume: Some(Resume {
+                    resumer: built.resumer.unwrap(),
+                    checkpointer: built.checkpointer.unwrap(),
+                    interval: std::time::Duration::from_secs(1),
+                }),
+            }],
+            informers: Vec::new(),
+            cancel: Default::default(),
+            tasks: Vec::new(),
+        };
+        Resources {
+            wired: vec![wired],
+            pending: BTreeMap::new(),
+            leading: false,
+            live: None,
+        }
+    }
+
+    fn add(name: &str, rv: &str) -> Notification {
+        Notification::new(NotificationKind::Add {
+            obj: obj("ns", name, rv),
+            is_initial_list: false,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_standby_holds_nothing_and_a_leader_resumes_from_what_it_acknowledged_before() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = Metrics::new();
+        let mut resources = standby(dir.path(), &metrics).await;
+        let route = resources.wired[0].routes[0].route.clone();
+        let checkpointer = resources.resumes()[0].checkpointer.clone();
+        // Standing by: what reaches the route is dropped.
+        route.queue().push(add("a", "1"));
+        assert_eq!(route.queue().held(), 0);
+        // Acknowledged in an earlier term, not written yet.
+        checkpointer.record("ns/a", &add("a", "1"));
+        resources.set_leading(true, &metrics).await;
+        assert!(resources.leading && route.queue().is_active());
+        let written = FileCheckpointStore::beside(&dir.path().join("out.jsonl"))
+            .load("configmap/out")
+            .await
+            .unwrap()
+            .expect("written before the resume read it");
+        assert_eq!(written["ns/a"].resource_version, "1");
+        route.queue().push(add("b", "2"));
+        assert_eq!(
+            route.queue().held(),
+            1,
+            "a leader's route takes notifications"
+        );
+        // Losing the lease ends the term: what the route held is dropped.
+        resources.set_leading(false, &metrics).await;
+        assert!(!resources.leading && !route.queue().is_active());
+        assert_eq!(route.queue().held(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_unreadable_checkpoint_fails_a_start_but_a_new_leader_replays() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = Metrics::new();
+        let resources = standby(dir.path(), &metrics).await;
+        // A directory where the checkpoint file should be: reading it fails.
+        std::fs::create_dir(dir.path().join("out.jsonl.checkpoint")).unwrap();
+        let resumes = resources.resumes();
+        assert!(
+            resume_from_checkpoints(&resumes, &metrics, true)
+                .await
+                .is_err()
+        );
+        assert!(
+            resume_from_checkpoints(&resumes, &metrics, false)
+                .await
+                .is_ok()
+        );
+    }
+}

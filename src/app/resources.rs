@@ -1,0 +1,385 @@
+//! The wired resources: for each configured resource whose kind is served, its routes (one
+//! per sink, built by [`RouteBuilder`]) and its informers, and how they start.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+    time::Duration,
+};
+
+use kube::{
+    Client,
+    api::{ApiResource, TypeMeta},
+};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::Error;
+use crate::{
+    config::{Config, ResourceConfig},
+    informer::{
+        EventType, InformerKey, NotificationHandler, ProcessorListener, SharedIndexInformer,
+        SharedInformerFactory,
+    },
+    message::{Encoder, object_transform},
+    metrics::Metrics,
+    pipeline::{
+        self, Budget, Checkpointer, Delivery, Resumer, Route, RouteBuilder, RouteQueue, filter,
+    },
+    sinks::{self, CheckpointStore, kafka::KafkaSink},
+    workqueue::rate_limiter::RetrySettings,
+};
+
+/// One route's resume: its resumer and the checkpointer its workers record into.
+pub(super) struct Resume {
+    pub(super) resumer: Arc<Resumer>,
+    pub(super) checkpointer: Arc<Checkpointer>,
+    pub(super) interval: Duration,
+}
+
+/// Loads the checkpoints of `resumes`, one read per store for all its routes, and starts
+/// each route's resume. A store that cannot be read fails the start (`fail_fast`), or else
+/// is logged and its routes replay the whole cache (a new leader must publish something).
+pub(super) async fn resume_from_checkpoints(
+    resumes: &[&Resume],
+    metrics: &Metrics,
+    fail_fast: bool,
+) -> Result<(), Error> {
+    let mut by_store: Vec<(&Arc<dyn CheckpointStore>, Vec<&Resume>)> = Vec::new();
+    for &r in resumes {
+        let store = r.checkpointer.store();
+        match by_store.iter_mut().find(|(s, _)| Arc::ptr_eq(s, store)) {
+            Some((_, group)) => group.push(r),
+            None => by_store.push((store, vec![r])),
+        }
+    }
+    for (store, group) in by_store {
+        let routes: Vec<String> = group
+            .iter()
+            .map(|r| r.checkpointer.route().to_owned())
+            .collect();
+        let started = std::time::Instant::now();
+        let mut loaded = match store.load_routes(&routes).await {
+            Ok(loaded) => loaded,
+            Err(err) if fail_fast => return Err(err.into()),
+            Err(err) => {
+                warn!(error = %err, "Cannot load the checkpoint; replaying the whole cache instead");
+                group.iter().for_each(|r| r.resumer.begin(None));
+                continue;
+            }
+        };
+        let took = started.elapsed().as_secs_f64();
+        for r in group {
+            let route = r.checkpointer.route();
+            metrics
+                .checkpoint_load_seconds
+                .with_label_values(&[route])
+                .set(took);
+            let checkpoint = loaded.remove(route);
+            match &checkpoint {
+                Some(c) => info!(route, keys = c.len(), seconds = took, "Checkpoint loaded"),
+                None => info!(
+                    route,
+                    store = %store.describe(),
+                    "No checkpoint yet: the initial list is published as initial adds"
+                ),
+            }
+            r.resumer.begin(checkpoint);
+        }
+    }
+    Ok(())
+}
+
+/// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
+/// name, and for a `kind: "*"` entry `/` and the kind's resource (`configmaps`,
+/// `widgets.example.com`).
+pub(super) fn kind_name(r: &ResourceConfig, api_resource: &ApiResource) -> String {
+    let entry = r.effective_name();
+    if !r.is_wildcard() {
+        return entry;
+    }
+    if api_resource.group.is_empty() {
+        format!("{entry}/{}", api_resource.plural)
+    } else {
+        format!("{entry}/{}.{}", api_resource.plural, api_resource.group)
+    }
+}
+
+/// What wiring a configured resource takes, at build or later when its kind appears.
+pub(super) struct Wiring {
+    pub(super) config: Arc<Config>,
+    pub(super) client: Client,
+    pub(super) metrics: Arc<Metrics>,
+    pub(super) factory: Arc<SharedInformerFactory>,
+    pub(super) deliveries: HashMap<String, (Arc<Delivery>, Arc<Budget>)>,
+    pub(super) stores: HashMap<String, Arc<dyn CheckpointStore>>,
+    pub(super) kafka_sinks: HashMap<String, Arc<KafkaSink>>,
+}
+
+/// One route of a wired resource.
+pub(super) struct WiredRoute {
+    pub(super) route: Arc<Route>,
+    pub(super) workers: usize,
+    /// What its listeners hand notifications to: the queue, or the resumer in front of it.
+    pub(super) handler: Arc<dyn NotificationHandler>,
+    /// The types its listeners pass on (all of them with a resumer, which filters after).
+    pub(super) accepted: Vec<EventType>,
+    pub(super) resume: Option<Resume>,
+}
+
+/// A configured resource whose kind was resolved. Its routes live as long as the process
+/// (across a CRD's deletion and re-creation); its informers while the kind is served.
+pub(super) struct Wired {
+    pub(super) index: usize,
+    pub(super) api_resource: ApiResource,
+    pub(super) namespaced: bool,
+    pub(super) routes: Vec<WiredRoute>,
+    pub(super) informers: Vec<Arc<SharedIndexInformer>>,
+    pub(super) cancel: CancellationToken,
+    pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// The resources: wired, and pending (not served yet, by index, with the reason). Changes
+/// (a kind appears or goes, leadership changes) happen under its lock, one at a time.
+pub(super) struct Resources {
+    pub(super) wired: Vec<Wired>,
+    pub(super) pending: BTreeMap<usize, String>,
+    pub(super) leading: bool,
+    /// Set once the app runs: what is wired from then on starts at once.
+    pub(super) live: Option<Live>,
+}
+
+/// What runs once the app runs.
+pub(super) struct Live {
+    pub(super) running: pipeline::Running,
+    pub(super) checkpoint_tasks: Vec<tokio::task::JoinHandle<()>>,
+    pub(super) informers_cancel: CancellationToken,
+    pub(super) checkpoints_cancel: CancellationToken,
+}
+
+impl Resources {
+    pub(super) fn resumes(&self) -> Vec<&Resume> {
+        self.wired
+            .iter()
+            .flat_map(|w| w.routes.iter().filter_map(|r| r.resume.as_ref()))
+            .collect()
+    }
+
+    pub(super) fn queues(&self) -> Vec<Arc<RouteQueue>> {
+        self.wired
+            .iter()
+            .flat_map(|w| w.routes.iter().map(|r| r.route.queue().clone()))
+            .collect()
+    }
+}
+
+impl Wiring {
+    /// The routes (queues, filters, resumers and checkpointers) of `resources[index]`
+    /// (resolved as `api_resource`), without informers.
+    pub(super) async fn wire(
+        &self,
+        index: usize,
+        api_resource: ApiResource,
+        namespaced: bool,
+    ) -> Result<Wired, Error> {
+        let (config, metrics) = (&self.config, &self.metrics);
+        let r = &config.resources[index];
+        let entry = r.effective_name();
+        let name = kind_name(r, &api_resource);
+        let informers = r.namespaces.len().max(1);
+        let rules = filter::Rules::new(&r.filter_settings())?.map(Arc::new);
+        let mut routes = Vec::new();
+        let sink_names = config
+            .routes
+            .iter()
+            .filter(|rt| rt.resource == entry)
+            .flat_map(|rt| &rt.sinks);
+        for sink_name in sink_names {
+            let sink_cfg = config
+                .sinks
+                .iter()
+                .find(|s| &s.name == sink_name)
+                .expect("validated");
+            let (delivery, budget) = &self.deliveries[sink_name.as_str()];
+            let retry = &sink_cfg.retry;
+            let encoder = Encoder::new(
+                &config.cluster,
+                &api_resource,
+                &config.message,
+                sink_cfg.encoding(),
+            );
+            if let (Some(kafka), Some(topics_cfg)) = (
+                self.kafka_sinks.get(sink_name.as_str()),
+                sink_cfg
+                    .kafka
+                    .as_ref()
+                    .and_then(|k| k.create_topics.as_ref()),
+            ) {
+                let topics = kafka
+                    .topics_for(&encoder.sample_message(), &r.namespaces)
+                    .ok_or_else(|| {
+                        sinks::Error::Setup(format!(
+                            "sink {sink_name}: create_topics needs topics known at start, but the \
+                             topic template uses {{namespace}} and resource {name:?} watches all \
+                             namespaces"
+                        ))
+                    })?;
+                kafka
+                    .create_topics(
+                        &topics,
+                        topics_cfg.partitions,
+                        topics_cfg.replication_factor,
+                    )
+                    .await?;
+            }
+            let built = RouteBuilder::new(&name, sink_name, encoder, delivery.clone(), metrics)
+                .budget(budget.clone())
+                .retry(RetrySettings {
+                    base: retry.base_delay,
+                    max: retry.max_delay,
+                    qps: retry.qps,
+                    burst: retry.burst,
+                })
+                .events(&r.events)
+                .filter(rules.clone())
+                .checkpoint(self.stores.get(sink_name.as_str()).cloned())
+                .resume(
+                    TypeMeta {
+                        api_version: api_resource.api_version.clone(),
+                        kind: api_resource.kind.clone(),
+                    },
+                    informers,
+                )
+                .build();
+            let resume = match (built.resumer, built.checkpointer) {
+                (Some(resumer), Some(checkpointer)) => Some(Resume {
+                    resumer,
+                    checkpointer,
+                    interval: sink_cfg.checkpoint_interval,
+                }),
+                _ => None,
+            };
+            routes.push(WiredRoute {
+                route: built.route,
+                workers: sink_cfg.workers,
+                handler: built.handler,
+                accepted: built.accepted,
+                resume,
+            });
+        }
+        Ok(Wired {
+            index,
+            api_resource,
+            namespaced,
+            routes,
+            informers: Vec::new(),
+            cancel: CancellationToken::new(),
+            tasks: Vec::new(),
+        })
+    }
+
+    /// New informers for `wired` (one per namespace, or one for all), each with a listener
+    /// for every route; not started.
+    pub(super) fn add_informers(&self, wired: &mut Wired) {
+        let r = &self.config.resources[wired.index];
+        let api_resource = &wired.api_resource;
+        let transform = object_transform(api_resource, &self.config.message);
+        let namespaces: Vec<Option<String>> = if r.namespaces.is_empty() {
+            vec![None]
+        } else {
+            r.namespaces.iter().cloned().map(Some).collect()
+        };
+        wired.informers = namespaces
+            .into_iter()
+            .map(|namespace| {
+                let key = InformerKey {
+                    group: api_resource.group.clone(),
+                    version: api_resource.version.clone(),
+                    plural: api_resource.plural.clone(),
+                    namespace,
+                    label_selector: r.label_selector.clone(),
+                    field_selector: r.effective_field_selector(wired.namespaced),
+                };
+                self.factory
+                    .informer_for(api_resource, key, Some(transform.clone()))
+            })
+            .collect();
+        for route in &wired.routes {
+            for informer in &wired.informers {
+                let listener = ProcessorListener::new(
+                    format!("{}@{}", route.route.queue().name(), informer.name()),
+                    &route.accepted,
+                    r.resync(),
+                    route.handler.clone(),
+                );
+                informer
+                    .add_listener(Arc::new(listener))
+                    .expect("informers start after their listeners are added");
+            }
+        }
+    }
+
+    pub(super) fn pending_reason(&self, index: usize, reason: &str) -> String {
+        let r = &self.config.resources[index];
+        format!(
+            "resource {} ({} {}) is pending: {reason}",
+            r.effective_name(),
+            r.api_version,
+            r.kind
+        )
+    }
+}
+
+impl Resources {
+    /// Starts `self.wired[i]` when the app runs: its routes' workers and checkpoint writers
+    /// (unless already running), the resume of its routes when this replica publishes, and
+    /// its informers. A standby's new listeners and queues start off.
+    pub(super) async fn start(&mut self, i: usize, routes_too: bool, metrics: &Metrics) {
+        let leading = self.leading;
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let wired = &mut self.wired[i];
+        if routes_too {
+            let routes: Vec<(Arc<Route>, usize)> = wired
+                .routes
+                .iter()
+                .map(|r| (r.route.clone(), r.workers))
+                .collect();
+            live.running.add(&routes);
+            for r in wired.routes.iter().filter_map(|r| r.resume.as_ref()) {
+                live.checkpoint_tasks.push(tokio::spawn(
+                    r.checkpointer
+                        .clone()
+                        .run(r.interval, live.checkpoints_cancel.clone()),
+                ));
+            }
+        }
+        if leading {
+            if routes_too {
+                let resumes: Vec<&Resume> = wired
+                    .routes
+                    .iter()
+                    .filter_map(|r| r.resume.as_ref())
+                    .collect();
+                // Without fail_fast it cannot fail: a store it cannot read replays.
+                let _ = resume_from_checkpoints(&resumes, metrics, false).await;
+            }
+        } else {
+            wired
+                .informers
+                .iter()
+                .for_each(|i| i.deactivate_listeners());
+            wired
+                .routes
+                .iter()
+                .for_each(|r| r.route.queue().set_active(false));
+        }
+        wired.cancel = live.informers_cancel.child_token();
+        wired.tasks = wired
+            .informers
+            .iter()
+            .filter_map(|i| i.spawn(wired.cancel.clone()))
+            .collect();
+    }
+}

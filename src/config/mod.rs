@@ -1,0 +1,521 @@
+//! Settings: a YAML file plus `KEB_` environment overrides, validated before anything starts.
+//!
+//! Every struct denies unknown fields and every field carries a `///` line: those lines are the
+//! README's config reference (a test keeps the two in sync). Errors name the field path
+//! (`resources[2].kind: missing field`) so that a bad config can be fixed without reading code.
+//!
+//! Each component owns its settings and checks them ([`KubernetesConfig`] in `cluster`,
+//! [`LeaderElectionConfig`] in `leader`, [`MessageConfig`] in `message`, each sink's in its
+//! folder); this module assembles them into one document ([`resource`] and [`sink`] hold the
+//! entries of its lists), loads it, and checks what spans sections: names and routes.
+
+pub mod resource;
+pub mod sink;
+
+use std::{collections::HashSet, path::PathBuf, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+pub use crate::{
+    admin::AdminConfig,
+    cluster::KubernetesConfig,
+    informer::EventType,
+    leader::LeaderElectionConfig,
+    message::{DiffMode, MessageConfig},
+    pipeline::filter::FilterErrorPolicy,
+    sinks::{SecretRef, stdout::StdoutSinkConfig},
+};
+pub use resource::{ResourceConfig, ScopeSelection};
+pub use sink::{RateLimitConfig, RetryConfig, SinkConfig, SinkType};
+
+use crate::problems::Problems;
+
+/// Errors while loading or validating the configuration. All of them are fatal at start.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file could not be read or is not valid YAML.
+    #[error("cannot load config from {path}: {source}")]
+    Load {
+        /// The file that was given.
+        path: PathBuf,
+        /// What the `config` crate reported.
+        #[source]
+        source: config::ConfigError,
+    },
+    /// One or more fields are wrong; each line names the field path and the reason.
+    #[error("invalid config:\n  {}", .0.join("\n  "))]
+    Invalid(Vec<String>),
+}
+
+/// `Result` with this module's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The whole configuration of one kube-event-bridge process.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Name of the cluster, used in each message's `source` and `k8scluster` attribute.
+    #[serde(default = "default_cluster")]
+    pub cluster: String,
+    /// How to reach the Kubernetes API.
+    #[serde(default)]
+    pub kubernetes: KubernetesConfig,
+    /// The admin HTTP server (`/metrics`, `/healthz`, `/readyz`).
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+    /// What goes into each message.
+    #[serde(default)]
+    pub message: MessageConfig,
+    /// Shutdown behaviour.
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+    /// Leader election among replicas (off by default).
+    #[serde(default)]
+    pub leader_election: LeaderElectionConfig,
+    /// The resources to watch; each one is served by a shared informer.
+    pub resources: Vec<ResourceConfig>,
+    /// Where notifications go.
+    pub sinks: Vec<SinkConfig>,
+    /// Which resources go to which sinks.
+    pub routes: Vec<RouteConfig>,
+}
+
+/// Logging.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogConfig {
+    /// `pretty` for people, `json` for log collectors.
+    #[serde(default)]
+    pub format: LogFormat,
+    /// A `tracing` filter such as `info` or `info,kube_event_bridge=debug`; `RUST_LOG` overrides it.
+    #[serde(default = "default_log_level")]
+    pub level: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::default(),
+            level: default_log_level(),
+        }
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Pretty,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Shutdown behaviour.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// How long SIGTERM/SIGINT waits for pending notifications to be delivered before giving up.
+    #[serde(default = "default_grace_period", with = "humantime_serde")]
+    pub grace_period: Duration,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        Self {
+            grace_period: default_grace_period(),
+        }
+    }
+}
+
+/// Which resources go to which sinks.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouteConfig {
+    /// Name of a resource (its `name`, or the default derived from kind and group).
+    pub resource: String,
+    /// Names of the sinks that receive its notifications.
+    pub sinks: Vec<String>,
+}
+
+fn default_cluster() -> String {
+    "default".into()
+}
+fn default_log_level() -> String {
+    "info".into()
+}
+// Kubernetes gives a pod 30 s between SIGTERM and SIGKILL by default; leave some of it for exit.
+fn default_grace_period() -> Duration {
+    Duration::from_secs(25)
+}
+
+/// Environment variables with this prefix override file settings: `KEB_ADMIN__ADDRESS`,
+/// `KEB_LOG__LEVEL`, `KEB_KUBERNETES__CONTEXT`.
+pub const ENV_PREFIX: &str = "KEB";
+
+impl Config {
+    /// Loads `path`, applies `KEB_*` environment overrides, deserializes and validates.
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        let load_err = |source| Error::Load {
+            path: path.to_owned(),
+            source,
+        };
+        let raw = config::Config::builder()
+            .add_source(config::File::from(path).format(config::FileFormat::Yaml))
+            .add_source(
+                config::Environment::with_prefix(ENV_PREFIX)
+                    .prefix_separator("_")
+                    .separator("__")
+                    .try_parsing(true),
+            )
+            .build()
+            .map_err(load_err)?;
+        let value: serde_json::Value = raw.try_deserialize().map_err(load_err)?;
+        Self::from_value(value)
+    }
+
+    /// Deserializes an already-parsed document and validates it.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|err| {
+            let path = err.path().to_string();
+            let inner = err.into_inner().to_string();
+            Error::Invalid(vec![describe_serde_error(&path, &inner)])
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks every section (each validates itself) and what spans sections: names,
+    /// routes, dead letters. Reports every problem, not just the first.
+    pub fn validate(&self) -> Result<()> {
+        let mut p = Problems::new();
+        if self.cluster.trim().is_empty() {
+            p.add("cluster", "must not be empty");
+        }
+        self.kubernetes.validate(&mut p.at("kubernetes"));
+        if self
+            .log
+            .level
+            .parse::<tracing_subscriber::EnvFilter>()
+            .is_err()
+        {
+            p.add(
+                "log.level",
+                format!("{:?} is not a valid tracing filter", self.log.level),
+            );
+        }
+        self.leader_election.validate(&mut p.at("leader_election"));
+        if self.resources.is_empty() {
+            p.add("resources", "at least one resource is required");
+        }
+        let mut resource_names = HashSet::new();
+        for (i, r) in self.resources.iter().enumerate() {
+            let name = r.effective_name();
+            if !resource_names.insert(name.clone()) {
+                p.add(
+                    format!("resources[{i}].name"),
+                    format!("{name:?} is used by another resource; set distinct names"),
+                );
+            }
+            r.validate(&mut p.at(format!("resources[{i}]")));
+        }
+        if self.sinks.is_empty() {
+            p.add("sinks", "at least one sink is required");
+        }
+        let mut sink_names = HashSet::new();
+        for (i, s) in self.sinks.iter().enumerate() {
+            if s.name.is_empty() {
+                p.add(format!("sinks[{i}].name"), "must not be empty");
+            } else if !sink_names.insert(s.name.as_str()) {
+                p.add(
+                    format!("sinks[{i}].name"),
+                    format!("{:?} is used by another sink", s.name),
+                );
+            }
+            s.validate(&mut p.at(format!("sinks[{i}]")));
+        }
+        for (i, s) in self.sinks.iter().enumerate() {
+            if let Some(dlq) = &s.dead_letter {
+                if dlq == &s.name {
+                    p.add(
+                        format!("sinks[{i}].dead_letter"),
+                        "a sink cannot be its own dead-letter sink",
+                    );
+                } else if !sink_names.contains(dlq.as_str()) {
+                    p.add(
+                        format!("sinks[{i}].dead_letter"),
+                        format!("no sink is named {dlq:?}"),
+                    );
+                }
+            }
+        }
+        if self.routes.is_empty() {
+            p.add("routes", "at least one route is required");
+        }
+        let mut routed = HashSet::new();
+        let mut pairs = HashSet::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            if !resource_names.contains(&route.resource) {
+                p.add(
+                    format!("routes[{i}].resource"),
+                    format!("no resource is named {:?}", route.resource),
+                );
+            }
+            routed.insert(route.resource.as_str());
+            if route.sinks.is_empty() {
+                p.add(
+                    format!("routes[{i}].sinks"),
+                    "at least one sink is required",
+                );
+            }
+            for (j, sink) in route.sinks.iter().enumerate() {
+                if !sink_names.contains(sink.as_str()) {
+                    p.add(
+                        format!("routes[{i}].sinks[{j}]"),
+                        format!("no sink is named {sink:?}"),
+                    );
+                } else if !pairs.insert((route.resource.as_str(), sink.as_str())) {
+                    p.add(
+                        format!("routes[{i}].sinks[{j}]"),
+                        format!(
+                            "resource {:?} is already routed to sink {sink:?}",
+                            route.resource
+                        ),
+                    );
+                }
+            }
+        }
+        for (i, r) in self.resources.iter().enumerate() {
+            if !routed.contains(r.effective_name().as_str()) {
+                p.add(
+                    format!("resources[{i}]"),
+                    format!("{:?} is not used by any route", r.effective_name()),
+                );
+            }
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Invalid(p.into_vec()))
+        }
+    }
+
+    /// The config as pretty JSON, for `check-config`.
+    pub fn to_pretty_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("config serializes")
+    }
+}
+
+/// Turns serde's messages into `path: reason`; a missing field is reported at its own path.
+fn describe_serde_error(path: &str, message: &str) -> String {
+    if let Some(rest) = message.strip_prefix("missing field `") {
+        let field = rest.split('`').next().unwrap_or_default();
+        let full = if path == "." || path.is_empty() {
+            field.to_owned()
+        } else {
+            format!("{path}.{field}")
+        };
+        return format!("{full}: missing field");
+    }
+    let path = if path == "." || path.is_empty() {
+        "(top level)"
+    } else {
+        path
+    };
+    format!("{path}: {message}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn minimal() -> serde_json::Value {
+        json!({
+            "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
+            "sinks": [{"name": "out", "type": "stdout"}],
+            "routes": [{"resource": "configmap", "sinks": ["out"]}],
+        })
+    }
+
+    fn errors_of(v: serde_json::Value) -> Vec<String> {
+        match Config::from_value(v) {
+            Err(Error::Invalid(e)) => e,
+            other => panic!("expected invalid config, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_value(minimal()).unwrap();
+        assert_eq!(c.cluster, "default");
+        assert_eq!(c.kubernetes.page_size, 500);
+        assert_eq!(c.resources[0].events.len(), 4);
+        assert!(c.message.strip_managed_fields && !c.message.allow_secret_data);
+    }
+
+    #[test]
+    fn missing_field_is_named_with_its_path() {
+        let mut v = minimal();
+        v["resources"] = json!([{"api_version": "v1", "kind": "Pod"}, {"api_version": "v1"}]);
+        assert_eq!(errors_of(v), ["resources[1].kind: missing field"]);
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let mut v = minimal();
+        v["sinks"][0]["max_pendng"] = json!(3);
+        let e = errors_of(v);
+        assert!(
+            e[0].starts_with("sinks[0].max_pendng: unknown field `max_pendng`"),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn cross_field_errors_are_all_reported() {
+        let mut v = minimal();
+        v["routes"] = json!([{"resource": "pods", "sinks": ["nowhere"]}]);
+        v["resources"][0]["resync_period"] = json!("200ms");
+        let e = errors_of(v);
+        assert!(
+            e.contains(&"routes[0].resource: no resource is named \"pods\"".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.contains(&"routes[0].sinks[0]: no sink is named \"nowhere\"".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.contains(&"resources[0].resync_period: must be 0 (off) or at least 1s".to_string()),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("resources[0]: \"configmap\" is not used")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_zero_checkpoint_interval_is_an_error_naming_the_field() {
+        let mut v = minimal();
+        v["sinks"][0]["checkpoint_interval"] = json!("0s");
+        let e = errors_of(v);
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("sinks[0].checkpoint_interval: must be at least 10ms")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn bad_api_version_and_namespace() {
+        let mut v = minimal();
+        v["resources"][0]["api_version"] = json!("apps/");
+        v["resources"][0]["namespaces"] = json!(["Default"]);
+        let e = errors_of(v);
+        assert!(
+            e.iter().any(|l| l.starts_with("resources[0].api_version:")),
+            "{e:?}"
+        );
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("resources[0].namespaces[0]:")),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn default_names_include_the_group() {
+        let mut v = minimal();
+        v["resources"] = json!([{"apiVersion": "apps/v1", "kind": "Deployment"}]);
+        v["routes"][0]["resource"] = json!("deployment.apps");
+        Config::from_value(v).unwrap();
+    }
+
+    #[test]
+    fn nats_sink_problems_are_named_by_path() {
+        let mut v = minimal();
+        v["sinks"] = json!([{"name": "out", "type": "nats", "nats": {
+            "servers": [],
+            "subject": "k8s.{nope}",
+            "auth": {"token": {"file": "/t", "env": "T"}, "user": "u"},
+        }}]);
+        let e = errors_of(v);
+        for expected in [
+            "sinks[0].nats.servers: at least one server URL is required",
+            "sinks[0].nats.subject: unknown placeholder {nope}",
+            "sinks[0].nats.stream: jetstream mode needs the stream",
+            "sinks[0].nats.auth: choose one of token, user/password, nkey_seed, credentials_file",
+            "sinks[0].nats.auth: user and password go together",
+            "sinks[0].nats.auth.token: give exactly one of `file` and `env`",
+        ] {
+            assert!(
+                e.iter().any(|l| l.starts_with(expected)),
+                "{expected:?} not in {e:?}"
+            );
+        }
+        let mut v = minimal();
+        v["sinks"][0]["nats"] = json!({"servers": ["nats://x:4222"]});
+        assert!(
+            errors_of(v).contains(
+                &"sinks[0].nats: only a sink of type nats takes this section".to_string()
+            )
+        );
+    }
+
+    #[test]
+    fn kafka_sink_problems_are_named_by_path() {
+        let mut v = minimal();
+        v["sinks"] = json!([{"name": "out", "type": "kafka", "kafka": {
+            "brokers": [],
+            "topic": "k8s.{name}",
+            "mode": "state",
+            "encoding": "binary",
+            "properties": {"acks": "1"},
+            "sasl": {"mechanism": "PLAIN", "username": "u", "password": {}},
+        }}]);
+        let e = errors_of(v);
+        for expected in [
+            "sinks[0].kafka.brokers: at least one broker is required",
+            "sinks[0].kafka.topic: placeholder {name} is not allowed here",
+            "sinks[0].kafka.encoding: state mode writes objects",
+            "sinks[0].kafka.properties.acks: set by the sink itself",
+            "sinks[0].kafka.sasl.password: give exactly one of `file` and `env`",
+        ] {
+            assert!(
+                e.iter().any(|l| l.starts_with(expected)),
+                "{expected:?} not in {e:?}"
+            );
+        }
+        let mut v = minimal();
+        v["sinks"][0]["type"] = json!("kafka");
+        v["sinks"][0]["kafka"] = json!({"brokers": ["b:9092"], "topic": "k8s/{resource}"});
+        let e = errors_of(v);
+        assert!(
+            e.iter().any(|l| l.starts_with(
+                "sinks[0].kafka.topic: \"k8s/{resource}\" does not make valid topic names"
+            )),
+            "{e:?}"
+        );
+    }
+
+    #[test]
+    fn every_shipped_config_loads() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "yaml") {
+                Config::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                n += 1;
+            }
+        }
+        assert!(n > 0, "no config files found");
+    }
+}

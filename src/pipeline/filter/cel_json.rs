@@ -1,0 +1,122 @@
+//! JSON read straight into CEL values that borrow its strings (cel's own `Value` conversion
+//! deep-copies every map), skipping top-level fields an expression does not read.
+
+use std::{collections::HashMap, collections::HashSet};
+
+use cel::common::{types, value::Val};
+use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
+
+/// CEL's `null`.
+pub(super) fn null<'v>() -> Box<dyn Val + 'v> {
+    Box::new(types::CelNull)
+}
+
+/// Parses JSON straight into a CEL value borrowing its strings; at the top level only the
+/// fields in `keep` (all when `None`).
+pub(super) fn to_val<'a>(
+    json: &'a str,
+    keep: Option<&HashSet<String>>,
+) -> Result<Box<dyn Val + 'a>, String> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    de.deserialize_any(ValVisitor { keep })
+        .map_err(|e| format!("cannot read the object: {e}"))
+}
+
+struct ValVisitor<'k> {
+    keep: Option<&'k HashSet<String>>,
+}
+
+impl<'de> Visitor<'de> for ValVisitor<'_> {
+    type Value = Box<dyn Val + 'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelBool::from(v)))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelInt::from(v)))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(match i64::try_from(v) {
+            Ok(i) => Box::new(types::CelInt::from(i)),
+            Err(_) => Box::new(types::CelUInt::from(v)),
+        })
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelDouble::from(v)))
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelString::from(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelString::from(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelString::from(v)))
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(Box::new(types::CelNull))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items: Vec<Box<dyn Val + 'de>> = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(v) = seq.next_element_seed(ValSeed)? {
+            items.push(v);
+        }
+        Ok(Box::new(types::CelList::from(items)))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut entries: HashMap<types::CelMapKey<'de>, Box<dyn Val + 'de>> = HashMap::new();
+        while let Some(k) = map.next_key_seed(KeySeed)? {
+            if let Some(keep) = self.keep
+                && !keep.contains(k.as_ref())
+            {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
+            }
+            let v = map.next_value_seed(ValSeed)?;
+            let key = match k {
+                std::borrow::Cow::Borrowed(k) => types::CelMapKey::from(k),
+                std::borrow::Cow::Owned(k) => types::CelMapKey::from(k),
+            };
+            entries.insert(key, v);
+        }
+        Ok(Box::new(types::CelMap::from(entries)))
+    }
+}
+
+struct ValSeed;
+
+impl<'de> serde::de::DeserializeSeed<'de> for ValSeed {
+    type Value = Box<dyn Val + 'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(ValVisitor { keep: None })
+    }
+}
+
+/// A map key, borrowed from the JSON unless it has escapes.
+struct KeySeed;
+
+impl<'de> serde::de::DeserializeSeed<'de> for KeySeed {
+    type Value = std::borrow::Cow<'de, str>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = std::borrow::Cow<'de, str>;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v))
+    }
+}

@@ -1,0 +1,663 @@
+//! Change-aware filtering between a route's listeners (or its resumer) and its queue: the CEL
+//! `filter` and no-op suppression by `ignore_fields`. (`exclude_namespaces` is a field selector
+//! the API server applies: see `config::ResourceConfig::effective_field_selector`.)
+//!
+//! # Contract
+//! - The filter is a CEL expression over `object` (the newest state), `oldObject` (the
+//!   previous state for `updated` and `synced`, else `null`) and `type` (`added`, `updated`,
+//!   `deleted`, `synced`); a notification passes when it yields `true`. An evaluation error
+//!   passes or drops the notification as `filter_error` says; each is counted, and logged once
+//!   per key.
+//! - Consumers are never left with a stale object. The route remembers which objects it
+//!   published (and a resume's checkpoint tells it which ones the consumers had before):
+//!   - a delete of a published object is always published, whatever the filter says;
+//!   - when an update or resync of a published object fails the filter and the object no
+//!     longer belongs to the stream (it fails the filter both as `added` and as `updated`),
+//!     a `deleted` notification of its current state marked `k8sfilteredout: true` is
+//!     published instead (when the route publishes deletes at all);
+//!   - an update or resync that passes for an object not published yet is published as
+//!     `added` (when the filter passes it as such), so that every object enters the stream
+//!     with an `added`.
+//! - With `ignore_fields`, an update whose old and new objects are equal once those JSON
+//!   pointers are removed is suppressed (`reason="suppressed"`). The next published update of
+//!   the object carries, as its old state, the last one published: `oldObject` and
+//!   `data.patch` always lead from what consumers have to the newest state.
+//!
+//! Every route evaluates on its own (each has its own view of what its consumers have), so
+//! `keb_filtered_total` carries the sink besides the resource and the reason.
+
+mod cel_json;
+pub mod expr;
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{Arc, Mutex},
+};
+
+pub use json_patch::jsonptr::PointerBuf;
+use prometheus::IntCounter;
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+pub use expr::{Expr, VARIABLES};
+
+use super::RouteQueue;
+use crate::{
+    informer::{
+        CachedObject, EventType, Notification, NotificationHandler, NotificationKind, ObjectRef,
+        object::differing_fields,
+    },
+    problems::Section,
+};
+
+/// Errors of a filter's settings, found at load.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The expression does not parse.
+    #[error("syntax error at line {line}, column {column}: {message}")]
+    Syntax {
+        /// 1-based line.
+        line: isize,
+        /// 1-based column.
+        column: isize,
+        /// What the parser said.
+        message: String,
+    },
+    /// The expression names something that is neither a variable nor a function.
+    #[error("unknown name `{name}`{at}: a filter sees {vars} and CEL's standard functions", vars = VARIABLES.join(", "))]
+    UnknownName {
+        /// The name.
+        name: String,
+        /// ` at line L, column C`, when known.
+        at: String,
+    },
+    /// The expression does not give a boolean.
+    #[error("the expression must be a boolean, but gives a {0} value")]
+    NotBoolean(String),
+    /// An operator or function applied to types it does not take, whatever the object.
+    #[error("type error: {0}")]
+    Type(String),
+    /// An `ignore_fields` entry is not a JSON pointer to a field.
+    #[error("{0:?} is not a JSON pointer to a field (like \"/status\")")]
+    Pointer(String),
+}
+
+/// What an evaluation error of a resource's `filter` does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FilterErrorPolicy {
+    /// Publish the notification.
+    #[default]
+    Pass,
+    /// Drop the notification (counted in `keb_filtered_total{reason="filter_error"}`).
+    Drop,
+}
+
+/// A resource's filter settings (the `filter`, `filter_error` and `ignore_fields` of its
+/// `resources[]` entry).
+#[derive(Debug, Clone, Default)]
+pub struct FilterSettings {
+    /// The CEL expression, if any.
+    pub filter: Option<String>,
+    /// What an evaluation error does.
+    pub on_error: FilterErrorPolicy,
+    /// JSON pointers an update may change without being published.
+    pub ignore_fields: Vec<String>,
+}
+
+impl FilterSettings {
+    /// Compiles the expression and parses the pointers; reports into `p` (paths relative to
+    /// the resource entry).
+    pub fn validate(&self, p: &mut Section) {
+        if let Some(filter) = &self.filter
+            && let Err(reason) = Expr::compile(filter)
+        {
+            p.add("filter", format!("{reason} (in `{filter}`)"));
+        }
+        for (j, pointer) in self.ignore_fields.iter().enumerate() {
+            if let Err(reason) = field_pointer(pointer) {
+                p.add(&format!("ignore_fields[{j}]"), reason);
+            }
+        }
+    }
+}
+
+/// `pointer` parsed, when it points at a field (not the whole object).
+fn field_pointer(pointer: &str) -> Result<PointerBuf, Error> {
+    match PointerBuf::parse(pointer) {
+        Ok(p) if pointer.len() >= 2 => Ok(p),
+        _ => Err(Error::Pointer(pointer.to_owned())),
+    }
+}
+
+/// Why a notification was not published, as counted in `keb_filtered_total{reason}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The filter did not pass it.
+    Filter = 0,
+    /// The filter could not be evaluated and `filter_error` is `drop`.
+    FilterError,
+    /// An update that changed only `ignore_fields`.
+    Suppressed,
+}
+
+impl Reason {
+    /// Every reason, in discriminant order (the order of [`FilterMetrics::filtered`]).
+    pub const ALL: [Reason; 3] = [Self::Filter, Self::FilterError, Self::Suppressed];
+
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Filter => "filter",
+            Self::FilterError => "filter_error",
+            Self::Suppressed => "suppressed",
+        }
+    }
+}
+
+/// Removes each of `pointers` from `value` (a missing one is ignored).
+pub fn remove_pointers(value: &mut serde_json::Value, pointers: &[PointerBuf]) {
+    for p in pointers {
+        p.delete(value);
+    }
+}
+
+/// Whether `a` and `b` are equal once `pointers` are removed from both.
+pub fn equal_ignoring(a: &CachedObject, b: &CachedObject, pointers: &[PointerBuf]) -> bool {
+    // Only the top-level fields that differ are parsed; what is equal stays equal.
+    match differing_fields(a, b) {
+        Some((mut a, mut b)) => {
+            remove_pointers(&mut a, pointers);
+            remove_pointers(&mut b, pointers);
+            a == b
+        }
+        None => false,
+    }
+}
+
+/// What a resource's routes filter by; compiled once per resource.
+#[derive(Debug)]
+pub struct Rules {
+    filter: Option<Expr>,
+    on_error: FilterErrorPolicy,
+    ignore_fields: Vec<PointerBuf>,
+}
+
+impl Rules {
+    /// The rules of `settings`, or `None` when they filter nothing.
+    pub fn new(settings: &FilterSettings) -> Result<Option<Self>, Error> {
+        if settings.filter.is_none() && settings.ignore_fields.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            filter: settings.filter.as_deref().map(Expr::compile).transpose()?,
+            on_error: settings.on_error,
+            ignore_fields: settings
+                .ignore_fields
+                .iter()
+                .map(|p| field_pointer(p))
+                .collect::<Result<_, _>>()?,
+        }))
+    }
+}
+
+/// Counters of one route.
+pub struct FilterMetrics {
+    /// `keb_filtered_total{resource,sink,reason}`, by [`Reason`].
+    pub filtered: [IntCounter; Reason::ALL.len()],
+    /// `keb_filter_errors_total{resource,sink}`.
+    pub errors: IntCounter,
+}
+
+/// The filter stage of one route. See the module docs.
+pub struct RouteFilter {
+    route: String,
+    rules: Arc<Rules>,
+    queue: Arc<RouteQueue>,
+    publishes_deletes: bool,
+    metrics: FilterMetrics,
+    state: Mutex<State>,
+}
+
+/// What the filter says of one notification.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Pass,
+    Fail,
+    // An evaluation error with `filter_error: drop`.
+    ErrorDrop,
+}
+
+impl Verdict {
+    /// Why a notification dropped for this verdict was not published.
+    fn reason(self) -> Reason {
+        match self {
+            Self::ErrorDrop => Reason::FilterError,
+            _ => Reason::Filter,
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    term: u64,
+    // Keys whose consumers have the object (only kept with a filter).
+    published: HashSet<String>,
+    // Per key with suppressed updates: the old state of the first one, the last published.
+    bases: HashMap<String, ObjectRef>,
+    // Keys whose evaluation error was logged.
+    logged: HashSet<String>,
+}
+
+impl RouteFilter {
+    /// The filter stage of route `route` in front of `queue`; `publishes_deletes`: whether the
+    /// route's `events` include `deleted` (else no `k8sfilteredout` notification is sent).
+    pub fn new(
+        route: String,
+        rules: Arc<Rules>,
+        queue: Arc<RouteQueue>,
+        publishes_deletes: bool,
+        metrics: FilterMetrics,
+    ) -> Self {
+        Self {
+            route,
+            rules,
+            queue,
+            publishes_deletes,
+            metrics,
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        // A new term starts from what its replay publishes.
+        let term = self.queue.term();
+        if st.term != term {
+            *st = State {
+                term,
+                ..State::default()
+            };
+        }
+        st
+    }
+
+    /// Whether the filter passes `object` as a notification of type `ty`; errors as the
+    /// policy says.
+    fn verdict(
+        &self,
+        st: &mut State,
+        key: &str,
+        object: &CachedObject,
+        old: Option<&CachedObject>,
+        ty: EventType,
+    ) -> Verdict {
+        let Some(expr) = &self.rules.filter else {
+            return Verdict::Pass;
+        };
+        match expr.eval(object, old, ty) {
+            Ok(true) => Verdict::Pass,
+            Ok(false) => Verdict::Fail,
+            Err(err) => {
+                self.metrics.errors.inc();
+                if st.logged.insert(key.to_owned()) {
+                    warn!(route = %self.route, key, error = %err, policy = ?self.rules.on_error,
+                          "Cannot evaluate the filter on this object (logged once per object)");
+                }
+                match self.rules.on_error {
+                    FilterErrorPolicy::Pass => Verdict::Pass,
+                    FilterErrorPolicy::Drop => Verdict::ErrorDrop,
+                }
+            }
+        }
+    }
+
+    /// Whether the object still belongs to the stream: the filter passes it as `added` or as
+    /// `updated` (a filter on `type` alone never removes an object).
+    fn member(&self, st: &mut State, key: &str, new: &CachedObject, old: &CachedObject) -> bool {
+        self.verdict(st, key, new, None, EventType::Added) == Verdict::Pass
+            || self.verdict(st, key, new, Some(old), EventType::Updated) == Verdict::Pass
+    }
+
+    fn drop_for(&self, reason: Reason) {
+        self.metrics.filtered[reason as usize].inc();
+    }
+
+    /// Publishes the `k8sfilteredout` delete of `obj`, received at `at`.
+    fn filtered_out(&self, obj: ObjectRef, at: (std::time::Instant, jiff::Timestamp)) {
+        if !self.publishes_deletes {
+            return;
+        }
+        self.queue.push(Notification {
+            kind: NotificationKind::Delete {
+                obj,
+                final_state_unknown: false,
+            },
+            received: at.0,
+            observed: at.1,
+            resumed: false,
+            filtered_out: true,
+        });
+    }
+}
+
+impl NotificationHandler for RouteFilter {
+    fn on_notification(&self, mut n: Notification) {
+        if !self.queue.is_active() {
+            return;
+        }
+        let obj = n.object().clone();
+        let key = n.key();
+        let ty = n.event_type();
+        let has_filter = self.rules.filter.is_some();
+        let mut st = self.lock();
+        match n.kind.clone() {
+            NotificationKind::Delete { .. } => {
+                st.bases.remove(&key);
+                st.logged.remove(&key);
+                let published = st.published.remove(&key) || n.resumed;
+                if has_filter && !published {
+                    let verdict = self.verdict(&mut st, &key, &obj, None, ty);
+                    if verdict != Verdict::Pass {
+                        return self.drop_for(verdict.reason());
+                    }
+                }
+            }
+            NotificationKind::Add { .. } => {
+                let verdict = self.verdict(&mut st, &key, &obj, None, ty);
+                if verdict == Verdict::Pass {
+                    if has_filter {
+                        st.published.insert(key);
+                    }
+                } else {
+                    if st.published.remove(&key) {
+                        drop(st);
+                        return self.filtered_out(obj, (n.received, n.observed));
+                    }
+                    return self.drop_for(verdict.reason());
+                }
+            }
+            NotificationKind::Update { old, new } => {
+                if has_filter {
+                    let published = st.published.contains(&key) || n.resumed;
+                    let verdict = self.verdict(&mut st, &key, &new, Some(&old), ty);
+                    if verdict != Verdict::Pass {
+                        if published && !self.member(&mut st, &key, &new, &old) {
+                            st.published.remove(&key);
+                            st.bases.remove(&key);
+                            drop(st);
+                            return self.filtered_out(new, (n.received, n.observed));
+                        }
+                        return self.drop_for(verdict.reason());
+                    }
+                    if !published {
+                        st.published.insert(key.clone());
+                        st.bases.remove(&key);
+                        if self.verdict(&mut st, &key, &new, None, EventType::Added)
+                            == Verdict::Pass
+                        {
+                            n.kind = NotificationKind::Add {
+                                obj: new,
+                                is_initial_list: false,
+                            };
+                        }
+                        drop(st);
+                        return self.queue.push(n);
+                    }
+                }
+                if !self.rules.ignore_fields.is_empty() && ty == EventType::Updated && !n.resumed {
+                    if equal_ignoring(&old, &new, &self.rules.ignore_fields) {
+                        st.bases.entry(key).or_insert(old);
+                        return self.drop_for(Reason::Suppressed);
+                    }
+                    if let Some(base) = st.bases.remove(&key) {
+                        n.kind = NotificationKind::Update { old: base, new };
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.queue.push(n);
+    }
+
+    fn on_known(&self, key: &str, unchanged: Option<&ObjectRef>) {
+        if self.rules.filter.is_none() || !self.queue.is_active() {
+            return;
+        }
+        let mut st = self.lock();
+        match unchanged {
+            Some(obj) if !self.member(&mut st, key, obj, obj) => {
+                // The filter changed since the consumers got it.
+                st.published.remove(key);
+                drop(st);
+                let now = (std::time::Instant::now(), jiff::Timestamp::now());
+                self.filtered_out(obj.clone(), now);
+            }
+            _ => {
+                st.published.insert(key.to_owned());
+            }
+        }
+    }
+
+    fn on_synced(&self) {
+        self.queue.on_synced();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::informer::ObjectMetaRef;
+    use crate::workqueue::{
+        metrics::QueueMetrics, rate_limiter::ItemExponentialFailureRateLimiter,
+    };
+    use prometheus::{IntCounter, IntGauge};
+    use std::time::Duration;
+
+    fn object(name: &str, rv: &str, team: &str, status: &str) -> ObjectRef {
+        let o: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"namespace": "ns", "name": name, "uid": format!("uid-{name}"),
+                         "resourceVersion": rv, "labels": {"team": team}},
+            "data": {"k": "v"},
+            "status": {"phase": status},
+        }))
+        .unwrap();
+        Arc::new(CachedObject::new(&o))
+    }
+
+    fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 3]) {
+        let r = serde_yaml_like(config);
+        let rules = Arc::new(Rules::new(&r).unwrap().expect("rules"));
+        let queue = Arc::new(RouteQueue::new(
+            "r".into(),
+            Box::new(ItemExponentialFailureRateLimiter::new(
+                Duration::from_secs(1),
+                Duration::from_secs(10),
+            )),
+            QueueMetrics::unregistered(),
+            Arc::new(super::super::Budget::new(1000)),
+            IntGauge::new("b", "b").unwrap(),
+            IntCounter::new("c", "c").unwrap(),
+        ));
+        let filtered =
+            Reason::ALL.map(|r| IntCounter::new(format!("f_{}", r.as_str()), "f").unwrap());
+        let f = RouteFilter::new(
+            "r".into(),
+            rules,
+            queue.clone(),
+            true,
+            FilterMetrics {
+                filtered: filtered.clone(),
+                errors: IntCounter::new("e", "e").unwrap(),
+            },
+        );
+        (f, queue, filtered)
+    }
+
+    /// Filter settings from the JSON of a resource entry's filter fields.
+    fn serde_yaml_like(fields: &str) -> FilterSettings {
+        let v: serde_json::Value = serde_json::from_str(fields).unwrap();
+        FilterSettings {
+            filter: v["filter"].as_str().map(str::to_owned),
+            on_error: serde_json::from_value(v["filter_error"].clone()).unwrap_or_default(),
+            ignore_fields: serde_json::from_value(v["ignore_fields"].clone()).unwrap_or_default(),
+        }
+    }
+
+    /// What the queue holds, as `type rv [filteredout]`, in order, for key `ns/a`.
+    fn drain(q: &RouteQueue) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Some(key) = q.queue().try_get() {
+            let (batch, _) = q.take(&key);
+            q.settle(batch.len());
+            q.finish(&key);
+            q.queue().done(&key);
+            for n in batch {
+                let mut s = format!(
+                    "{} {}",
+                    n.event_type().as_str(),
+                    n.object().resource_version().unwrap_or_default()
+                );
+                if let NotificationKind::Update { old, .. } = &n.kind {
+                    s += &format!(" from {}", old.resource_version().unwrap_or_default());
+                }
+                if n.filtered_out {
+                    s += " filteredout";
+                }
+                out.push(s);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn objects_leaving_the_filter_get_a_filtered_out_delete_and_come_back_as_added() {
+        let (f, q, filtered) = stage(r#"{"filter": "object.metadata.labels.team == 'shop'"}"#);
+        let on = |kind| f.on_notification(Notification::new(kind));
+        on(NotificationKind::Add {
+            obj: object("a", "1", "shop", "x"),
+            is_initial_list: true,
+        });
+        on(NotificationKind::Add {
+            obj: object("b", "1", "web", "x"),
+            is_initial_list: true,
+        });
+        on(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "web", "x"),
+        });
+        on(NotificationKind::Update {
+            old: object("a", "2", "web", "x"),
+            new: object("a", "3", "web", "y"),
+        });
+        on(NotificationKind::Update {
+            old: object("a", "3", "web", "y"),
+            new: object("a", "4", "shop", "y"),
+        });
+        on(NotificationKind::Delete {
+            obj: object("b", "2", "web", "x"),
+            final_state_unknown: false,
+        });
+        on(NotificationKind::Delete {
+            obj: object("a", "5", "web", "y"),
+            final_state_unknown: false,
+        });
+        assert_eq!(
+            drain(&q),
+            ["added 1", "deleted 2 filteredout", "added 4", "deleted 5"]
+        );
+        assert_eq!(filtered[0].get(), 3, "b's add and delete, a's update at 3");
+    }
+
+    #[test]
+    fn a_filter_on_type_alone_never_removes_objects() {
+        let (f, q, _) = stage(r#"{"filter": "type != 'synced'"}"#);
+        let a1 = object("a", "1", "shop", "x");
+        f.on_notification(Notification::new(NotificationKind::Add {
+            obj: a1.clone(),
+            is_initial_list: true,
+        }));
+        f.on_notification(Notification::new(NotificationKind::Update {
+            old: a1.clone(),
+            new: a1.clone(),
+        }));
+        assert_eq!(drain(&q), ["added 1"]);
+    }
+
+    #[test]
+    fn evaluation_errors_pass_or_drop_as_configured() {
+        for (policy, expected) in [("pass", vec!["added 1"]), ("drop", vec![])] {
+            let (f, q, filtered) = stage(&format!(
+                r#"{{"filter": "object.spec.replicas > 2", "filter_error": "{policy}"}}"#
+            ));
+            f.on_notification(Notification::new(NotificationKind::Add {
+                obj: object("a", "1", "shop", "x"),
+                is_initial_list: false,
+            }));
+            assert_eq!(drain(&q), expected, "{policy}");
+            assert_eq!(filtered[1].get(), (policy == "drop") as u64);
+            assert_eq!(filtered[0].get(), 0);
+            assert_eq!(f.metrics.errors.get(), 1);
+        }
+    }
+
+    #[test]
+    fn status_only_updates_are_suppressed_and_the_next_update_starts_from_the_last_published() {
+        let (f, q, filtered) =
+            stage(r#"{"ignore_fields": ["/status", "/metadata/resourceVersion"]}"#);
+        let on =
+            |old, new| f.on_notification(Notification::new(NotificationKind::Update { old, new }));
+        on(object("a", "1", "shop", "x"), object("a", "2", "shop", "y"));
+        on(object("a", "2", "shop", "y"), object("a", "3", "shop", "z"));
+        on(object("a", "3", "shop", "z"), object("a", "4", "web", "z"));
+        // A resync is not an update: never suppressed.
+        on(object("a", "4", "web", "z"), object("a", "4", "web", "z"));
+        assert_eq!(drain(&q), ["updated 4 from 1", "synced 4 from 4"]);
+        assert_eq!(filtered[2].get(), 2);
+    }
+
+    #[test]
+    fn without_ignore_fields_status_updates_pass() {
+        let (f, q, _) = stage(r#"{"filter": "true"}"#);
+        f.on_notification(Notification::new(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "shop", "y"),
+        }));
+        assert_eq!(drain(&q), ["added 2"], "not published yet: enters as added");
+        f.on_notification(Notification::new(NotificationKind::Update {
+            old: object("a", "2", "shop", "y"),
+            new: object("a", "3", "shop", "z"),
+        }));
+        assert_eq!(drain(&q), ["updated 3 from 2"]);
+    }
+
+    #[test]
+    fn resumed_objects_count_as_published() {
+        let (f, q, _) = stage(r#"{"filter": "object.metadata.labels.team == 'shop'"}"#);
+        // Unchanged since the checkpoint and still matching: later leaves get a delete.
+        f.on_known("ns/a", Some(&object("a", "1", "shop", "x")));
+        // Unchanged, but the filter no longer takes it: removed at once.
+        f.on_known("ns/b", Some(&object("b", "1", "web", "x")));
+        f.on_notification(Notification::new(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "web", "x"),
+        }));
+        assert_eq!(
+            drain(&q),
+            ["deleted 1 filteredout", "deleted 2 filteredout"]
+        );
+    }
+
+    #[test]
+    fn pointers_are_removed_with_escapes() {
+        let mut v = serde_json::json!({"metadata": {"annotations": {"a/b": "1", "c": "2"}}, "list": [1, 2]});
+        let pointers =
+            ["/metadata/annotations/a~1b", "/list/0", "/nope/x"].map(|p| field_pointer(p).unwrap());
+        remove_pointers(&mut v, &pointers);
+        assert_eq!(
+            v,
+            serde_json::json!({"metadata": {"annotations": {"c": "2"}}, "list": [2]})
+        );
+    }
+}

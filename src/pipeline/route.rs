@@ -1,0 +1,205 @@
+//! Building one route (a resource's kind to one sink) from its parts, the same way for the
+//! service, the tests and the benches: what is measured and tested is what runs.
+//!
+//! ```text
+//! listeners ─▶ [Resumer] ─▶ [RouteFilter] ─▶ RouteQueue ─▶ workers (Route) ─▶ sink
+//!                                                              └─▶ [Checkpointer]
+//! ```
+//! The resumer sits in front when the route resumes from a checkpoint (it compares the first
+//! list with it and applies the route's `events` after); the filter when the resource filters;
+//! the checkpointer records what the sink acknowledged.
+
+use std::sync::Arc;
+
+use kube::api::TypeMeta;
+
+use super::{
+    Budget, Checkpointer, Delivery, Resumer, Route, RouteQueue,
+    filter::{FilterMetrics, Reason, RouteFilter, Rules},
+    resume::Outcome,
+};
+use crate::{
+    informer::{EventType, NotificationHandler},
+    message::Encoder,
+    metrics::Metrics,
+    sinks::CheckpointStore,
+    workqueue::rate_limiter::{RetrySettings, controller_rate_limiter},
+};
+
+/// Most notifications a route's sink holds when no budget is given (`max_pending`'s default).
+pub const DEFAULT_MAX_PENDING: usize = 100_000;
+
+/// Builds one route. Names: the route is `{resource}/{sink}`, its metrics are labelled with
+/// `resource` and `sink`.
+pub struct RouteBuilder<'m> {
+    resource: String,
+    sink: String,
+    encoder: Encoder,
+    delivery: Arc<Delivery>,
+    metrics: &'m Metrics,
+    budget: Option<Arc<Budget>>,
+    retry: RetrySettings,
+    events: Vec<EventType>,
+    rules: Option<Arc<Rules>>,
+    store: Option<Arc<dyn CheckpointStore>>,
+    resume: Option<(TypeMeta, usize)>,
+}
+
+/// A built route and what feeds it.
+pub struct BuiltRoute {
+    /// The route: its queue and what its workers publish with.
+    pub route: Arc<Route>,
+    /// What the route's listeners hand notifications to: the resumer, the filter or the queue.
+    pub handler: Arc<dyn NotificationHandler>,
+    /// The types its listeners pass on (all of them with a resumer, which filters after).
+    pub accepted: Vec<EventType>,
+    /// The resumer, when the route resumes from its checkpoint.
+    pub resumer: Option<Arc<Resumer>>,
+    /// The checkpointer the workers record acknowledgements into, with a store.
+    pub checkpointer: Option<Arc<Checkpointer>>,
+}
+
+impl<'m> RouteBuilder<'m> {
+    /// A route of `resource` (its name in metrics: `configmap`, `all/widgets.example.com`) to
+    /// the sink of `delivery`, labelled `sink` (usually the sink's name), encoding with
+    /// `encoder`. By default: every event type, client-go's retry settings, a budget of its
+    /// own of [`DEFAULT_MAX_PENDING`], no filter, no checkpoint.
+    pub fn new(
+        resource: &str,
+        sink: &str,
+        encoder: Encoder,
+        delivery: Arc<Delivery>,
+        metrics: &'m Metrics,
+    ) -> Self {
+        Self {
+            resource: resource.to_owned(),
+            sink: sink.to_owned(),
+            encoder,
+            delivery,
+            metrics,
+            budget: None,
+            retry: RetrySettings::default(),
+            events: EventType::ALL.to_vec(),
+            rules: None,
+            store: None,
+            resume: None,
+        }
+    }
+
+    /// The route's name, `{resource}/{sink}`.
+    pub fn name(&self) -> String {
+        format!("{}/{}", self.resource, self.sink)
+    }
+
+    /// Shares `budget` (the sink's `max_pending`) with the sink's other routes.
+    pub fn budget(mut self, budget: Arc<Budget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Retries failed publishes with `retry`.
+    pub fn retry(mut self, retry: RetrySettings) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Publishes only notifications of these types.
+    pub fn events(mut self, events: &[EventType]) -> Self {
+        self.events = events.to_vec();
+        self
+    }
+
+    /// Filters with `rules` (none: no filter stage).
+    pub fn filter(mut self, rules: Option<Arc<Rules>>) -> Self {
+        self.rules = rules;
+        self
+    }
+
+    /// Records what the sink acknowledged into `store` (none: no checkpoint).
+    pub fn checkpoint(mut self, store: Option<Arc<dyn CheckpointStore>>) -> Self {
+        self.store = store;
+        self
+    }
+
+    /// With a checkpoint store, compares the first list of the route's `informers` informers
+    /// of objects of `types` with the checkpoint and publishes only what changed.
+    pub fn resume(mut self, types: TypeMeta, informers: usize) -> Self {
+        self.resume = Some((types, informers));
+        self
+    }
+
+    /// Builds the queue, the stages in front of it and the route.
+    pub fn build(self) -> BuiltRoute {
+        let metrics = self.metrics;
+        let name = self.name();
+        let labels = [self.resource.as_str(), self.sink.as_str()];
+        let queue = Arc::new(RouteQueue::new(
+            name.clone(),
+            Box::new(controller_rate_limiter(self.retry)),
+            metrics.workqueue.for_queue(&name),
+            self.budget
+                .unwrap_or_else(|| Arc::new(Budget::new(DEFAULT_MAX_PENDING))),
+            metrics.listener_buffered.with_label_values(&labels),
+            metrics.listener_coalesced.with_label_values(&labels),
+        ));
+        let front: Arc<dyn NotificationHandler> = match self.rules {
+            Some(rules) => Arc::new(RouteFilter::new(
+                name.clone(),
+                rules,
+                queue.clone(),
+                self.events.contains(&EventType::Deleted),
+                FilterMetrics {
+                    filtered: Reason::ALL.map(|reason| {
+                        metrics
+                            .filtered
+                            .with_label_values(&[labels[0], labels[1], reason.as_str()])
+                    }),
+                    errors: metrics.filter_errors.with_label_values(&labels),
+                },
+            )),
+            None => queue.clone(),
+        };
+        let checkpointer = self.store.map(|store| {
+            Arc::new(Checkpointer::new(
+                name.clone(),
+                store,
+                metrics.checkpoint_lag.with_label_values(&[&name]),
+                metrics
+                    .checkpoint_write_failures
+                    .with_label_values(&[&name]),
+            ))
+        });
+        // With resume, the listeners pass everything to the resumer, which compares the
+        // initial state with the checkpoint and applies the type filter after.
+        let resumer = match (&checkpointer, self.resume) {
+            (Some(_), Some((types, informers))) => Some(Arc::new(Resumer::new(
+                name.clone(),
+                front.clone(),
+                &self.events,
+                types,
+                informers,
+                Outcome::ALL.map(|o| {
+                    metrics
+                        .resume_objects
+                        .with_label_values(&[name.as_str(), o.as_str()])
+                }),
+            ))),
+            _ => None,
+        };
+        let (handler, accepted): (Arc<dyn NotificationHandler>, Vec<EventType>) = match &resumer {
+            Some(r) => (r.clone(), EventType::ALL.to_vec()),
+            None => (front, self.events),
+        };
+        let mut route = Route::new(self.resource, queue, self.encoder, self.delivery, metrics);
+        if let Some(c) = &checkpointer {
+            route = route.with_checkpointer(c.clone());
+        }
+        BuiltRoute {
+            route: Arc::new(route),
+            handler,
+            accepted,
+            resumer,
+            checkpointer,
+        }
+    }
+}

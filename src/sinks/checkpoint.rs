@@ -1,0 +1,70 @@
+//! The checkpoint store contract: where a sink keeps what its routes acknowledged, per object
+//! key (`key → (uid, resourceVersion)`), so that a restart or a new leader resumes from it.
+//! Each sink that can hold one implements [`CheckpointStore`] beside its own code (a file
+//! beside a file sink, a compacted Kafka topic, a JetStream KV bucket); the pipeline's
+//! `Checkpointer` records acknowledgements and writes them through it.
+
+use std::collections::HashMap;
+
+use futures::{FutureExt, future::BoxFuture};
+use serde::{Deserialize, Serialize};
+
+/// Errors of a checkpoint store.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Reading or writing the store failed.
+    #[error("checkpoint {store}: {reason}")]
+    Store {
+        /// Which store (a file path, a topic, a bucket).
+        store: String,
+        /// What went wrong.
+        reason: String,
+    },
+}
+
+/// `Result` with this module's error.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What a route's sink acknowledged for one object.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// The object's uid.
+    pub uid: String,
+    /// The resourceVersion of the newest acknowledged notification.
+    #[serde(rename = "resourceVersion")]
+    pub resource_version: String,
+}
+
+/// A loaded checkpoint: entries by `namespace/name`.
+pub type Checkpoint = HashMap<String, Entry>;
+
+/// One change to write: `None` removes the key.
+pub type Change = (String, Option<Entry>);
+
+/// Where a sink keeps its routes' checkpoints.
+pub trait CheckpointStore: Send + Sync {
+    /// The store, for logs and errors (a file path, a topic, a bucket).
+    fn describe(&self) -> String;
+
+    /// The checkpoints of `routes`, read in one pass over the store; a route the store has
+    /// never held one for is absent. A record that cannot be read is logged (naming the
+    /// route and key) and skipped.
+    fn load_routes<'a>(
+        &'a self,
+        routes: &'a [String],
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>>;
+
+    /// The checkpoint of `route`, or `None` when the store has never held one for it.
+    fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
+        async move {
+            let mut all = self
+                .load_routes(std::slice::from_ref(&route.to_owned()))
+                .await?;
+            Ok(all.remove(route))
+        }
+        .boxed()
+    }
+
+    /// Applies `changes` to the checkpoint of `route` durably.
+    fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>>;
+}
