@@ -24,9 +24,15 @@
 #[path = "../tests/support/api_server.rs"]
 #[allow(dead_code)]
 mod api_server;
+#[path = "../tests/support/config.rs"]
+mod config;
 #[path = "../tests/support/nats.rs"]
 #[allow(dead_code)]
 mod nats;
+#[path = "../tests/support/objects.rs"]
+mod objects;
+#[path = "../tests/support/wait.rs"]
+mod wait;
 
 use std::{
     collections::HashMap,
@@ -40,10 +46,13 @@ use std::{
 };
 
 use api_server::ApiServer;
+use config::ConfigBuilder;
 use futures::StreamExt;
 use kube_event_bridge::consumer::event::Summary;
 use nats::NatsServer;
+use objects::{Meta, configmap_with_data, typed};
 use serde_json::{Value, json};
+use wait::Patience;
 
 const STREAM: &str = "KEB_CHAOS";
 const SCENARIOS: [&str; 9] = [
@@ -101,13 +110,20 @@ fn keeps(i: usize, version: u64) -> bool {
     !(i as u64 + version).is_multiple_of(3)
 }
 
+/// ConfigMap `i` at workload version `version`: labelled `app: chaos` and `keep` (see
+/// [`keeps`]), about 400 bytes of data.
 fn configmap(i: usize, version: u64) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": format!("cm-{i:06}"), "namespace": format!("chaos-{}", i % NAMESPACES),
-                     "labels": {"app": "chaos", "keep": if keeps(i, version) { "yes" } else { "no" }}},
-        "data": {"version": version.to_string(), "payload": "x".repeat(400)},
-    })
+    let cm = configmap_with_data(
+        &format!("chaos-{}", i % NAMESPACES),
+        &format!("cm-{i:06}"),
+        [
+            ("version", version.to_string()),
+            ("payload", "x".repeat(400)),
+        ],
+    )
+    .label("app", "chaos")
+    .label("keep", if keeps(i, version) { "yes" } else { "no" });
+    typed(&cm)
 }
 
 fn key(i: usize) -> String {
@@ -567,15 +583,16 @@ fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
         message["diff"] = json!("patch");
         message["include_old_object"] = json!(false);
     }
-    json!({
-        "cluster": "chaos",
-        "shutdown": {"grace_period": "30s"},
-        "kubernetes": {"qps": 1000, "burst": 1000},
-        "message": message,
-        "resources": [resource],
-        "sinks": [sink],
-        "routes": [{"resource": "configmap", "sinks": ["out"]}],
-    })
+    // The admin address is the one Service::start gives.
+    ConfigBuilder::new()
+        .cluster("chaos")
+        .grace_period("30s")
+        .kubernetes(json!({"qps": 1000, "burst": 1000}))
+        .message(message)
+        .resource(resource)
+        .sink(sink)
+        .route("configmap", &["out"])
+        .value()
 }
 
 /// Default length of a scenario, in minutes.
@@ -619,7 +636,13 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let mut peak_rss: f64 = 0.0;
     let mut exits = Vec::new();
     // The initial list goes out before the load starts.
-    wait_for_messages(&broker, opts.objects as u64 / 2, Duration::from_secs(120)).await;
+    let first_list = opts.objects as u64 / 2;
+    wait::until(
+        "the service to publish its first list",
+        Patience::of(Duration::from_secs(120)).polling(Duration::from_millis(200)),
+        async || broker.len().await >= first_list,
+    )
+    .await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let load = tokio::spawn(workload(
@@ -764,17 +787,6 @@ async fn stream_len(url: &str) -> Option<u64> {
     let js = async_nats::jetstream::new(client);
     let mut s = js.get_stream(STREAM).await.ok()?;
     Some(s.info().await.ok()?.state.messages)
-}
-
-async fn wait_for_messages(broker: &Broker, n: u64, within: Duration) {
-    let deadline = Instant::now() + within;
-    while broker.len().await < n {
-        assert!(
-            Instant::now() < deadline,
-            "the service did not publish its first list"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 /// Waits until the service holds no notification and the stream has not grown for 5 s.

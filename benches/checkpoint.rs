@@ -16,7 +16,8 @@ use std::{sync::Arc, time::Instant};
 
 use kube_event_bridge::{
     config::SinkConfig,
-    pipeline::checkpoint::{CheckpointStore, Entry, FileCheckpointStore},
+    sinks::checkpoint::{CheckpointStore, Entry},
+    sinks::stdout::FileCheckpointStore,
     sinks::{
         kafka::{KafkaCheckpointStore, KafkaSink},
         nats::{NatsCheckpointStore, NatsSink},

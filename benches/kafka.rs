@@ -18,7 +18,7 @@ use kube_event_bridge::{
     config::SinkConfig,
     message::Message,
     metrics::Metrics,
-    pipeline::Checkpointer,
+    sinks::CheckpointStore,
     sinks::kafka::{KafkaCheckpointStore, KafkaSink},
 };
 use rdkafka::{
@@ -51,24 +51,17 @@ async fn bridge(
     let kafka = KafkaSink::connect("kafka", cfg.kafka.as_ref().unwrap())
         .await
         .unwrap();
-    let name = format!("configmap/kafka-{run}");
-    let checkpointer = if resume {
+    let name = format!("kafka-{run}");
+    let store: Option<Arc<dyn CheckpointStore>> = if resume {
         let store = KafkaCheckpointStore::open("kafka", cfg.kafka.as_ref().unwrap(), &kafka)
             .await
             .unwrap();
-        Some(Arc::new(Checkpointer::new(
-            name.clone(),
-            Arc::new(store),
-            metrics.checkpoint_lag.with_label_values(&[&name]),
-            metrics
-                .checkpoint_write_failures
-                .with_label_values(&[&name]),
-        )))
+        Some(Arc::new(store))
     } else {
         None
     };
     let sink = Arc::new(Timed::new(kafka));
-    bridge_figures(sink, notes, WORKERS, metrics, &name, checkpointer).await
+    bridge_figures(sink, notes, WORKERS, metrics, &name, store).await
 }
 
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {

@@ -17,6 +17,12 @@
 #[path = "../tests/support/api_server.rs"]
 #[allow(dead_code)]
 mod api_server;
+#[path = "../tests/support/config.rs"]
+mod config;
+#[path = "../tests/support/objects.rs"]
+mod objects;
+#[path = "../tests/support/wait.rs"]
+mod wait;
 
 use std::{
     collections::HashMap,
@@ -29,32 +35,26 @@ use std::{
 };
 
 use api_server::ApiServer;
+use config::ConfigBuilder;
 use kube_event_bridge::{
     app::{App, Report},
-    config::Config,
     metrics::Metrics,
 };
+use objects::{Meta, configmap_with_data, typed};
 use serde_json::{Value, json};
 
 const MAX_PENDING: usize = 100_000;
 
-fn config(out: &Path, identity: &str, fast: bool) -> Config {
-    let mut le = json!({"enabled": true, "identity": identity, "namespace": "kube-system"});
-    if fast {
-        le["lease_duration"] = "3s".into();
-        le["renew_deadline"] = "2s".into();
-        le["retry_period"] = "100ms".into();
-    }
-    Config::from_value(json!({
-        "cluster": "bench",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [{"name": "out", "type": "stdout", "max_pending": MAX_PENDING,
-                   "stdout": {"path": out}}],
-        "routes": [{"resource": "configmap", "sinks": ["out"]}],
-        "leader_election": le,
-    }))
-    .expect("bench config")
+/// ConfigMap `team-{i % 50}/config-{i}` labelled `app: bench`, with `payload` as its data.
+fn configmap(i: usize, payload: String) -> Value {
+    typed(
+        &configmap_with_data(
+            &format!("team-{}", i % 50),
+            &format!("config-{i:06}"),
+            [("payload", payload)],
+        )
+        .label("app", "bench"),
+    )
 }
 
 struct Replica {
@@ -79,7 +79,20 @@ impl Replica {
         identity: &'static str,
         fast: bool,
     ) -> Self {
-        let app = App::build(config(out, identity, fast), api.client())
+        let config = ConfigBuilder::new()
+            .cluster("bench")
+            .configmaps()
+            .sink(
+                json!({"name": "out", "type": "stdout", "max_pending": MAX_PENDING,
+                         "stdout": {"path": out}}),
+            )
+            .route("configmap", &["out"]);
+        let config = if fast {
+            config.fast_leader_election(identity, "100ms")
+        } else {
+            config.leader_election(identity)
+        };
+        let app = App::build(config.build(), api.client())
             .await
             .expect("app builds");
         let metrics = app.metrics().clone();
@@ -169,17 +182,6 @@ impl Replica {
     }
 }
 
-async fn wait_for(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < limit,
-            "{what} did not happen within {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn main() {
     let args: Vec<String> = std::env::args()
         .skip(1)
@@ -195,15 +197,8 @@ fn main() {
         let api = ApiServer::start().await;
         let started = Instant::now();
         for i in 0..objects {
-            let mut data = serde_json::Map::new();
             // ~960 bytes of JSON per object, as in the report of the bug.
-            data.insert("payload".into(), "x".repeat(700).into());
-            api.create(json!({
-                "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": format!("config-{i:06}"), "namespace": format!("team-{}", i % 50),
-                             "labels": {"app": "bench"}},
-                "data": data,
-            }));
+            api.create(configmap(i, "x".repeat(700)));
         }
         println!(
             "{objects} ConfigMaps created in the API test server in {:.1} s; each run lasts {seconds} s",
@@ -217,11 +212,11 @@ fn main() {
 
         let dir = tempfile::tempdir().expect("tempdir");
         let a = Replica::start(&api, dir.path(), "a", true).await;
-        wait_for("a leader", Duration::from_secs(10), || a.leading()).await;
+        wait::until("a leader", Duration::from_secs(10), async || a.leading()).await;
         let b = Replica::start(&api, dir.path(), "b", true).await;
         tokio::time::sleep(Duration::from_secs(seconds / 3)).await;
         api.refuse_lease_writes_from(Some(a.identity));
-        wait_for("the failover", Duration::from_secs(10), || {
+        wait::until("the failover", Duration::from_secs(10), async || {
             b.leading() && !a.leading()
         })
         .await;
@@ -235,30 +230,25 @@ fn main() {
         let dir = tempfile::tempdir().expect("tempdir");
         let out = dir.path().join("shared.jsonl");
         let c = Replica::start_writing(&api, &out, "c", true).await;
-        wait_for("c leads", Duration::from_secs(10), || c.leading()).await;
+        wait::until("c leads", Duration::from_secs(10), async || c.leading()).await;
         let d = Replica::start_writing(&api, &out, "d", true).await;
-        wait_for("c published every object", Duration::from_secs(120), || {
+        wait::until("c published every object", Duration::from_secs(120), async || {
             c.published() >= objects as u64
         })
         .await;
         tokio::time::sleep(Duration::from_millis(1500)).await; // a checkpoint interval
         let before = std::fs::read_to_string(&out).unwrap_or_default().lines().count();
         api.refuse_lease_writes_from(Some(c.identity));
-        wait_for("c steps down", Duration::from_secs(10), || !c.leading()).await;
+        wait::until("c steps down", Duration::from_secs(10), async || !c.leading()).await;
         let changes = (objects / 50).max(2);
         for i in 0..changes / 2 {
             api.delete("v1", "ConfigMap", &format!("team-{}", i % 50), &format!("config-{i:06}"));
         }
         for i in changes / 2..changes {
-            api.update(json!({
-                "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"name": format!("config-{i:06}"), "namespace": format!("team-{}", i % 50),
-                             "labels": {"app": "bench"}},
-                "data": {"payload": "changed"},
-            }));
+            api.update(configmap(i, "changed".into()));
         }
-        wait_for("d leads", Duration::from_secs(10), || d.leading()).await;
-        wait_for("the gap published", Duration::from_secs(60), || {
+        wait::until("d leads", Duration::from_secs(10), async || d.leading()).await;
+        wait::until("the gap published", Duration::from_secs(60), async || {
             d.published() >= changes as u64
         })
         .await;

@@ -36,15 +36,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Fig
             .await
             .unwrap(),
     ));
-    bridge_figures(
-        sink,
-        notes,
-        WINDOW,
-        metrics,
-        &format!("configmap/nats-{size}"),
-        None,
-    )
-    .await
+    bridge_figures(sink, notes, WINDOW, metrics, &format!("nats-{size}"), None).await
 }
 
 async fn raw(url: &str, events: usize, size: usize) -> Figures {

@@ -20,7 +20,7 @@ use kube_event_bridge::{
     pipeline::filter::Rules,
     sinks::{self, Sink},
 };
-use support::{Timed, alternating, percentiles, run_bridge_opts};
+use support::{RouteSpec, Timed, alternating, percentiles, run_bridge};
 
 /// Accepts every message at once.
 struct AckSink {
@@ -76,12 +76,16 @@ fn main() {
     let patch_encoder = || {
         Encoder::new(
             "bench",
-            &support::configmaps(),
+            &support::objects::configmaps(),
             &patching,
             Encoding::Structured,
         )
     };
-    let rules = || Rules::of(&filtered).unwrap().map(Arc::new);
+    let rules = || {
+        Rules::new(&filtered.filter_settings())
+            .unwrap()
+            .map(Arc::new)
+    };
     for (label, name, encoder, rules) in [
         (
             "filter and diff off",
@@ -89,21 +93,11 @@ fn main() {
             support::encoder(),
             None,
         ),
-        (
-            "filter on",
-            "configmap/ack-filter",
-            support::encoder(),
-            rules(),
-        ),
-        (
-            "diff: patch on",
-            "configmap/ack-patch",
-            patch_encoder(),
-            None,
-        ),
+        ("filter on", "ack-filter", support::encoder(), rules()),
+        ("diff: patch on", "ack-patch", patch_encoder(), None),
         (
             "filter and diff: patch on",
-            "configmap/ack-both",
+            "ack-both",
             patch_encoder(),
             rules(),
         ),
@@ -112,16 +106,14 @@ fn main() {
         let sink = Arc::new(Timed::new(AckSink {
             count: AtomicU64::new(0),
         }));
-        let run = runtime.block_on(run_bridge_opts(
+        let run = runtime.block_on(run_bridge(
             sink.clone(),
             notes,
-            workers,
-            backlog,
-            &metrics,
-            name,
-            None,
-            encoder,
-            rules,
+            RouteSpec {
+                encoder,
+                rules,
+                ..RouteSpec::new(&metrics, name, workers, backlog)
+            },
         ));
         let delivered = sink.inner.count.load(Ordering::Relaxed);
         let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));

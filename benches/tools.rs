@@ -34,25 +34,18 @@ use kube_event_bridge::{
     sinks::{Sink, kafka::KafkaSink, nats::NatsSink},
 };
 use serde_json::{Value, json};
-use support::{configmaps, object};
+use support::{object, objects::configmaps};
 
 const SIZE: usize = 1024;
 
 /// The notifications, in order: adds, updates, deletes; and each live object's newest rv.
 fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
-    let note = |kind| Notification {
-        kind,
-        received: Instant::now(),
-        observed: jiff::Timestamp::now(),
-        resumed: false,
-        filtered_out: false,
-    };
     let mut notes = Vec::new();
     let mut live = HashMap::new();
     for i in 0..objects {
         let obj = object(i, 1_000_000 + i as u64, SIZE);
         live.insert(key(&obj), obj.resource_version().unwrap().to_owned());
-        notes.push(note(NotificationKind::Add {
+        notes.push(Notification::new(NotificationKind::Add {
             obj,
             is_initial_list: true,
         }));
@@ -60,7 +53,7 @@ fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
     for i in (0..objects).step_by(10) {
         let new = object(i, 2_000_000 + i as u64, SIZE);
         live.insert(key(&new), new.resource_version().unwrap().to_owned());
-        notes.push(note(NotificationKind::Update {
+        notes.push(Notification::new(NotificationKind::Update {
             old: object(i, 1_000_000 + i as u64, SIZE),
             new,
         }));
@@ -68,7 +61,7 @@ fn changes(objects: usize) -> (Vec<Notification>, HashMap<String, String>) {
     for i in (5..objects).step_by(20) {
         let obj = object(i, 1_000_000 + i as u64, SIZE);
         live.remove(&key(&obj));
-        notes.push(note(NotificationKind::Delete {
+        notes.push(Notification::new(NotificationKind::Delete {
             obj,
             final_state_unknown: false,
         }));

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Module dependency check: no cycle between the crate's modules.
+"""Module dependency check: no cycle between the crate's modules, and lib.rs's module map
+lists exactly the modules there are.
 
 Reads every `crate::a::b` path in src/ (outside `#[cfg(test)]` blocks), builds the graph of
 top-level modules (`config`, `informer`, `pipeline`, ...) and, inside each folder module, the
@@ -63,6 +64,18 @@ def group_paths(body: str) -> list[str]:
     return [p.strip().rstrip(":") for p in body.split(",") if p.strip()]
 
 
+def module_map_is_exact() -> bool:
+    """Every module of src/ appears in lib.rs's module map (`x.rs` or `x/`), and nothing else."""
+    doc = (SRC / "lib.rs").read_text()
+    mapped = set(re.findall(r"^//! (\w+(?:\.rs|/))\s", doc, re.M))
+    actual = {f"{p.name}/" if p.is_dir() else p.name for p in SRC.iterdir()} - {"lib.rs", "main.rs"}
+    for missing in sorted(actual - mapped):
+        print(f"module map in src/lib.rs: {missing} is missing")
+    for extra in sorted(mapped - actual):
+        print(f"module map in src/lib.rs: {extra} does not exist")
+    return mapped == actual
+
+
 def is_module(folder: str, name: str) -> bool:
     """Whether `crate::{folder}::{name}` is a file or folder module (not an item)."""
     return (SRC / folder / f"{name}.rs").exists() or (SRC / folder / name).is_dir()
@@ -96,7 +109,7 @@ def main() -> int:
                 if is_module(mod[0], s[0]):
                     if s[0] != mod[1]:
                         inner.setdefault(src_top, {}).setdefault(mod[1], set()).add(s[0])
-    failed = False
+    failed = not module_map_is_exact()
     graphs = [("crate", top)] + [(f"crate::{k}", v) for k, v in sorted(inner.items())]
     for name, graph in graphs:
         if "--graph" in sys.argv:

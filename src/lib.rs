@@ -8,20 +8,33 @@
 //!                                                                   ▼
 //!                        informer::listener (one per informer and sink, bounded)
 //!                                                                   ▼
-//!                        pipeline (encode with message, publish to sinks, retry)
+//!      pipeline::route: [resume] ─▶ [filter] ─▶ route_queue ─▶ worker (encode with message) ─▶ sinks
 //! ```
 //!
-//! - [`config`]: settings, loaded from YAML plus `KEB_*` environment variables, validated.
-//! - [`cluster`]: the Kubernetes client and discovery of configured kinds.
-//! - [`informer`]: client-go's Reflector, DeltaFIFO, Indexer, SharedIndexInformer,
-//!   ProcessorListener and SharedInformerFactory.
-//! - [`message`]: notification → CloudEvents envelope; the transform applied before caching.
-//! - [`sinks`]: destinations (stdout/file, Kafka, NATS) and their checkpoint stores.
-//! - [`pipeline`]: listener → sink delivery with retries; checkpoints of what sinks
-//!   acknowledged and the resume that compares them with the first list.
-//! - [`consumer`]: tools for consumers (`state`).
-//! - [`metrics`], [`admin`]: Prometheus metrics and the `/metrics`, `/healthz`, `/readyz` server.
-//! - [`app`]: builds all of it from a config and runs it until shutdown.
+//! The module map (dependencies point down the list, never up; `scripts/check-modules.py`
+//! checks there is no cycle):
+//!
+//! ```text
+//! workqueue/        client-go's work queue and rate limiters
+//! metrics.rs        every Prometheus metric family
+//! problems.rs       what settings validation found, with field paths
+//! selector.rs       label selectors as kubectl takes them → kube's Selector
+//! informer/         reflector, delta_fifo, indexer, shared_informer, listener, factory;
+//!                   notification.rs (Notification, EventType), object.rs (CachedObject, diffs)
+//! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs
+//! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
+//!                   template.rs, stdout/, kafka/, nats/ (each: config, sink, checkpoint store)
+//! pipeline/         route.rs (RouteBuilder), route_queue.rs, worker.rs, resume.rs,
+//!                   checkpoint.rs (Checkpointer), filter/ (mod: the stage; expr: CEL; cel_json)
+//! admin.rs          /metrics, /healthz, /readyz (and its settings)
+//! cluster.rs        the Kubernetes client, its settings and rate limit
+//! leader.rs         leader election on a Lease (and its settings)
+//! config/           the document: mod.rs (load, cross-references), resource.rs, sink.rs
+//! selection.rs      which kinds each configured resource selects, by discovery
+//! app/              mod.rs (build, run, layered shutdown), resources.rs (wiring), discovery.rs,
+//!                   leadership.rs, health.rs
+//! consumer/         tools for consumers: state, tail
+//! ```
 
 pub mod admin;
 pub mod app;
@@ -35,5 +48,6 @@ pub mod metrics;
 pub mod pipeline;
 pub mod problems;
 pub mod selection;
+pub mod selector;
 pub mod sinks;
 pub mod workqueue;

@@ -165,7 +165,11 @@ fn main() -> ExitCode {
             count,
             output,
         } => {
-            let labels = match selector.as_deref().map(str::parse).transpose() {
+            let labels = match selector
+                .as_deref()
+                .map(kube_event_bridge::selector::parse)
+                .transpose()
+            {
                 Ok(l) => l,
                 Err(err) => {
                     eprintln!("tail: --selector: {err}");

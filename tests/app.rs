@@ -3,46 +3,18 @@
 
 mod support;
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
-use kube_event_bridge::{
-    app::{self, App},
-    config::Config,
-};
+use kube_event_bridge::app::{self, App};
 use serde_json::{Value, json};
-use support::{ApiServer, RunningApp, configmap, eventually, http_get, typed};
-
-fn config(sinks_dir: &Path, resources: Value, sinks: &[&str], routes: Value) -> Config {
-    let sinks: Vec<Value> = sinks
-        .iter()
-        .map(|s| json!({"name": s, "type": "stdout", "stdout": {"path": sinks_dir.join(format!("{s}.jsonl"))}}))
-        .collect();
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "shutdown": {"grace_period": "5s"},
-        "resources": resources,
-        "sinks": sinks,
-        "routes": routes,
-    }))
-    .unwrap()
-}
-
-fn lines(path: &Path) -> Vec<Value> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
-        .collect()
-}
-
-async fn wait_for_lines(path: &Path, n: usize) -> Vec<Value> {
-    eventually(&format!("{n} lines in {}", path.display()), || {
-        lines(path).len() >= n
-    })
-    .await;
-    lines(path)
-}
+use support::{
+    ApiServer, RunningApp,
+    config::ConfigBuilder,
+    event_type, http_get, json_lines,
+    objects::{Meta, configmap, secret, typed, widget},
+    wait::{self, PATIENCE},
+    wait_for_lines,
+};
 
 #[tokio::test]
 async fn two_routes_on_one_resource_share_one_informer() {
@@ -51,15 +23,17 @@ async fn two_routes_on_one_resource_share_one_informer() {
     let dir = tempfile::tempdir().unwrap();
     // Two resource entries for the same kind (different names and event filters) and two
     // sinks: one informer serves all three routes.
-    let cfg = config(
-        dir.path(),
-        json!([
-            {"name": "cms", "api_version": "v1", "kind": "ConfigMap"},
-            {"name": "cm-deletes", "api_version": "v1", "kind": "ConfigMap", "events": ["deleted"]},
-        ]),
-        &["one", "two"],
-        json!([{"resource": "cms", "sinks": ["one", "two"]}, {"resource": "cm-deletes", "sinks": ["two"]}]),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .resource(json!({"name": "cms", "api_version": "v1", "kind": "ConfigMap"}))
+        .resource(json!({
+            "name": "cm-deletes", "api_version": "v1", "kind": "ConfigMap", "events": ["deleted"],
+        }))
+        .stdout("one", dir.path().join("one.jsonl"))
+        .stdout("two", dir.path().join("two.jsonl"))
+        .route("cms", &["one", "two"])
+        .route("cm-deletes", &["two"])
+        .build();
     let app = RunningApp::start(cfg, &server).await;
     assert_eq!(app.factory.informers().len(), 1);
     wait_for_lines(&dir.path().join("one.jsonl"), 1).await;
@@ -68,15 +42,7 @@ async fn two_routes_on_one_resource_share_one_informer() {
     let two = wait_for_lines(&dir.path().join("two.jsonl"), 3).await;
     let types = |ls: &[Value]| {
         ls.iter()
-            .map(|l| {
-                l["type"]
-                    .as_str()
-                    .unwrap()
-                    .rsplit('.')
-                    .next()
-                    .unwrap()
-                    .to_owned()
-            })
+            .map(|l| event_type(l).to_owned())
             .collect::<Vec<_>>()
     };
     assert_eq!(types(&one), ["added", "deleted"]);
@@ -100,15 +66,14 @@ async fn two_routes_on_one_resource_share_one_informer() {
 #[tokio::test]
 async fn a_custom_resource_works_like_a_built_in() {
     let server = ApiServer::start().await;
-    server.create(json!({"apiVersion": "example.com/v1", "kind": "Widget",
-                         "metadata": {"name": "w1", "namespace": "ns"}, "spec": {"size": 3}}));
+    server.create(widget("ns", "w1", json!({"size": 3})));
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(
-        dir.path(),
-        json!([{"api_version": "example.com/v1", "kind": "Widget", "namespaces": ["ns"]}]),
-        &["out"],
-        json!([{"resource": "widget.example.com", "sinks": ["out"]}]),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .resource(json!({"api_version": "example.com/v1", "kind": "Widget", "namespaces": ["ns"]}))
+        .stdout("out", dir.path().join("out.jsonl"))
+        .route("widget.example.com", &["out"])
+        .build();
     let app = RunningApp::start(cfg, &server).await;
     let path = dir.path().join("out.jsonl");
     let first = &wait_for_lines(&path, 1).await[0];
@@ -122,8 +87,7 @@ async fn a_custom_resource_works_like_a_built_in() {
         "/clusters/test/apis/example.com/v1/namespaces/ns/widgets"
     );
     assert_eq!(first["data"]["object"]["spec"]["size"], 3);
-    server.update(json!({"apiVersion": "example.com/v1", "kind": "Widget",
-                         "metadata": {"name": "w1", "namespace": "ns"}, "spec": {"size": 5}}));
+    server.update(widget("ns", "w1", json!({"size": 5})));
     let second = &wait_for_lines(&path, 2).await[1];
     assert_eq!(second["data"]["oldObject"]["spec"]["size"], 3);
     assert_eq!(second["data"]["object"]["spec"]["size"], 5);
@@ -148,16 +112,16 @@ async fn a_custom_resource_works_like_a_built_in() {
 #[tokio::test]
 async fn secrets_are_redacted_and_managed_fields_stripped() {
     let server = ApiServer::start().await;
-    server.create(json!({"apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": "s", "namespace": "ns", "managedFields": [{"manager": "kubectl"}]},
-        "data": {"password": "aHVudGVyMg=="}}));
+    server.create(typed(
+        &secret("ns", "s", &[("password", b"hunter2")]).managed_by("kubectl"),
+    ));
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(
-        dir.path(),
-        json!([{"api_version": "v1", "kind": "Secret"}]),
-        &["out"],
-        json!([{"resource": "secret", "sinks": ["out"]}]),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .resource(json!({"api_version": "v1", "kind": "Secret"}))
+        .stdout("out", dir.path().join("out.jsonl"))
+        .route("secret", &["out"])
+        .build();
     let app = RunningApp::start(cfg, &server).await;
     let line = &wait_for_lines(&dir.path().join("out.jsonl"), 1).await[0];
     assert_eq!(line["data"]["object"]["data"]["password"], "<redacted>");
@@ -180,12 +144,12 @@ async fn unknown_kinds_and_unwatchable_resources_fail_at_build_naming_them() {
     // Kinds not served fail the start only with `require_all_resources` (else they wait as
     // pending: tests/discovery.rs); kinds that can never be watched always do.
     let build = |resources: Value, name: &str| {
-        let mut cfg = config(
-            dir.path(),
-            resources,
-            &["out"],
-            json!([{"resource": name, "sinks": ["out"]}]),
-        );
+        let mut cfg = ConfigBuilder::new()
+            .grace_period("5s")
+            .resources(resources)
+            .stdout("out", dir.path().join("out.jsonl"))
+            .route(name, &["out"])
+            .build();
         cfg.kubernetes.require_all_resources = true;
         App::build(cfg, server.client())
     };
@@ -222,12 +186,12 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(
-        dir.path(),
-        json!([{"api_version": "v1", "kind": "ConfigMap"}]),
-        &["out"],
-        json!([{"resource": "configmap", "sinks": ["out"]}]),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .configmaps()
+        .stdout("out", dir.path().join("out.jsonl"))
+        .route("configmap", &["out"])
+        .build();
     let app = RunningApp::start(cfg, &server).await;
     let admin = app.admin;
     let factory = app.factory.clone();
@@ -278,16 +242,16 @@ async fn readyz_follows_sync_and_api_reachability_and_the_cache_survives_an_outa
 async fn shutdown_mid_load_delivers_everything_the_informers_distributed() {
     let server = Arc::new(ApiServer::start().await);
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(
-        dir.path(),
-        json!([{"api_version": "v1", "kind": "ConfigMap"}]),
-        &["out"],
-        json!([{"resource": "configmap", "sinks": ["out"]}]),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .configmaps()
+        .stdout("out", dir.path().join("out.jsonl"))
+        .route("configmap", &["out"])
+        .build();
     let app = RunningApp::start(cfg, &server).await;
     let metrics = app.metrics.clone();
     let factory = app.factory.clone();
-    eventually("sync", || factory.has_synced()).await;
+    wait::until("sync", PATIENCE, async || factory.has_synced()).await;
     let writer = tokio::spawn({
         let server = server.clone();
         async move {
@@ -312,7 +276,7 @@ async fn shutdown_mid_load_delivers_everything_the_informers_distributed() {
                 .get()
         })
         .sum();
-    let delivered = lines(&path);
+    let delivered = json_lines(&path);
     assert!(distributed >= 100);
     assert_eq!(
         delivered.len() as u64,

@@ -9,7 +9,11 @@ use std::{
     process::{Command, Stdio},
 };
 
-use support::{ApiServer, configmap, typed};
+use support::{
+    ApiServer,
+    objects::{configmap, typed},
+    wait::PATIENCE,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_kube-event-bridge");
 
@@ -227,7 +231,7 @@ async fn the_binary_streams_cloudevents_to_stdout_and_stops_cleanly_on_sigterm()
         }
     });
     let next = async |rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>| -> serde_json::Value {
-        let line = tokio::time::timeout(support::PATIENCE, rx.recv())
+        let line = tokio::time::timeout(PATIENCE, rx.recv())
             .await
             .expect("a line in time")
             .expect("stdout open");

@@ -125,7 +125,9 @@ fn fields() -> Vec<(String, String, String)> {
         {
             prefix = SECTIONS.iter().find(|(s, _)| *s == name).map(|(_, p)| *p);
             if line.starts_with("pub struct")
-                && src.contains(&format!("#[serde(deny_unknown_fields)]\npub struct {name}"))
+                && src.contains(&format!(
+                    "#[serde(deny_unknown_fields)]\npub struct {name} {{"
+                ))
             {
                 assert!(
                     prefix.is_some(),

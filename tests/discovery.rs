@@ -4,43 +4,21 @@
 
 mod support;
 
-use std::{
-    collections::HashMap,
-    path::{Path, PathBuf},
-    sync::Arc,
-    time::Duration,
-};
+use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
+use k8s_openapi::api::{apps::v1::Deployment, core::v1::Secret};
 use kube_event_bridge::{config::Config, metrics::Metrics};
 use serde_json::{Value, json};
-use support::{ApiServer, RunningApp, configmap, eventually, http_get, typed};
+use support::{
+    ApiServer, RunningApp,
+    config::ConfigBuilder,
+    event_type, http_get,
+    objects::{configmap, custom_resource, gadget, named, namespace, secret, typed},
+    wait::{self, PATIENCE},
+};
 
 const GROUP: &str = "shop.example.org";
 const GADGETS: usize = 2000;
-
-fn config(out: &Path, resources: Value, kubernetes: Value) -> Config {
-    let routes: Vec<Value> = resources
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| json!({"resource": r["name"], "sinks": ["out"]}))
-        .collect();
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "shutdown": {"grace_period": "5s"},
-        "kubernetes": kubernetes,
-        "resources": resources,
-        "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": out}}],
-        "routes": routes,
-    }))
-    .unwrap()
-}
-
-fn gadget(name: &str) -> Value {
-    json!({"apiVersion": format!("{GROUP}/v1"), "kind": "Gadget",
-           "metadata": {"name": name, "namespace": "ns"}, "spec": {"size": 1}})
-}
 
 /// Per object (`kind ns/name`): the event types delivered, in order.
 fn delivered(out: &Path) -> HashMap<String, Vec<String>> {
@@ -51,19 +29,12 @@ fn delivered(out: &Path) -> HashMap<String, Vec<String>> {
             e["k8skind"].as_str().unwrap(),
             e["subject"].as_str().unwrap()
         );
-        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
-        by_object.entry(key).or_default().push(ty.to_owned());
+        by_object
+            .entry(key)
+            .or_default()
+            .push(event_type(&e).to_owned());
     }
     by_object
-}
-
-async fn wait_delivered(
-    out: &Path,
-    what: &str,
-    cond: impl Fn(&HashMap<String, Vec<String>>) -> bool,
-) {
-    let out: PathBuf = out.to_owned();
-    eventually(what, move || cond(&delivered(&out))).await;
 }
 
 fn gauge(metrics: &str, line_start: &str) -> Option<f64> {
@@ -84,16 +55,21 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
     api.create(typed(&configmap("ns", "cm", "1")));
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let cfg = config(
-        &out,
-        json!([
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1h"}))
+        .resources(json!([
             {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
             {"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
-        ]),
-        json!({"discovery_refresh": "1h"}),
-    );
+        ]))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
     let app = RunningApp::start(cfg, &api).await;
-    wait_delivered(&out, "the ConfigMap", |d| d.contains_key("ConfigMap ns/cm")).await;
+    wait::until("the ConfigMap", PATIENCE, async || {
+        delivered(&out).contains_key("ConfigMap ns/cm")
+    })
+    .await;
     let (code, body) = http_get(app.admin, "/readyz").await;
     assert_eq!(code, 200, "pending kinds do not hold readiness: {body}");
     assert!(
@@ -112,14 +88,15 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
     // Enough objects that some are created before the bridge notices the CRD and some after
     // its first list: each must come exactly once.
     for i in 0..GADGETS {
-        api.create(gadget(&format!("g{i}")));
+        api.create(gadget(GROUP, "ns", &format!("g{i}")));
     }
-    wait_delivered(&out, "every gadget", |d| {
+    wait::until("every gadget", PATIENCE, async || {
+        let d = delivered(&out);
         (0..GADGETS).all(|i| d.contains_key(&format!("Gadget ns/g{i}")))
     })
     .await;
     let admin = app.admin;
-    eventually("gadget no longer pending", || {
+    wait::until("gadget no longer pending", PATIENCE, async || {
         app.metrics
             .resource_pending
             .with_label_values(&["gadget"])
@@ -131,13 +108,14 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
     assert_eq!((code, body.as_str()), (200, "ok\n"));
 
     api.delete_crd(GROUP, "gadgets");
-    wait_delivered(&out, "every gadget's delete", |d| {
+    wait::until("every gadget's delete", PATIENCE, async || {
+        let d = delivered(&out);
         (0..GADGETS)
             .all(|i| d[&format!("Gadget ns/g{i}")].last().map(String::as_str) == Some("deleted"))
     })
     .await;
     let factory = app.factory.clone();
-    eventually("the gadget informer stopped", || {
+    wait::until("the gadget informer stopped", PATIENCE, async || {
         factory
             .informers()
             .iter()
@@ -153,14 +131,14 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
     );
 
     api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
-    api.create(gadget("again"));
-    wait_delivered(&out, "the gadget of the new CRD", |d| {
-        d.contains_key("Gadget ns/again")
+    api.create(gadget(GROUP, "ns", "again"));
+    wait::until("the gadget of the new CRD", PATIENCE, async || {
+        delivered(&out).contains_key("Gadget ns/again")
     })
     .await;
     api.update(typed(&configmap("ns", "cm", "2")));
-    wait_delivered(&out, "the ConfigMap update", |d| {
-        d["ConfigMap ns/cm"].len() == 2
+    wait::until("the ConfigMap update", PATIENCE, async || {
+        delivered(&out)["ConfigMap ns/cm"].len() == 2
     })
     .await;
     let report = app.stop().await;
@@ -186,15 +164,20 @@ async fn without_a_crd_watch_the_periodic_refresh_finds_new_kinds() {
     api.forbid("customresourcedefinitions", true);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let cfg = config(
-        &out,
-        json!([{"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}]),
-        json!({"discovery_refresh": "1s"}),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1s"}))
+        .resource(json!({"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
     let app = RunningApp::start(cfg, &api).await;
     api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
-    api.create(gadget("g"));
-    wait_delivered(&out, "the gadget", |d| d.contains_key("Gadget ns/g")).await;
+    api.create(gadget(GROUP, "ns", "g"));
+    wait::until("the gadget", PATIENCE, async || {
+        delivered(&out).contains_key("Gadget ns/g")
+    })
+    .await;
     app.stop().await;
 }
 
@@ -203,11 +186,13 @@ async fn without_a_crd_watch_the_periodic_refresh_finds_new_kinds() {
 async fn require_all_resources_fails_the_start_naming_the_kind() {
     let api = ApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(
-        &dir.path().join("out.jsonl"),
-        json!([{"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}]),
-        json!({"require_all_resources": true}),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"require_all_resources": true}))
+        .resource(json!({"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}))
+        .stdout("out", dir.path().join("out.jsonl"))
+        .route_each_resource_to(&["out"])
+        .build();
     let err = kube_event_bridge::app::App::build(cfg, api.client())
         .await
         .err()
@@ -227,22 +212,26 @@ async fn a_forbidden_kind_is_reported_and_retried_while_the_others_run() {
     let api = ApiServer::start().await;
     api.forbid("secrets", true);
     api.create(typed(&configmap("ns", "cm", "1")));
-    api.create(json!({"apiVersion": "v1", "kind": "Secret",
-                      "metadata": {"name": "s", "namespace": "ns"}, "data": {"k": "dg=="}}));
+    api.create(typed(&secret("ns", "s", &[("k", b"v")])));
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let cfg = config(
-        &out,
-        json!([
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({}))
+        .resources(json!([
             {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
             {"name": "secret", "api_version": "v1", "kind": "Secret"},
-        ]),
-        json!({}),
-    );
+        ]))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
     let app = RunningApp::start(cfg, &api).await;
-    wait_delivered(&out, "the ConfigMap", |d| d.contains_key("ConfigMap ns/cm")).await;
+    wait::until("the ConfigMap", PATIENCE, async || {
+        delivered(&out).contains_key("ConfigMap ns/cm")
+    })
+    .await;
     let metrics = app.metrics.clone();
-    eventually("the forbidden gauge", || {
+    wait::until("the forbidden gauge", PATIENCE, async || {
         metrics
             .informer_forbidden
             .with_label_values(&["v1/secrets"])
@@ -257,8 +246,8 @@ async fn a_forbidden_kind_is_reported_and_retried_while_the_others_run() {
         "{body}"
     );
     api.forbid("secrets", false);
-    wait_delivered(&out, "the Secret once granted", |d| {
-        d.contains_key("Secret ns/s")
+    wait::until("the Secret once granted", PATIENCE, async || {
+        delivered(&out).contains_key("Secret ns/s")
     })
     .await;
     assert_eq!(
@@ -283,11 +272,13 @@ async fn a_silent_watch_is_restarted_and_429s_are_counted() {
     api.fail_next_lists(2);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let cfg = config(
-        &out,
-        json!([{"name": "configmap", "api_version": "v1", "kind": "ConfigMap"}]),
-        json!({"watch_stall_timeout": "1s"}),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"watch_stall_timeout": "1s"}))
+        .resource(json!({"name": "configmap", "api_version": "v1", "kind": "ConfigMap"}))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
     let metrics = Arc::new(Metrics::new());
     let client = kube_event_bridge::cluster::client(
         kube::Config::new(api.url().parse().unwrap()),
@@ -296,8 +287,8 @@ async fn a_silent_watch_is_restarted_and_429s_are_counted() {
     )
     .unwrap();
     let app = RunningApp::start_with(cfg, client, metrics.clone()).await;
-    wait_delivered(&out, "the first ConfigMap", |d| {
-        d.contains_key("ConfigMap ns/a")
+    wait::until("the first ConfigMap", PATIENCE, async || {
+        delivered(&out).contains_key("ConfigMap ns/a")
     })
     .await;
     assert_eq!(metrics.api_throttled.get(), 2, "two 429s");
@@ -307,14 +298,17 @@ async fn a_silent_watch_is_restarted_and_429s_are_counted() {
         .with_label_values(&["v1/configmaps"]);
     // Quiet but healthy: bookmarks every 200 ms keep the 1 s timeout from firing.
     api.update(typed(&configmap("ns", "a", "2")));
-    wait_delivered(&out, "an update", |d| d["ConfigMap ns/a"].len() == 2).await;
+    wait::until("an update", PATIENCE, async || {
+        delivered(&out)["ConfigMap ns/a"].len() == 2
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(stalls.get(), 0, "bookmarks keep a quiet watch alive");
 
     api.stall_watches();
     api.create(typed(&configmap("ns", "b", "1")));
-    wait_delivered(&out, "the change the silent watch missed", |d| {
-        d.contains_key("ConfigMap ns/b")
+    wait::until("the change the silent watch missed", PATIENCE, async || {
+        delivered(&out).contains_key("ConfigMap ns/b")
     })
     .await;
     assert!(stalls.get() >= 1, "the stall is counted");
@@ -334,40 +328,49 @@ async fn a_wildcard_selects_a_groups_kinds_including_one_added_later() {
     api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
     api.install_crd(GROUP, "v1", "Noise", "noises", true);
     api.install_crd(GROUP, "v1", "Depot", "depots", false);
-    api.create(gadget("g1"));
-    api.create(json!({"apiVersion": format!("{GROUP}/v1"), "kind": "Noise",
-                      "metadata": {"name": "n", "namespace": "ns"}}));
-    api.create(json!({"apiVersion": format!("{GROUP}/v1"), "kind": "Depot",
-                      "metadata": {"name": "d"}}));
+    api.create(gadget(GROUP, "ns", "g1"));
+    let group_v1 = format!("{GROUP}/v1");
+    api.create(custom_resource(&group_v1, "Noise", Some("ns"), "n"));
+    api.create(custom_resource(&group_v1, "Depot", None, "d"));
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let cfg = config(
-        &out,
-        json!([
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1h"}))
+        .resources(json!([
             {"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*",
              "exclude": ["Noise"], "scope": "namespaced"},
             {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
-        ]),
-        json!({"discovery_refresh": "1h"}),
-    );
+        ]))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
     let app = RunningApp::start(cfg, &api).await;
-    wait_delivered(&out, "the gadget", |d| d.contains_key("Gadget ns/g1")).await;
+    wait::until("the gadget", PATIENCE, async || {
+        delivered(&out).contains_key("Gadget ns/g1")
+    })
+    .await;
     api.install_crd(GROUP, "v1", "Gizmo", "gizmos", true);
-    api.create(json!({"apiVersion": format!("{GROUP}/v1"), "kind": "Gizmo",
-                      "metadata": {"name": "z", "namespace": "ns"}}));
-    wait_delivered(&out, "the gizmo of the CRD added later", |d| {
-        d.contains_key("Gizmo ns/z")
+    api.create(custom_resource(&group_v1, "Gizmo", Some("ns"), "z"));
+    wait::until("the gizmo of the CRD added later", PATIENCE, async || {
+        delivered(&out).contains_key("Gizmo ns/z")
     })
     .await;
     api.delete_crd(GROUP, "gizmos");
-    wait_delivered(&out, "the gizmo's delete", |d| d["Gizmo ns/z"].len() == 2).await;
-    api.create(gadget("g2"));
-    wait_delivered(&out, "gadgets still watched", |d| {
-        d.contains_key("Gadget ns/g2")
+    wait::until("the gizmo's delete", PATIENCE, async || {
+        delivered(&out)["Gizmo ns/z"].len() == 2
+    })
+    .await;
+    api.create(gadget(GROUP, "ns", "g2"));
+    wait::until("gadgets still watched", PATIENCE, async || {
+        delivered(&out).contains_key("Gadget ns/g2")
     })
     .await;
     api.create(typed(&configmap("ns", "cm", "1")));
-    wait_delivered(&out, "the ConfigMap", |d| d.contains_key("ConfigMap ns/cm")).await;
+    wait::until("the ConfigMap", PATIENCE, async || {
+        delivered(&out).contains_key("ConfigMap ns/cm")
+    })
+    .await;
     let published = |resource: &str| {
         app.metrics
             .sink_published
@@ -434,27 +437,33 @@ fn wildcard_settings_are_checked() {
 async fn every_namespaced_kind_except_some() {
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "cm", "1")));
-    api.create(json!({"apiVersion": "v1", "kind": "Secret",
-                      "metadata": {"name": "s", "namespace": "ns"}}));
-    api.create(json!({"apiVersion": "apps/v1", "kind": "Deployment",
-                      "metadata": {"name": "d", "namespace": "ns"}, "spec": {}}));
-    api.create(json!({"apiVersion": "example.com/v1", "kind": "Widget",
-                      "metadata": {"name": "w", "namespace": "ns"}}));
-    api.create(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}}));
+    api.create(typed(&named::<Secret>(Some("ns"), "s")));
+    api.create(typed(&named::<Deployment>(Some("ns"), "d")));
+    api.create(custom_resource("example.com/v1", "Widget", Some("ns"), "w"));
+    api.create(typed(&namespace("ns")));
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let cfg = config(
-        &out,
-        json!([{"name": "all", "api_version": "*", "kind": "*", "scope": "namespaced",
-                "exclude": ["core/Secret"]}]),
-        json!({}),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({}))
+        .resource(
+            json!({"name": "all", "api_version": "*", "kind": "*", "scope": "namespaced",
+                "exclude": ["core/Secret"]}),
+        )
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
     let app = RunningApp::start(cfg, &api).await;
-    wait_delivered(&out, "a ConfigMap, a Deployment and a Widget", |d| {
-        ["ConfigMap ns/cm", "Deployment ns/d", "Widget ns/w"]
-            .iter()
-            .all(|k| d.contains_key(*k))
-    })
+    wait::until(
+        "a ConfigMap, a Deployment and a Widget",
+        PATIENCE,
+        async || {
+            let d = delivered(&out);
+            ["ConfigMap ns/cm", "Deployment ns/d", "Widget ns/w"]
+                .iter()
+                .all(|k| d.contains_key(*k))
+        },
+    )
     .await;
     app.stop().await;
     let mut kinds: Vec<String> = delivered(&out).into_keys().collect();
@@ -470,29 +479,31 @@ async fn a_kind_served_later_follows_leadership() {
     let api = ApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
     let replica = |identity: &str| {
-        let mut cfg = config(
-            &dir.path().join(format!("{identity}.jsonl")),
-            json!([{"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}]),
-            json!({}),
-        );
-        cfg.leader_election = serde_json::from_value(json!({
-            "enabled": true, "identity": identity, "namespace": "kube-system",
-            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
-        }))
-        .unwrap();
-        cfg
+        ConfigBuilder::new()
+            .grace_period("5s")
+            .kubernetes(json!({}))
+            .resource(
+                json!({"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}),
+            )
+            .stdout("out", dir.path().join(format!("{identity}.jsonl")))
+            .route_each_resource_to(&["out"])
+            .fast_leader_election(identity, "200ms")
+            .build()
     };
     let a = RunningApp::start(replica("a"), &api).await;
-    eventually("a leads", || a.metrics.leader.get() == 1).await;
+    wait::until("a leads", PATIENCE, async || a.metrics.leader.get() == 1).await;
     let b = RunningApp::start(replica("b"), &api).await;
     api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
     for i in 0..200 {
-        api.create(gadget(&format!("g{i}")));
+        api.create(gadget(GROUP, "ns", &format!("g{i}")));
     }
     let (out_a, out_b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
-    wait_delivered(&out_a, "a publishes every gadget", |d| d.len() == 200).await;
+    wait::until("a publishes every gadget", PATIENCE, async || {
+        delivered(&out_a).len() == 200
+    })
+    .await;
     let factory = b.factory.clone();
-    eventually("b wired the kind too", || {
+    wait::until("b wired the kind too", PATIENCE, async || {
         factory
             .informers()
             .iter()
@@ -501,7 +512,10 @@ async fn a_kind_served_later_follows_leadership() {
     .await;
     assert!(delivered(&out_b).is_empty(), "a standby publishes nothing");
     a.stop().await; // releases the lease
-    wait_delivered(&out_b, "b publishes every gadget", |d| d.len() == 200).await;
+    wait::until("b publishes every gadget", PATIENCE, async || {
+        delivered(&out_b).len() == 200
+    })
+    .await;
     b.stop().await;
     for out in [&out_a, &out_b] {
         let d = delivered(out);

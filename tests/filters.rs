@@ -6,58 +6,18 @@ mod support;
 
 use std::{collections::HashMap, path::Path};
 
-use kube_event_bridge::config::Config;
 use serde_json::{Value, json};
-use support::{ApiServer, RunningApp, cloudevent_lines, eventually, sorted_ids};
-
-fn config(dir: &Path, resources: Value, message: Value) -> Config {
-    let routes: Vec<Value> = resources
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            let name = r["name"].as_str().unwrap();
-            json!({"resource": name, "sinks": [name]})
-        })
-        .collect();
-    let sinks: Vec<Value> = resources
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            let name = r["name"].as_str().unwrap();
-            json!({"name": name, "type": "stdout",
-                   "stdout": {"path": dir.join(format!("{name}.jsonl"))}})
-        })
-        .collect();
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "shutdown": {"grace_period": "10s"},
-        "message": message,
-        "resources": resources,
-        "sinks": sinks,
-        "routes": routes,
-    }))
-    .unwrap()
-}
-
-fn cm(ns: &str, name: &str, team: &str, v: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"namespace": ns, "name": name, "labels": {"team": team}},
-           "data": {"v": v}})
-}
-
-fn short_type(e: &Value) -> &str {
-    e["type"].as_str().unwrap().rsplit('.').next().unwrap()
-}
+use support::{
+    ApiServer, RunningApp, cloudevent_lines,
+    config::ConfigBuilder,
+    event_type,
+    objects::{Meta, configmap, configmap_with_data, deployment, typed, widget},
+    sorted_ids, wait_for_lines,
+};
 
 /// Waits until `path` holds `n` events (and no more arrive for a moment); returns them.
 async fn settle(path: &Path, n: usize) -> Vec<Value> {
-    eventually(&format!("{n} events in {}", path.display()), || {
-        support::json_lines(path).len() >= n
-    })
-    .await;
+    wait_for_lines(path, n).await;
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     cloudevent_lines(path)
 }
@@ -69,19 +29,24 @@ async fn a_label_filter_passes_exactly_the_matching_objects_and_objects_leaving_
     // Every third object is the shop team's; kube-system's are excluded whatever their label.
     for i in 0..N {
         let team = if i % 3 == 0 { "shop" } else { "web" };
-        api.create(cm("apps", &format!("cm-{i:04}"), team, "1"));
+        api.create(typed(
+            &configmap("apps", &format!("cm-{i:04}"), "1").label("team", team),
+        ));
     }
     for i in 0..30 {
-        api.create(cm("kube-system", &format!("sys-{i}"), "shop", "1"));
+        api.create(typed(
+            &configmap("kube-system", &format!("sys-{i}"), "1").label("team", "shop"),
+        ));
     }
     let dir = tempfile::tempdir().unwrap();
-    let cfg = config(
-        dir.path(),
-        json!([{"name": "shop", "api_version": "v1", "kind": "ConfigMap",
-                "exclude_namespaces": ["kube-system"],
-                "filter": "object.metadata.labels[\"team\"] == \"shop\" && type != \"synced\""}]),
-        json!({}),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .message(json!({}))
+        .resource(json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap",
+                         "exclude_namespaces": ["kube-system"],
+                         "filter": "object.metadata.labels[\"team\"] == \"shop\" && type != \"synced\""}))
+        .stdout_per_resource(dir.path())
+        .build();
     let app = RunningApp::start(cfg, &api).await;
     let path = dir.path().join("shop.jsonl");
     let initial = settle(&path, N / 3).await;
@@ -93,17 +58,23 @@ async fn a_label_filter_passes_exactly_the_matching_objects_and_objects_leaving_
     // ones and 10 never-matching ones are deleted; 100 web objects change without matching.
     let shop = |k: usize| format!("cm-{:04}", k * 3);
     for k in 0..100 {
-        api.update(cm("apps", &shop(k), "web", "2"));
+        api.update(typed(
+            &configmap("apps", &shop(k), "2").label("team", "web"),
+        ));
     }
     for k in 0..50 {
-        api.update(cm("apps", &shop(k), "shop", "3"));
+        api.update(typed(
+            &configmap("apps", &shop(k), "3").label("team", "shop"),
+        ));
     }
     for k in 0..10 {
         api.delete("v1", "ConfigMap", "apps", &shop(k));
         api.delete("v1", "ConfigMap", "apps", &format!("cm-{:04}", k * 3 + 1));
     }
     for k in 0..100 {
-        api.update(cm("apps", &format!("cm-{:04}", k * 3 + 2), "web", "2"));
+        api.update(typed(
+            &configmap("apps", &format!("cm-{:04}", k * 3 + 2), "2").label("team", "web"),
+        ));
     }
     let all = settle(&path, N / 3 + 100 + 50 + 10).await;
     assert_eq!(all.len(), N / 3 + 160, "nothing else is published");
@@ -117,9 +88,9 @@ async fn a_label_filter_passes_exactly_the_matching_objects_and_objects_leaving_
         .filter(|e| e["k8sfilteredout"] == true)
         .collect();
     assert_eq!(out.len(), 100);
-    assert!(out.iter().all(|e| short_type(e) == "deleted"
+    assert!(out.iter().all(|e| event_type(e) == "deleted"
         && e["data"]["object"]["metadata"]["labels"]["team"] == "web"));
-    let back: Vec<_> = rest.iter().filter(|e| short_type(e) == "added").collect();
+    let back: Vec<_> = rest.iter().filter(|e| event_type(e) == "added").collect();
     assert_eq!(
         back.len(),
         50,
@@ -127,14 +98,14 @@ async fn a_label_filter_passes_exactly_the_matching_objects_and_objects_leaving_
     );
     let deleted: Vec<_> = rest
         .iter()
-        .filter(|e| short_type(e) == "deleted" && e["k8sfilteredout"].is_null())
+        .filter(|e| event_type(e) == "deleted" && e["k8sfilteredout"].is_null())
         .collect();
     assert_eq!(deleted.len(), 10, "only deletes of published objects");
     // Per object the consumer's view ends as the cluster's: fold and compare.
     let mut view: HashMap<String, Value> = HashMap::new();
     for e in &all {
         let key = e["subject"].as_str().unwrap().to_owned();
-        match short_type(e) {
+        match event_type(e) {
             "deleted" => assert!(view.remove(&key).is_some(), "a delete of a published {key}"),
             "added" => assert!(view.insert(key.clone(), e.clone()).is_none(), "{key} twice"),
             other => panic!("unexpected {other}"),
@@ -165,24 +136,6 @@ async fn a_label_filter_passes_exactly_the_matching_objects_and_objects_leaving_
     app.stop().await;
 }
 
-fn deployment(name: &str, replicas: i64, ready: i64, image: &str) -> Value {
-    json!({"apiVersion": "apps/v1", "kind": "Deployment",
-           "metadata": {"namespace": "apps", "name": name, "labels": {"app": name},
-                        "annotations": {"owner": "shop"}},
-           "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}},
-                    "template": {"metadata": {"labels": {"app": name}},
-                                 "spec": {"containers": [{"name": "main", "image": image,
-                                                          "ports": [{"containerPort": 8080}]}]}}},
-           "status": {"replicas": replicas, "readyReplicas": ready,
-                      "conditions": [{"type": "Available", "status": if ready > 0 { "True" } else { "False" }}]}})
-}
-
-fn widget(name: &str, size: i64, tags: &[&str]) -> Value {
-    json!({"apiVersion": "example.com/v1", "kind": "Widget",
-           "metadata": {"namespace": "apps", "name": name},
-           "spec": {"size": size, "tags": tags, "nested": {"a": {"b": [1, 2, {"c": size}]}}}})
-}
-
 /// Folds update messages the way a consumer does with `include_old_object: false`: each
 /// patch applies to the last state it has of the object, and must give the message's object.
 fn check_patches_fold(events: &[Value]) -> usize {
@@ -191,7 +144,7 @@ fn check_patches_fold(events: &[Value]) -> usize {
     for e in events {
         let key = e["subject"].as_str().unwrap().to_owned();
         let object = e["data"]["object"].clone();
-        if short_type(e) == "updated" {
+        if event_type(e) == "updated" {
             assert!(
                 e["data"].get("oldObject").is_none(),
                 "include_old_object is off"
@@ -220,20 +173,31 @@ async fn patches_apply_and_status_only_updates_are_suppressed_only_when_status_i
         "/metadata/generation",
         "/metadata/managedFields"
     ]);
-    let cfg = config(
-        dir.path(),
-        json!([
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .message(json!({"diff": "patch", "include_old_object": false}))
+        .resources(json!([
             {"name": "deploy-quiet", "api_version": "apps/v1", "kind": "Deployment",
              "ignore_fields": ignore},
             {"name": "deploy-all", "api_version": "apps/v1", "kind": "Deployment"},
             {"name": "cm", "api_version": "v1", "kind": "ConfigMap", "ignore_fields": ignore},
             {"name": "widget", "api_version": "example.com/v1", "kind": "Widget"},
-        ]),
-        json!({"diff": "patch", "include_old_object": false}),
-    );
-    api.create(deployment("web", 5, 0, "web:1"));
-    api.create(cm("apps", "settings", "shop", "1"));
-    api.create(widget("w", 1, &["a"]));
+        ]))
+        .stdout_per_resource(dir.path())
+        .build();
+    // Widget `apps/w`, its spec with a list and a nested array to patch.
+    let widget_w = |size: i64, tags: &[&str]| {
+        widget(
+            "apps",
+            "w",
+            json!({"size": size, "tags": tags, "nested": {"a": {"b": [1, 2, {"c": size}]}}}),
+        )
+    };
+    api.create(typed(&deployment("apps", "web", 5, 0, "web:1")));
+    api.create(typed(
+        &configmap("apps", "settings", "1").label("team", "shop"),
+    ));
+    api.create(widget_w(1, &["a"]));
     let app = RunningApp::start(cfg, &api).await;
     app.synced().await;
     let d = dir.path();
@@ -242,22 +206,38 @@ async fn patches_apply_and_status_only_updates_are_suppressed_only_when_status_i
     // Status churn: 5 updates of the status only, then a spec change, twice over.
     for round in 0..2 {
         for ready in 1..=5 {
-            api.update(deployment("web", 5, ready, &format!("web:{}", round + 1)));
+            api.update(typed(&deployment(
+                "apps",
+                "web",
+                5,
+                ready,
+                &format!("web:{}", round + 1),
+            )));
         }
-        api.update(deployment("web", 5, 5, &format!("web:{}", round + 2)));
+        api.update(typed(&deployment(
+            "apps",
+            "web",
+            5,
+            5,
+            &format!("web:{}", round + 2),
+        )));
     }
     // ConfigMaps: data changes, a label removed, a key added; widgets: nested edits, arrays.
-    api.update(cm("apps", "settings", "shop", "2"));
-    api.update(json!({"apiVersion": "v1", "kind": "ConfigMap",
-                      "metadata": {"namespace": "apps", "name": "settings"},
-                      "data": {"v": "2", "w": "new"}}));
+    api.update(typed(
+        &configmap("apps", "settings", "2").label("team", "shop"),
+    ));
+    api.update(typed(&configmap_with_data(
+        "apps",
+        "settings",
+        [("v", "2"), ("w", "new")],
+    )));
     for (size, tags) in [
         (2, vec!["a", "b"]),
         (3, vec!["b"]),
         (3, vec![]),
         (4, vec!["x", "y", "z"]),
     ] {
-        api.update(widget("w", size, &tags));
+        api.update(widget_w(size, &tags));
     }
     let quiet = settle(&d.join("deploy-quiet.jsonl"), 1 + 2).await;
     let all = settle(&d.join("deploy-all.jsonl"), 1 + 12).await;
@@ -294,7 +274,7 @@ async fn patches_apply_and_status_only_updates_are_suppressed_only_when_status_i
 
 /// `type subject [filteredout] [resumed]`.
 fn brief(e: &Value) -> String {
-    let mut d = format!("{} {}", short_type(e), e["subject"].as_str().unwrap());
+    let mut d = format!("{} {}", event_type(e), e["subject"].as_str().unwrap());
     for flag in ["k8sfilteredout", "k8sresumed"] {
         if e[flag] == true {
             d.push(' ');
@@ -306,11 +286,14 @@ fn brief(e: &Value) -> String {
 
 /// Runs the bridge with `filter` until `path` holds `total` events and nothing more comes.
 async fn run_filtered(api: &ApiServer, dir: &Path, filter: &str, total: usize) -> Vec<Value> {
-    let cfg = config(
-        dir,
-        json!([{"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": filter}]),
-        json!({}),
-    );
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .message(json!({}))
+        .resource(
+            json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": filter}),
+        )
+        .stdout_per_resource(dir)
+        .build();
     let app = RunningApp::start(cfg, api).await;
     app.synced().await;
     let events = settle(&dir.join("shop.jsonl"), total).await;
@@ -329,7 +312,9 @@ async fn after_a_restart_filtered_objects_that_left_or_vanished_are_deleted_exac
     let api = ApiServer::start().await;
     for i in 0..300 {
         let team = if i % 2 == 0 { "shop" } else { "web" };
-        api.create(cm("ns", &format!("cm-{i:03}"), team, "1"));
+        api.create(typed(
+            &configmap("ns", &format!("cm-{i:03}"), "1").label("team", team),
+        ));
     }
     let dir = tempfile::tempdir().unwrap();
     let shop = r#"object.metadata.labels["team"] == "shop""#;
@@ -337,12 +322,12 @@ async fn after_a_restart_filtered_objects_that_left_or_vanished_are_deleted_exac
     assert!(first.iter().all(|e| e["k8sinitial"] == true));
     // While down: a published object relabelled out, one deleted, one changed; an
     // unpublished one relabelled in, one deleted; a new matching one.
-    api.update(cm("ns", "cm-000", "web", "1"));
+    api.update(typed(&configmap("ns", "cm-000", "1").label("team", "web")));
     api.delete("v1", "ConfigMap", "ns", "cm-002");
-    api.update(cm("ns", "cm-004", "shop", "2"));
-    api.update(cm("ns", "cm-001", "shop", "1"));
+    api.update(typed(&configmap("ns", "cm-004", "2").label("team", "shop")));
+    api.update(typed(&configmap("ns", "cm-001", "1").label("team", "shop")));
     api.delete("v1", "ConfigMap", "ns", "cm-003");
-    api.create(cm("ns", "cm-new", "shop", "1"));
+    api.create(typed(&configmap("ns", "cm-new", "1").label("team", "shop")));
     let second = run_filtered(&api, dir.path(), shop, 155).await;
     let mut got: Vec<String> = second[150..].iter().map(brief).collect();
     got.sort();

@@ -4,7 +4,6 @@ mod support;
 
 use std::{sync::Arc, time::Duration};
 
-use kube::api::{ApiResource, GroupVersionKind};
 use kube_event_bridge::{
     config::EventType,
     informer::{
@@ -13,7 +12,12 @@ use kube_event_bridge::{
     },
     metrics::Metrics,
 };
-use support::{ApiServer, Collector, configmap, describe, eventually, next, take, typed};
+use support::{
+    ApiServer, Collector, describe, next,
+    objects::{configmap, configmaps, typed},
+    take,
+    wait::{self, PATIENCE},
+};
 use tokio_util::sync::CancellationToken;
 
 const ALL: &[EventType] = &[
@@ -22,10 +26,6 @@ const ALL: &[EventType] = &[
     EventType::Deleted,
     EventType::Synced,
 ];
-
-fn configmaps() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
-}
 
 fn key(namespace: Option<&str>) -> InformerKey {
     InformerKey {
@@ -88,7 +88,10 @@ async fn watching(server: &ApiServer, names: &[&str]) -> (Arc<Collector>, Runnin
     let l = Collector::new();
     let r = start(server, &[(&l, None)], false);
     take(&l, names.len()).await;
-    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    wait::until("watch", PATIENCE, async || {
+        server.counts("/api/v1/configmaps").watches == 1
+    })
+    .await;
     (l, r)
 }
 
@@ -113,7 +116,7 @@ async fn initial_paged_list_of_n_objects_gives_n_initial_adds() {
         .map(|i| format!("add ns/cm-{i:02} v=1 initial"))
         .collect();
     assert_eq!(got, want);
-    eventually("has_synced", || r.informer.has_synced()).await;
+    wait::until("has_synced", PATIENCE, async || r.informer.has_synced()).await;
     assert_eq!(r.informer.indexer().len(), 25);
     assert_eq!(
         server.counts("/api/v1/configmaps").lists,
@@ -129,7 +132,10 @@ async fn updates_carry_old_and_new_and_deletes_carry_the_last_state() {
     let l = Collector::new();
     let r = start(&server, &[(&l, None)], false);
     assert_eq!(take(&l, 1).await, ["add ns/a v=1 initial"]);
-    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    wait::until("watch", PATIENCE, async || {
+        server.counts("/api/v1/configmaps").watches == 1
+    })
+    .await;
     server.update(typed(&configmap("ns", "a", "2")));
     server.create(typed(&configmap("ns", "b", "1")));
     server.delete("v1", "ConfigMap", "ns", "a");
@@ -200,7 +206,10 @@ async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
     let l = Collector::new();
     let r = start(&server, &[(&l, None)], false);
     take(&l, 3).await;
-    eventually("watch", || server.counts("/api/v1/configmaps").watches == 1).await;
+    wait::until("watch", PATIENCE, async || {
+        server.counts("/api/v1/configmaps").watches == 1
+    })
+    .await;
     server.block_watches(true);
     server.drop_watches();
     // A write to another resource moves the (cluster-wide) resourceVersion past the
@@ -210,7 +219,7 @@ async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
     server.create(typed(&secret));
     server.compact();
     server.block_watches(false);
-    eventually("relist", || {
+    wait::until("relist", PATIENCE, async || {
         relists(&r) == 1 && server.counts("/api/v1/configmaps").watches >= 3
     })
     .await;
@@ -262,7 +271,7 @@ async fn list_429_is_retried_with_backoff() {
     // kube-client retries a 429 itself (as client-go's REST client does), so the reflector
     // never sees these errors; the server saw every attempt.
     assert_eq!(server.counts("/api/v1/configmaps").lists, 3);
-    eventually("has_synced", || r.informer.has_synced()).await;
+    wait::until("has_synced", PATIENCE, async || r.informer.has_synced()).await;
 }
 
 #[tokio::test]
@@ -275,7 +284,7 @@ async fn streaming_watch_list_gives_initial_adds_then_changes_on_the_same_stream
     let mut got = take(&l, 2).await;
     got.sort();
     assert_eq!(got, ["add ns/a v=1 initial", "add ns/b v=1 initial"]);
-    eventually("has_synced", || r.informer.has_synced()).await;
+    wait::until("has_synced", PATIENCE, async || r.informer.has_synced()).await;
     server.update(typed(&configmap("ns", "b", "2")));
     assert_eq!(take(&l, 1).await, ["update ns/b v=1->2"]);
     let counts = server.counts("/api/v1/configmaps");
@@ -344,9 +353,11 @@ async fn garbage_on_the_watch_is_counted_and_the_watch_recovers_with_the_cache_i
         let before = errors();
         server.inject_watch_lines(&[bad.as_str()]);
         if *counted {
-            eventually(&format!("{bad:?} counted as a watch error"), || {
-                errors() > before
-            })
+            wait::until(
+                format!("{bad:?} counted as a watch error"),
+                PATIENCE,
+                async || errors() > before,
+            )
             .await;
         }
         // The watch recovers: the next real change arrives, and only it.

@@ -9,44 +9,22 @@ use std::{
     time::Duration,
 };
 
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube_event_bridge::{
     config::{Config, SinkConfig},
     sinks::kafka::KafkaSink,
 };
 use serde_json::{Value, json};
 use support::{
-    ApiServer, RunningApp, configmap,
+    ApiServer, RunningApp,
+    config::{ConfigBuilder, kafka_sink},
+    event_type,
     kafka::{Record, Tansu, consume},
-    typed,
+    objects::{Meta, configmap, configmap_with_data, named, typed},
+    wait::{self, PATIENCE},
 };
 
 const TOPIC: &str = "k8s.test.core.configmaps";
-
-fn kafka_sink(name: &str, brokers: &str, extra: Value) -> Value {
-    let mut kafka =
-        json!({"brokers": [brokers], "create_topics": {"partitions": 3}, "delivery_timeout": "5s"});
-    for (k, v) in extra.as_object().unwrap() {
-        kafka[k] = v.clone();
-    }
-    json!({"name": name, "type": "kafka", "workers": 32, "kafka": kafka,
-           "retry": {"base_delay": "10ms", "max_delay": "500ms", "qps": 1000.0, "burst": 1000}})
-}
-
-fn config(sinks: Vec<Value>) -> Config {
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "shutdown": {"grace_period": "10s"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": sinks,
-        "routes": [{"resource": "configmap", "sinks": ["kafka"]}],
-    }))
-    .unwrap()
-}
-
-async fn run(cfg: Config, api: &ApiServer) -> RunningApp {
-    RunningApp::start(cfg, api).await
-}
 
 async fn consume_async(brokers: String, topic: &str, n: usize) -> Vec<Record> {
     let topic = topic.to_owned();
@@ -90,7 +68,7 @@ fn check_events(records: &[Record]) -> Vec<Value> {
                 "{key}: rv {prev} then {rv}: out of order"
             );
         }
-        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
+        let ty = event_type(&e);
         assert_eq!(
             e["id"].as_str().unwrap(),
             format!("{}:{rv}:{ty}", e["k8suid"].as_str().unwrap()),
@@ -131,11 +109,13 @@ async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents
             "1",
         )));
     }
-    let running = run(
-        config(vec![kafka_sink("kafka", &tansu.brokers(), json!({}))]),
-        &api,
-    )
-    .await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(kafka_sink("kafka", &tansu.brokers(), json!({})))
+        .route("configmap", &["kafka"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
     for i in 0..12 {
         api.update(typed(&configmap(
@@ -188,15 +168,17 @@ async fn binary_mode_carries_attributes_as_ce_headers() {
     let tansu = Tansu::start();
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "a", "1")));
-    let running = run(
-        config(vec![kafka_sink(
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(kafka_sink(
             "kafka",
             &tansu.brokers(),
             json!({"encoding": "binary", "headers": {"x-origin": "bridge-test"}}),
-        )]),
-        &api,
-    )
-    .await;
+        ))
+        .route("configmap", &["kafka"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     let records = consume_async(tansu.brokers(), TOPIC, 1).await;
     running.stop().await;
     let r = &records[0];
@@ -219,15 +201,17 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
     for i in 0..10 {
         api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
     }
-    let running = run(
-        config(vec![kafka_sink(
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(kafka_sink(
             "kafka",
             &tansu.brokers(),
             json!({"mode": "state", "topic": "state.{resource}"}),
-        )]),
-        &api,
-    )
-    .await;
+        ))
+        .route("configmap", &["kafka"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
     for i in 0..10 {
         api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
@@ -277,16 +261,6 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
     running.stop().await;
 }
 
-/// A ConfigMap whose `data` holds `keys` entries of `size` bytes each.
-fn big_configmap(name: &str, keys: &[(&str, usize, char)]) -> Value {
-    let data: serde_json::Map<String, Value> = keys
-        .iter()
-        .map(|(k, size, fill)| (k.to_string(), json!(fill.to_string().repeat(*size))))
-        .collect();
-    json!({"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"namespace": "ns", "name": name}, "data": data})
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
     let tansu = Tansu::start();
@@ -296,16 +270,27 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
     api.create(typed(&configmap("ns", "skipped", "1")));
     api.create(typed(&configmap("kube-system", "excluded", "1")));
     // 3 MB: only a reference fits the 1 MB limit.
-    api.create(big_configmap("huge", &[("v", 3_000_000, 'h')]));
+    api.create(typed(&configmap_with_data(
+        "ns",
+        "huge",
+        [("v", "h".repeat(3_000_000))],
+    )));
     // 600 KB objects: their updates fit without oldObject, or without oldObject and patch.
-    api.create(big_configmap("big-edit", &[("v", 600_000, 'e')]));
-    api.create(big_configmap("big-replace", &[("v", 600_000, 'r')]));
+    api.create(typed(&configmap_with_data(
+        "ns",
+        "big-edit",
+        [("v", "e".repeat(600_000))],
+    )));
+    api.create(typed(&configmap_with_data(
+        "ns",
+        "big-replace",
+        [("v", "r".repeat(600_000))],
+    )));
     // Even its reference (labels stay) is over 1 MB: dead-lettered.
-    let labels: serde_json::Map<String, Value> = (0..20_000)
-        .map(|i| (format!("label-{i:05}"), json!("x".repeat(60))))
-        .collect();
-    api.create(json!({"apiVersion": "v1", "kind": "ConfigMap",
-                      "metadata": {"namespace": "ns", "name": "labels", "labels": labels}}));
+    let labels = (0..20_000).map(|i| (format!("label-{i:05}"), "x".repeat(60)));
+    api.create(typed(
+        &named::<ConfigMap>(Some("ns"), "labels").labels(labels),
+    ));
     let mut main = kafka_sink(
         "kafka",
         &tansu.brokers(),
@@ -317,7 +302,13 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
         &tansu.brokers(),
         json!({"topic": "k8s.deadletter", "create_topics": null}),
     );
-    let mut cfg = config(vec![main, dlq]);
+    let mut cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(main)
+        .sink(dlq)
+        .route("configmap", &["kafka"])
+        .build();
     cfg.resources[0].filter = Some(
         "object.metadata.name != 'skipped' \
          && !(has(object.metadata.labels) && has(object.metadata.labels.hidden))"
@@ -329,22 +320,25 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
         "/metadata/resourceVersion".into(),
     ];
     cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
-    let running = run(cfg, &api).await;
+    let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
     api.update(typed(&configmap("ns", "small", "2")));
-    let mut touched = configmap("ns", "small", "2");
-    touched.metadata.annotations = Some([("touched".to_string(), "1".to_string())].into());
+    let touched = configmap("ns", "small", "2").annotation("touched", "1");
     api.update(typed(&touched)); // annotations only: suppressed
-    let mut hidden = touched.clone();
-    hidden.metadata.labels = Some([("hidden".to_string(), "yes".to_string())].into());
+    let hidden = touched.label("hidden", "yes");
     api.update(typed(&hidden)); // leaves the filter
     api.update(typed(&configmap("ns", "skipped", "2")));
     api.update(typed(&configmap("kube-system", "excluded", "2")));
-    api.update(big_configmap(
+    api.update(typed(&configmap_with_data(
+        "ns",
         "big-edit",
-        &[("v", 600_000, 'e'), ("w", 10, 'w')],
-    ));
-    api.update(big_configmap("big-replace", &[("v", 600_000, 'R')]));
+        [("v", "e".repeat(600_000)), ("w", "w".repeat(10))],
+    )));
+    api.update(typed(&configmap_with_data(
+        "ns",
+        "big-replace",
+        [("v", "R".repeat(600_000))],
+    )));
     let dead = consume_async(tansu.brokers(), "k8s.deadletter", 1).await;
     let record = dead[0].json();
     assert_eq!(record["key"], "ns/labels");
@@ -427,7 +421,13 @@ async fn a_broker_outage_during_load_loses_nothing() {
         &brokers,
         json!({"create_topics": null, "delivery_timeout": "1s"}),
     );
-    let running = run(config(vec![sink]), &api).await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(sink)
+        .route("configmap", &["kafka"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
     let writer = tokio::spawn({
         let api = api.clone();
@@ -549,18 +549,17 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
     let cfg = || {
-        Config::from_value(json!({
-            "cluster": "test",
-            "admin": {"address": "127.0.0.1:0"},
-            "shutdown": {"grace_period": "10s"},
-            "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-            "sinks": [
-                kafka_sink("kafka", &brokers, json!({})),
-                kafka_sink("state", &brokers, json!({"mode": "state", "topic": "k8s-state"})),
-            ],
-            "routes": [{"resource": "configmap", "sinks": ["kafka", "state"]}],
-        }))
-        .unwrap()
+        ConfigBuilder::new()
+            .grace_period("10s")
+            .configmaps()
+            .sink(kafka_sink("kafka", &brokers, json!({})))
+            .sink(kafka_sink(
+                "state",
+                &brokers,
+                json!({"mode": "state", "topic": "k8s-state"}),
+            ))
+            .route("configmap", &["kafka", "state"])
+            .build()
     };
     let published = |app: &RunningApp, sink: &str| -> u64 {
         ["added", "updated", "deleted", "synced"]
@@ -573,9 +572,9 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
             })
             .sum()
     };
-    let first = run(cfg(), &api).await;
+    let first = RunningApp::start(cfg(), &api).await;
     first.synced().await;
-    support::eventually("60 published to both", || {
+    wait::until("60 published to both", PATIENCE, async || {
         published(&first, "kafka") == 60 && published(&first, "state") == 60
     })
     .await;
@@ -602,9 +601,9 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
     want.insert("ns/cm-30".into(), vec!["added"]);
     let expected: usize = want.values().map(Vec::len).sum();
 
-    let second = run(cfg(), &api).await;
+    let second = RunningApp::start(cfg(), &api).await;
     second.synced().await;
-    support::eventually("the changes published to both", || {
+    wait::until("the changes published to both", PATIENCE, async || {
         published(&second, "kafka") as usize >= expected
             && published(&second, "state") as usize >= expected - 1
     })
@@ -693,17 +692,15 @@ async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster(
         &brokers,
         json!({"mode": "state", "topic": "state.{resource}"}),
     );
-    let cfg_value = json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [state_sink],
-        "routes": [{"resource": "configmap", "sinks": ["state"]}],
-    });
-    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    let cfg_value = ConfigBuilder::new()
+        .configmaps()
+        .sink(state_sink)
+        .route("configmap", &["state"])
+        .value();
+    let running = RunningApp::start(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
     running.synced().await;
     api.delete("v1", "ConfigMap", "ns", "cm-00");
-    support::eventually("12 records and a tombstone", || {
+    wait::until("12 records and a tombstone", PATIENCE, async || {
         ["added", "deleted"]
             .iter()
             .map(|t| {
@@ -762,27 +759,25 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
     let brokers = tansu.brokers();
     let api = ApiServer::start().await;
     for i in 0..40 {
-        let mut cm = configmap(
+        let cm = configmap(
             if i % 2 == 0 { "ns" } else { "other" },
             &format!("cm-{i:02}"),
             "1",
-        );
-        cm.metadata.labels = Some([("team".to_owned(), format!("t{}", i % 4))].into());
+        )
+        .label("team", &format!("t{}", i % 4));
         api.create(typed(&cm));
     }
-    let cfg_value = json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [kafka_sink("kafka", &brokers, json!({"encoding": "binary"}))],
-        "routes": [{"resource": "configmap", "sinks": ["kafka"]}],
-    });
-    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    let cfg_value = ConfigBuilder::new()
+        .configmaps()
+        .sink(kafka_sink("kafka", &brokers, json!({"encoding": "binary"})))
+        .route("configmap", &["kafka"])
+        .value();
+    let running = RunningApp::start(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
     running.synced().await;
     let published = |n: u64| {
         let metrics = running.metrics.clone();
         async move {
-            support::eventually(&format!("{n} published"), || {
+            wait::until(format!("{n} published"), PATIENCE, async || {
                 ["added", "updated", "deleted"]
                     .iter()
                     .map(|t| {
@@ -922,13 +917,18 @@ async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
     let brokers = mock.bootstrap_servers();
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "a", "1")));
-    let mut cfg = config(vec![kafka_sink(
-        "kafka",
-        &brokers,
-        json!({"create_topics": null}),
-    )]);
+    let mut cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(kafka_sink(
+            "kafka",
+            &brokers,
+            json!({"create_topics": null}),
+        ))
+        .route("configmap", &["kafka"])
+        .build();
     cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
-    let running = run(cfg, &api).await;
+    let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
     consume_async(brokers.clone(), TOPIC, 1).await;
     // The broker refuses the next two produce requests as too large (a topic whose
@@ -970,7 +970,13 @@ async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_c
         &brokers,
         json!({"create_topics": null, "delivery_timeout": "1s"}),
     );
-    let running = run(config(vec![sink]), &api).await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(sink)
+        .route("configmap", &["kafka"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
     consume_async(brokers.clone(), TOPIC, 5).await;
     // Every produce request fails for a while: librdkafka retries inside, then reports the
@@ -991,7 +997,10 @@ async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_c
             .with_label_values(&["kafka", "configmap", "updated"])
             .get()
     };
-    support::eventually("150 updates acknowledged", || published() >= 150).await;
+    wait::until("150 updates acknowledged", PATIENCE, async || {
+        published() >= 150
+    })
+    .await;
     let failed: u64 = ["timeout", "unavailable"]
         .iter()
         .map(|r| {

@@ -15,27 +15,18 @@ use std::{
     time::Duration,
 };
 
-use kube_event_bridge::{app::Report, config::Config};
-use serde_json::{Value, json};
-use support::{ApiServer, RunningApp, configmap, typed};
+use kube_event_bridge::app::Report;
+use serde_json::Value;
+use support::{
+    ApiServer, RunningApp,
+    config::ConfigBuilder,
+    objects::{configmap, typed},
+    wait,
+};
 use tokio::time::Instant;
 
+/// The lease the instances take: 3 s (their fast leader election timings).
 const LEASE_DURATION: Duration = Duration::from_secs(3);
-
-fn config(dir: &Path, identity: &str, retry_period: &str) -> Config {
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": dir.join(format!("{identity}.jsonl"))}}],
-        "routes": [{"resource": "configmap", "sinks": ["out"]}],
-        "leader_election": {
-            "enabled": true, "identity": identity, "namespace": "kube-system",
-            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": retry_period,
-        },
-    }))
-    .unwrap()
-}
 
 struct Instance {
     identity: &'static str,
@@ -55,12 +46,15 @@ impl Instance {
         identity: &'static str,
         retry_period: &str,
     ) -> Self {
-        let app = RunningApp::start(config(dir, identity, retry_period), api).await;
-        Self {
-            identity,
-            app,
-            out: dir.join(format!("{identity}.jsonl")),
-        }
+        let out = dir.join(format!("{identity}.jsonl"));
+        let config = ConfigBuilder::new()
+            .configmaps()
+            .stdout("out", &out)
+            .route("configmap", &["out"])
+            .fast_leader_election(identity, retry_period)
+            .build();
+        let app = RunningApp::start(config, api).await;
+        Self { identity, app, out }
     }
 
     fn leading(&self) -> bool {
@@ -83,18 +77,6 @@ impl Instance {
     async fn stop(self) -> Report {
         self.app.stop().await
     }
-}
-
-async fn until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < limit,
-            "{what} did not happen within {limit:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    start.elapsed()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -124,7 +106,7 @@ async fn one_leader_publishes_a_standby_takes_over_and_a_release_hands_over_at_o
         }
     });
 
-    until("a leader", Duration::from_secs(10), || {
+    wait::until("a leader", Duration::from_secs(10), async || {
         one.leading() || two.leading()
     })
     .await;
@@ -133,12 +115,12 @@ async fn one_leader_publishes_a_standby_takes_over_and_a_release_hands_over_at_o
     } else {
         (two, one)
     };
-    until("the cache replay", Duration::from_secs(10), || {
+    wait::until("the cache replay", Duration::from_secs(10), async || {
         leader.published().len() >= 2
     })
     .await;
     api.create(typed(&configmap("ns", "c", "1")));
-    until("c published", Duration::from_secs(10), || {
+    wait::until("c published", Duration::from_secs(10), async || {
         leader.published().contains(&"ns/c".to_string())
     })
     .await;
@@ -151,27 +133,29 @@ async fn one_leader_publishes_a_standby_takes_over_and_a_release_hands_over_at_o
     api.refuse_lease_writes_from(Some(leader.identity));
     let cut = Instant::now();
     api.create(typed(&configmap("ns", "d", "1")));
-    until("the leader steps down", LEASE_DURATION, || {
+    wait::until("the leader steps down", LEASE_DURATION, async || {
         !leader.leading()
     })
     .await;
     let published_by_old_leader = leader.published().len();
-    let takeover = until("the standby takes over", Duration::from_secs(10), || {
-        standby.leading()
-    })
+    let takeover = wait::until(
+        "the standby takes over",
+        Duration::from_secs(10),
+        async || standby.leading(),
+    )
     .await;
     let since_cut = cut.elapsed();
     assert!(
         since_cut <= LEASE_DURATION + Duration::from_secs(2),
         "takeover {since_cut:?} after the renewals stopped (lease {LEASE_DURATION:?}); waited {takeover:?}"
     );
-    until("d delivered", Duration::from_secs(10), || {
+    wait::until("d delivered", Duration::from_secs(10), async || {
         standby.published().contains(&"ns/d".to_string())
             || leader.published().contains(&"ns/d".to_string())
     })
     .await;
     api.create(typed(&configmap("ns", "e", "1")));
-    until("e by the new leader", Duration::from_secs(10), || {
+    wait::until("e by the new leader", Duration::from_secs(10), async || {
         standby.published().contains(&"ns/e".to_string())
     })
     .await;
@@ -205,10 +189,10 @@ async fn one_leader_publishes_a_standby_takes_over_and_a_release_hands_over_at_o
         lease["spec"]["holderIdentity"].is_null(),
         "released: {lease}"
     );
-    let handover = until(
+    let handover = wait::until(
         "the other takes over after the release",
         Duration::from_secs(10),
-        || leader.leading(),
+        async || leader.leading(),
     )
     .await;
     assert!(
@@ -261,11 +245,13 @@ async fn a_leader_publishes_each_object_once_across_many_renewals() {
     api.fail_next_lists(1);
     let dir = tempfile::tempdir().unwrap();
     let one = Instance::start_renewing_every(&api, dir.path(), "one", "100ms").await;
-    until("leading", Duration::from_secs(10), || one.leading()).await;
+    wait::until("leading", Duration::from_secs(10), async || one.leading()).await;
     let synced_when_leading = one.app.factory.has_synced();
-    until("every object published", Duration::from_secs(30), || {
-        one.published().len() >= MANY
-    })
+    wait::until(
+        "every object published",
+        Duration::from_secs(30),
+        async || one.published().len() >= MANY,
+    )
     .await;
     // At least 20 renewals (one every 100 ms) while nothing changes.
     let renewed = renew_time(&api);
@@ -273,10 +259,10 @@ async fn a_leader_publishes_each_object_once_across_many_renewals() {
     assert_ne!(renew_time(&api), renewed, "the lease was renewed meanwhile");
     api.update(typed(&configmap("ns", "cm-00007", "2")));
     api.create(typed(&configmap("ns", "late", "1")));
-    until(
+    wait::until(
         "the later changes published",
         Duration::from_secs(10),
-        || one.published().len() >= MANY + 2,
+        async || one.published().len() >= MANY + 2,
     )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -312,13 +298,13 @@ async fn each_leadership_change_publishes_each_object_once() {
     create_many(&api);
     let dir = tempfile::tempdir().unwrap();
     let one = Instance::start_renewing_every(&api, dir.path(), "one", "100ms").await;
-    until("one leads", Duration::from_secs(10), || one.leading()).await;
+    wait::until("one leads", Duration::from_secs(10), async || one.leading()).await;
     let two = Instance::start_renewing_every(&api, dir.path(), "two", "100ms").await;
     two.app.synced().await;
-    until(
+    wait::until(
         "one published every object",
         Duration::from_secs(30),
-        || one.published().len() >= MANY,
+        async || one.published().len() >= MANY,
     )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await; // ten renewals
@@ -326,11 +312,16 @@ async fn each_leadership_change_publishes_each_object_once() {
     assert!(two.published().is_empty(), "the standby publishes nothing");
 
     api.refuse_lease_writes_from(Some(one.identity));
-    until("one steps down", LEASE_DURATION, || !one.leading()).await;
-    until("two takes over", Duration::from_secs(10), || two.leading()).await;
-    until("two replayed every object", Duration::from_secs(30), || {
-        two.published().len() >= MANY
+    wait::until("one steps down", LEASE_DURATION, async || !one.leading()).await;
+    wait::until("two takes over", Duration::from_secs(10), async || {
+        two.leading()
     })
+    .await;
+    wait::until(
+        "two replayed every object",
+        Duration::from_secs(30),
+        async || two.published().len() >= MANY,
+    )
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await; // ten renewals by the new leader
     let (by_one, by_two) = (one.messages(), two.messages());

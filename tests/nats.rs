@@ -5,6 +5,7 @@ mod support;
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube_event_bridge::{
     config::Config,
     sinks::{
@@ -15,54 +16,22 @@ use kube_event_bridge::{
 };
 use serde_json::{Value, json};
 use support::{
-    ApiServer, RunningApp, configmap, eventually,
+    ApiServer, RunningApp,
+    config::{ConfigBuilder, NATS_STREAM as STREAM, nats_sink},
+    event_type,
     nats::{NatsServer, read_stream, stream_len},
-    typed,
+    objects::{Meta, configmap, named, typed},
+    wait::{self, PATIENCE, Patience},
 };
 
-const STREAM: &str = "K8S";
-
-fn nats_sink(name: &str, url: &str, extra: Value) -> Value {
-    let mut nats = json!({
-        "servers": [url],
-        "ack_timeout": "1s",
-        "stream": {"name": STREAM, "create": true, "subjects": ["k8s.>"], "duplicate_window": "10m"},
-    });
-    for (k, v) in extra.as_object().unwrap() {
-        nats[k] = v.clone();
-    }
-    json!({"name": name, "type": "nats", "workers": 16, "nats": nats,
-           "retry": {"base_delay": "10ms", "max_delay": "500ms", "qps": 1000.0, "burst": 1000}})
-}
-
-fn config(sinks: Vec<Value>, routes: Value) -> Config {
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "shutdown": {"grace_period": "10s"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": sinks,
-        "routes": routes,
-    }))
-    .unwrap()
-}
-
-async fn run(cfg: Config, api: &ApiServer) -> RunningApp {
-    RunningApp::start(cfg, api).await
-}
-
+/// Waits (up to 60 s, looking every 50 ms) until the stream holds at least `n` messages.
 async fn wait_for_stream(url: &str, n: u64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let len = stream_len(url, STREAM).await;
-        if len >= n {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "stream has {len} of {n} messages"
+    let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(50));
+    if !wait::within(patience, async || stream_len(url, STREAM).await >= n).await {
+        panic!(
+            "stream has {} of {n} messages",
+            stream_len(url, STREAM).await
         );
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -91,14 +60,13 @@ async fn jetstream_gets_every_notification_once_in_order_with_escaped_subjects()
             "1",
         )));
     }
-    let running = run(
-        config(
-            vec![nats_sink("nats", &nats.url(), json!({}))],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        ),
-        &api,
-    )
-    .await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(nats_sink("nats", &nats.url(), json!({})))
+        .route("configmap", &["nats"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     wait_for_stream(&nats.url(), 10).await;
     for i in 0..10 {
         api.update(typed(&configmap(
@@ -162,22 +130,21 @@ async fn binary_mode_puts_attributes_in_ce_headers_and_data_in_the_body() {
     let nats = NatsServer::start();
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "a", "1")));
-    let running = run(
-        config(
-            vec![nats_sink(
-                "nats",
-                &nats.url(),
-                json!({
-                    "encoding": "binary",
-                    "subject": "events.{namespace}.{name}.{type}",
-                    "stream": {"name": STREAM, "create": true, "subjects": ["events.>"]},
-                }),
-            )],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        ),
-        &api,
-    )
-    .await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(nats_sink(
+            "nats",
+            &nats.url(),
+            json!({
+                "encoding": "binary",
+                "subject": "events.{namespace}.{name}.{type}",
+                "stream": {"name": STREAM, "create": true, "subjects": ["events.>"]},
+            }),
+        ))
+        .route("configmap", &["nats"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     wait_for_stream(&nats.url(), 1).await;
     running.stop().await;
     let m = &read_stream(&nats.url(), STREAM).await[0];
@@ -215,14 +182,13 @@ async fn a_server_restart_during_load_loses_nothing() {
     let mut nats = NatsServer::start();
     let api = Arc::new(ApiServer::start().await);
     api.create(typed(&configmap("ns", "marker", "1")));
-    let running = run(
-        config(
-            vec![nats_sink("nats", &nats.url(), json!({}))],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        ),
-        &api,
-    )
-    .await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(nats_sink("nats", &nats.url(), json!({})))
+        .route("configmap", &["nats"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     // Once the marker is in, the informer watches: every write below is one notification.
     wait_for_stream(&nats.url(), 1).await;
     let writer = tokio::spawn({
@@ -274,27 +240,28 @@ async fn a_server_restart_during_load_loses_nothing() {
     }
 }
 
-fn team_cm(name: &str, team: &str, v: &str, phase: &str) -> Value {
-    json!({"apiVersion": "v1", "kind": "ConfigMap",
-           "metadata": {"namespace": "ns", "name": name, "labels": {"team": team}},
-           "data": {"v": v}, "status": {"phase": phase}})
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn filters_suppression_patches_and_oversized_objects_on_a_small_max_payload_server() {
     let nats = NatsServer::with_config("max_payload: 65536");
+    // ConfigMap `ns/name` of team `team` (a label) with `data.v = v` and a status (which
+    // a ConfigMap has no type for) in `phase`.
+    let team_cm = |name: &str, team: &str, v: &str, phase: &str| {
+        let mut cm = typed(&configmap("ns", name, v).label("team", team));
+        cm["status"] = json!({"phase": phase});
+        cm
+    };
     let api = ApiServer::start().await;
     api.create(team_cm("small", "shop", "1", "a"));
     api.create(team_cm("other", "web", "1", "a"));
     // 200 KB: only a reference fits under 64 KB.
     api.create(team_cm("huge", "shop", &"x".repeat(200_000), "a"));
     // Its reference keeps the labels, 70 KB of them: dead-lettered.
-    let mut labels: serde_json::Map<String, Value> = (0..1000)
-        .map(|i| (format!("label-{i:04}"), json!("y".repeat(60))))
-        .collect();
-    labels.insert("team".into(), json!("shop"));
-    api.create(json!({"apiVersion": "v1", "kind": "ConfigMap",
-                      "metadata": {"namespace": "ns", "name": "labels", "labels": labels}}));
+    let labels = (0..1000).map(|i| (format!("label-{i:04}"), "y".repeat(60)));
+    api.create(typed(
+        &named::<ConfigMap>(Some("ns"), "labels")
+            .labels(labels)
+            .label("team", "shop"),
+    ));
     let mut main = nats_sink("nats", &nats.url(), json!({}));
     main["dead_letter"] = json!("dlq");
     let dlq = nats_sink(
@@ -302,14 +269,17 @@ async fn filters_suppression_patches_and_oversized_objects_on_a_small_max_payloa
         &nats.url(),
         json!({"subject": "k8s.deadletter.{kind}"}),
     );
-    let mut cfg = config(
-        vec![main, dlq],
-        json!([{"resource": "configmap", "sinks": ["nats"]}]),
-    );
+    let mut cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(main)
+        .sink(dlq)
+        .route("configmap", &["nats"])
+        .build();
     cfg.resources[0].filter = Some(r#"object.metadata.labels["team"] == "shop""#.into());
     cfg.resources[0].ignore_fields = vec!["/status".into(), "/metadata/resourceVersion".into()];
     cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
-    let running = run(cfg, &api).await;
+    let running = RunningApp::start(cfg, &api).await;
     // small, huge (a reference), the dead letter.
     wait_for_stream(&nats.url(), 3).await;
     api.update(team_cm("small", "shop", "1", "b")); // status only: suppressed
@@ -342,7 +312,7 @@ async fn filters_suppression_patches_and_oversized_objects_on_a_small_max_payloa
             format!(
                 "{} {}{}{}",
                 e["k8sname"].as_str().unwrap(),
-                e["type"].as_str().unwrap().rsplit('.').next().unwrap(),
+                event_type(e),
                 if e["k8sfilteredout"] == true {
                     " filteredout"
                 } else {
@@ -478,18 +448,17 @@ async fn core_mode_publishes_to_subscribers_and_health_follows_the_connection() 
     client.flush().await.unwrap();
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "a", "1")));
-    let running = run(
-        config(
-            vec![nats_sink(
-                "nats",
-                &nats.url(),
-                json!({"mode": "core", "stream": null}),
-            )],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        ),
-        &api,
-    )
-    .await;
+    let cfg = ConfigBuilder::new()
+        .grace_period("10s")
+        .configmaps()
+        .sink(nats_sink(
+            "nats",
+            &nats.url(),
+            json!({"mode": "core", "stream": null}),
+        ))
+        .route("configmap", &["nats"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
     let m = tokio::time::timeout(Duration::from_secs(20), futures::StreamExt::next(&mut sub))
         .await
         .unwrap()
@@ -512,12 +481,12 @@ async fn core_mode_publishes_to_subscribers_and_health_follows_the_connection() 
     let sink = NatsSink::connect("nats", &cfg).await.unwrap();
     assert!(sink.health().is_ok());
     nats.stop();
-    eventually("health reports the lost connection", || {
+    wait::until("health reports the lost connection", PATIENCE, async || {
         sink.health().is_err()
     })
     .await;
     nats.restart();
-    eventually("health recovers", || sink.health().is_ok()).await;
+    wait::until("health recovers", PATIENCE, async || sink.health().is_ok()).await;
 }
 
 /// Resume with the default settings on JetStream: the checkpoint bucket is created, and a
@@ -531,19 +500,21 @@ async fn a_restart_resumes_from_the_checkpoint_bucket() {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
     let cfg = || {
-        config(
-            vec![nats_sink("nats", &nats.url(), json!({}))],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        )
+        ConfigBuilder::new()
+            .grace_period("10s")
+            .configmaps()
+            .sink(nats_sink("nats", &nats.url(), json!({})))
+            .route("configmap", &["nats"])
+            .build()
     };
-    let first = run(cfg(), &api).await;
+    let first = RunningApp::start(cfg(), &api).await;
     wait_for_stream(&nats.url(), 40).await;
     assert!(first.stop().await.undelivered.is_empty());
 
     let want = support::change_while_down(&api, 0..4, 4..8, 40..41, 8..9);
     let expected: usize = want.values().map(Vec::len).sum();
 
-    let second = run(cfg(), &api).await;
+    let second = RunningApp::start(cfg(), &api).await;
     wait_for_stream(&nats.url(), (40 + expected) as u64).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let unchanged = second
@@ -583,10 +554,12 @@ async fn a_checkpoint_bucket_that_cannot_be_created_is_a_start_error_naming_it()
         json!({"auth": {"user": "bridge", "password": {"env": "KEB_TEST_NATS_CP"}}}),
     );
     let err = kube_event_bridge::app::App::build(
-        config(
-            vec![sink],
-            json!([{"resource": "configmap", "sinks": ["nats"]}]),
-        ),
+        ConfigBuilder::new()
+            .grace_period("10s")
+            .configmaps()
+            .sink(sink)
+            .route("configmap", &["nats"])
+            .build(),
         api.client(),
     )
     .await
@@ -612,14 +585,16 @@ async fn tail_and_state_read_the_jetstream_stream() {
     for i in 0..30 {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
-    let cfg_value = json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [nats_sink("nats", &nats.url(), json!({"encoding": "binary"}))],
-        "routes": [{"resource": "configmap", "sinks": ["nats"]}],
-    });
-    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    let cfg_value = ConfigBuilder::new()
+        .configmaps()
+        .sink(nats_sink(
+            "nats",
+            &nats.url(),
+            json!({"encoding": "binary"}),
+        ))
+        .route("configmap", &["nats"])
+        .value();
+    let running = RunningApp::start(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
     running.synced().await;
     wait_for_stream(&nats.url(), 30).await;
     let tools = support::tools::Tools::new(&cfg_value, Some(&api));
@@ -731,13 +706,15 @@ async fn tail_and_state_read_the_jetstream_stream() {
 async fn tail_reads_core_nats_subjects_from_now() {
     let nats = NatsServer::start();
     let api = ApiServer::start().await;
-    let cfg_value = json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [nats_sink("nats", &nats.url(), json!({"mode": "core", "stream": null}))],
-        "routes": [{"resource": "configmap", "sinks": ["nats"]}],
-    });
+    let cfg_value = ConfigBuilder::new()
+        .configmaps()
+        .sink(nats_sink(
+            "nats",
+            &nats.url(),
+            json!({"mode": "core", "stream": null}),
+        ))
+        .route("configmap", &["nats"])
+        .value();
     let tools = support::tools::Tools::new(&cfg_value, None);
     let (code, _, err) = tools.run("tail", "nats", &["--from-beginning"]);
     assert_eq!(code, Some(2), "{err}");
@@ -748,7 +725,7 @@ async fn tail_reads_core_nats_subjects_from_now() {
 
     let mut tail = tools.tail("nats", &["--output", "json", "--kind", "configmaps"]);
     tail.ready().await;
-    let running = run(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
+    let running = RunningApp::start(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
     for i in 0..20 {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }

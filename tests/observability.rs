@@ -6,9 +6,15 @@ mod support;
 
 use std::{collections::HashSet, path::Path, process::Command};
 
-use kube_event_bridge::{app::App, config::Config};
+use kube_event_bridge::app::App;
 use serde_json::json;
-use support::{ApiServer, configmap, eventually, http_get, typed};
+use support::{
+    ApiServer,
+    config::ConfigBuilder,
+    http_get,
+    objects::{configmap, typed},
+    wait::{self, PATIENCE},
+};
 
 fn promtool(args: &[&str], stdin: Option<&str>) -> (bool, String) {
     use std::io::Write;
@@ -38,21 +44,20 @@ async fn scrape() -> String {
     api.create(typed(&configmap("ns", "a", "1")));
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
-    let config = Config::from_value(json!({
-        "admin": {"address": "127.0.0.1:0"},
+    let config = ConfigBuilder::new()
+        .cluster("default") // the name a config without one gets
         // With a filter, so that the filter families have their series.
-        "resources": [{"api_version": "v1", "kind": "ConfigMap", "filter": "type != 'synced'"}],
-        "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": out}}],
-        "routes": [{"resource": "configmap", "sinks": ["out"]}],
-    }))
-    .unwrap();
+        .resource(json!({"api_version": "v1", "kind": "ConfigMap", "filter": "type != 'synced'"}))
+        .stdout("out", &out)
+        .route("configmap", &["out"])
+        .build();
     let app = App::build(config, api.client()).await.unwrap();
     let admin = app.admin_addr();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let run = tokio::spawn(app.run(async move {
         let _ = stopped.await;
     }));
-    eventually("a published line", || {
+    wait::until("a published line", PATIENCE, async || {
         std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty())
     })
     .await;

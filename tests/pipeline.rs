@@ -1,6 +1,11 @@
 //! The delivery pipeline with test sinks that fail, are slow, stall or reject: route queue →
 //! workers → encoder → sink, fed by a synthetic informer (notifications pushed directly).
 
+#[path = "support/objects.rs"]
+mod objects;
+#[path = "support/wait.rs"]
+mod wait;
+
 use std::{
     collections::HashMap,
     sync::{
@@ -11,19 +16,17 @@ use std::{
 };
 
 use futures::{FutureExt, future::BoxFuture};
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
 use kube_event_bridge::{
     config::MessageConfig,
-    informer::{CachedObject, Notification, NotificationKind, ObjectRef},
+    informer::{Notification, NotificationKind, ObjectRef},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, Route, RouteQueue},
+    pipeline::{self, Budget, Delivery, Route, RouteBuilder, RouteQueue},
     sinks::{self, Sink},
-    workqueue::{
-        TokenBucket,
-        rate_limiter::{RetrySettings, controller_rate_limiter},
-    },
+    workqueue::{TokenBucket, rate_limiter::RetrySettings},
 };
+use objects::{Meta, cached, configmap_with_data, configmaps};
+use wait::Patience;
 
 /// A sink whose behaviour a test chooses.
 #[derive(Default)]
@@ -113,25 +116,14 @@ impl TestSink {
     }
 }
 
-fn configmaps() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
-}
-
+/// ConfigMap `ns/name` at resourceVersion `rv` (uid `uid-{name}`) with `padding` bytes of
+/// data, as the informer would cache it.
 fn object(name: &str, rv: u64, padding: usize) -> ObjectRef {
-    Arc::new(CachedObject::new(&DynamicObject {
-        types: Some(TypeMeta {
-            api_version: "v1".into(),
-            kind: "ConfigMap".into(),
-        }),
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some("ns".into()),
-            uid: Some(format!("uid-{name}")),
-            resource_version: Some(rv.to_string()),
-            ..Default::default()
-        },
-        data: serde_json::json!({"data": {"pad": "x".repeat(padding)}}),
-    }))
+    cached(
+        configmap_with_data("ns", name, [("pad", "x".repeat(padding))])
+            .uid(format!("uid-{name}"))
+            .resource_version(rv),
+    )
 }
 
 struct Harness {
@@ -168,18 +160,6 @@ fn harness_with(
 ) -> Harness {
     let metrics = Arc::new(Metrics::new());
     let budget = Arc::new(Budget::new(cap));
-    let queue = Arc::new(RouteQueue::new(
-        "configmap/test".into(),
-        Box::new(controller_rate_limiter(fast_retries())),
-        metrics.workqueue.for_queue("configmap/test"),
-        budget.clone(),
-        metrics
-            .listener_buffered
-            .with_label_values(&["configmap", "test"]),
-        metrics
-            .listener_coalesced
-            .with_label_values(&["configmap", "test"]),
-    ));
     let delivery = Arc::new(Delivery {
         sink,
         dead_letter: dead_letter.map(|d| d as Arc<dyn Sink>),
@@ -192,13 +172,13 @@ fn harness_with(
         &MessageConfig::default(),
         Encoding::Structured,
     );
-    let route = Arc::new(Route::new(
-        "configmap".into(),
-        queue.clone(),
-        encoder,
-        delivery,
-        &metrics,
-    ));
+    // Wired as the service wires a route (pipeline::RouteBuilder), with fast retries.
+    let route = RouteBuilder::new("configmap", "test", encoder, delivery, &metrics)
+        .budget(budget.clone())
+        .retry(fast_retries())
+        .build()
+        .route;
+    let queue = route.queue().clone();
     Harness {
         queue,
         route,
@@ -270,19 +250,16 @@ fn push_load_sampled(
     pushed
 }
 
+/// Waits (up to 60 s, looking every 5 ms) until the route holds no notification.
 async fn settled(budget: &Budget) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while budget.held() > 0 {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{} notifications never settled",
-            budget.held()
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
+    let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(5));
+    if !wait::within(patience, async || budget.held() == 0).await {
+        panic!("{} notifications never settled", budget.held());
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Retries wait on tokio time: paused, the backoff costs no wall-clock time.
+#[tokio::test(start_paused = true)]
 async fn with_a_flaky_sink_every_notification_arrives_in_order_per_object() {
     let sink = Arc::new(TestSink {
         fail_every: 3,
@@ -437,7 +414,8 @@ async fn a_message_too_large_is_trimmed_to_a_reference_and_one_that_never_fits_i
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// Retries wait on tokio time: paused, the backoff costs no wall-clock time.
+#[tokio::test(start_paused = true)]
 async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
     let sink = Arc::new(TestSink {
         always_fail: vec!["ns/bad".into()],
@@ -553,7 +531,16 @@ async fn many_stalled_workers_are_given_up_on_together_at_the_deadline() {
     let h = harness(sink.clone(), None, 1_000, None);
     let running = pipeline::start(&[(h.route.clone(), 64)]);
     push_load(&h.queue, 64, 0, 10);
-    eventually_stuck(&sink, 64).await;
+    // Every worker's publish started and stuck in the sink.
+    wait::until(
+        "64 publishes stuck in the sink",
+        Patience::of(Duration::from_secs(20)).polling(Duration::from_millis(5)),
+        async || {
+            sink.attempts.load(Ordering::SeqCst) >= 64
+                || sink.publishing.load(Ordering::SeqCst) >= 64
+        },
+    )
+    .await;
     let deadline = tokio::time::Instant::now() + Duration::from_millis(200);
     let left = running.drain(deadline).await;
     // Kubernetes kills the pod soon after the grace period: 64 publishes stuck past the
@@ -568,16 +555,4 @@ async fn many_stalled_workers_are_given_up_on_together_at_the_deadline() {
         HashMap::from([("configmap/test".to_string(), 64 + 22)]),
         "64 adds and 22 deletes"
     );
-}
-
-/// Waits until `n` publishes are stuck in the (stalling) sink.
-async fn eventually_stuck(sink: &TestSink, n: u64) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while sink.attempts.load(Ordering::SeqCst) < n && sink.publishing.load(Ordering::SeqCst) < n {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "publishes never started"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }

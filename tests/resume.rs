@@ -6,20 +6,14 @@ mod support;
 
 use std::{collections::BTreeMap, path::Path, time::Duration};
 
-use kube_event_bridge::config::Config;
 use serde_json::{Value, json};
-use support::{ApiServer, RunningApp, configmap, eventually, typed};
-
-fn config(out: &Path) -> Config {
-    Config::from_value(json!({
-        "cluster": "test",
-        "admin": {"address": "127.0.0.1:0"},
-        "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
-        "sinks": [{"name": "out", "type": "stdout", "stdout": {"path": out}}],
-        "routes": [{"resource": "configmap", "sinks": ["out"]}],
-    }))
-    .unwrap()
-}
+use support::{
+    ApiServer, RunningApp,
+    config::ConfigBuilder,
+    event_type,
+    objects::{configmap, typed},
+    wait::{self, PATIENCE, Patience},
+};
 
 fn messages(out: &Path) -> Vec<Value> {
     support::cloudevent_lines(out)
@@ -27,8 +21,7 @@ fn messages(out: &Path) -> Vec<Value> {
 
 /// `type subject` of a message, with its flags: `deleted ns/a final-state-unknown resumed`.
 fn describe(m: &Value) -> String {
-    let ty = m["type"].as_str().unwrap().rsplit('.').next().unwrap();
-    let mut d = format!("{ty} {}", m["subject"].as_str().unwrap());
+    let mut d = format!("{} {}", event_type(m), m["subject"].as_str().unwrap());
     for flag in ["k8sinitial", "k8sfinalstateunknown", "k8sresumed"] {
         if m[flag] == true {
             d.push(' ');
@@ -42,9 +35,17 @@ fn describe(m: &Value) -> String {
 }
 
 async fn run_until(api: &ApiServer, out: &Path, total: usize) {
-    let app = RunningApp::start(config(out), api).await;
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .stdout("out", out)
+        .route("configmap", &["out"])
+        .build();
+    let app = RunningApp::start(config, api).await;
     app.synced().await;
-    eventually("the messages", || messages(out).len() >= total).await;
+    wait::until("the messages", PATIENCE, async || {
+        messages(out).len() >= total
+    })
+    .await;
     // Nothing more arrives.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let report = app.stop().await;
@@ -147,7 +148,12 @@ async fn ten_thousand_unchanged_objects_publish_nothing_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("events.jsonl");
     run_until(&api, &out, 10_000).await;
-    let app = RunningApp::start(config(&out), &api).await;
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .stdout("out", &out)
+        .route("configmap", &["out"])
+        .build();
+    let app = RunningApp::start(config, &api).await;
     app.synced().await;
     let unchanged = || {
         app.metrics
@@ -155,9 +161,15 @@ async fn ten_thousand_unchanged_objects_publish_nothing_after_a_restart() {
             .with_label_values(&["configmap/out", "unchanged"])
             .get()
     };
-    eventually("every object compared", || unchanged() == 10_000).await;
+    wait::until("every object compared", PATIENCE, async || {
+        unchanged() == 10_000
+    })
+    .await;
     api.update(typed(&configmap("ns-3", "cm-00003", "2")));
-    eventually("the live change", || messages(&out).len() == 10_001).await;
+    wait::until("the live change", PATIENCE, async || {
+        messages(&out).len() == 10_001
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     app.stop().await;
     let all = messages(&out);
@@ -181,29 +193,44 @@ async fn a_new_leader_delivers_the_deletes_made_while_no_replica_led() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("events.jsonl");
     let replica = |identity: &str| {
-        let mut cfg = serde_json::to_value(config(&out)).unwrap();
-        cfg["leader_election"] = json!({
-            "enabled": true, "identity": identity, "namespace": "kube-system",
-            "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "100ms",
-        });
-        Config::from_value(cfg).unwrap()
+        ConfigBuilder::new()
+            .configmaps()
+            .stdout("out", &out)
+            .route("configmap", &["out"])
+            .fast_leader_election(identity, "100ms")
+            .build()
     };
     let one = RunningApp::start(replica("one"), &api).await;
-    eventually("one leads", || one.metrics.leader.get() == 1).await;
+    wait::until("one leads", PATIENCE, async || {
+        one.metrics.leader.get() == 1
+    })
+    .await;
     let two = RunningApp::start(replica("two"), &api).await;
     two.synced().await;
-    eventually("100 published", || messages(&out).len() == 100).await;
+    wait::until("100 published", PATIENCE, async || {
+        messages(&out).len() == 100
+    })
+    .await;
     // Written within a checkpoint interval.
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     api.refuse_lease_writes_from(Some("one"));
-    eventually("one steps down", || one.metrics.leader.get() == 0).await;
+    wait::until("one steps down", PATIENCE, async || {
+        one.metrics.leader.get() == 0
+    })
+    .await;
     for i in 0..7 {
         api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:03}"));
     }
     api.update(typed(&configmap("ns", "cm-050", "2")));
-    eventually("two leads", || two.metrics.leader.get() == 1).await;
-    eventually("the gap delivered", || messages(&out).len() == 108).await;
+    wait::until("two leads", PATIENCE, async || {
+        two.metrics.leader.get() == 1
+    })
+    .await;
+    wait::until("the gap delivered", PATIENCE, async || {
+        messages(&out).len() == 108
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(700)).await;
     two.stop().await;
     one.stop().await;
@@ -235,17 +262,15 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
     let out = dir.path().join("events.jsonl");
     let kubeconfig = api.write_kubeconfig(dir.path());
     let cfg = dir.path().join("config.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "cluster: test\nadmin: {{address: \"127.0.0.1:0\"}}\n\
-             resources: [{{api_version: v1, kind: ConfigMap}}]\n\
-             sinks: [{{name: out, type: stdout, checkpoint_interval: 200ms, stdout: {{path: {}}}}}]\n\
-             routes: [{{resource: configmap, sinks: [out]}}]\n",
-            out.display()
-        ),
-    )
-    .unwrap();
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .sink(
+            json!({"name": "out", "type": "stdout", "checkpoint_interval": "200ms",
+                     "stdout": {"path": out}}),
+        )
+        .route("configmap", &["out"])
+        .value();
+    std::fs::write(&cfg, config.to_string()).unwrap();
     let start = || {
         Command::new(BIN)
             .args(["run", "--config", cfg.to_str().unwrap()])
@@ -282,7 +307,10 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
         }
     });
     let mut first = start();
-    eventually("the initial list published", || messages(&out).len() >= 500).await;
+    wait::until("the initial list published", PATIENCE, async || {
+        messages(&out).len() >= 500
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     first.kill().unwrap(); // SIGKILL
     first.wait().unwrap();
@@ -325,10 +353,9 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
         }
         lost
     };
-    let deadline = tokio::time::Instant::now() + support::PATIENCE;
-    while !lost().is_empty() && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // Checked after the shutdown below.
+    let patience = Patience::of(PATIENCE).polling(Duration::from_millis(100));
+    wait::within(patience, async || lost().is_empty()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     Command::new("kill")
         .args(["-TERM", &second.id().to_string()])

@@ -4,48 +4,37 @@
 
 mod support;
 
-use std::sync::Arc;
-
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube_event_bridge::{
     config::MessageConfig,
-    informer::{CachedObject, Notification, NotificationKind},
+    informer::{Notification, NotificationKind, ObjectRef},
     message::{Encoder, Encoding},
 };
 use serde_json::{Value, json};
-use support::schema::{check_cloudevent, check_state_value, cloudevent_errors};
+use support::{
+    objects::{Meta, cached, configmap, configmaps},
+    schema::{check_cloudevent, check_state_value, cloudevent_errors},
+};
 
-fn object(ns: Option<&str>, rv: &str) -> Arc<CachedObject> {
-    let mut v = json!({
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": "settings", "uid": "6f1c-uid", "resourceVersion": rv},
-        "data": {"v": rv},
-    });
-    if let Some(ns) = ns {
-        v["metadata"]["namespace"] = json!(ns);
-    }
-    Arc::new(CachedObject::new(
-        &serde_json::from_value::<DynamicObject>(v).unwrap(),
-    ))
+/// ConfigMap `settings` at resourceVersion `rv` (also its `data.v`) in namespace `ns`
+/// (`None`: as if cluster-scoped), as cached.
+fn object(ns: Option<&str>, rv: &str) -> ObjectRef {
+    let cm = configmap(ns.unwrap_or_default(), "settings", rv)
+        .meta(|m| m.namespace = ns.map(Into::into))
+        .uid("6f1c-uid")
+        .resource_version(rv);
+    cached(cm)
 }
 
 fn encode(kind: NotificationKind, resumed: bool) -> Value {
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("", "v1", "ConfigMap"),
-        "configmaps",
-    );
     let encoder = Encoder::new(
         "prod",
-        &resource,
+        &configmaps(),
         &MessageConfig::default(),
         Encoding::Structured,
     );
     let n = Notification {
-        kind,
-        received: std::time::Instant::now(),
-        observed: jiff::Timestamp::now(),
         resumed,
-        filtered_out: false,
+        ..Notification::new(kind)
     };
     let m = encoder.encode(&n.key(), &n).unwrap();
     serde_json::from_slice(&m.payload).unwrap()
@@ -199,21 +188,14 @@ fn broken_messages_are_caught() {
 #[test]
 fn filtered_out_truncated_and_patched_messages_match_the_schema() {
     use kube_event_bridge::{config::DiffMode, message::Trim};
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("", "v1", "ConfigMap"),
-        "configmaps",
-    );
     let options = MessageConfig {
         diff: DiffMode::Patch,
         ..Default::default()
     };
-    let encoder = Encoder::new("prod", &resource, &options, Encoding::Structured);
+    let encoder = Encoder::new("prod", &configmaps(), &options, Encoding::Structured);
     let note = |kind, filtered_out| Notification {
-        kind,
-        received: std::time::Instant::now(),
-        observed: jiff::Timestamp::now(),
-        resumed: false,
         filtered_out,
+        ..Notification::new(kind)
     };
     let update = note(
         NotificationKind::Update {

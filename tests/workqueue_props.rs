@@ -2,18 +2,22 @@
 //! workers never hand one key to two workers, never lose an added key, and (through the route
 //! queue) keep every notification of a key, in order, across failures and retries.
 
+#[path = "support/objects.rs"]
+mod objects;
+
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     sync::Arc,
     time::Duration,
 };
 
-use kube::api::{DynamicObject, ObjectMeta};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube_event_bridge::{
-    informer::{CachedObject, Notification, NotificationKind, resource_version},
+    informer::{Notification, NotificationKind, resource_version},
     pipeline::{Budget, RouteQueue},
     workqueue::{Queue, QueueMetrics, RateLimiter, RateLimitingQueue},
 };
+use objects::{Meta, cached, named};
 use prometheus::{IntCounter, IntGauge};
 use proptest::prelude::*;
 
@@ -109,29 +113,14 @@ fn route_op() -> impl Strategy<Value = RouteOp> {
     ]
 }
 
+/// An update of object `ns/o{key}` to resourceVersion `rv`.
 fn update(key: u8, rv: u64) -> Notification {
-    let obj = |rv: u64| {
-        Arc::new(CachedObject::new(&DynamicObject {
-            types: None,
-            metadata: ObjectMeta {
-                name: Some(format!("o{key}")),
-                namespace: Some("ns".into()),
-                resource_version: Some(rv.to_string()),
-                ..Default::default()
-            },
-            data: serde_json::json!({}),
-        }))
-    };
-    Notification {
-        kind: NotificationKind::Update {
-            old: obj(0),
-            new: obj(rv),
-        },
-        received: std::time::Instant::now(),
-        observed: jiff::Timestamp::now(),
-        resumed: false,
-        filtered_out: false,
-    }
+    let obj =
+        |rv: u64| cached(named::<ConfigMap>(Some("ns"), &format!("o{key}")).resource_version(rv));
+    Notification::new(NotificationKind::Update {
+        old: obj(0),
+        new: obj(rv),
+    })
 }
 
 struct Worker {

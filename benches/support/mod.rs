@@ -1,6 +1,10 @@
 //! What every benchmark shares: a synthetic informer feeding one route (listener → route
-//! queue → workers → sink), synthetic ConfigMaps, latency percentiles and peak RSS.
+//! queue → workers → sink), synthetic ConfigMaps (built with the tests' object builders),
+//! latency percentiles and peak RSS.
 #![allow(dead_code)] // each bench uses a different part
+
+#[path = "../../tests/support/objects.rs"]
+pub mod objects;
 
 use std::{
     sync::{Arc, Mutex},
@@ -8,27 +12,16 @@ use std::{
 };
 
 use futures::{FutureExt, future::BoxFuture};
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, TypeMeta};
 use kube_event_bridge::{
-    config::{EventType, MessageConfig},
-    informer::{
-        CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef,
-        ProcessorListener,
-    },
+    config::MessageConfig,
+    informer::{Notification, NotificationKind, ObjectRef, ProcessorListener},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
-    pipeline::{
-        self, Budget, Checkpointer, Delivery, Route, RouteQueue,
-        filter::{self, FilterMetrics, RouteFilter, Rules},
-    },
-    sinks::{self, Sink},
-    workqueue::rate_limiter::default_controller_rate_limiter,
+    pipeline::{self, Delivery, RouteBuilder, filter::Rules},
+    sinks::{self, CheckpointStore, Sink},
 };
 
-/// The ConfigMap resource every bench uses.
-pub fn configmaps() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", "ConfigMap"), "configmaps")
-}
+use objects::{Meta, cached, configmap_with_data, configmaps};
 
 /// The encoder every bench uses (structured CloudEvents, with `oldObject`).
 pub fn encoder() -> Encoder {
@@ -42,21 +35,17 @@ pub fn encoder() -> Encoder {
 
 /// A ConfigMap `config-{i}` of about `size` bytes of JSON (at least its metadata).
 pub fn object(i: usize, rv: u64, size: usize) -> ObjectRef {
-    Arc::new(CachedObject::new(&DynamicObject {
-        types: Some(TypeMeta {
-            api_version: "v1".into(),
-            kind: "ConfigMap".into(),
-        }),
-        metadata: ObjectMeta {
-            name: Some(format!("config-{i:06}")),
-            namespace: Some(format!("team-{}", i % 50)),
-            uid: Some(format!("8d0c1f7e-0000-4000-8000-{i:012}")),
-            resource_version: Some(rv.to_string()),
-            labels: Some([("app".to_string(), "bench".to_string())].into()),
-            ..Default::default()
-        },
-        data: serde_json::json!({"data": {"payload": "x".repeat(size.saturating_sub(250))}}),
-    }))
+    let payload = "x".repeat(size.saturating_sub(250));
+    cached(
+        configmap_with_data(
+            &format!("team-{}", i % 50),
+            &format!("config-{i:06}"),
+            [("payload", payload)],
+        )
+        .uid(format!("8d0c1f7e-0000-4000-8000-{i:012}"))
+        .resource_version(rv)
+        .label("app", "bench"),
+    )
 }
 
 /// `events` updates over `objects` objects of ~`size` bytes, each with a new object (as an
@@ -68,15 +57,11 @@ pub fn notifications(
     size: usize,
 ) -> impl Iterator<Item = Notification> {
     let old: Vec<ObjectRef> = (0..objects).map(|i| object(i, 1, size)).collect();
-    (0..events).map(move |n| Notification {
-        kind: NotificationKind::Update {
+    (0..events).map(move |n| {
+        Notification::new(NotificationKind::Update {
             old: old[n % objects].clone(),
             new: object(n % objects, (size as u64) * 10_000_000 + n as u64, size),
-        },
-        received: std::time::Instant::now(),
-        observed: jiff::Timestamp::now(),
-        resumed: false,
-        filtered_out: false,
+        })
     })
 }
 
@@ -97,16 +82,10 @@ pub fn alternating(
         .collect();
     (0..events).map(move |n| {
         let (i, flip) = (n % objects, (n / objects) % 2);
-        Notification {
-            kind: NotificationKind::Update {
-                old: versions[i][flip].clone(),
-                new: versions[i][1 - flip].clone(),
-            },
-            received: std::time::Instant::now(),
-            observed: jiff::Timestamp::now(),
-            resumed: false,
-            filtered_out: false,
-        }
+        Notification::new(NotificationKind::Update {
+            old: versions[i][flip].clone(),
+            new: versions[i][1 - flip].clone(),
+        })
     })
 }
 
@@ -117,6 +96,7 @@ pub struct Timed<S> {
 }
 
 impl<S> Timed<S> {
+    /// Wraps `inner`, with no samples yet.
     pub fn new(inner: S) -> Self {
         Self {
             inner,
@@ -194,117 +174,78 @@ pub struct Run {
     pub peak_rss: f64,
 }
 
-/// Pushes `notes` through listener → route queue → `workers` workers → `sink`, like an
-/// informer (stamping each on receipt), pausing while more than `backlog` are held so that
-/// nothing is coalesced, and waits until all are delivered.
+/// How a bench wires its one route: through the service's own [`RouteBuilder`], so that
+/// what is measured is what runs.
+pub struct RouteSpec<'a> {
+    /// Where the route's metrics go.
+    pub metrics: &'a Metrics,
+    /// The route's sink label; the route is `configmap/{name}`.
+    pub name: &'a str,
+    /// Delivery workers.
+    pub workers: usize,
+    /// Held notifications at which the synthetic informer pauses (so that nothing is
+    /// coalesced).
+    pub backlog: usize,
+    /// The encoder ([`encoder`] by default).
+    pub encoder: Encoder,
+    /// A filter stage in front of the queue, as for a resource with a `filter`.
+    pub rules: Option<Arc<Rules>>,
+    /// Records acknowledgements into this store, written every second in the background as
+    /// the service does with resume on (the final write is part of the measured time).
+    pub store: Option<Arc<dyn CheckpointStore>>,
+}
+
+impl<'a> RouteSpec<'a> {
+    /// A route `configmap/{name}` with `workers` workers, pausing at `backlog`, the default
+    /// encoder, no filter and no checkpoint.
+    pub fn new(metrics: &'a Metrics, name: &'a str, workers: usize, backlog: usize) -> Self {
+        Self {
+            metrics,
+            name,
+            workers,
+            backlog,
+            encoder: encoder(),
+            rules: None,
+            store: None,
+        }
+    }
+}
+
+/// Pushes `notes` through listener → [filter →] route queue → workers → `sink`, like an
+/// informer (stamping each on receipt), pausing while more than `spec.backlog` are held, and
+/// waits until all are delivered.
 pub async fn run_bridge(
     sink: Arc<dyn Sink>,
     notes: impl IntoIterator<Item = Notification>,
-    workers: usize,
-    backlog: usize,
-    metrics: &Metrics,
-    name: &str,
+    spec: RouteSpec<'_>,
 ) -> Run {
-    run_bridge_with(sink, notes, workers, backlog, metrics, name, None).await
-}
-
-/// [`run_bridge`], with the route recording acknowledgements into `checkpointer` (written
-/// every second in the background, as the service does with resume on; the final write is
-/// part of the measured time).
-pub async fn run_bridge_with(
-    sink: Arc<dyn Sink>,
-    notes: impl IntoIterator<Item = Notification>,
-    workers: usize,
-    backlog: usize,
-    metrics: &Metrics,
-    name: &str,
-    checkpointer: Option<Arc<Checkpointer>>,
-) -> Run {
-    run_bridge_opts(
-        sink,
-        notes,
-        workers,
-        backlog,
+    let RouteSpec {
         metrics,
         name,
-        checkpointer,
-        encoder(),
-        None,
-    )
-    .await
-}
-
-/// [`run_bridge_with`] with `encoder` and, when given, a filter stage with `rules` between
-/// the listener and the route queue (as the service wires a resource with a `filter`).
-#[allow(clippy::too_many_arguments)]
-pub async fn run_bridge_opts(
-    sink: Arc<dyn Sink>,
-    notes: impl IntoIterator<Item = Notification>,
-    workers: usize,
-    backlog: usize,
-    metrics: &Metrics,
-    name: &str,
-    checkpointer: Option<Arc<Checkpointer>>,
-    encoder: Encoder,
-    rules: Option<Arc<Rules>>,
-) -> Run {
-    let budget = Arc::new(Budget::new(100_000));
-    let queue = Arc::new(RouteQueue::new(
-        name.to_owned(),
-        Box::new(default_controller_rate_limiter()),
-        metrics.workqueue.for_queue(name),
-        budget.clone(),
-        metrics
-            .listener_buffered
-            .with_label_values(&["configmap", name]),
-        metrics
-            .listener_coalesced
-            .with_label_values(&["configmap", name]),
-    ));
-    let sink_name = sink.name().to_owned();
-    let mut route = Route::new(
-        "configmap".into(),
-        queue.clone(),
+        workers,
+        backlog,
         encoder,
-        Arc::new(Delivery {
-            sink,
-            dead_letter: None,
-            publish_limit: None,
-            max_retries: None,
-        }),
-        metrics,
-    );
-    if let Some(c) = &checkpointer {
-        route = route.with_checkpointer(c.clone());
-    }
-    let route = Arc::new(route);
+        rules,
+        store,
+    } = spec;
+    let sink_name = sink.name().to_owned();
+    let delivery = Arc::new(Delivery {
+        sink,
+        dead_letter: None,
+        publish_limit: None,
+        max_retries: None,
+    });
+    let built = RouteBuilder::new("configmap", name, encoder, delivery, metrics)
+        .filter(rules)
+        .checkpoint(store)
+        .build();
+    let budget = built.route.queue().budget().clone();
+    let checkpointer = built.checkpointer.clone();
     let cancel = tokio_util::sync::CancellationToken::new();
     let writer = checkpointer
         .clone()
         .map(|c| tokio::spawn(c.run(Duration::from_secs(1), cancel.clone())));
-    let all = [
-        EventType::Added,
-        EventType::Updated,
-        EventType::Deleted,
-        EventType::Synced,
-    ];
-    let front: Arc<dyn NotificationHandler> = match rules {
-        Some(rules) => Arc::new(RouteFilter::new(
-            name.to_owned(),
-            rules,
-            queue.clone(),
-            true,
-            FilterMetrics {
-                filtered: filter::REASONS
-                    .map(|r| metrics.filtered.with_label_values(&["configmap", name, r])),
-                errors: metrics
-                    .filter_errors
-                    .with_label_values(&["configmap", name]),
-            },
-        )),
-        None => queue.clone(),
-    };
-    let listener = ProcessorListener::new(name, &all, None, front);
+    let listener = ProcessorListener::new(name, &built.accepted, None, built.handler);
     let bytes = || {
         metrics
             .sink_bytes
@@ -313,7 +254,7 @@ pub async fn run_bridge_opts(
     };
     let bytes_before = bytes();
     reset_peak_rss();
-    let running = pipeline::start(&[(route, workers)]);
+    let running = pipeline::start(&[(built.route, workers)]);
     let start = Instant::now();
     for mut n in notes {
         while budget.held() > backlog {
@@ -374,32 +315,31 @@ impl Figures {
     }
 }
 
-/// Runs `notes` through the pipeline into `sink` (about two worker-fulls held, as a raw
-/// publisher keeps one window in flight) and returns the bridge side's figures.
 /// Notifications held (pending or in flight) at which a broker bench's synthetic informer
 /// pauses.
 pub const BROKER_BACKLOG: usize = 50_000;
 
+/// Runs `notes` through the pipeline into `sink` (about two worker-fulls held, as a raw
+/// publisher keeps one window in flight) and returns the bridge side's figures.
 pub async fn bridge_figures<S: Sink + 'static>(
     sink: Arc<Timed<S>>,
     notes: Vec<Notification>,
     workers: usize,
     metrics: &Metrics,
     name: &str,
-    checkpointer: Option<Arc<Checkpointer>>,
+    store: Option<Arc<dyn CheckpointStore>>,
 ) -> Figures {
     let events = notes.len();
     // The synthetic informer pauses at BROKER_BACKLOG held notifications: far more than the
     // workers (acknowledgements are awaited off the workers, so a route holds what is in
     // flight), and below the sink's max_pending (100,000), so that nothing is coalesced.
-    let run = run_bridge_with(
+    let run = run_bridge(
         sink.clone(),
         notes,
-        workers,
-        BROKER_BACKLOG,
-        metrics,
-        name,
-        checkpointer,
+        RouteSpec {
+            store,
+            ..RouteSpec::new(metrics, name, workers, BROKER_BACKLOG)
+        },
     )
     .await;
     assert_eq!(

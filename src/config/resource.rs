@@ -209,6 +209,11 @@ impl ResourceConfig {
                 p.add(&at, format!("{ns:?} is also in namespaces"));
             }
         }
+        if let Some(selector) = &self.label_selector
+            && let Err(err) = crate::selector::parse(selector)
+        {
+            p.add("label_selector", err);
+        }
         self.filter_settings().validate(p);
     }
 

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use kube::core::{Selector, SelectorExt};
 use serde_json::{Value, json};
 
 use crate::message::TYPE_PREFIX;
@@ -180,102 +181,6 @@ impl Summary {
     }
 }
 
-/// One requirement of a label selector.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Requirement {
-    Equals(String, String),
-    NotEquals(String, String),
-    In(String, Vec<String>),
-    NotIn(String, Vec<String>),
-    Exists(String),
-    NotExists(String),
-}
-
-/// A Kubernetes label selector (`app=web,tier!=db,env in (a,b),!legacy`), as kubectl takes it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LabelSelector(Vec<Requirement>);
-
-impl std::str::FromStr for LabelSelector {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        let mut requirements = Vec::new();
-        for part in split_top_level(s) {
-            let part = part.trim();
-            if part.is_empty() {
-                continue;
-            }
-            let bad = || format!("cannot read {part:?} as a label requirement");
-            let r = if let Some(key) = part.strip_prefix('!') {
-                Requirement::NotExists(label_key(key).ok_or_else(bad)?)
-            } else if let Some((k, v)) = part.split_once("!=") {
-                Requirement::NotEquals(label_key(k).ok_or_else(bad)?, v.trim().to_owned())
-            } else if let Some((k, v)) = part.split_once("==").or_else(|| part.split_once('=')) {
-                Requirement::Equals(label_key(k).ok_or_else(bad)?, v.trim().to_owned())
-            } else if let Some((k, set)) = set_requirement(part, " notin ") {
-                Requirement::NotIn(label_key(k).ok_or_else(bad)?, set.ok_or_else(bad)?)
-            } else if let Some((k, set)) = set_requirement(part, " in ") {
-                Requirement::In(label_key(k).ok_or_else(bad)?, set.ok_or_else(bad)?)
-            } else {
-                Requirement::Exists(label_key(part).ok_or_else(bad)?)
-            };
-            requirements.push(r);
-        }
-        Ok(Self(requirements))
-    }
-}
-
-/// Splits at commas outside parentheses.
-fn split_top_level(s: &str) -> Vec<&str> {
-    let (mut parts, mut depth, mut start) = (Vec::new(), 0i32, 0);
-    for (i, c) in s.char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            ',' if depth == 0 => {
-                parts.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    parts.push(&s[start..]);
-    parts
-}
-
-fn label_key(k: &str) -> Option<String> {
-    let k = k.trim();
-    let ok = !k.is_empty()
-        && k.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '/'));
-    ok.then(|| k.to_owned())
-}
-
-/// `key in (a,b)`: the key and the set (`None` when the set is not in parentheses).
-fn set_requirement<'a>(part: &'a str, op: &str) -> Option<(&'a str, Option<Vec<String>>)> {
-    let (k, rest) = part.split_once(op)?;
-    let set = rest
-        .trim()
-        .strip_prefix('(')
-        .and_then(|r| r.strip_suffix(')'))
-        .map(|r| r.split(',').map(|v| v.trim().to_owned()).collect());
-    Some((k, set))
-}
-
-impl LabelSelector {
-    /// Whether `labels` satisfy every requirement.
-    pub fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
-        self.0.iter().all(|r| match r {
-            Requirement::Equals(k, v) => labels.get(k) == Some(v),
-            Requirement::NotEquals(k, v) => labels.get(k) != Some(v),
-            Requirement::In(k, set) => labels.get(k).is_some_and(|v| set.contains(v)),
-            Requirement::NotIn(k, set) => labels.get(k).is_none_or(|v| !set.contains(v)),
-            Requirement::Exists(k) => labels.contains_key(k),
-            Requirement::NotExists(k) => !labels.contains_key(k),
-        })
-    }
-}
-
 /// What `tail` keeps; every set part must match (an empty list matches everything).
 #[derive(Debug, Clone, Default)]
 pub struct Filter {
@@ -286,7 +191,7 @@ pub struct Filter {
     /// Event types: `added`, `updated`, `deleted`, `synced`.
     pub types: Vec<String>,
     /// A label selector over `data.object.metadata.labels`.
-    pub labels: Option<LabelSelector>,
+    pub labels: Option<Selector>,
 }
 
 impl Filter {
@@ -350,25 +255,6 @@ mod tests {
     }
 
     #[test]
-    fn selectors_read_like_kubectls() {
-        let labels: BTreeMap<String, String> = [("app", "web"), ("tier", "front")]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v.to_owned()))
-            .collect();
-        let m = |s: &str| s.parse::<LabelSelector>().unwrap().matches(&labels);
-        assert!(m("app=web"));
-        assert!(m("app==web,tier"));
-        assert!(!m("app!=web"));
-        assert!(m("tier in (front, back),!legacy"));
-        assert!(!m("tier notin (front)"));
-        assert!(m("env notin (prod)"));
-        assert!(!m("legacy"));
-        assert!(m(""));
-        assert!("app in front".parse::<LabelSelector>().is_err());
-        assert!("a b=c".parse::<LabelSelector>().is_err());
-    }
-
-    #[test]
     fn filters_take_kind_or_resource_namespace_type_and_labels() {
         let e = event("updated", "shop", json!({"team": "shop"}));
         let s = Summary::of(&e);
@@ -378,7 +264,7 @@ mod tests {
             kinds: kinds.iter().map(|s| s.to_string()).collect(),
             namespaces: ns.iter().map(|s| s.to_string()).collect(),
             types: types.iter().map(|s| s.to_string()).collect(),
-            labels: l.map(|l| l.parse().unwrap()),
+            labels: l.map(|l| crate::selector::parse(l).unwrap()),
         };
         assert!(f(&[], &[], &[], None).matches(&e, &s));
         assert!(f(&["configmap"], &["shop"], &["updated"], Some("team=shop")).matches(&e, &s));

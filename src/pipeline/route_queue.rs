@@ -141,6 +141,11 @@ impl RouteQueue {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// The budget this route shares with its sink's other routes.
+    pub fn budget(&self) -> &Arc<Budget> {
+        &self.budget
+    }
+
     /// Notifications of this route not yet settled (pending or being published).
     pub fn held(&self) -> usize {
         self.held.load(Ordering::Relaxed)

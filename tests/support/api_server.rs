@@ -643,35 +643,31 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
     })
 }
 
+/// Whether `obj` matches the label and field selectors, read by the service's own selector
+/// reader (kube's `Selector`); field selectors support `metadata.name` and
+/// `metadata.namespace` with `=`, `==` and `!=`.
 fn selector_matches(obj: &Value, labels: Option<&String>, fields: Option<&String>) -> bool {
-    // (key, value, equal): `k=v`, `k==v` or `k!=v`.
-    let terms = |s: Option<&String>| -> Vec<(String, String, bool)> {
-        s.map(|s| {
-            s.split(',')
-                .filter(|p| !p.is_empty())
-                .map(|p| {
-                    let (k, v) = p
-                        .split_once('=')
-                        .expect("test server supports k=v, k==v and k!=v selectors only");
-                    match k.strip_suffix('!') {
-                        Some(k) => (k.to_owned(), v.to_owned(), false),
-                        None => (k.to_owned(), v.trim_start_matches('=').to_owned(), true),
-                    }
-                })
-                .collect()
-        })
-        .unwrap_or_default()
+    use kube::core::{Expression, SelectorExt};
+    let read = |s: Option<&String>| {
+        kube_event_bridge::selector::parse(s.map_or("", |s| s.as_str()))
+            .expect("the test server reads the selectors kubectl takes")
     };
-    let labels_ok = terms(labels)
-        .iter()
-        .all(|(k, v, eq)| (obj["metadata"]["labels"][k].as_str() == Some(v)) == *eq);
-    let fields_ok = terms(fields).iter().all(|(k, v, eq)| {
-        let field = match k.as_str() {
-            "metadata.name" => &obj["metadata"]["name"],
-            "metadata.namespace" => &obj["metadata"]["namespace"],
+    let obj_labels: std::collections::BTreeMap<String, String> =
+        serde_json::from_value(obj["metadata"]["labels"].clone()).unwrap_or_default();
+    let labels_ok = read(labels).matches(&obj_labels);
+    let fields_ok = read(fields).into_iter().all(|e| {
+        let field = |k: &str| match k {
+            "metadata.name" => obj["metadata"]["name"].as_str(),
+            "metadata.namespace" => obj["metadata"]["namespace"].as_str(),
             other => panic!("test server does not support field selector {other}"),
         };
-        (field.as_str() == Some(v)) == *eq
+        match e {
+            Expression::Equal(k, v) => field(&k) == Some(v.as_str()),
+            Expression::NotEqual(k, v) => field(&k) != Some(v.as_str()),
+            other => {
+                panic!("test server supports k=v, k==v and k!=v field selectors only: {other}")
+            }
+        }
     });
     labels_ok && fields_ok
 }

@@ -1,44 +1,27 @@
-//! Shared test support: the Kubernetes API test server, object builders, and helpers to read
-//! what listeners and the admin server say.
+//! Shared test support: the Kubernetes API test server, object and config builders, waits,
+//! and helpers to read what listeners, sinks and the admin server say.
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod api_server;
+pub mod config;
 pub mod kafka;
 pub mod nats;
+pub mod objects;
 pub mod schema;
 pub mod tools;
+pub mod wait;
 
 use std::{
     collections::VecDeque,
     sync::{Arc, Mutex},
-    time::Duration,
 };
 
-use k8s_openapi::api::core::v1::ConfigMap;
 use kube_event_bridge::informer::{Notification, NotificationHandler, NotificationKind};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub use api_server::ApiServer;
-
-/// How long a test waits for something that should happen.
-pub const PATIENCE: Duration = Duration::from_secs(20);
-
-/// A ConfigMap with `data.v = value`.
-pub fn configmap(ns: &str, name: &str, value: &str) -> ConfigMap {
-    let mut cm = ConfigMap::default();
-    cm.metadata.name = Some(name.into());
-    cm.metadata.namespace = Some(ns.into());
-    cm.data = Some([("v".to_string(), value.to_string())].into());
-    cm
-}
-
-/// Serializes a typed object with its apiVersion and kind (k8s-openapi omits them by default).
-pub fn typed<K: k8s_openapi::Resource + serde::Serialize>(obj: &K) -> serde_json::Value {
-    let mut v = serde_json::to_value(obj).unwrap();
-    v["apiVersion"] = K::API_VERSION.into();
-    v["kind"] = K::KIND.into();
-    v
-}
+use objects::{configmap, typed};
+use wait::PATIENCE;
 
 /// A short description of a notification: `add ns/a v=1 initial`, `update ns/a v=1->2`,
 /// `sync ns/a v=2`, `delete ns/a v=2 final-state-unknown`.
@@ -102,18 +85,22 @@ impl NotificationHandler for Collector {
 }
 
 impl Collector {
+    /// An empty collector, shared with the listener that feeds it.
     pub fn new() -> Arc<Self> {
         Arc::new(Self::default())
     }
 
+    /// The oldest notification not yet taken, if any.
     pub fn try_pop(&self) -> Option<Notification> {
         self.items.lock().unwrap().pop_front()
     }
 
+    /// Whether every notification has been taken.
     pub fn is_empty(&self) -> bool {
         self.items.lock().unwrap().is_empty()
     }
 
+    /// The oldest notification not yet taken, waiting for one if none is there.
     pub async fn pop(&self) -> Notification {
         loop {
             if let Some(n) = self.try_pop() {
@@ -138,18 +125,6 @@ pub async fn take(l: &Arc<Collector>, n: usize) -> Vec<String> {
         out.push(describe(&next(l).await));
     }
     out
-}
-
-/// Waits until `cond` holds, polling; panics after [`PATIENCE`] naming `what`.
-pub async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// A plain HTTP/1.0 GET; returns (status code, body).
@@ -216,8 +191,10 @@ impl RunningApp {
 
     /// Waits until every informer has synced.
     pub async fn synced(&self) {
-        let factory = self.factory.clone();
-        eventually("informers synced", move || factory.has_synced()).await;
+        wait::until("informers synced", PATIENCE, async || {
+            self.factory.has_synced()
+        })
+        .await;
     }
 
     /// Shuts down as on SIGTERM; returns the shutdown report.
@@ -270,7 +247,7 @@ pub fn resumed_types<'a>(
         if e["k8sresumed"] != true {
             continue;
         }
-        let ty = e["type"].as_str().unwrap().rsplit('.').next().unwrap();
+        let ty = event_type(e);
         let ty = ["added", "updated", "deleted", "synced"]
             .into_iter()
             .find(|t| *t == ty)
@@ -293,11 +270,24 @@ pub fn json_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Waits until the file sink at `path` has written at least `n` complete JSON lines;
+/// returns them.
+pub async fn wait_for_lines(path: &std::path::Path, n: usize) -> Vec<serde_json::Value> {
+    let what = format!("{n} lines in {}", path.display());
+    wait::until(what, PATIENCE, async || json_lines(path).len() >= n).await;
+    json_lines(path)
+}
+
 /// [`json_lines`] of a sink that writes CloudEvents: each must match the published schema.
 pub fn cloudevent_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
     let lines = json_lines(path);
     lines.iter().for_each(schema::check_cloudevent);
     lines
+}
+
+/// The short type of a CloudEvent: `added`, `updated`, `deleted` or `synced`.
+pub fn event_type(event: &serde_json::Value) -> &str {
+    event["type"].as_str().unwrap().rsplit('.').next().unwrap()
 }
 
 /// The `id`s of CloudEvents, sorted (a repeated id shows twice).

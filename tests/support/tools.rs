@@ -11,7 +11,10 @@ use std::{
 
 use serde_json::Value;
 
-use super::{ApiServer, eventually};
+use super::{
+    ApiServer,
+    wait::{self, PATIENCE},
+};
 
 /// A config file (and a kubeconfig) for the tools.
 pub struct Tools {
@@ -134,7 +137,7 @@ impl Tail {
     /// Waits until it says what it reads (from then on, what is published is printed).
     pub async fn ready(&mut self) {
         let stderr = self.stderr.clone();
-        eventually("tail says it is reading", || {
+        wait::until("tail says it is reading", PATIENCE, async || {
             stderr.lock().unwrap().contains("Reading ")
         })
         .await;
@@ -144,7 +147,7 @@ impl Tail {
     pub async fn printed(&self, n: usize) {
         let lines = self.lines.clone();
         let stderr = self.stderr.clone();
-        eventually(&format!("tail printed {n} lines"), || {
+        wait::until(format!("tail printed {n} lines"), PATIENCE, async || {
             let have = lines.lock().unwrap().len();
             if have < n && stderr.lock().unwrap().contains("tail:") {
                 panic!("tail failed: {}", stderr.lock().unwrap());
