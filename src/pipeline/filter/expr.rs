@@ -293,19 +293,7 @@ const SAMPLE: &str = r#"{"apiVersion":"v1","kind":"Sample","metadata":{"name":"s
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::informer::ObjectRef;
-
-    fn object(name: &str, rv: &str, team: &str, status: &str) -> ObjectRef {
-        let o: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"namespace": "ns", "name": name, "uid": format!("uid-{name}"),
-                         "resourceVersion": rv, "labels": {"team": team}},
-            "data": {"k": "v"},
-            "status": {"phase": status},
-        }))
-        .unwrap();
-        Arc::new(CachedObject::new(&o))
-    }
+    use crate::pipeline::filter::tests::object;
 
     #[test]
     fn syntax_errors_name_line_and_column() {

@@ -454,7 +454,8 @@ mod tests {
     use prometheus::{IntCounter, IntGauge};
     use std::time::Duration;
 
-    fn object(name: &str, rv: &str, team: &str, status: &str) -> ObjectRef {
+    /// ConfigMap `ns/{name}` at `rv` with label `team` and `status.phase`.
+    pub(super) fn object(name: &str, rv: &str, team: &str, status: &str) -> ObjectRef {
         let o: kube::api::DynamicObject = serde_json::from_value(serde_json::json!({
             "apiVersion": "v1", "kind": "ConfigMap",
             "metadata": {"namespace": "ns", "name": name, "uid": format!("uid-{name}"),
