@@ -73,7 +73,20 @@ def module_map_is_exact() -> bool:
         print(f"module map in src/lib.rs: {missing} is missing")
     for extra in sorted(mapped - actual):
         print(f"module map in src/lib.rs: {extra} does not exist")
-    return mapped == actual
+    # Inside folders, each file or sub-folder is named on its folder's lines of the map.
+    entries = re.split(r"^//! (?=\w+(?:\.rs|/)\s)", doc, flags=re.M)
+    by_folder = {e.split()[0]: e for e in entries[1:]}
+    unnamed = []
+    for folder in sorted(p for p in SRC.iterdir() if p.is_dir()):
+        text = by_folder.get(f"{folder.name}/", "")
+        for child in sorted(folder.iterdir()):
+            if child.name == "mod.rs":
+                continue
+            if not re.search(rf"\b{re.escape(child.stem)}\b", text):
+                unnamed.append(f"{folder.name}/{child.name}")
+    for u in unnamed:
+        print(f"module map in src/lib.rs: {u} is not named on its folder's line")
+    return mapped == actual and not unnamed
 
 
 def is_module(folder: str, name: str) -> bool:

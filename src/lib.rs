@@ -15,7 +15,8 @@
 //! checks there is no cycle):
 //!
 //! ```text
-//! workqueue/        client-go's work queue and rate limiters
+//! workqueue/        client-go's work queue: queue.rs, rate_limiter.rs, rate_limiting_queue.rs,
+//!                   metrics.rs
 //! metrics.rs        every Prometheus metric family
 //! problems.rs       what settings validation found, with field paths
 //! selector.rs       label selectors as kubectl takes them → kube's Selector
@@ -31,9 +32,10 @@
 //! leader.rs         leader election on a Lease (and its settings)
 //! config/           the document: mod.rs (load, cross-references), resource.rs, sink.rs
 //! selection.rs      which kinds each configured resource selects, by discovery
-//! app/              mod.rs (build, run, layered shutdown), resources.rs (wiring), discovery.rs,
-//!                   leadership.rs, health.rs
-//! consumer/         tools for consumers: state, tail
+//! app/              mod.rs (build, run, layered shutdown), sinks.rs (opening sinks and stores),
+//!                   resources.rs (wiring), discovery.rs, leadership.rs, health.rs
+//! consumer/         tools for consumers: state.rs, tail.rs; event.rs (reading messages back),
+//!                   progress.rs
 //! ```
 
 pub mod admin;

@@ -1,8 +1,8 @@
 //! Builds the whole service from a [`Config`] and runs it until a shutdown signal.
 //!
 //! For every resource: discovery, and one shared informer per namespace (or one for all). For
-//! every sink the resource is routed to: one route with its workers, fed by one listener on
-//! each of those informers ([`resources`]). While it runs, [`discovery`] wires kinds as they
+//! every sink the resource is routed to ([`sinks`] opens them): one route with its workers,
+//! fed by one listener on each of those informers ([`resources`]). While it runs, [`discovery`] wires kinds as they
 //! become served, [`leadership`] switches publishing on and off, and [`health`] answers
 //! `/readyz`. Shutdown goes in layers: stop informers (their FIFOs drain into the route
 //! queues), drain every queue within the grace period (`shut_down_with_drain`), report what is
@@ -13,6 +13,7 @@ mod discovery;
 mod health;
 mod leadership;
 mod resources;
+mod sinks;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -27,21 +28,16 @@ use tracing::{info, warn};
 
 use crate::{
     admin, cluster,
-    config::{Config, SinkType},
+    config::Config,
     informer::{SharedInformerFactory, factory::WatchOptions},
     leader::{self, LeaderElector},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, Route, filter},
+    pipeline::{self, Route, filter},
     selection::{self, ResolvedResource},
-    sinks::{
-        self, CheckpointStore, Sink,
-        kafka::{KafkaCheckpointStore, KafkaSink},
-        nats::{NatsCheckpointStore, NatsMode, NatsSink},
-        stdout::{FileCheckpointStore, StdoutSink},
-    },
-    workqueue::TokenBucket,
+    sinks::Sink,
 };
 use resources::{Live, Resources, Wiring, kind_name, resume_from_checkpoints};
+use sinks::Opened;
 
 /// Errors building or running the service.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +47,7 @@ pub enum Error {
     Cluster(#[from] cluster::Error),
     /// A sink could not be opened.
     #[error("sinks: {0}")]
-    Sink(#[from] sinks::Error),
+    Sink(#[from] crate::sinks::Error),
     /// A route's checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] pipeline::checkpoint::Error),
@@ -113,84 +109,12 @@ impl App {
             },
             metrics.clone(),
         ));
-        let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
-        let mut kafka_sinks: HashMap<String, Arc<KafkaSink>> = HashMap::new();
-        let mut nats_sinks: HashMap<String, Arc<NatsSink>> = HashMap::new();
-        for s in &config.sinks {
-            let sink: Arc<dyn Sink> = match s.kind {
-                SinkType::Stdout => {
-                    let path = s.stdout.as_ref().and_then(|o| o.path.as_deref());
-                    Arc::new(StdoutSink::open(&s.name, path).await?)
-                }
-                SinkType::Nats => {
-                    let sink = Arc::new(
-                        NatsSink::connect(&s.name, s.nats.as_ref().expect("validated")).await?,
-                    );
-                    nats_sinks.insert(s.name.clone(), sink.clone());
-                    sink
-                }
-                SinkType::Kafka => {
-                    let cfg = s.kafka.as_ref().expect("validated");
-                    let sink = Arc::new(KafkaSink::connect(&s.name, cfg).await?);
-                    kafka_sinks.insert(s.name.clone(), sink.clone());
-                    sink
-                }
-            };
-            sinks.insert(s.name.clone(), sink);
-        }
-        let mut stores: HashMap<String, Arc<dyn CheckpointStore>> = HashMap::new();
-        for s in config.sinks.iter().filter(|s| s.resume) {
-            let store: Option<Arc<dyn CheckpointStore>> = match s.kind {
-                SinkType::Stdout => s
-                    .stdout
-                    .as_ref()
-                    .and_then(|o| o.path.as_deref())
-                    .map(|path| Arc::new(FileCheckpointStore::beside(path)) as _),
-                SinkType::Kafka => {
-                    let cfg = s.kafka.as_ref().expect("validated");
-                    let sink = &kafka_sinks[&s.name];
-                    Some(Arc::new(
-                        KafkaCheckpointStore::open(&s.name, cfg, sink).await?,
-                    ))
-                }
-                SinkType::Nats => {
-                    let cfg = s.nats.as_ref().expect("validated");
-                    match cfg.mode {
-                        NatsMode::Jetstream => {
-                            let sink = &nats_sinks[&s.name];
-                            Some(Arc::new(
-                                NatsCheckpointStore::open(&s.name, cfg, sink).await?,
-                            ))
-                        }
-                        NatsMode::Core => None,
-                    }
-                }
-            };
-            match store {
-                Some(store) => {
-                    info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
-                    stores.insert(s.name.clone(), store);
-                }
-                None => info!(sink = %s.name, kind = ?s.kind,
-                    "Resume off: this sink keeps no checkpoint (plain standard output, or core NATS)"),
-            }
-        }
-        let mut deliveries = HashMap::new();
-        for s in &config.sinks {
-            let delivery = Delivery {
-                sink: sinks[&s.name].clone(),
-                dead_letter: s.dead_letter.as_ref().map(|d| sinks[d].clone()),
-                publish_limit: s
-                    .rate_limit
-                    .as_ref()
-                    .map(|l| TokenBucket::new(l.qps, l.burst)),
-                max_retries: s.retry.max_retries,
-            };
-            deliveries.insert(
-                s.name.clone(),
-                (Arc::new(delivery), Arc::new(Budget::new(s.max_pending))),
-            );
-        }
+        let Opened {
+            sinks,
+            kafka_sinks,
+            stores,
+            deliveries,
+        } = sinks::open(&config).await?;
         let wiring = Arc::new(Wiring {
             config: config.clone(),
             client: client.clone(),

@@ -28,7 +28,7 @@ pub use crate::{
 pub use resource::{ResourceConfig, ScopeSelection};
 pub use sink::{RateLimitConfig, RetryConfig, SinkConfig, SinkType};
 
-use crate::problems::Problems;
+use crate::problems::{Problems, Section};
 
 /// Errors while loading or validating the configuration. All of them are fatal at start.
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +100,18 @@ impl Default for LogConfig {
         Self {
             format: LogFormat::default(),
             level: default_log_level(),
+        }
+    }
+}
+
+impl LogConfig {
+    /// Checks the filter; paths relative to `log`.
+    pub fn validate(&self, p: &mut Section) {
+        if self.level.parse::<tracing_subscriber::EnvFilter>().is_err() {
+            p.add(
+                "level",
+                format!("{:?} is not a valid tracing filter", self.level),
+            );
         }
     }
 }
@@ -197,17 +209,7 @@ impl Config {
             p.add("cluster", "must not be empty");
         }
         self.kubernetes.validate(&mut p.at("kubernetes"));
-        if self
-            .log
-            .level
-            .parse::<tracing_subscriber::EnvFilter>()
-            .is_err()
-        {
-            p.add(
-                "log.level",
-                format!("{:?} is not a valid tracing filter", self.log.level),
-            );
-        }
+        self.log.validate(&mut p.at("log"));
         self.leader_election.validate(&mut p.at("leader_election"));
         if self.resources.is_empty() {
             p.add("resources", "at least one resource is required");
