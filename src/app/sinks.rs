@@ -1,0 +1,120 @@
+//! Opening what the routes publish to: every configured sink, the checkpoint store of each
+//! sink that resumes (where it can keep one), and how each sink is delivered to.
+
+use std::{collections::HashMap, sync::Arc};
+
+use tracing::info;
+
+use super::Error;
+use crate::{
+    config::{Config, SinkType},
+    pipeline::{Budget, Delivery},
+    sinks::{
+        CheckpointStore, Sink,
+        kafka::{KafkaCheckpointStore, KafkaSink},
+        nats::{NatsCheckpointStore, NatsMode, NatsSink},
+        stdout::{FileCheckpointStore, StdoutSink},
+    },
+    workqueue::TokenBucket,
+};
+
+/// The opened sinks, by name.
+pub(super) struct Opened {
+    /// Every sink.
+    pub(super) sinks: HashMap<String, Arc<dyn Sink>>,
+    /// The Kafka sinks again, for creating topics.
+    pub(super) kafka_sinks: HashMap<String, Arc<KafkaSink>>,
+    /// The checkpoint store of each sink that resumes and can keep one.
+    pub(super) stores: HashMap<String, Arc<dyn CheckpointStore>>,
+    /// How each sink is delivered to, and the budget its routes share (`max_pending`).
+    pub(super) deliveries: HashMap<String, (Arc<Delivery>, Arc<Budget>)>,
+}
+
+/// Opens every sink of `config` (connecting to brokers), their checkpoint stores, and their
+/// deliveries.
+pub(super) async fn open(config: &Config) -> Result<Opened, Error> {
+    let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
+    let mut kafka_sinks: HashMap<String, Arc<KafkaSink>> = HashMap::new();
+    let mut nats_sinks: HashMap<String, Arc<NatsSink>> = HashMap::new();
+    for s in &config.sinks {
+        let sink: Arc<dyn Sink> = match s.kind {
+            SinkType::Stdout => {
+                let path = s.stdout.as_ref().and_then(|o| o.path.as_deref());
+                Arc::new(StdoutSink::open(&s.name, path).await?)
+            }
+            SinkType::Nats => {
+                let sink = Arc::new(
+                    NatsSink::connect(&s.name, s.nats.as_ref().expect("validated")).await?,
+                );
+                nats_sinks.insert(s.name.clone(), sink.clone());
+                sink
+            }
+            SinkType::Kafka => {
+                let cfg = s.kafka.as_ref().expect("validated");
+                let sink = Arc::new(KafkaSink::connect(&s.name, cfg).await?);
+                kafka_sinks.insert(s.name.clone(), sink.clone());
+                sink
+            }
+        };
+        sinks.insert(s.name.clone(), sink);
+    }
+    let mut stores: HashMap<String, Arc<dyn CheckpointStore>> = HashMap::new();
+    for s in config.sinks.iter().filter(|s| s.resume) {
+        let store: Option<Arc<dyn CheckpointStore>> = match s.kind {
+            SinkType::Stdout => s
+                .stdout
+                .as_ref()
+                .and_then(|o| o.path.as_deref())
+                .map(|path| Arc::new(FileCheckpointStore::beside(path)) as _),
+            SinkType::Kafka => {
+                let cfg = s.kafka.as_ref().expect("validated");
+                let sink = &kafka_sinks[&s.name];
+                Some(Arc::new(
+                    KafkaCheckpointStore::open(&s.name, cfg, sink).await?,
+                ))
+            }
+            SinkType::Nats => {
+                let cfg = s.nats.as_ref().expect("validated");
+                match cfg.mode {
+                    NatsMode::Jetstream => {
+                        let sink = &nats_sinks[&s.name];
+                        Some(Arc::new(
+                            NatsCheckpointStore::open(&s.name, cfg, sink).await?,
+                        ))
+                    }
+                    NatsMode::Core => None,
+                }
+            }
+        };
+        match store {
+            Some(store) => {
+                info!(sink = %s.name, checkpoint = %store.describe(), "Resume on");
+                stores.insert(s.name.clone(), store);
+            }
+            None => info!(sink = %s.name, kind = ?s.kind,
+            "Resume off: this sink keeps no checkpoint (plain standard output, or core NATS)"),
+        }
+    }
+    let mut deliveries = HashMap::new();
+    for s in &config.sinks {
+        let delivery = Delivery {
+            sink: sinks[&s.name].clone(),
+            dead_letter: s.dead_letter.as_ref().map(|d| sinks[d].clone()),
+            publish_limit: s
+                .rate_limit
+                .as_ref()
+                .map(|l| TokenBucket::new(l.qps, l.burst)),
+            max_retries: s.retry.max_retries,
+        };
+        deliveries.insert(
+            s.name.clone(),
+            (Arc::new(delivery), Arc::new(Budget::new(s.max_pending))),
+        );
+    }
+    Ok(Opened {
+        sinks,
+        kafka_sinks,
+        stores,
+        deliveries,
+    })
+}
