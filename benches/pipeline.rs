@@ -87,12 +87,7 @@ fn main() {
             .map(Arc::new)
     };
     for (label, name, encoder, rules) in [
-        (
-            "filter and diff off",
-            "configmap/ack",
-            support::encoder(),
-            None,
-        ),
+        ("filter and diff off", "ack", support::encoder(), None),
         ("filter on", "ack-filter", support::encoder(), rules()),
         ("diff: patch on", "ack-patch", patch_encoder(), None),
         (

@@ -1,6 +1,7 @@
 //! Label selectors as kubectl takes them (`app=web,tier!=db,env in (a,b),!legacy`), read into
 //! kube's [`Selector`] (which matches them). One reader for the config check of
-//! `resources[].label_selector`, `tail --selector` and the API test server.
+//! `resources[].label_selector` ([`check`]), `tail --selector` and the API test server
+//! ([`parse`]).
 
 use kube::core::{Expression, Selector};
 
@@ -12,6 +13,21 @@ use kube::core::{Expression, Selector};
 pub struct Error {
     /// The requirement that could not be read.
     pub part: String,
+}
+
+/// Checks `text` as the API server reads a label selector: what [`parse`] reads, and also
+/// `key>N` and `key<N` (integers), which the API server takes but kube's [`Selector`] cannot
+/// hold.
+pub fn check(text: &str) -> Result<(), Error> {
+    for part in split_top_level(text).into_iter().map(str::trim) {
+        let numeric = part
+            .split_once(['>', '<'])
+            .is_some_and(|(k, n)| label_key(k).is_some() && n.trim().parse::<i64>().is_ok());
+        if !part.is_empty() && !numeric && requirement(part).is_none() {
+            return Err(Error { part: part.into() });
+        }
+    }
+    Ok(())
 }
 
 /// Reads `text`; an empty text selects everything.
@@ -32,9 +48,9 @@ fn requirement(part: &str) -> Option<Expression> {
         Expression::NotEqual(label_key(k)?, v.trim().to_owned())
     } else if let Some((k, v)) = part.split_once("==").or_else(|| part.split_once('=')) {
         Expression::Equal(label_key(k)?, v.trim().to_owned())
-    } else if let Some((k, set)) = set_requirement(part, " notin ") {
+    } else if let Some((k, set)) = set_requirement(part, " notin") {
         Expression::NotIn(label_key(k)?, set?)
-    } else if let Some((k, set)) = set_requirement(part, " in ") {
+    } else if let Some((k, set)) = set_requirement(part, " in") {
         Expression::In(label_key(k)?, set?)
     } else {
         Expression::Exists(label_key(part)?)
@@ -67,7 +83,8 @@ fn label_key(k: &str) -> Option<String> {
     ok.then(|| k.to_owned())
 }
 
-/// `key in (a,b)`: the key and the set (`None` when the set is not in parentheses).
+/// `key in (a,b)` (or `key in(a,b)`): the key and the set (`None` when the set is not in
+/// parentheses).
 fn set_requirement<'a>(
     part: &'a str,
     op: &str,
@@ -105,6 +122,12 @@ mod tests {
         assert!(!m("legacy"));
         assert!(m(""));
         assert!(parse("app in front").is_err());
+        assert!(m("tier in(front)") && m("tier notin(a, b)"));
+        // The API server also takes integer comparisons; the load check accepts them.
+        assert!(check("replicas>1,tier<3,app=web").is_ok());
+        assert!(parse("replicas>1").is_err());
+        assert_eq!(check("a b=c").unwrap_err().part, "a b=c");
+        assert!(check("replicas>x").is_err());
         assert_eq!(parse("a b=c").unwrap_err().part, "a b=c");
         // What kube sends to the API server reads back the same.
         let s = parse("app=web,tier notin (a,b),!legacy").unwrap();

@@ -210,7 +210,7 @@ impl ResourceConfig {
             }
         }
         if let Some(selector) = &self.label_selector
-            && let Err(err) = crate::selector::parse(selector)
+            && let Err(err) = crate::selector::check(selector)
         {
             p.add("label_selector", err);
         }

@@ -170,13 +170,13 @@ pub(super) fn usage(root: &IdedExpr, var: &str) -> Usage {
         }
         match &e.expr {
             Node::Select(s) => match &s.operand.expr {
-                Node::Ident(name) if name == var => {
+                Node::Ident(name) if is(name, var) => {
                     fields.insert(s.field.clone());
                     true
                 }
                 _ => walk(&s.operand, var, fields),
             },
-            Node::Ident(name) => name != var,
+            Node::Ident(name) => !is(name, var),
             Node::Call(c) => all(c.target.iter().map(|t| &**t).chain(&c.args), var, fields),
             Node::List(l) => all(&l.elements, var, fields),
             Node::Map(m) => m.entries.iter().all(|entry| match &entry.expr {
@@ -221,11 +221,17 @@ pub(super) fn usage(root: &IdedExpr, var: &str) -> Usage {
     }
 }
 
+/// Whether the identifier `name` names the variable `var`: cel keeps a leading dot
+/// (`.object`, the root-scoped name) in the identifier and resolves it to the same variable.
+fn is(name: &str, var: &str) -> bool {
+    name.strip_prefix('.').unwrap_or(name) == var
+}
+
 /// Whether `var` appears anywhere in the tree (as a variable or a selected operand).
 fn mentions(root: &IdedExpr, var: &str) -> bool {
     let mut found = false;
     visit(root, &mut |e| {
-        found |= matches!(&e.expr, Node::Ident(n) if n == var);
+        found |= matches!(&e.expr, Node::Ident(n) if is(n, var));
     });
     found
 }
@@ -233,19 +239,28 @@ fn mentions(root: &IdedExpr, var: &str) -> bool {
 /// The 1-based line and column of the first use of `name` (a variable or a function) in the
 /// program's source, from the positions CEL's parser recorded.
 fn position_of(program: &cel::Program, name: &str) -> Option<(usize, usize)> {
-    let mut first: Option<u32> = None;
+    let mut first: Option<usize> = None;
     let info = program.source_info();
+    let source = info.source.as_str();
     visit(program.expression(), &mut |e| {
-        let named = match &e.expr {
-            Node::Ident(n) => n == name,
-            Node::Call(c) => c.target.is_none() && c.func_name == name,
-            _ => false,
+        let Some((start, _)) = info.offset_for(e.id) else {
+            return;
         };
-        if named && let Some((start, _)) = info.offset_for(e.id) {
-            first = Some(first.map_or(start, |f| f.min(start)));
+        let start = start as usize;
+        let at = match &e.expr {
+            Node::Ident(n) if is(n, name) => Some(start),
+            // cel places a call at its `(`; the function's name stands right before it.
+            Node::Call(c) if c.func_name == name => source
+                .get(..start)
+                .filter(|before| before.trim_end().ends_with(name))
+                .map(|before| before.trim_end().len() - name.len()),
+            _ => None,
+        };
+        if let Some(at) = at {
+            first = Some(first.map_or(at, |f| f.min(at)));
         }
     });
-    let before = info.source.get(..first? as usize)?;
+    let before = source.get(..first?)?;
     let line = before.matches('\n').count() + 1;
     let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
     Some((line, column))
@@ -320,6 +335,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("unknown name `nosuch`"), "{err}");
+        let err = Expr::compile("type == 'added' &&\n  nosuch(object)")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`nosuch` at line 2, column 3"), "{err}");
+        let err = Expr::compile("object.metadata.name.nosuch()")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`nosuch` at line 1, column"), "{err}");
         let err = Expr::compile("object.metadata.name")
             .unwrap_err()
             .to_string();
@@ -395,6 +418,14 @@ mod tests {
         assert_eq!(
             fields_read("[1].exists(object, object > 0)", "object"),
             Usage::Whole
+        );
+        // `.object` is the same variable, scoped to the root.
+        assert_eq!(
+            fields_read(
+                "object.metadata.name == 'a' && .object.spec.x == 1",
+                "object"
+            ),
+            set(&["metadata", "spec"])
         );
         // Pruned or not, the verdict is the same.
         let o = object("a", "1", "shop", "x");

@@ -155,10 +155,28 @@ impl Reason {
     }
 }
 
-/// Removes each of `pointers` from `value` (a missing one is ignored).
+/// Removes each of `pointers` from `value`; one that points at nothing (a missing key, an
+/// index past an array's end, `-`) is ignored. (jsonptr's own `delete` takes an index equal
+/// to the array's length as valid and then panics removing it.)
 pub fn remove_pointers(value: &mut serde_json::Value, pointers: &[PointerBuf]) {
+    use json_patch::jsonptr::index::Index;
     for p in pointers {
-        p.delete(value);
+        let Some((parent, last)) = p.split_back() else {
+            continue;
+        };
+        match parent.resolve_mut(value) {
+            Ok(serde_json::Value::Object(m)) => {
+                m.remove(last.decoded().as_ref());
+            }
+            Ok(serde_json::Value::Array(a)) => {
+                if let Ok(Index::Num(i)) = last.to_index()
+                    && i < a.len()
+                {
+                    a.remove(i);
+                }
+            }
+            _ => {}
+        }
     }
 }
 
