@@ -131,6 +131,17 @@ impl Record {
 /// Reads `topic` from the earliest offset with a fresh consumer group until `n` records
 /// arrived (or panics after 60 s). Records come per partition in offset order.
 pub fn consume(brokers: &str, topic: &str, n: usize) -> Vec<Record> {
+    consume_until(brokers, topic, &format!("{n} records"), |r| r.len() >= n)
+}
+
+/// Reads `topic` from the beginning with a fresh consumer group until `done` says the
+/// records read so far are enough (`what` names it in the failure after 60 s).
+pub fn consume_until(
+    brokers: &str,
+    topic: &str,
+    what: &str,
+    done: impl Fn(&[Record]) -> bool,
+) -> Vec<Record> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set(
@@ -144,10 +155,10 @@ pub fn consume(brokers: &str, topic: &str, n: usize) -> Vec<Record> {
     consumer.subscribe(&[topic]).unwrap();
     let mut out = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while out.len() < n {
+    while !done(&out) {
         assert!(
             Instant::now() < deadline,
-            "consumed {} of {n} records from {topic}",
+            "consumed {} records from {topic}, not yet {what}",
             out.len()
         );
         if let Some(result) = consumer.poll(Duration::from_millis(200)) {
