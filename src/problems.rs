@@ -47,24 +47,25 @@ impl Section<'_> {
     /// Records that `field` of this section (`page_size`, `retry.qps`, `exclude[0]`, or `""`
     /// for the section itself) is wrong because of `reason`.
     pub fn add(&mut self, field: &str, reason: impl std::fmt::Display) {
-        let path = match (self.prefix.is_empty(), field.is_empty()) {
-            (_, true) => self.prefix.clone(),
-            (true, false) => field.to_owned(),
-            (false, false) => format!("{}.{field}", self.prefix),
-        };
+        let path = self.path(field);
         self.problems.add(path, reason);
     }
 
     /// A view of the sub-section `field` of this section.
     pub fn at(&mut self, field: &str) -> Section<'_> {
-        let prefix = match (self.prefix.is_empty(), field.is_empty()) {
-            (_, true) => self.prefix.clone(),
-            (true, false) => field.to_owned(),
-            (false, false) => format!("{}.{field}", self.prefix),
-        };
+        let prefix = self.path(field);
         Section {
             problems: self.problems,
             prefix,
+        }
+    }
+
+    /// `field`'s path: this section's, `.field` appended.
+    fn path(&self, field: &str) -> String {
+        match (self.prefix.is_empty(), field.is_empty()) {
+            (_, true) => self.prefix.clone(),
+            (true, false) => field.to_owned(),
+            (false, false) => format!("{}.{field}", self.prefix),
         }
     }
 }

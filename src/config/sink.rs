@@ -8,8 +8,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     message::Encoding,
+    pipeline::route::DEFAULT_MAX_PENDING,
     problems::Section,
     sinks::{kafka::KafkaSinkConfig, nats::NatsSinkConfig, stdout::StdoutSinkConfig},
+    workqueue::rate_limiter::RetrySettings,
 };
 
 /// One sink: where notifications are published.
@@ -94,8 +96,9 @@ impl SinkConfig {
                 "a nats sink needs this section (at least `servers`)",
             ),
             (SinkType::Nats, Some(n), _) => {
+                let mut at = p.at("nats");
                 for (path, reason) in n.validate() {
-                    p.add(&format!("nats.{path}"), reason);
+                    at.add(&path, reason);
                 }
             }
             (SinkType::Kafka, _, None) => p.add(
@@ -103,8 +106,9 @@ impl SinkConfig {
                 "a kafka sink needs this section (at least `brokers`)",
             ),
             (SinkType::Kafka, _, Some(k)) => {
+                let mut at = p.at("kafka");
                 for (path, reason) in k.validate() {
-                    p.add(&format!("kafka.{path}"), reason);
+                    at.add(&path, reason);
                 }
             }
             _ => {}
@@ -204,7 +208,7 @@ pub enum SinkType {
 
 // About 100 MB of 1 KB objects: a sink may lag by that much before updates are coalesced.
 fn default_max_pending() -> usize {
-    100_000
+    DEFAULT_MAX_PENDING
 }
 /// Resume is what makes restarts lose no delete, so it is on wherever a sink can store a
 /// checkpoint.
@@ -220,16 +224,16 @@ fn default_workers() -> usize {
 }
 // client-go's DefaultControllerRateLimiter: 5 ms .. 1000 s per item, 10 qps burst 100 overall.
 fn default_retry_base() -> Duration {
-    Duration::from_millis(5)
+    RetrySettings::default().base
 }
 fn default_retry_max() -> Duration {
-    Duration::from_secs(1000)
+    RetrySettings::default().max
 }
 fn default_retry_qps() -> f64 {
-    10.0
+    RetrySettings::default().qps
 }
 fn default_retry_burst() -> u32 {
-    100
+    RetrySettings::default().burst
 }
 fn default_rate_limit_burst() -> u32 {
     1

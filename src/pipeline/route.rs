@@ -26,7 +26,9 @@ use crate::{
     workqueue::rate_limiter::{RetrySettings, controller_rate_limiter},
 };
 
-/// Most notifications a route's sink holds when no budget is given (`max_pending`'s default).
+/// Most notifications a sink's routes hold together by default (`sinks[].max_pending`), and
+/// a route built without a shared budget: about 100 MB of 1 KB objects, so a sink may lag by
+/// that much before updates are coalesced.
 pub const DEFAULT_MAX_PENDING: usize = 100_000;
 
 /// Builds one route. Names: the route is `{resource}/{sink}`, its metrics are labelled with
