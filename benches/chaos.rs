@@ -333,6 +333,12 @@ struct Stream {
     messages: u64,
     duplicates: u64,
     newest: HashMap<String, (u64, bool)>,
+    /// Per key, (resourceVersion, deleted) of the last message in the order the broker holds
+    /// them: what a "last message wins" consumer ends with.
+    last: HashMap<String, (u64, bool)>,
+    /// The same, skipping a message whose id was seen before: a "deduplicate by id, then last
+    /// message wins" consumer.
+    last_deduplicated: HashMap<String, (u64, bool)>,
     ids: std::collections::HashSet<String>,
     /// Messages the broker dropped by its own limits before they were read.
     evicted: u64,
@@ -352,6 +358,8 @@ impl Stream {
             messages: 0,
             duplicates: 0,
             newest: HashMap::new(),
+            last: HashMap::new(),
+            last_deduplicated: HashMap::new(),
             ids: std::collections::HashSet::new(),
             evicted: 0,
             filtered_out: 0,
@@ -365,10 +373,10 @@ impl Stream {
     fn add(&mut self, payload: &[u8]) {
         self.messages += 1;
         let event: Value = serde_json::from_slice(payload).expect("a structured CloudEvent");
-        if !self
+        let first_of_its_id = self
             .ids
-            .insert(event["id"].as_str().unwrap_or_default().to_owned())
-        {
+            .insert(event["id"].as_str().unwrap_or_default().to_owned());
+        if !first_of_its_id {
             self.duplicates += 1;
         }
         if event["k8sfilteredout"] == true {
@@ -398,7 +406,41 @@ impl Stream {
         if rv >= slot.0 {
             *slot = (rv, deleted);
         }
+        self.last.insert(s.key(), (rv, deleted));
+        if first_of_its_id {
+            self.last_deduplicated.insert(s.key(), (rv, deleted));
+        }
     }
+}
+
+/// What a consumer that folds `last` (per key, in the broker's order) ends with, against the
+/// truth: (stale finals, lost deletes, phantom deletes, missing objects). A stale final is a
+/// live object whose last message is another state; a lost delete, a deleted object whose last
+/// message is not a delete; a phantom delete, a live object whose last message is a delete.
+fn fold_by_order(
+    truth: &Truth,
+    last: &HashMap<String, (u64, bool)>,
+    filtered: bool,
+) -> (u64, u64, u64, u64) {
+    let objects = if filtered {
+        &truth.unsuppressed
+    } else {
+        &truth.objects
+    };
+    let (mut stale, mut lost_deletes, mut phantom, mut missing) = (0, 0, 0, 0);
+    for (k, want) in objects {
+        let want = want
+            .as_ref()
+            .filter(|_| !filtered || truth.matching.get(k).copied().unwrap_or(false));
+        match (want, last.get(k)) {
+            (Some(rv), Some((got, false))) if rv.parse::<u64>().ok() != Some(*got) => stale += 1,
+            (Some(_), Some((_, true))) => phantom += 1,
+            (Some(_), None) => missing += 1,
+            (None, Some((_, false))) => lost_deletes += 1,
+            _ => {}
+        }
+    }
+    (stale, lost_deletes, phantom, missing)
 }
 
 /// Where the service exports to.
@@ -724,6 +766,19 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let stream = broker.read().await;
     let t = truth.lock().unwrap();
     let (lost_n, lost_list) = lost(&t, &stream, scenario == "filter-churn");
+    for (model, last) in [
+        ("last message wins", &stream.last),
+        (
+            "deduplicate by id, then last wins",
+            &stream.last_deduplicated,
+        ),
+    ] {
+        let (stale, lost_deletes, phantom, missing) =
+            fold_by_order(&t, last, scenario == "filter-churn");
+        println!(
+            "  {scenario}: folded by order ({model}): stale finals {stale}, lost deletes {lost_deletes}, phantom deletes {phantom}, missing {missing}"
+        );
+    }
     for l in lost_list.iter().take(10) {
         eprintln!("  {scenario}: lost {l}");
     }

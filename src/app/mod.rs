@@ -1,9 +1,9 @@
 //! Builds the whole service from a [`Config`] and runs it until a shutdown signal.
 //!
 //! For every resource: discovery, and one shared informer per namespace (or one for all). For
-//! every sink the resource is routed to ([`sinks`] opens them): one route with its workers,
-//! fed by one listener on each of those informers ([`resources`]). While it runs, [`discovery`] wires kinds as they
-//! become served, [`leadership`] switches publishing on and off, and [`health`] answers
+//! every sink the resource is routed to (`sinks` opens them): one route with its workers,
+//! fed by one listener on each of those informers (`resources`). While it runs, `discovery` wires kinds as they
+//! become served, `leadership` switches publishing on and off, and `health` answers
 //! `/readyz`. Shutdown goes in layers: stop informers (their FIFOs drain into the route
 //! queues), drain every queue within the grace period (`shut_down_with_drain`), report what is
 //! left per route, write the checkpoints, release the lease, flush sinks, stop the admin

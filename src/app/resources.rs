@@ -251,6 +251,9 @@ impl Wiring {
                     informers,
                 )
                 .build();
+            // Both or neither: a checkpointer without a resumer would record acknowledgements
+            // that no writer task of the app ever writes.
+            debug_assert_eq!(built.resumer.is_some(), built.checkpointer.is_some());
             let resume = match (built.resumer, built.checkpointer) {
                 (Some(resumer), Some(checkpointer)) => Some(Resume {
                     resumer,

@@ -117,7 +117,9 @@ impl<'m> RouteBuilder<'m> {
         self
     }
 
-    /// Records what the sink acknowledged into `store` (none: no checkpoint).
+    /// Records what the sink acknowledged into `store` (none: no checkpoint). The caller runs
+    /// the checkpointer's writes ([`Checkpointer::run`], then a last [`Checkpointer::flush`]);
+    /// the service always pairs it with [`resume`](Self::resume).
     pub fn checkpoint(mut self, store: Option<Arc<dyn CheckpointStore>>) -> Self {
         self.store = store;
         self
