@@ -198,6 +198,24 @@ async fn objects_deleted_while_the_watch_was_gone_come_out_as_final_state_unknow
 }
 
 #[tokio::test]
+async fn a_relist_finding_a_new_uid_under_a_key_deletes_the_old_incarnation_then_adds() {
+    let server = ApiServer::start().await;
+    let (l, r) = watching(&server, &["a"]).await;
+    server.block_watches(true);
+    server.drop_watches();
+    server.delete("v1", "ConfigMap", "ns", "a");
+    server.create(typed(&configmap("ns", "a", "2")));
+    server.compact();
+    server.block_watches(false);
+    assert_eq!(
+        take(&l, 2).await,
+        ["delete ns/a v=1 final-state-unknown", "add ns/a v=2"],
+        "client-go reports this as an update; consumers keyed by uid need the delete"
+    );
+    assert_eq!(relists(&r), 1);
+}
+
+#[tokio::test]
 async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
     let server = ApiServer::start().await;
     for name in ["a", "b", "c"] {

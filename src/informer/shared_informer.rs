@@ -3,6 +3,8 @@
 //! # Contract
 //! - Deltas are applied oldest first. Added, Updated, Replaced and Sync are upserts: a key
 //!   already cached gives `Update(old, new)`, an unknown key `Add(new, is_initial_list)`;
+//!   a key cached with another uid (recreated while the watch was down) gives
+//!   `Delete(old, final_state_unknown)` then `Add(new)` (client-go: `Update(old, new)`);
 //!   Deleted removes the key and gives `Delete(last, final_state_unknown)`.
 //! - An update whose old and new resourceVersions are equal is a *resync* notification. It
 //!   reaches only listeners whose resync is due (see [`ProcessorListener::is_syncing`]); every
@@ -303,6 +305,26 @@ impl SharedIndexInformer {
             let kind = match delta.kind {
                 DeltaType::Added | DeltaType::Updated | DeltaType::Replaced | DeltaType::Sync => {
                     match self.indexer.upsert(key, delta.object.clone()) {
+                        // Another incarnation under the same key (deleted and recreated while
+                        // the watch was down, found by a relist): client-go reports an update;
+                        // here the old one is deleted and the new one added, as a resume does,
+                        // so that consumers keyed by uid see every incarnation end.
+                        Some(old) if old.uid() != delta.object.uid() => {
+                            self.distribute(Notification {
+                                kind: NotificationKind::Delete {
+                                    obj: old,
+                                    final_state_unknown: true,
+                                },
+                                received: delta.received,
+                                observed: delta.observed,
+                                resumed: false,
+                                filtered_out: false,
+                            });
+                            NotificationKind::Add {
+                                obj: delta.object,
+                                is_initial_list,
+                            }
+                        }
                         Some(old) => NotificationKind::Update {
                             old,
                             new: delta.object,
