@@ -65,7 +65,8 @@ fn main() {
     // both runs deliver the same) and JSON Patch diffs.
     let filtered: ResourceConfig = serde_json::from_value(serde_json::json!({
         "api_version": "v1", "kind": "ConfigMap",
-        "filter": "object.metadata.labels[\"app\"] == \"bench\" && type != \"synced\"",
+        "filter": "object.metadata.labels[\"app\"] == \"bench\"",
+        "publish_if": "type != \"synced\"",
     }))
     .unwrap();
     let patching = MessageConfig {

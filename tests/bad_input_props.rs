@@ -270,7 +270,8 @@ fn base_config() -> Value {
         "log": {"format": "json", "level": "info"},
         "kubernetes": {"qps": 50, "burst": 100, "page_size": 500},
         "resources": [{"api_version": "v1", "kind": "ConfigMap", "namespaces": ["a"],
-                       "filter": "has(object.metadata.labels) && type != 'synced'",
+                       "filter": "has(object.metadata.labels)",
+                       "publish_if": "type != 'synced'",
                        "ignore_fields": ["/status"], "exclude_namespaces": ["b"]}],
         "sinks": [
             {"name": "out", "type": "stdout", "max_pending": 1000, "workers": 4},
@@ -295,6 +296,7 @@ const FIELDS: &[(&str, &str)] = &[
     ("/resources/0/kind", "kind"),
     ("/resources/0/namespaces", "namespaces"),
     ("/resources/0/filter", "filter"),
+    ("/resources/0/publish_if", "publish_if"),
     ("/resources/0/ignore_fields", "ignore_fields"),
     ("/resources/0/exclude_namespaces", "exclude_namespaces"),
     ("/sinks/0/name", "name"),

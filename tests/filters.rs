@@ -42,9 +42,12 @@ async fn a_label_filter_passes_exactly_the_matching_objects_and_objects_leaving_
     let cfg = ConfigBuilder::new()
         .grace_period("10s")
         .message(json!({}))
-        .resource(json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap",
+        .resource(
+            json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap",
                          "exclude_namespaces": ["kube-system"],
-                         "filter": "object.metadata.labels[\"team\"] == \"shop\" && type != \"synced\""}))
+                         "filter": "object.metadata.labels[\"team\"] == \"shop\"",
+                         "events": ["added", "updated", "deleted"]}),
+        )
         .stdout_per_resource(dir.path())
         .build();
     let app = RunningApp::start(cfg, &api).await;
@@ -286,16 +289,32 @@ fn brief(e: &Value) -> String {
 
 /// Runs the bridge with `filter` until `path` holds `total` events and nothing more comes.
 async fn run_filtered(api: &ApiServer, dir: &Path, filter: &str, total: usize) -> Vec<Value> {
+    run_shop(
+        api,
+        dir,
+        json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": filter}),
+        total,
+    )
+    .await
+}
+
+/// Starts the bridge with ConfigMap resource `shop` (`resource`), writing `dir/shop.jsonl`.
+async fn start_shop(api: &ApiServer, dir: &Path, resource: Value) -> RunningApp {
     let cfg = ConfigBuilder::new()
         .grace_period("10s")
         .message(json!({}))
-        .resource(
-            json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": filter}),
-        )
+        .resource(resource)
         .stdout_per_resource(dir)
         .build();
     let app = RunningApp::start(cfg, api).await;
     app.synced().await;
+    app
+}
+
+/// Runs the bridge with resource `shop` until `dir/shop.jsonl` holds `total` events and
+/// nothing more comes; stops it.
+async fn run_shop(api: &ApiServer, dir: &Path, resource: Value, total: usize) -> Vec<Value> {
+    let app = start_shop(api, dir, resource).await;
     let events = settle(&dir.join("shop.jsonl"), total).await;
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     assert!(app.stop().await.undelivered.is_empty());
@@ -355,4 +374,129 @@ async fn after_a_restart_filtered_objects_that_left_or_vanished_are_deleted_exac
     );
     // And they are not deleted again.
     run_filtered(&api, dir.path(), &narrower, 157).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_updated_while_down_and_then_relabelled_out_gets_its_filtered_out_delete() {
+    let api = ApiServer::start().await;
+    for name in ["a", "b", "c"] {
+        api.create(typed(&configmap("ns", name, "1").label("team", "shop")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shop = r#"object.metadata.labels["team"] == "shop""#;
+    run_filtered(&api, dir.path(), shop, 3).await;
+    // While down: a and b change (a resume publishes them as updated).
+    api.update(typed(&configmap("ns", "a", "2").label("team", "shop")));
+    api.update(typed(&configmap("ns", "b", "2").label("team", "shop")));
+    let resource =
+        json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": shop});
+    let app = start_shop(&api, dir.path(), resource).await;
+    let path = dir.path().join("shop.jsonl");
+    settle(&path, 5).await;
+    // Then a leaves the filter and b is deleted: consumers must drop both.
+    api.update(typed(&configmap("ns", "a", "3").label("team", "web")));
+    api.delete("v1", "ConfigMap", "ns", "b");
+    let events = settle(&path, 7).await;
+    let got: Vec<String> = events[3..].iter().map(brief).collect();
+    assert_eq!(
+        got[..2].iter().filter(|e| e.ends_with("resumed")).count(),
+        2
+    );
+    let mut after: Vec<String> = got[2..].to_vec();
+    after.sort();
+    assert_eq!(after, ["deleted ns/a filteredout", "deleted ns/b"]);
+    assert!(app.stop().await.undelivered.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_if_skips_changes_without_ever_deleting_a_member() {
+    // The README's change filter, on ConfigMaps: only changes of data.v are published.
+    let api = ApiServer::start().await;
+    for name in ["a", "b"] {
+        api.create(typed(&configmap("ns", name, "1").label("team", "shop")));
+    }
+    let resource = json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap",
+        "filter": r#"object.metadata.labels["team"] == "shop""#,
+        "publish_if": r#"type != "updated" || object.data.v != oldObject.data.v"#});
+    let dir = tempfile::tempdir().unwrap();
+    let app = start_shop(&api, dir.path(), resource.clone()).await;
+    let path = dir.path().join("shop.jsonl");
+    settle(&path, 2).await;
+    // Label-only changes: skipped (before the fix, each was a k8sfilteredout delete).
+    for round in 0..3 {
+        api.update(typed(
+            &configmap("ns", "a", "1")
+                .label("team", "shop")
+                .label("round", &round.to_string()),
+        ));
+    }
+    api.update(typed(&configmap("ns", "a", "2").label("team", "shop")));
+    let events = settle(&path, 3).await;
+    assert_eq!(events.len(), 3, "{events:#?}");
+    assert_eq!(brief(&events[2]), "updated ns/a");
+    assert_eq!(
+        events[2]["data"]["oldObject"]["data"]["v"], "1",
+        "the old state is the last published one"
+    );
+    let skipped = app
+        .metrics
+        .filtered
+        .with_label_values(&["shop", "shop", "publish_if"])
+        .get();
+    assert_eq!(skipped, 3);
+    assert!(app.stop().await.undelivered.is_empty());
+    // A restart with nothing changed publishes nothing (no delete of unchanged members).
+    let again = run_shop(&api, dir.path(), resource, 3).await;
+    assert_eq!(again.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_filter_sees_every_change_and_unpublished_deletes_still_settle_the_checkpoint() {
+    let api = ApiServer::start().await;
+    for name in ["a", "b", "c"] {
+        api.create(typed(&configmap("ns", name, "1").label("team", "shop")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shop = r#"object.metadata.labels["team"] == "shop""#;
+    // No `updated` published: relabelling is still seen by the filter.
+    let resource = json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap",
+        "filter": shop, "events": ["added", "deleted"]});
+    let app = start_shop(&api, dir.path(), resource).await;
+    let path = dir.path().join("shop.jsonl");
+    settle(&path, 3).await;
+    api.update(typed(&configmap("ns", "a", "2").label("team", "web")));
+    settle(&path, 4).await;
+    api.update(typed(&configmap("ns", "a", "3").label("team", "shop")));
+    let events = settle(&path, 5).await;
+    assert_eq!(
+        events[3..].iter().map(brief).collect::<Vec<_>>(),
+        ["deleted ns/a filteredout", "added ns/a"]
+    );
+    assert!(app.stop().await.undelivered.is_empty());
+    // No `deleted` published: a delete still removes the key from the checkpoint.
+    let resource = json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap",
+        "filter": shop, "events": ["added", "updated"]});
+    let app = start_shop(&api, dir.path(), resource.clone()).await;
+    api.delete("v1", "ConfigMap", "ns", "b");
+    api.update(typed(&configmap("ns", "c", "2").label("team", "web")));
+    let route = vec!["shop/shop".to_owned()];
+    support::wait::until(
+        "the checkpoint forgets b and c",
+        support::wait::PATIENCE,
+        async || {
+            use kube_event_bridge::sinks::CheckpointStore;
+            let fresh = kube_event_bridge::sinks::stdout::FileCheckpointStore::beside(&path);
+            let loaded = fresh.load_routes(&route).await.unwrap();
+            loaded.get("shop/shop").is_some_and(|c| {
+                c.contains_key("ns/a") && !c.contains_key("ns/b") && !c.contains_key("ns/c")
+            })
+        },
+    )
+    .await;
+    assert!(app.stop().await.undelivered.is_empty());
+    assert_eq!(
+        cloudevent_lines(&path).len(),
+        5,
+        "nothing published for them"
+    );
 }

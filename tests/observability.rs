@@ -47,7 +47,9 @@ async fn scrape() -> String {
     let config = ConfigBuilder::new()
         .cluster("default") // the name a config without one gets
         // With a filter, so that the filter families have their series.
-        .resource(json!({"api_version": "v1", "kind": "ConfigMap", "filter": "type != 'synced'"}))
+        .resource(
+            json!({"api_version": "v1", "kind": "ConfigMap", "publish_if": "type != 'synced'"}),
+        )
         .stdout("out", &out)
         .route("configmap", &["out"])
         .build();

@@ -14,7 +14,7 @@ use std::{
 use futures::{FutureExt, future::BoxFuture};
 use kube_event_bridge::{
     config::MessageConfig,
-    informer::{Notification, NotificationKind, ObjectRef, ProcessorListener},
+    informer::{EventType, Notification, NotificationKind, ObjectRef, ProcessorListener},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
     pipeline::{self, Delivery, RouteBuilder, filter::Rules},
@@ -245,7 +245,7 @@ pub async fn run_bridge(
     let writer = checkpointer
         .clone()
         .map(|c| tokio::spawn(c.run(Duration::from_secs(1), cancel.clone())));
-    let listener = ProcessorListener::new(name, &built.accepted, None, built.handler);
+    let listener = ProcessorListener::new(name, &EventType::ALL, None, built.handler);
     let bytes = || {
         metrics
             .sink_bytes

@@ -122,7 +122,6 @@ mod tests {
                 route: built.route,
                 workers: 1,
                 handler: built.handler,
-                accepted: built.accepted,
                 resume: Some(Resume {
                     resumer: built.resumer.unwrap(),
                     checkpointer: built.checkpointer.unwrap(),

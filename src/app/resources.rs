@@ -120,10 +120,8 @@ pub(super) struct Wiring {
 pub(super) struct WiredRoute {
     pub(super) route: Arc<Route>,
     pub(super) workers: usize,
-    /// What its listeners hand notifications to: the queue, or the resumer in front of it.
+    /// What its listeners hand notifications to: the queue, or the stages in front of it.
     pub(super) handler: Arc<dyn NotificationHandler>,
-    /// The types its listeners pass on (all of them with a resumer, which filters after).
-    pub(super) accepted: Vec<EventType>,
     pub(super) resume: Option<Resume>,
 }
 
@@ -266,7 +264,6 @@ impl Wiring {
                 route: built.route,
                 workers: sink_cfg.workers,
                 handler: built.handler,
-                accepted: built.accepted,
                 resume,
             });
         }
@@ -311,7 +308,7 @@ impl Wiring {
             for informer in &wired.informers {
                 let listener = ProcessorListener::new(
                     format!("{}@{}", route.route.queue().name(), informer.name()),
-                    &route.accepted,
+                    &EventType::ALL,
                     r.resync(),
                     route.handler.clone(),
                 );

@@ -45,7 +45,9 @@ pub struct ResourceConfig {
     /// them. At least 1s.
     #[serde(default, with = "humantime_serde")]
     pub resync_period: Option<Duration>,
-    /// Which notification types to emit.
+    /// Which notification types to publish. They apply last: the filter and resume see every
+    /// notification, and a `deleted` not published still removes the object from the route's
+    /// state and checkpoint.
     #[serde(default = "all_event_types")]
     pub events: Vec<EventType>,
     /// Namespaces left out (with `namespaces` empty: every namespace but these), e.g.
@@ -53,15 +55,21 @@ pub struct ResourceConfig {
     /// so their objects are neither sent nor cached.
     #[serde(default)]
     pub exclude_namespaces: Vec<String>,
-    /// A CEL expression over `object`, `oldObject` and `type` (`added`, `updated`, `deleted`,
-    /// `synced`); only notifications for which it is true are published, plus what keeps
-    /// consumers' state right (deletes of published objects, `k8sfilteredout` deletes).
-    /// Example: `object.metadata.labels["team"] == "shop" && type != "synced"`.
+    /// A CEL expression over `object`: which objects belong to the stream. One that stops
+    /// matching leaves with a `deleted` event marked `k8sfilteredout`, one that starts
+    /// matching enters with an `added`. It may not read `type` or `oldObject` (see
+    /// `publish_if`). Example: `object.metadata.labels["team"] == "shop"`.
     #[serde(default)]
     pub filter: Option<String>,
-    /// What an evaluation error of `filter` (a field missing on an object) does: `pass`
-    /// publishes the notification, `drop` drops it; either is counted and logged once per
-    /// object.
+    /// A CEL expression over `object`, `oldObject` and `type` (`added`, `updated`, `deleted`,
+    /// `synced`): which changes of the stream's objects are published. What it skips never
+    /// removes an object; the next published update starts from the last published state.
+    /// Example: `!(type == "updated" && object.spec.replicas == oldObject.spec.replicas)`.
+    #[serde(default)]
+    pub publish_if: Option<String>,
+    /// What an evaluation error of `filter` or `publish_if` (a field missing on an object)
+    /// does: `pass` takes the expression as true, `drop` as false; either is counted and
+    /// logged once per object.
     #[serde(default)]
     pub filter_error: FilterErrorPolicy,
     /// JSON pointers (`/status`, `/metadata/resourceVersion`): an update that changes only
@@ -221,6 +229,7 @@ impl ResourceConfig {
     pub fn filter_settings(&self) -> FilterSettings {
         FilterSettings {
             filter: self.filter.clone(),
+            publish_if: self.publish_if.clone(),
             on_error: self.filter_error,
             ignore_fields: self.ignore_fields.clone(),
         }

@@ -20,8 +20,9 @@
 //! the checkpoint carry `k8sresumed: true`. Without a checkpoint the initial state passes
 //! through as initial adds (the behaviour without resume).
 //!
-//! The route's event-type filter applies after the comparison, so that it cannot make
-//! objects look vanished.
+//! The route's `events` apply after the comparison (and the filter), in its queue, so that
+//! they cannot make objects look vanished, and a delete the route does not publish still
+//! removes the key from the checkpoint.
 
 use std::sync::{
     Arc, Mutex,
@@ -34,7 +35,7 @@ use tracing::info;
 
 use super::{checkpoint::Checkpoint, checkpoint::Entry};
 use crate::informer::{
-    CachedObject, EventType, Notification, NotificationHandler, NotificationKind, ObjectRef,
+    CachedObject, Notification, NotificationHandler, NotificationKind, ObjectRef,
 };
 
 /// What a resume found for one object, counted in `keb_resume_objects_total{outcome}`.
@@ -78,7 +79,6 @@ impl Outcome {
 pub struct Resumer {
     route: String,
     next: Arc<dyn NotificationHandler>,
-    accepts: [bool; 4],
     types: TypeMeta,
     informers: usize,
     state: Mutex<State>,
@@ -97,24 +97,18 @@ enum State {
 }
 
 impl Resumer {
-    /// A resumer in front of `next` (the route's queue, or its filter), for a route fed by `informers` informers, passing on
-    /// the `accepted` event types. `types` are the apiVersion and kind of stubs.
+    /// A resumer in front of `next` (the route's queue, or its filter), for a route fed by
+    /// `informers` informers. `types` are the apiVersion and kind of stubs.
     pub fn new(
         route: String,
         next: Arc<dyn NotificationHandler>,
-        accepted: &[EventType],
         types: TypeMeta,
         informers: usize,
         outcomes: [IntCounter; Outcome::ALL.len()],
     ) -> Self {
-        let mut accepts = [false; 4];
-        for t in accepted {
-            accepts[*t as usize] = true;
-        }
         Self {
             route,
             next,
-            accepts,
             types,
             informers: informers.max(1),
             state: Mutex::new(State::Passing),
@@ -146,9 +140,7 @@ impl Resumer {
     }
 
     fn forward(&self, n: Notification) {
-        if self.accepts[n.event_type() as usize] {
-            self.next.on_notification(n);
-        }
+        self.next.on_notification(n);
     }
 
     /// The stub of what the checkpoint knows of `key`.

@@ -51,10 +51,9 @@ pub struct RouteBuilder<'m> {
 pub struct BuiltRoute {
     /// The route: its queue and what its workers publish with.
     pub route: Arc<Route>,
-    /// What the route's listeners hand notifications to: the resumer, the filter or the queue.
+    /// What the route's listeners hand notifications to: the resumer, the filter or the
+    /// queue. Listeners pass on every type: the queue applies the route's `events`.
     pub handler: Arc<dyn NotificationHandler>,
-    /// The types its listeners pass on (all of them with a resumer, which filters after).
-    pub accepted: Vec<EventType>,
     /// The resumer, when the route resumes from its checkpoint.
     pub resumer: Option<Arc<Resumer>>,
     /// The checkpointer the workers record acknowledgements into, with a store.
@@ -137,21 +136,23 @@ impl<'m> RouteBuilder<'m> {
         let metrics = self.metrics;
         let name = self.name();
         let labels = [self.resource.as_str(), self.sink.as_str()];
-        let queue = Arc::new(RouteQueue::new(
-            name.clone(),
-            Box::new(controller_rate_limiter(self.retry)),
-            metrics.workqueue.for_queue(&name),
-            self.budget
-                .unwrap_or_else(|| Arc::new(Budget::new(DEFAULT_MAX_PENDING))),
-            metrics.listener_buffered.with_label_values(&labels),
-            metrics.listener_coalesced.with_label_values(&labels),
-        ));
+        let queue = Arc::new(
+            RouteQueue::new(
+                name.clone(),
+                Box::new(controller_rate_limiter(self.retry)),
+                metrics.workqueue.for_queue(&name),
+                self.budget
+                    .unwrap_or_else(|| Arc::new(Budget::new(DEFAULT_MAX_PENDING))),
+                metrics.listener_buffered.with_label_values(&labels),
+                metrics.listener_coalesced.with_label_values(&labels),
+            )
+            .with_events(&self.events),
+        );
         let front: Arc<dyn NotificationHandler> = match self.rules {
             Some(rules) => Arc::new(RouteFilter::new(
                 name.clone(),
                 rules,
                 queue.clone(),
-                self.events.contains(&EventType::Deleted),
                 FilterMetrics {
                     filtered: Reason::ALL.map(|reason| {
                         metrics
@@ -173,13 +174,10 @@ impl<'m> RouteBuilder<'m> {
                     .with_label_values(&[&name]),
             ))
         });
-        // With resume, the listeners pass everything to the resumer, which compares the
-        // initial state with the checkpoint and applies the type filter after.
         let resumer = match (&checkpointer, self.resume) {
             (Some(_), Some((types, informers))) => Some(Arc::new(Resumer::new(
                 name.clone(),
                 front.clone(),
-                &self.events,
                 types,
                 informers,
                 Outcome::ALL.map(|o| {
@@ -190,9 +188,9 @@ impl<'m> RouteBuilder<'m> {
             ))),
             _ => None,
         };
-        let (handler, accepted): (Arc<dyn NotificationHandler>, Vec<EventType>) = match &resumer {
-            Some(r) => (r.clone(), EventType::ALL.to_vec()),
-            None => (front, self.events),
+        let handler: Arc<dyn NotificationHandler> = match &resumer {
+            Some(r) => r.clone(),
+            None => front,
         };
         let mut route = Route::new(self.resource, queue, self.encoder, self.delivery, metrics);
         if let Some(c) = &checkpointer {
@@ -201,7 +199,6 @@ impl<'m> RouteBuilder<'m> {
         BuiltRoute {
             route: Arc::new(route),
             handler,
-            accepted,
             resumer,
             checkpointer,
         }

@@ -26,6 +26,10 @@
 //!   brought forward by new notifications (client-go's queue would requeue a key added while
 //!   processing at once, bypassing the backoff). At the cap, the seam between the two is
 //!   coalesced as above, which keeps the bound.
+//! - The route's `events` apply here, after the stages in front (resume, filter), which see
+//!   every notification: a type the route does not publish is dropped on arrival, except a
+//!   delete, which is kept as a *silent* one: the worker publishes nothing for it, but settles
+//!   it in order, so that the checkpoint forgets the key (deletes always settle state).
 //! - A route is active (this replica leads, or leader election is off) or not. Each switch
 //!   starts a new *term* and drops everything pending; a worker that took notifications in an
 //!   earlier term drops them instead of publishing or retrying them, since the new leader
@@ -42,7 +46,9 @@ use std::{
 use prometheus::{IntCounter, IntGauge};
 
 use crate::{
-    informer::{Notification, NotificationHandler, NotificationKind, ObjectRef, resource_version},
+    informer::{
+        EventType, Notification, NotificationHandler, NotificationKind, ObjectRef, resource_version,
+    },
     workqueue::{QueueMetrics, RateLimiter, RateLimitingQueue},
 };
 
@@ -85,6 +91,8 @@ pub struct RouteQueue {
     held: AtomicUsize,
     buffered: IntGauge,
     coalesced: IntCounter,
+    // By event type: whether the route publishes it.
+    publishes: [bool; 4],
 }
 
 #[derive(Default)]
@@ -124,7 +132,24 @@ impl RouteQueue {
             held: AtomicUsize::new(0),
             buffered,
             coalesced,
+            publishes: [true; 4],
         }
+    }
+
+    /// Publishes only notifications of these types (by default every type); see the module
+    /// docs for deletes.
+    pub fn with_events(mut self, events: &[EventType]) -> Self {
+        self.publishes = [false; 4];
+        for t in events {
+            self.publishes[*t as usize] = true;
+        }
+        self
+    }
+
+    /// Whether the route publishes notifications of type `ty` (a delete it does not publish
+    /// is settled silently).
+    pub fn publishes(&self, ty: EventType) -> bool {
+        self.publishes[ty as usize]
     }
 
     /// The route's name.
@@ -179,6 +204,10 @@ impl RouteQueue {
 
     /// Accepts one notification (see the module docs).
     pub fn push(&self, n: Notification) {
+        let ty = n.event_type();
+        if !self.publishes(ty) && ty != EventType::Deleted {
+            return;
+        }
         let key = n.key();
         let mut p = self.lock();
         // Checked under the lock: `set_active` switches and clears under it too.

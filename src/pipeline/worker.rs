@@ -158,10 +158,11 @@ enum Submitted {
     Retry,
 }
 
-/// What a worker handed over of a key's batch, in order, and what it could not hand over.
+/// What a worker handed over of a key's batch, in order (`None`: a silent delete, settled in
+/// its turn), and what it could not hand over.
 #[derive(Default)]
 struct HandedOver {
-    pending: Vec<(Notification, Pending)>,
+    pending: Vec<(Notification, Option<Pending>)>,
     not_handed: VecDeque<Notification>,
 }
 
@@ -169,11 +170,14 @@ impl HandedOver {
     /// Polls every acknowledgement once; whether all are in.
     fn all_ready(&mut self) -> bool {
         use futures::FutureExt;
-        self.pending.iter_mut().all(|(_, p)| {
-            if p.ready.is_none() {
-                p.ready = (&mut p.ack).now_or_never();
+        self.pending.iter_mut().all(|(_, p)| match p {
+            Some(p) => {
+                if p.ready.is_none() {
+                    p.ready = (&mut p.ack).now_or_never();
+                }
+                p.ready.is_some()
             }
-            p.ready.is_some()
+            None => true,
         })
     }
 }
@@ -330,6 +334,16 @@ impl Route {
                 batch.clear();
                 break;
             }
+            if !self.queue.publishes(n.event_type()) {
+                // A delete the route does not publish: it only settles the key, after what
+                // was handed over before it.
+                if handed.pending.is_empty() {
+                    self.settle_silently(key, &n);
+                } else {
+                    handed.pending.push((n, None));
+                }
+                continue;
+            }
             match self.submit(key, &n).await {
                 Submitted::Settled => {
                     if let Some(c) = &self.checkpointer {
@@ -337,7 +351,7 @@ impl Route {
                     }
                     self.queue.settle(1);
                 }
-                Submitted::Pending(ack) => handed.pending.push((n, ack)),
+                Submitted::Pending(ack) => handed.pending.push((n, Some(ack))),
                 Submitted::Retry => {
                     batch.push_front(n);
                     break;
@@ -356,6 +370,14 @@ impl Route {
     async fn settle_acks(&self, key: &str, handed: &mut HandedOver) -> VecDeque<Notification> {
         let mut retry = VecDeque::new();
         for (n, pending) in handed.pending.drain(..) {
+            let Some(pending) = pending else {
+                if retry.is_empty() {
+                    self.settle_silently(key, &n);
+                } else {
+                    retry.push_back(n);
+                }
+                continue;
+            };
             let result = match pending.ready {
                 Some(result) => result,
                 None => pending.ack.await,
@@ -377,6 +399,15 @@ impl Route {
         }
         retry.extend(handed.not_handed.drain(..));
         retry
+    }
+
+    /// Settles a notification the route does not publish (a delete: the checkpoint forgets
+    /// the key).
+    fn settle_silently(&self, key: &str, n: &Notification) {
+        if let Some(c) = &self.checkpointer {
+            c.record(key, n);
+        }
+        self.queue.settle(1);
     }
 
     /// Fails the front notification of `batch` for good after `max_retries`.

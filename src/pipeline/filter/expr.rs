@@ -67,6 +67,25 @@ impl Expr {
         Ok(expr)
     }
 
+    /// Compiles a membership expression (a resource's `filter`): like [`compile`](Self::compile),
+    /// but it may read only `object`, since it says which objects belong to the stream, not
+    /// which changes to publish.
+    pub fn compile_membership(source: &str) -> Result<Self, Error> {
+        let expr = Self::compile(source)?;
+        for name in ["type", "oldObject"] {
+            if mentions(expr.program.expression(), name) {
+                let at = position_of(&expr.program, name)
+                    .map(|(line, column)| format!(" at line {line}, column {column}"))
+                    .unwrap_or_default();
+                return Err(Error::ChangeInMembership {
+                    name: name.to_owned(),
+                    at,
+                });
+            }
+        }
+        Ok(expr)
+    }
+
     /// Evaluates the expression against a sample object as each event type, and turns what
     /// cannot depend on the objects into an error: an undeclared reference, a wrong argument
     /// count, an operator or function applied to types it does not take (the sample's

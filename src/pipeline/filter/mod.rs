@@ -1,27 +1,34 @@
-//! Change-aware filtering between a route's listeners (or its resumer) and its queue: the CEL
-//! `filter` and no-op suppression by `ignore_fields`. (`exclude_namespaces` is a field selector
-//! the API server applies: see `config::ResourceConfig::effective_field_selector`.)
+//! Change-aware filtering between a route's resumer (or its listeners) and its queue: the
+//! membership `filter`, the change condition `publish_if`, and no-op suppression by
+//! `ignore_fields`. (`exclude_namespaces` is a field selector the API server applies: see
+//! `config::ResourceConfig::effective_field_selector`.) The stage sees every notification;
+//! the route's `events` apply after it, in the queue.
 //!
 //! # Contract
-//! - The filter is a CEL expression over `object` (the newest state), `oldObject` (the
-//!   previous state for `updated` and `synced`, else `null`) and `type` (`added`, `updated`,
-//!   `deleted`, `synced`); a notification passes when it yields `true`. An evaluation error
-//!   passes or drops the notification as `filter_error` says; each is counted, and logged once
-//!   per key.
-//! - Consumers are never left with a stale object. The route remembers which objects it
-//!   published (and a resume's checkpoint tells it which ones the consumers had before):
-//!   - a delete of a published object is always published, whatever the filter says;
-//!   - when an update or resync of a published object fails the filter and the object no
-//!     longer belongs to the stream (it fails the filter both as `added` and as `updated`),
-//!     a `deleted` notification of its current state marked `k8sfilteredout: true` is
-//!     published instead (when the route publishes deletes at all);
-//!   - an update or resync that passes for an object not published yet is published as
-//!     `added` (when the filter passes it as such), so that every object enters the stream
-//!     with an `added`.
+//! - `filter` is a CEL expression over `object` alone: the objects for which it is true
+//!   *belong to the stream*. Only membership decides what consumers hold, so only leaving it
+//!   makes a `k8sfilteredout` delete.
+//! - `publish_if` is a CEL expression over `object`, `oldObject` (the previous state for
+//!   `updated` and `synced`, else `null`) and `type` (`added`, `updated`, `deleted`,
+//!   `synced`): which notifications of members are published. A change it skips is not lost:
+//!   the next published update of the object carries, as its old state, the last one
+//!   published.
+//! - An evaluation error passes or fails the expression as `filter_error` says; each is
+//!   counted, and logged once per key.
+//! - Consumers are never left with a stale object, nor lose a live one. With a `filter` or a
+//!   `publish_if`, the route remembers which objects it published (and a resume's checkpoint
+//!   tells it which ones the consumers had before):
+//!   - a delete of a published object is always published; the delete of one never
+//!     published only if it belongs to the stream and `publish_if` passes it;
+//!   - when a published object stops belonging to the stream, a `deleted` notification of its
+//!     current state marked `k8sfilteredout: true` is published instead of the change;
+//!   - a change that `publish_if` passes for a member not published yet (relabelled into the
+//!     filter, or skipped so far) is published as `added` when `publish_if` passes it as
+//!     such, so that every object enters the stream with an `added`.
 //! - With `ignore_fields`, an update whose old and new objects are equal once those JSON
-//!   pointers are removed is suppressed (`reason="suppressed"`). The next published update of
-//!   the object carries, as its old state, the last one published: `oldObject` and
-//!   `data.patch` always lead from what consumers have to the newest state.
+//!   pointers are removed is suppressed (`reason="suppressed"`); as with `publish_if`, the
+//!   next published update starts from the last one published: `oldObject` and `data.patch`
+//!   always lead from what consumers have to the newest state.
 //!
 //! Every route evaluates on its own (each has its own view of what its consumers have), so
 //! `keb_filtered_total` carries the sink besides the resource and the reason.
@@ -71,6 +78,19 @@ pub enum Error {
         /// ` at line L, column C`, when known.
         at: String,
     },
+    /// A `filter` reads `type` or `oldObject`: it decides which objects belong to the stream,
+    /// which a change cannot.
+    #[error(
+        "`filter` decides which objects belong to the stream and sees only `object`, but reads \
+         `{name}`{at}: put conditions on changes in `publish_if` (and `type != \"synced\"` is \
+         `events: [added, updated, deleted]`)"
+    )]
+    ChangeInMembership {
+        /// `type` or `oldObject`.
+        name: String,
+        /// ` at line L, column C`, when known.
+        at: String,
+    },
     /// The expression does not give a boolean.
     #[error("the expression must be a boolean, but gives a {0} value")]
     NotBoolean(String),
@@ -93,12 +113,14 @@ pub enum FilterErrorPolicy {
     Drop,
 }
 
-/// A resource's filter settings (the `filter`, `filter_error` and `ignore_fields` of its
-/// `resources[]` entry).
+/// A resource's filter settings (the `filter`, `publish_if`, `filter_error` and
+/// `ignore_fields` of its `resources[]` entry).
 #[derive(Debug, Clone, Default)]
 pub struct FilterSettings {
-    /// The CEL expression, if any.
+    /// The membership expression over `object`, if any.
     pub filter: Option<String>,
+    /// The change condition over `object`, `oldObject` and `type`, if any.
+    pub publish_if: Option<String>,
     /// What an evaluation error does.
     pub on_error: FilterErrorPolicy,
     /// JSON pointers an update may change without being published.
@@ -110,9 +132,14 @@ impl FilterSettings {
     /// the resource entry).
     pub fn validate(&self, p: &mut Section) {
         if let Some(filter) = &self.filter
-            && let Err(reason) = Expr::compile(filter)
+            && let Err(reason) = Expr::compile_membership(filter)
         {
             p.add("filter", format!("{reason} (in `{filter}`)"));
+        }
+        if let Some(publish_if) = &self.publish_if
+            && let Err(reason) = Expr::compile(publish_if)
+        {
+            p.add("publish_if", format!("{reason} (in `{publish_if}`)"));
         }
         for (j, pointer) in self.ignore_fields.iter().enumerate() {
             if let Err(reason) = field_pointer(pointer) {
@@ -133,17 +160,24 @@ fn field_pointer(pointer: &str) -> Result<PointerBuf, Error> {
 /// Why a notification was not published, as counted in `keb_filtered_total{reason}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
-    /// The filter did not pass it.
+    /// The object does not belong to the stream (`filter`).
     Filter = 0,
-    /// The filter could not be evaluated and `filter_error` is `drop`.
+    /// An expression could not be evaluated and `filter_error` is `drop`.
     FilterError,
     /// An update that changed only `ignore_fields`.
     Suppressed,
+    /// A change of a member that `publish_if` did not pass.
+    PublishIf,
 }
 
 impl Reason {
     /// Every reason, in discriminant order (the order of [`FilterMetrics::filtered`]).
-    pub const ALL: [Reason; 3] = [Self::Filter, Self::FilterError, Self::Suppressed];
+    pub const ALL: [Reason; 4] = [
+        Self::Filter,
+        Self::FilterError,
+        Self::Suppressed,
+        Self::PublishIf,
+    ];
 
     /// The metric label.
     pub fn as_str(self) -> &'static str {
@@ -151,6 +185,7 @@ impl Reason {
             Self::Filter => "filter",
             Self::FilterError => "filter_error",
             Self::Suppressed => "suppressed",
+            Self::PublishIf => "publish_if",
         }
     }
 }
@@ -197,6 +232,7 @@ pub fn equal_ignoring(a: &CachedObject, b: &CachedObject, pointers: &[PointerBuf
 #[derive(Debug)]
 pub struct Rules {
     filter: Option<Expr>,
+    publish_if: Option<Expr>,
     on_error: FilterErrorPolicy,
     ignore_fields: Vec<PointerBuf>,
 }
@@ -204,11 +240,23 @@ pub struct Rules {
 impl Rules {
     /// The rules of `settings`, or `None` when they filter nothing.
     pub fn new(settings: &FilterSettings) -> Result<Option<Self>, Error> {
-        if settings.filter.is_none() && settings.ignore_fields.is_empty() {
+        if settings.filter.is_none()
+            && settings.publish_if.is_none()
+            && settings.ignore_fields.is_empty()
+        {
             return Ok(None);
         }
         Ok(Some(Self {
-            filter: settings.filter.as_deref().map(Expr::compile).transpose()?,
+            filter: settings
+                .filter
+                .as_deref()
+                .map(Expr::compile_membership)
+                .transpose()?,
+            publish_if: settings
+                .publish_if
+                .as_deref()
+                .map(Expr::compile)
+                .transpose()?,
             on_error: settings.on_error,
             ignore_fields: settings
                 .ignore_fields
@@ -216,6 +264,11 @@ impl Rules {
                 .map(|p| field_pointer(p))
                 .collect::<Result<_, _>>()?,
         }))
+    }
+
+    /// Whether the route must remember which objects its consumers have.
+    fn tracks(&self) -> bool {
+        self.filter.is_some() || self.publish_if.is_some()
     }
 }
 
@@ -232,56 +285,34 @@ pub struct RouteFilter {
     route: String,
     rules: Arc<Rules>,
     queue: Arc<RouteQueue>,
-    publishes_deletes: bool,
     metrics: FilterMetrics,
     state: Mutex<State>,
-}
-
-/// What the filter says of one notification.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Verdict {
-    Pass,
-    Fail,
-    // An evaluation error with `filter_error: drop`.
-    ErrorDrop,
-}
-
-impl Verdict {
-    /// Why a notification dropped for this verdict was not published.
-    fn reason(self) -> Reason {
-        match self {
-            Self::ErrorDrop => Reason::FilterError,
-            _ => Reason::Filter,
-        }
-    }
 }
 
 #[derive(Default)]
 struct State {
     term: u64,
-    // Keys whose consumers have the object (only kept with a filter).
+    // Keys whose consumers have the object (only kept with a `filter` or `publish_if`).
     published: HashSet<String>,
-    // Per key with suppressed updates: the old state of the first one, the last published.
+    // Per published key with changes not published: the old state of the first one, the last
+    // published.
     bases: HashMap<String, ObjectRef>,
     // Keys whose evaluation error was logged.
     logged: HashSet<String>,
 }
 
 impl RouteFilter {
-    /// The filter stage of route `route` in front of `queue`; `publishes_deletes`: whether the
-    /// route's `events` include `deleted` (else no `k8sfilteredout` notification is sent).
+    /// The filter stage of route `route` in front of `queue`.
     pub fn new(
         route: String,
         rules: Arc<Rules>,
         queue: Arc<RouteQueue>,
-        publishes_deletes: bool,
         metrics: FilterMetrics,
     ) -> Self {
         Self {
             route,
             rules,
             queue,
-            publishes_deletes,
             metrics,
             state: Mutex::new(State::default()),
         }
@@ -300,41 +331,61 @@ impl RouteFilter {
         st
     }
 
-    /// Whether the filter passes `object` as a notification of type `ty`; errors as the
-    /// policy says.
-    fn verdict(
+    /// Evaluates `expr` (none: true); an error gives what `filter_error` says, or `Err` with
+    /// the reason to count under `drop`.
+    fn eval(
+        &self,
+        st: &mut State,
+        expr: Option<&Expr>,
+        key: &str,
+        object: &CachedObject,
+        old: Option<&CachedObject>,
+        ty: EventType,
+    ) -> Result<bool, Reason> {
+        let Some(expr) = expr else {
+            return Ok(true);
+        };
+        expr.eval(object, old, ty).or_else(|err| {
+            self.metrics.errors.inc();
+            if st.logged.insert(key.to_owned()) {
+                warn!(route = %self.route, key, error = %err, policy = ?self.rules.on_error,
+                      "Cannot evaluate the filter on this object (logged once per object)");
+            }
+            match self.rules.on_error {
+                FilterErrorPolicy::Pass => Ok(true),
+                FilterErrorPolicy::Drop => Err(Reason::FilterError),
+            }
+        })
+    }
+
+    /// Whether `object` belongs to the stream; else why not.
+    fn member(&self, st: &mut State, key: &str, object: &CachedObject) -> Result<(), Reason> {
+        match self.eval(
+            st,
+            self.rules.filter.as_ref(),
+            key,
+            object,
+            None,
+            EventType::Added,
+        )? {
+            true => Ok(()),
+            false => Err(Reason::Filter),
+        }
+    }
+
+    /// Whether `publish_if` passes the change; else why not.
+    fn publishes(
         &self,
         st: &mut State,
         key: &str,
         object: &CachedObject,
         old: Option<&CachedObject>,
         ty: EventType,
-    ) -> Verdict {
-        let Some(expr) = &self.rules.filter else {
-            return Verdict::Pass;
-        };
-        match expr.eval(object, old, ty) {
-            Ok(true) => Verdict::Pass,
-            Ok(false) => Verdict::Fail,
-            Err(err) => {
-                self.metrics.errors.inc();
-                if st.logged.insert(key.to_owned()) {
-                    warn!(route = %self.route, key, error = %err, policy = ?self.rules.on_error,
-                          "Cannot evaluate the filter on this object (logged once per object)");
-                }
-                match self.rules.on_error {
-                    FilterErrorPolicy::Pass => Verdict::Pass,
-                    FilterErrorPolicy::Drop => Verdict::ErrorDrop,
-                }
-            }
+    ) -> Result<(), Reason> {
+        match self.eval(st, self.rules.publish_if.as_ref(), key, object, old, ty)? {
+            true => Ok(()),
+            false => Err(Reason::PublishIf),
         }
-    }
-
-    /// Whether the object still belongs to the stream: the filter passes it as `added` or as
-    /// `updated` (a filter on `type` alone never removes an object).
-    fn member(&self, st: &mut State, key: &str, new: &CachedObject, old: &CachedObject) -> bool {
-        self.verdict(st, key, new, None, EventType::Added) == Verdict::Pass
-            || self.verdict(st, key, new, Some(old), EventType::Updated) == Verdict::Pass
     }
 
     fn drop_for(&self, reason: Reason) {
@@ -343,9 +394,6 @@ impl RouteFilter {
 
     /// Publishes the `k8sfilteredout` delete of `obj`, received at `at`.
     fn filtered_out(&self, obj: ObjectRef, at: (std::time::Instant, jiff::Timestamp)) {
-        if !self.publishes_deletes {
-            return;
-        }
         self.queue.push(Notification {
             kind: NotificationKind::Delete {
                 obj,
@@ -364,73 +412,92 @@ impl NotificationHandler for RouteFilter {
         if !self.queue.is_active() {
             return;
         }
-        let obj = n.object().clone();
         let key = n.key();
         let ty = n.event_type();
-        let has_filter = self.rules.filter.is_some();
+        let tracks = self.rules.tracks();
         let mut st = self.lock();
         match n.kind.clone() {
-            NotificationKind::Delete { .. } => {
+            NotificationKind::Delete { obj, .. } => {
+                // A delete always settles what the route knows of the key.
                 st.bases.remove(&key);
                 st.logged.remove(&key);
-                let published = st.published.remove(&key) || n.resumed;
-                if has_filter && !published {
-                    let verdict = self.verdict(&mut st, &key, &obj, None, ty);
-                    if verdict != Verdict::Pass {
-                        return self.drop_for(verdict.reason());
+                let had = !tracks || st.published.remove(&key) || n.resumed;
+                if !had {
+                    // Consumers never had it: published only as a change of a member.
+                    if let Err(reason) = self
+                        .member(&mut st, &key, &obj)
+                        .and_then(|()| self.publishes(&mut st, &key, &obj, None, ty))
+                    {
+                        return self.drop_for(reason);
                     }
                 }
             }
-            NotificationKind::Add { .. } => {
-                let verdict = self.verdict(&mut st, &key, &obj, None, ty);
-                if verdict == Verdict::Pass {
-                    if has_filter {
-                        st.published.insert(key);
-                    }
-                } else {
+            NotificationKind::Add { obj, .. } => {
+                st.bases.remove(&key);
+                if let Err(reason) = self.member(&mut st, &key, &obj) {
                     if st.published.remove(&key) {
                         drop(st);
                         return self.filtered_out(obj, (n.received, n.observed));
                     }
-                    return self.drop_for(verdict.reason());
+                    return self.drop_for(reason);
+                }
+                if let Err(reason) = self.publishes(&mut st, &key, &obj, None, ty) {
+                    return self.drop_for(reason);
+                }
+                if tracks {
+                    st.published.insert(key);
                 }
             }
             NotificationKind::Update { old, new } => {
-                if has_filter {
-                    let published = st.published.contains(&key) || n.resumed;
-                    let verdict = self.verdict(&mut st, &key, &new, Some(&old), ty);
-                    if verdict != Verdict::Pass {
-                        if published && !self.member(&mut st, &key, &new, &old) {
-                            st.published.remove(&key);
-                            st.bases.remove(&key);
-                            drop(st);
-                            return self.filtered_out(new, (n.received, n.observed));
-                        }
-                        return self.drop_for(verdict.reason());
-                    }
-                    if !published {
-                        st.published.insert(key.clone());
+                let published = !tracks || n.resumed || st.published.contains(&key);
+                if let Err(reason) = self.member(&mut st, &key, &new) {
+                    if published && tracks {
+                        st.published.remove(&key);
                         st.bases.remove(&key);
-                        if self.verdict(&mut st, &key, &new, None, EventType::Added)
-                            == Verdict::Pass
-                        {
-                            n.kind = NotificationKind::Add {
-                                obj: new,
-                                is_initial_list: false,
-                            };
-                        }
                         drop(st);
-                        return self.queue.push(n);
+                        return self.filtered_out(new, (n.received, n.observed));
                     }
+                    return self.drop_for(reason);
                 }
-                if !self.rules.ignore_fields.is_empty() && ty == EventType::Updated && !n.resumed {
-                    if equal_ignoring(&old, &new, &self.rules.ignore_fields) {
+                if !published {
+                    // A member the consumers do not have: it enters the stream.
+                    if let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty) {
+                        return self.drop_for(reason);
+                    }
+                    st.published.insert(key.clone());
+                    st.bases.remove(&key);
+                    if self
+                        .publishes(&mut st, &key, &new, None, EventType::Added)
+                        .is_ok()
+                    {
+                        n.kind = NotificationKind::Add {
+                            obj: new,
+                            is_initial_list: false,
+                        };
+                    }
+                    drop(st);
+                    return self.queue.push(n);
+                }
+                if tracks && n.resumed {
+                    // The checkpoint says the consumers have it.
+                    st.published.insert(key.clone());
+                }
+                let updated = ty == EventType::Updated && !n.resumed;
+                if updated
+                    && !self.rules.ignore_fields.is_empty()
+                    && equal_ignoring(&old, &new, &self.rules.ignore_fields)
+                {
+                    st.bases.entry(key).or_insert(old);
+                    return self.drop_for(Reason::Suppressed);
+                }
+                if let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty) {
+                    if updated {
                         st.bases.entry(key).or_insert(old);
-                        return self.drop_for(Reason::Suppressed);
                     }
-                    if let Some(base) = st.bases.remove(&key) {
-                        n.kind = NotificationKind::Update { old: base, new };
-                    }
+                    return self.drop_for(reason);
+                }
+                if updated && let Some(base) = st.bases.remove(&key) {
+                    n.kind = NotificationKind::Update { old: base, new };
                 }
             }
         }
@@ -439,12 +506,12 @@ impl NotificationHandler for RouteFilter {
     }
 
     fn on_known(&self, key: &str, unchanged: Option<&ObjectRef>) {
-        if self.rules.filter.is_none() || !self.queue.is_active() {
+        if !self.rules.tracks() || !self.queue.is_active() {
             return;
         }
         let mut st = self.lock();
         match unchanged {
-            Some(obj) if !self.member(&mut st, key, obj, obj) => {
+            Some(obj) if self.member(&mut st, key, obj).is_err() => {
                 // The filter changed since the consumers got it.
                 st.published.remove(key);
                 drop(st);
@@ -485,7 +552,7 @@ mod tests {
         Arc::new(CachedObject::new(&o))
     }
 
-    fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 3]) {
+    fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 4]) {
         let r = serde_yaml_like(config);
         let rules = Arc::new(Rules::new(&r).unwrap().expect("rules"));
         let queue = Arc::new(RouteQueue::new(
@@ -505,7 +572,6 @@ mod tests {
             "r".into(),
             rules,
             queue.clone(),
-            true,
             FilterMetrics {
                 filtered: filtered.clone(),
                 errors: IntCounter::new("e", "e").unwrap(),
@@ -519,6 +585,7 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(fields).unwrap();
         FilterSettings {
             filter: v["filter"].as_str().map(str::to_owned),
+            publish_if: v["publish_if"].as_str().map(str::to_owned),
             on_error: serde_json::from_value(v["filter_error"].clone()).unwrap_or_default(),
             ignore_fields: serde_json::from_value(v["ignore_fields"].clone()).unwrap_or_default(),
         }
@@ -590,18 +657,97 @@ mod tests {
     }
 
     #[test]
-    fn a_filter_on_type_alone_never_removes_objects() {
-        let (f, q, _) = stage(r#"{"filter": "type != 'synced'"}"#);
-        let a1 = object("a", "1", "shop", "x");
-        f.on_notification(Notification::new(NotificationKind::Add {
-            obj: a1.clone(),
+    fn publish_if_never_removes_objects_and_what_it_skips_leads_to_the_next_update() {
+        // The README's change filter: only phase changes of updates are published.
+        let (f, q, filtered) = stage(
+            r#"{"filter": "object.metadata.labels.team == 'shop'",
+                "publish_if": "type != 'updated' || object.status.phase != oldObject.status.phase"}"#,
+        );
+        let on = |kind| f.on_notification(Notification::new(kind));
+        on(NotificationKind::Add {
+            obj: object("a", "1", "shop", "x"),
             is_initial_list: true,
+        });
+        // Updates that do not change the phase: skipped, never a k8sfilteredout delete.
+        on(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "shop", "x"),
+        });
+        on(NotificationKind::Update {
+            old: object("a", "2", "shop", "x"),
+            new: object("a", "3", "shop", "x"),
+        });
+        // A resync of a member passes (`type != 'updated'`).
+        on(NotificationKind::Update {
+            old: object("a", "3", "shop", "x"),
+            new: object("a", "3", "shop", "x"),
+        });
+        on(NotificationKind::Update {
+            old: object("a", "3", "shop", "x"),
+            new: object("a", "4", "shop", "y"),
+        });
+        // Leaving the membership still removes it.
+        on(NotificationKind::Update {
+            old: object("a", "4", "shop", "y"),
+            new: object("a", "5", "web", "y"),
+        });
+        assert_eq!(
+            drain(&q),
+            [
+                "added 1",
+                "synced 3 from 3",
+                "updated 4 from 1",
+                "deleted 5 filteredout"
+            ]
+        );
+        assert_eq!(filtered[Reason::PublishIf as usize].get(), 2);
+    }
+
+    #[test]
+    fn a_filter_reading_type_or_old_object_is_refused_with_the_way_out() {
+        for filter in ["type != 'synced'", "object.x != oldObject.x"] {
+            let err = Rules::new(&serde_yaml_like(&format!(r#"{{"filter": "{filter}"}}"#)))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("publish_if") && err.contains("at line 1, column"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_resumed_update_that_passes_counts_as_published() {
+        // Updated while the bridge was down, then relabelled out of the filter: consumers
+        // must get the k8sfilteredout delete (issue: filter + resume lost deletes).
+        let (f, q, _) = stage(r#"{"filter": "object.metadata.labels.team == 'shop'"}"#);
+        let mut resumed = Notification::new(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "shop", "x"),
+        });
+        resumed.resumed = true;
+        f.on_notification(resumed);
+        f.on_notification(Notification::new(NotificationKind::Update {
+            old: object("a", "2", "shop", "x"),
+            new: object("a", "3", "web", "x"),
         }));
         f.on_notification(Notification::new(NotificationKind::Update {
-            old: a1.clone(),
-            new: a1.clone(),
+            old: object("a", "3", "web", "x"),
+            new: object("a", "4", "shop", "x"),
         }));
-        assert_eq!(drain(&q), ["added 1"]);
+        f.on_notification(Notification::new(NotificationKind::Delete {
+            obj: object("a", "5", "web", "x"),
+            final_state_unknown: false,
+        }));
+        assert_eq!(
+            drain(&q),
+            [
+                "updated 2 from 1",
+                "deleted 3 filteredout",
+                "added 4",
+                "deleted 5"
+            ]
+        );
     }
 
     #[test]
