@@ -10,13 +10,18 @@
 //!   (counted as coalesced) instead of adding a second copy: an add or update into a pending
 //!   add or update keeps the newest state (and the oldest `old`); a resync, or a repeated add,
 //!   of the state already pending is dropped; a delete replaces a pending add or update (it
-//!   carries the last state); a delete after a pending delete of the same uid is dropped
-//!   (client-go's DeltaFIFO collapses them the same way). Only an object with nothing
-//!   pending, or one added again after a pending delete (recreated), gets a new entry. So beyond the cap the
+//!   carries the last state, and its own marks: `k8sfilteredout`, `k8sresumed`); a delete
+//!   after a pending delete of the same uid is dropped (client-go's DeltaFIFO collapses them
+//!   the same way), unless only the pending one guessed its final state or was a filter's
+//!   (`k8sfilteredout`): the object's real delete then replaces it. An object that left a
+//!   filter and came back (a delete and an add of one uid pending) and leaves again collapses
+//!   into the first delete. Only an object with nothing pending, or one added again after a
+//!   pending delete (recreated, or back in a filter), gets a new entry. So beyond the cap the
 //!   sink holds at most `cap + D`, where D counts the *incarnations* with something pending or
-//!   being published: per key, one per pending delete plus one if the last pending
-//!   notification is not a delete, counted separately for what waits and what a worker holds.
-//!   Deletes and the newest state of every object are never dropped.
+//!   being published: per key, one per uid with a pending delete plus one if the last
+//!   pending notification is not a delete, counted separately for what waits and what a
+//!   worker holds. Deletes of every incarnation and the newest state of every object are
+//!   never dropped.
 //! - A worker takes a key and all its pending notifications at once ([`RouteQueue::take`]);
 //!   the work queue guarantees no other worker holds the same key meanwhile. The key stays
 //!   *parked* (new notifications are kept but do not queue it) until the worker either
@@ -215,12 +220,16 @@ impl RouteQueue {
             return;
         }
         let pending = p.by_key.entry(key.clone()).or_default();
-        if self.budget.full()
-            && let Some(last) = pending.back_mut()
-            && coalesce(last, &n)
-        {
-            self.coalesced.inc();
-            return;
+        if self.budget.full() {
+            let released = coalesce_into(pending, &n);
+            if released > 0 {
+                self.coalesced.inc();
+                if released > 1 {
+                    drop(p);
+                    self.settle(released - 1);
+                }
+                return;
+            }
         }
         pending.push_back(n);
         self.budget.held.fetch_add(1, Ordering::Relaxed);
@@ -277,12 +286,13 @@ impl RouteQueue {
         let pending = p.by_key.entry(key.to_owned()).or_default();
         let mut newer = std::mem::replace(pending, undelivered);
         // At the cap the seam is coalesced like any arrival, so the bound holds.
-        while full
-            && let (Some(last), Some(next)) = (pending.back_mut(), newer.front())
-            && coalesce(last, next)
-        {
+        while full && let Some(next) = newer.front() {
+            let merged = coalesce_into(pending, next);
+            if merged == 0 {
+                break;
+            }
             newer.pop_front();
-            released += 1;
+            released += merged;
             self.coalesced.inc();
         }
         pending.extend(newer);
@@ -317,6 +327,32 @@ impl NotificationHandler for RouteQueue {
     }
 }
 
+/// Merges `incoming` into `pending` (one key's pending notifications) when that loses nothing
+/// a consumer needs (see [`coalesce`]), and collapses an object that left a filter, came back
+/// and left again (`[delete u, add u] + delete u`) into its first delete. Returns how many
+/// notifications were released: 0 (keep `incoming` on its own), 1, or 2.
+fn coalesce_into(pending: &mut VecDeque<Notification>, incoming: &Notification) -> usize {
+    let Some(last) = pending.back_mut() else {
+        return 0;
+    };
+    if !coalesce(last, incoming) {
+        return 0;
+    }
+    if pending.len() >= 2 && is_delete(&pending[pending.len() - 1]) {
+        let last = pending.pop_back().expect("two pending");
+        let before = pending.back_mut().expect("two pending");
+        if is_delete(before) && coalesce(before, &last) {
+            return 2;
+        }
+        pending.push_back(last);
+    }
+    1
+}
+
+fn is_delete(n: &Notification) -> bool {
+    matches!(n.kind, NotificationKind::Delete { .. })
+}
+
 /// Merges `incoming` into `pending` (the newest pending notification of the same key) when
 /// that loses nothing a consumer needs: see the module docs for the rules. Returns false when
 /// `incoming` must be kept on its own (anything after a pending delete but another delete).
@@ -333,20 +369,30 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
                 final_state_unknown,
             },
         ) if pending_obj.uid() == obj.uid() => {
-            // DeltaFIFO's dedup: keep the older delete unless it only guessed the final state.
-            if !*pending_unknown || *final_state_unknown {
+            // DeltaFIFO's dedup: keep the older delete unless it only guessed the final state;
+            // and the object's real delete wins over a filter's.
+            let guessed = *pending_unknown && !*final_state_unknown;
+            let filters = pending.filtered_out && !incoming.filtered_out;
+            if !guessed && !filters {
                 return true;
             }
+            pending.filtered_out = incoming.filtered_out;
+            pending.resumed = incoming.resumed;
             Delete {
                 obj: obj.clone(),
-                final_state_unknown: false,
+                final_state_unknown: *final_state_unknown,
             }
         }
         // After a delete comes a new incarnation of the key (also the delete of one whose add
-        // was merged into that delete): kept on its own.
+        // was merged into that delete, or the object back in a filter): kept on its own.
         (Delete { .. }, _) => return false,
-        // The delete carries the last state; nothing pending before it is still needed.
-        (Add { .. } | Update { .. }, Delete { .. }) => incoming.kind.clone(),
+        // The delete carries the last state, and its own marks; nothing pending before it is
+        // still needed.
+        (Add { .. } | Update { .. }, Delete { .. }) => {
+            pending.filtered_out = incoming.filtered_out;
+            pending.resumed = incoming.resumed;
+            incoming.kind.clone()
+        }
         (
             Add {
                 obj: pending_new,
@@ -625,9 +671,10 @@ mod tests {
     }
 
     /// Random sequences from a model cluster (creates, updates, deletes, resyncs, replays,
-    /// leadership changes) interleaved with a worker's takes, deliveries and failed publishes,
-    /// with the sink's budget full: the held count never exceeds the bound of the module docs,
-    /// and what is finally delivered has every delete and the newest state of every object.
+    /// leadership changes, objects leaving and re-entering a filter) interleaved with a
+    /// worker's takes, deliveries and failed publishes, with the sink's budget full: the held
+    /// count never exceeds the bound of the module docs, and what is finally delivered has
+    /// every delete (with its own marks) and the newest state of every object.
     mod bound {
         use super::*;
         use proptest::prelude::*;
@@ -639,6 +686,8 @@ mod tests {
             Update(u8),
             Delete(u8),
             Sync(u8),
+            Leave(u8),
+            Enter(u8),
             Replay,
             Flip,
             Take,
@@ -652,6 +701,8 @@ mod tests {
                 5 => (0..4u8).prop_map(Op::Update),
                 2 => (0..4u8).prop_map(Op::Delete),
                 2 => (0..4u8).prop_map(Op::Sync),
+                2 => (0..4u8).prop_map(Op::Leave),
+                2 => (0..4u8).prop_map(Op::Enter),
                 1 => Just(Op::Replay),
                 1 => Just(Op::Flip),
                 3 => Just(Op::Take),
@@ -666,19 +717,21 @@ mod tests {
             Arc::new(crate::informer::CachedObject::new(&o))
         }
 
-        /// Incarnations in one key's notifications: one per delete, plus one if the last is
-        /// not a delete.
+        /// Incarnations in one key's notifications: one per uid with a delete, plus one if
+        /// the last is not a delete.
         fn incarnations<'a>(ns: impl IntoIterator<Item = &'a Notification>) -> usize {
-            let (mut deletes, mut last_delete) = (0, true);
+            let (mut deleted, mut last_delete) = (std::collections::HashSet::new(), true);
             for n in ns {
                 last_delete = matches!(n.kind, NotificationKind::Delete { .. });
-                deletes += last_delete as usize;
+                if last_delete {
+                    deleted.insert(n.object().uid().map(str::to_owned));
+                }
             }
-            deletes + (!last_delete) as usize
+            deleted.len() + (!last_delete) as usize
         }
 
-        /// (type, uid, rv) of a notification.
-        fn fact(n: &Notification) -> (char, String, u64) {
+        /// (type, uid, rv, k8sfilteredout) of a notification.
+        fn fact(n: &Notification) -> (char, String, u64, bool) {
             let o = n.object();
             let t = match n.event_type() {
                 crate::informer::EventType::Added => 'A',
@@ -690,6 +743,7 @@ mod tests {
                 t,
                 o.uid().unwrap().to_owned(),
                 resource_version(o).parse().unwrap(),
+                n.filtered_out,
             )
         }
 
@@ -725,14 +779,16 @@ mod tests {
             }
             let (mut rv, mut uid) = (0u64, 0u64);
             let mut cluster: BTreeMap<u8, (u64, u64)> = BTreeMap::new(); // key -> (uid, rv)
+            // Keys of objects outside the filter: their changes never reach the queue.
+            let mut out = std::collections::BTreeSet::new();
             let mut must_delete: BTreeMap<String, Vec<(String, u64)>> = BTreeMap::new();
-            let mut delivered: BTreeMap<String, Vec<(char, String, u64)>> = BTreeMap::new();
+            let mut delivered: BTreeMap<String, Vec<(char, String, u64, bool)>> = BTreeMap::new();
             let mut hands: Vec<Hand> = Vec::new();
 
             let deliver =
                 |hand: &mut Hand,
                  n: usize,
-                 delivered: &mut BTreeMap<String, Vec<(char, String, u64)>>| {
+                 delivered: &mut BTreeMap<String, Vec<(char, String, u64, bool)>>| {
                     for _ in 0..n {
                         // As the worker does: a batch of an earlier term is dropped.
                         if hand.term != q.term() {
@@ -761,23 +817,44 @@ mod tests {
                         let (u, old) = cluster[&k];
                         rv += 1;
                         cluster.insert(k, (u, rv));
-                        q.push(update(object(k, u, old), object(k, u, rv)));
+                        if !out.contains(&k) {
+                            q.push(update(object(k, u, old), object(k, u, rv)));
+                        }
                     }
                     Op::Delete(k) if cluster.contains_key(&k) => {
                         let (u, _) = cluster.remove(&k).unwrap();
                         rv += 1;
-                        q.push(delete(object(k, u, rv)));
-                        must_delete
-                            .entry(format!("ns/k{k}"))
-                            .or_default()
-                            .push((format!("u{u}"), rv));
+                        if !out.remove(&k) {
+                            q.push(delete(object(k, u, rv)));
+                            must_delete
+                                .entry(format!("ns/k{k}"))
+                                .or_default()
+                                .push((format!("u{u}"), rv));
+                        }
                     }
-                    Op::Sync(k) if cluster.contains_key(&k) => {
+                    Op::Leave(k) if cluster.contains_key(&k) && !out.contains(&k) => {
+                        // The filter's k8sfilteredout delete.
+                        let (u, _) = cluster[&k];
+                        rv += 1;
+                        cluster.insert(k, (u, rv));
+                        out.insert(k);
+                        let mut n = delete(object(k, u, rv));
+                        n.filtered_out = true;
+                        q.push(n);
+                    }
+                    Op::Enter(k) if out.contains(&k) => {
+                        let (u, _) = cluster[&k];
+                        rv += 1;
+                        cluster.insert(k, (u, rv));
+                        out.remove(&k);
+                        q.push(add(object(k, u, rv)));
+                    }
+                    Op::Sync(k) if cluster.contains_key(&k) && !out.contains(&k) => {
                         let (u, r) = cluster[&k];
                         q.push(update(object(k, u, r), object(k, u, r)));
                     }
                     Op::Replay => {
-                        for (k, (u, r)) in &cluster {
+                        for (k, (u, r)) in cluster.iter().filter(|(k, _)| !out.contains(k)) {
                             q.push(Notification::new(NotificationKind::Add {
                                 obj: object(*k, *u, *r),
                                 is_initial_list: true,
@@ -790,7 +867,7 @@ mod tests {
                         q.set_active(true);
                         must_delete.clear();
                         delivered.clear();
-                        for (k, (u, r)) in &cluster {
+                        for (k, (u, r)) in cluster.iter().filter(|(k, _)| !out.contains(k)) {
                             q.push(Notification::new(NotificationKind::Add {
                                 obj: object(*k, *u, *r),
                                 is_initial_list: true,
@@ -854,7 +931,7 @@ mod tests {
                 let got = delivered.get(&key).cloned().unwrap_or_default();
                 let deletes: Vec<_> = got
                     .iter()
-                    .filter(|f| f.0 == 'D')
+                    .filter(|f| f.0 == 'D' && !f.3)
                     .map(|f| (f.1.clone(), f.2))
                     .collect();
                 let want = must_delete.get(&key).cloned().unwrap_or_default();
@@ -865,6 +942,17 @@ mod tests {
                     got
                 );
                 match cluster.get(&k) {
+                    Some((u, _)) if out.contains(&k) => {
+                        // Out of the stream: nothing delivered, or its filter's delete last.
+                        if let Some(last) = got.last() {
+                            prop_assert!(
+                                last.0 == 'D' && last.3 && last.1 == format!("u{u}"),
+                                "{} left the filter; last: {:?}",
+                                key,
+                                got
+                            );
+                        }
+                    }
                     Some((u, r)) => {
                         let last = got.last().expect("the object was delivered");
                         prop_assert!(
@@ -876,6 +964,7 @@ mod tests {
                             got
                         );
                     }
+                    // Gone: its delete last (a filter's, when it was deleted out of the stream).
                     None if !want.is_empty() => {
                         prop_assert_eq!(got.last().map(|f| f.0), Some('D'));
                     }
