@@ -522,3 +522,65 @@ async fn a_kind_served_later_follows_leadership() {
         assert!(d.values().all(|types| types == &["added"]), "each once");
     }
 }
+
+/// Two resources selecting the same kind share one informer; when the kind appears after the
+/// start, the second one's listener joins the informer the first one already runs (it used to
+/// panic the discovery task, after which no kind started or stopped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_resources_sharing_the_informer_of_a_kind_that_appears_later_both_get_it() {
+    let api = ApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1h"}))
+        .resources(json!([
+            {"name": "first", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
+            {"name": "second", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
+            {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
+        ]))
+        .stdout_per_resource(dir.path())
+        .build();
+    let app = RunningApp::start(cfg, &api).await;
+    api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
+    for i in 0..500 {
+        api.create(gadget(GROUP, "ns", &format!("g{i}")));
+    }
+    for name in ["first", "second"] {
+        let out = dir.path().join(format!("{name}.jsonl"));
+        wait::until(&format!("every gadget in {name}"), PATIENCE, async || {
+            let d = delivered(&out);
+            (0..500).all(|i| d.contains_key(&format!("Gadget ns/g{i}")))
+        })
+        .await;
+    }
+    assert_eq!(
+        app.factory
+            .informers()
+            .iter()
+            .filter(|i| i.name().contains("gadgets"))
+            .count(),
+        1,
+        "one informer for both"
+    );
+    // Discovery still follows changes: a kind going away stops for both.
+    api.delete_crd(GROUP, "gadgets");
+    for name in ["first", "second"] {
+        let out = dir.path().join(format!("{name}.jsonl"));
+        wait::until(&format!("every delete in {name}"), PATIENCE, async || {
+            let d = delivered(&out);
+            (0..500).all(|i| {
+                d[&format!("Gadget ns/g{i}")].last().map(String::as_str) == Some("deleted")
+            })
+        })
+        .await;
+    }
+    assert!(app.stop().await.undelivered.is_empty());
+    for name in ["first", "second"] {
+        let d = delivered(&dir.path().join(format!("{name}.jsonl")));
+        assert_eq!(d.len(), 500);
+        assert!(
+            d.values().all(|t| t == &["added", "deleted"]),
+            "each once in {name}"
+        );
+    }
+}

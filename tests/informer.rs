@@ -68,7 +68,7 @@ fn start(server: &ApiServer, probes: &[Probe], streaming_list: bool) -> Running 
     let informer = factory.informer_for(&configmaps(), key(None), None);
     for (i, (collector, resync)) in probes.iter().enumerate() {
         let l = ProcessorListener::new(format!("l{i}"), ALL, *resync, (*collector).clone());
-        informer.add_listener(Arc::new(l)).unwrap();
+        informer.add_listener(Arc::new(l));
     }
     let cancel = CancellationToken::new();
     factory.start(&cancel);

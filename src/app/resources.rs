@@ -312,9 +312,9 @@ impl Wiring {
                     r.resync(),
                     route.handler.clone(),
                 );
-                informer
-                    .add_listener(Arc::new(listener))
-                    .expect("informers start after their listeners are added");
+                // On an informer already running (shared with another resource), the listener
+                // starts off and `start` switches it on.
+                informer.add_listener(Arc::new(listener));
             }
         }
     }
@@ -365,6 +365,11 @@ impl Resources {
                 // Without fail_fast it cannot fail: a store it cannot read replays.
                 let _ = resume_from_checkpoints(&resumes, metrics, false).await;
             }
+            // Listeners added to an informer another resource already runs get its cache now
+            // (after their resume began); on informers not started yet this changes nothing.
+            wired.informers.iter().for_each(|i| {
+                i.activate_listeners();
+            });
         } else {
             wired
                 .informers

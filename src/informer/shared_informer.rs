@@ -11,8 +11,10 @@
 //!   other notification reaches every listener.
 //! - Distribution never blocks: listeners buffer.
 //! - `has_synced` is true once the first list has been applied to the cache.
-//! - Listeners are registered before `run`; registering after is an error (client-go allows it
-//!   and replays the cache; nothing here needs that yet).
+//! - A listener registered while the informer runs (a second resource sharing the informer of
+//!   a kind that appeared later) starts switched off, and is switched on by
+//!   [`SharedIndexInformer::activate_listeners`], which hands it the cache under the FIFO lock,
+//!   as client-go's `AddEventHandler` does; it takes no part in the resync check period.
 
 use std::{
     sync::{
@@ -30,14 +32,6 @@ use super::{
     DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ProcessorListener,
     delta_fifo::Deltas, meta_namespace_key, reflector::Reflector, resource_version,
 };
-
-/// Errors of informer registration.
-#[derive(Debug, thiserror::Error)]
-pub enum Error {
-    /// `add_listener` after `run`.
-    #[error("informer {0} is already running; listeners must be added before it starts")]
-    AlreadyStarted(String),
-}
 
 /// Gauges and counters one informer keeps.
 #[derive(Clone)]
@@ -118,14 +112,22 @@ impl SharedIndexInformer {
         self.reflector.last_sync_resource_version()
     }
 
-    /// Registers a listener; only before `run`.
-    pub fn add_listener(&self, listener: Arc<ProcessorListener>) -> Result<(), Error> {
-        let mut listeners = self.listeners.write().unwrap_or_else(|e| e.into_inner());
-        if self.started.load(Ordering::SeqCst) {
-            return Err(Error::AlreadyStarted(self.name.clone()));
-        }
-        listeners.push(listener);
-        Ok(())
+    /// Registers a listener. Before `run` it receives everything from the first list on;
+    /// once the informer runs it is registered switched off, under the FIFO lock, until
+    /// [`activate_listeners`](Self::activate_listeners) hands it the cache.
+    pub fn add_listener(&self, listener: Arc<ProcessorListener>) {
+        self.fifo.with_lock(|_| {
+            let mut listeners = self.listeners.write().unwrap_or_else(|e| e.into_inner());
+            if self.started.load(Ordering::SeqCst) {
+                listener.set_active(false);
+            }
+            listeners.push(listener);
+        });
+    }
+
+    /// Whether `run` has begun.
+    pub fn is_running(&self) -> bool {
+        self.started.load(Ordering::SeqCst)
     }
 
     fn listeners(&self) -> Vec<Arc<ProcessorListener>> {
