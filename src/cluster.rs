@@ -47,6 +47,11 @@ pub struct KubernetesConfig {
     /// kinds still are (besides at every CRD change, when CRDs may be watched).
     #[serde(default = "default_discovery_refresh", with = "humantime_serde")]
     pub discovery_refresh: Duration,
+    /// How long discovery must keep answering that a watched kind is gone (its CRD deleted,
+    /// its version no longer served) before its informers stop and what they cache is
+    /// deleted; a group whose discovery fails stops nothing.
+    #[serde(default = "default_discovery_grace", with = "humantime_serde")]
+    pub discovery_grace: Duration,
     /// Requests per second to the API server, over every list, watch, discovery and lease
     /// request (client-side rate limit, as client-go's QPS).
     #[serde(default = "default_qps")]
@@ -71,6 +76,7 @@ impl Default for KubernetesConfig {
             watch_timeout_seconds: default_watch_timeout(),
             require_all_resources: false,
             discovery_refresh: default_discovery_refresh(),
+            discovery_grace: default_discovery_grace(),
             qps: default_qps(),
             burst: default_burst(),
             watch_stall_timeout: default_watch_stall_timeout(),
@@ -113,6 +119,10 @@ fn default_watch_timeout() -> u32 {
 }
 fn default_discovery_refresh() -> Duration {
     Duration::from_secs(60)
+}
+// Longer than an API server's start, during which its discovery is incomplete.
+fn default_discovery_grace() -> Duration {
+    Duration::from_secs(30)
 }
 // kubectl's QPS; client-go's 5/10 is too low for dozens of informers listing at start.
 fn default_qps() -> f64 {

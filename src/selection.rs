@@ -13,6 +13,16 @@ use crate::{
     config::{ResourceConfig, ScopeSelection},
 };
 
+/// What discovery says a configured resource selects now.
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    /// The kinds selected.
+    pub kinds: Vec<ResolvedResource>,
+    /// Groups whose discovery failed (for `api_version: "*"`): whether they still serve a
+    /// kind is unknown, so nothing of theirs counts as gone.
+    pub unanswered: Vec<String>,
+}
+
 /// A configured kind, resolved by discovery.
 #[derive(Debug, Clone)]
 pub struct ResolvedResource {
@@ -26,16 +36,16 @@ pub struct ResolvedResource {
 /// every kind of the selected API versions (a group's preferred version for `group/*`)
 /// that supports list and watch, within `scope` and not in `exclude` (cluster-scoped kinds
 /// are left out when the entry lists namespaces). A group whose discovery fails is skipped
-/// with a warning (an aggregated API that is down must not stop the rest); none selected
-/// is [`Error::NotServed`].
-pub async fn resolve_all(
-    client: &Client,
-    index: usize,
-    r: &ResourceConfig,
-) -> Result<Vec<ResolvedResource>> {
+/// with a warning and listed as unanswered (an aggregated API that is down must not stop the
+/// rest); none selected is [`Error::NotServed`], or a failure when some group did not answer.
+pub async fn resolve_all(client: &Client, index: usize, r: &ResourceConfig) -> Result<Selection> {
     if !r.is_wildcard() {
-        return resolve(client, index, r).await.map(|one| vec![one]);
+        return resolve(client, index, r).await.map(|one| Selection {
+            kinds: vec![one],
+            unanswered: Vec::new(),
+        });
     }
+    let mut unanswered = Vec::new();
     let err = |reason: String| Error::Resource {
         index,
         api_version: r.api_version.clone(),
@@ -51,8 +61,11 @@ pub async fn resolve_all(
         for name in std::iter::once(String::new()).chain(names.groups.into_iter().map(|g| g.name)) {
             match discovery::group(client, &name).await {
                 Ok(g) => groups.push(g),
-                Err(e) => warn!(group = %name, error = %e,
-                    "Discovery of an API group failed; its kinds are left out until it answers"),
+                Err(e) => {
+                    warn!(group = %name, error = %e,
+                        "Discovery of an API group failed; its kinds are neither started nor stopped until it answers");
+                    unanswered.push(name);
+                }
             }
         }
         groups
@@ -106,6 +119,11 @@ pub async fn resolve_all(
             }
         }
     }
+    if selected.is_empty() && !unanswered.is_empty() {
+        return Err(err(format!(
+            "discovery failed for the groups {unanswered:?}"
+        )));
+    }
     if selected.is_empty() {
         return Err(Error::NotServed {
             index,
@@ -114,7 +132,10 @@ pub async fn resolve_all(
             reason: "no kind that can be listed and watched matches (yet)".into(),
         });
     }
-    Ok(selected)
+    Ok(Selection {
+        kinds: selected,
+        unanswered,
+    })
 }
 
 /// Resolves `resources[index]` by discovery: the kind must exist and support list and watch,

@@ -57,7 +57,7 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
     let out = dir.path().join("out.jsonl");
     let cfg = ConfigBuilder::new()
         .grace_period("5s")
-        .kubernetes(json!({"discovery_refresh": "1h"}))
+        .kubernetes(json!({"discovery_refresh": "1h", "discovery_grace": "1s"}))
         .resources(json!([
             {"name": "configmap", "api_version": "v1", "kind": "ConfigMap"},
             {"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
@@ -336,7 +336,7 @@ async fn a_wildcard_selects_a_groups_kinds_including_one_added_later() {
     let out = dir.path().join("out.jsonl");
     let cfg = ConfigBuilder::new()
         .grace_period("5s")
-        .kubernetes(json!({"discovery_refresh": "1h"}))
+        .kubernetes(json!({"discovery_refresh": "1h", "discovery_grace": "1s"}))
         .resources(json!([
             {"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*",
              "exclude": ["Noise"], "scope": "namespaced"},
@@ -379,6 +379,15 @@ async fn a_wildcard_selects_a_groups_kinds_including_one_added_later() {
     };
     assert_eq!(published("shop/gadgets.shop.example.org"), 2);
     assert_eq!(published("shop/gizmos.shop.example.org"), 1);
+    // Its informer stops once discovery's answer lasted the grace.
+    let factory = app.factory.clone();
+    wait::until("the gizmo informer stopped", PATIENCE, async || {
+        factory
+            .informers()
+            .iter()
+            .all(|i| !i.name().contains("gizmos"))
+    })
+    .await;
     let names: Vec<String> = app
         .factory
         .informers()
@@ -532,7 +541,7 @@ async fn two_resources_sharing_the_informer_of_a_kind_that_appears_later_both_ge
     let dir = tempfile::tempdir().unwrap();
     let cfg = ConfigBuilder::new()
         .grace_period("5s")
-        .kubernetes(json!({"discovery_refresh": "1h"}))
+        .kubernetes(json!({"discovery_refresh": "1h", "discovery_grace": "1s"}))
         .resources(json!([
             {"name": "first", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
             {"name": "second", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
@@ -583,4 +592,72 @@ async fn two_resources_sharing_the_informer_of_a_kind_that_appears_later_both_ge
             "each once in {name}"
         );
     }
+}
+
+/// An API server's discovery that fails for a group (an aggregated API down, a 5xx) or leaves
+/// a group out for a moment (right after its start) must not delete that group's live
+/// objects: only an answer that a kind is gone, lasting `discovery_grace`, stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_failures_and_brief_gaps_delete_nothing() {
+    let api = ApiServer::start().await;
+    api.install_crd(GROUP, "v1", "Gadget", "gadgets", true);
+    for i in 0..50 {
+        api.create(gadget(GROUP, "ns", &format!("g{i}")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "6s"}))
+        .resources(json!([{"name": "all", "api_version": "*", "kind": "*",
+                           "exclude": ["Event", "events.k8s.io/Event"]}]))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
+    let app = RunningApp::start(cfg, &api).await;
+    wait::until("every gadget", PATIENCE, async || {
+        let d = delivered(&out);
+        (0..50).all(|i| d.contains_key(&format!("Gadget ns/g{i}")))
+    })
+    .await;
+    let looks = || api.counts("/apis").lists;
+    // The group's discovery fails for several looks.
+    api.fail_discovery(GROUP, true);
+    let before = looks();
+    wait::until("several failed looks", PATIENCE, async || {
+        looks() >= before + 8
+    })
+    .await;
+    api.fail_discovery(GROUP, false);
+    // The group is missing from discovery for less than the grace.
+    api.hide_from_discovery(GROUP, true);
+    let before = looks();
+    wait::until("looks while hidden", PATIENCE, async || {
+        looks() >= before + 3
+    })
+    .await;
+    api.hide_from_discovery(GROUP, false);
+    // Changes still flow, and nothing was deleted.
+    api.create(gadget(GROUP, "ns", "late"));
+    wait::until("the late gadget", PATIENCE, async || {
+        delivered(&out).contains_key("Gadget ns/late")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let d = delivered(&out);
+    assert!(
+        d.iter()
+            .all(|(k, t)| t == &["added"] || !k.starts_with("Gadget")),
+        "no phantom deletes: {:?}",
+        d.iter().filter(|(_, t)| t.len() > 1).collect::<Vec<_>>()
+    );
+    // A gap that lasts the grace is an answer: the kind stops.
+    api.hide_from_discovery(GROUP, true);
+    wait::until(
+        "the gadgets deleted after the grace",
+        PATIENCE,
+        async || delivered(&out)["Gadget ns/g0"].last().map(String::as_str) == Some("deleted"),
+    )
+    .await;
+    assert!(app.stop().await.undelivered.is_empty());
 }

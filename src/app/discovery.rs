@@ -12,10 +12,12 @@ use crate::{cluster, selection::resolve_all};
 
 /// Keeps the wired resources in step with what the API server serves: a pending kind that
 /// appears is wired and started (everything from its first list is delivered); a wired kind
-/// that is no longer served (its CRD was deleted) has its informers stopped, what they still
-/// cache delivered as deleted, and waits as pending again. Looks again at every change of a
-/// CRD (a watch of CustomResourceDefinitions, when the service account may) and every
-/// `kubernetes.discovery_refresh`.
+/// that discovery has answered is no longer served (its CRD was deleted) for
+/// `kubernetes.discovery_grace` has its informers stopped, what they still cache delivered as
+/// deleted, and waits as pending again. A failed lookup (a timeout, a 5xx, an aggregated API
+/// that is down) stops nothing. Looks again at every change of a CRD (a watch of
+/// CustomResourceDefinitions, when the service account may), every
+/// `kubernetes.discovery_refresh`, and when a kind's grace ends.
 pub(super) async fn follow_discovery(
     wiring: Arc<Wiring>,
     resources: Arc<tokio::sync::Mutex<Resources>>,
@@ -42,10 +44,18 @@ pub(super) async fn follow_discovery(
     let period = wiring.config.kubernetes.discovery_refresh;
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut recheck: Option<tokio::time::Instant> = None;
     loop {
+        let grace_over = async {
+            match recheck {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {}
+            _ = grace_over => {}
             event = crd_events.next() => match event {
                 Some(Ok(watcher::Event::Init | watcher::Event::InitApply(_))) => continue,
                 Some(Ok(_)) => crd_watch_failed = false,
@@ -65,7 +75,7 @@ pub(super) async fn follow_discovery(
             },
         }
         let mut resources = resources.lock().await;
-        refresh(&wiring, &mut resources).await;
+        recheck = refresh(&wiring, &mut resources).await;
         *notes.lock().unwrap_or_else(|e| e.into_inner()) =
             resources.pending.values().cloned().collect();
     }
@@ -120,21 +130,31 @@ fn plan(index: usize, want: &[(ApiResource, bool)], wired: &[(usize, &ApiResourc
 }
 
 /// One look at discovery: see [`follow_discovery`]. A lookup that fails for another reason
-/// than "not served" changes nothing (the next one decides).
-pub(super) async fn refresh(wiring: &Wiring, resources: &mut Resources) {
+/// than "not served" changes nothing (the next one decides); neither does a group whose
+/// discovery failed. Returns when to look again for a kind whose grace is not over yet.
+pub(super) async fn refresh(
+    wiring: &Wiring,
+    resources: &mut Resources,
+) -> Option<tokio::time::Instant> {
     let config = &wiring.config;
     let metrics = &wiring.metrics;
+    let grace = config.kubernetes.discovery_grace;
+    let mut recheck: Option<tokio::time::Instant> = None;
     for (index, r) in config.resources.iter().enumerate() {
         let name = r.effective_name();
-        let (want, not_served) = match resolve_all(&wiring.client, index, r).await {
-            Ok(kinds) => (
-                kinds
+        let (want, unanswered, not_served) = match resolve_all(&wiring.client, index, r).await {
+            Ok(selection) => (
+                selection
+                    .kinds
                     .into_iter()
                     .map(|k| (k.api_resource, k.namespaced))
                     .collect::<Vec<_>>(),
+                selection.unanswered,
                 None,
             ),
-            Err(err @ cluster::Error::NotServed { .. }) => (Vec::new(), Some(err.to_string())),
+            Err(err @ cluster::Error::NotServed { .. }) => {
+                (Vec::new(), Vec::new(), Some(err.to_string()))
+            }
             Err(err) => {
                 warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
                 continue;
@@ -146,6 +166,12 @@ pub(super) async fn refresh(wiring: &Wiring, resources: &mut Resources) {
             .map(|w| (w.index, &w.api_resource, !w.informers.is_empty()))
             .collect();
         let Plan { start, stop } = plan(index, &want, &wired);
+        // Kinds served (again) are not going.
+        for (i, w) in resources.wired.iter().enumerate() {
+            if w.index == index && want.iter().any(|(a, _)| same_kind(a, &w.api_resource)) {
+                resources.gone_since.remove(&i);
+            }
+        }
         for s in start {
             let (i, new, api_resource) = match s {
                 Start::Again(i) => (i, false, resources.wired[i].api_resource.clone()),
@@ -166,7 +192,24 @@ pub(super) async fn refresh(wiring: &Wiring, resources: &mut Resources) {
             resources.start(i, new, metrics).await;
             info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
         }
+        let now = tokio::time::Instant::now();
         for i in stop {
+            let group = &resources.wired[i].api_resource.group;
+            if unanswered.contains(group) {
+                // Its group did not answer: unknown is not gone.
+                resources.gone_since.remove(&i);
+                continue;
+            }
+            let since = *resources.gone_since.entry(i).or_insert(now);
+            if now < since + grace {
+                if since == now {
+                    info!(resource = %kind_name(r, &resources.wired[i].api_resource), ?grace, "Discovery says it is no longer served; stopping it if that lasts");
+                }
+                let at = since + grace;
+                recheck = Some(recheck.map_or(at, |r| r.min(at)));
+                continue;
+            }
+            resources.gone_since.remove(&i);
             let wired = &mut resources.wired[i];
             // Its objects' deletes came from the watch; what is still cached goes as deleted.
             wired.informers.iter().for_each(|i| i.mark_gone());
@@ -192,6 +235,7 @@ pub(super) async fn refresh(wiring: &Wiring, resources: &mut Resources) {
             metrics.resource_pending.with_label_values(&[&name]).set(1);
         }
     }
+    recheck
 }
 
 #[cfg(test)]

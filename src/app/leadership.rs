@@ -136,6 +136,7 @@ mod tests {
             wired: vec![wired],
             pending: BTreeMap::new(),
             leading: false,
+            gone_since: Default::default(),
             live: None,
         }
     }

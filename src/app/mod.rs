@@ -128,16 +128,17 @@ impl App {
             wired: Vec::new(),
             pending: BTreeMap::new(),
             leading: !config.leader_election.enabled,
+            gone_since: Default::default(),
             live: None,
         };
         for (index, r) in config.resources.iter().enumerate() {
             let name = r.effective_name();
             match selection::resolve_all(&client, index, r).await {
-                Ok(kinds) => {
+                Ok(selection) => {
                     for ResolvedResource {
                         api_resource,
                         namespaced,
-                    } in kinds
+                    } in selection.kinds
                     {
                         info!(resource = %kind_name(r, &api_resource), plural = %api_resource.plural, namespaced, "Resolved resource");
                         let mut wired = wiring.wire(index, api_resource, namespaced).await?;

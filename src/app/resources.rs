@@ -143,6 +143,9 @@ pub(super) struct Resources {
     pub(super) wired: Vec<Wired>,
     pub(super) pending: BTreeMap<usize, String>,
     pub(super) leading: bool,
+    /// Wired kinds (by index) that discovery answered are gone, since when: they stop once
+    /// that lasted `kubernetes.discovery_grace`.
+    pub(super) gone_since: HashMap<usize, tokio::time::Instant>,
     /// Set once the app runs: what is wired from then on starts at once.
     pub(super) live: Option<Live>,
 }

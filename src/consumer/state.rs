@@ -395,7 +395,7 @@ pub async fn check(
         {
             continue;
         }
-        for resolved in selection::resolve_all(client, index, r).await? {
+        for resolved in selection::resolve_all(client, index, r).await?.kinds {
             let resource_name = if resolved.api_resource.group.is_empty() {
                 resolved.api_resource.plural.clone()
             } else {

@@ -130,6 +130,11 @@ struct Faults {
     // Lease writes (create or replace) naming this holder get 503: a leader whose renewals
     // no longer reach the API server.
     refuse_lease_holder: Option<String>,
+    // Groups whose discovery (`/apis/{g}/{v}`) answers 500: an aggregated API that is down.
+    failing_discovery: std::collections::HashSet<String>,
+    // Groups left out of discovery (as right after an API server's start) while their
+    // objects are still served.
+    hidden_groups: std::collections::HashSet<String>,
 }
 
 /// Requests seen per collection path.
@@ -428,6 +433,28 @@ impl ApiServer {
             "",
             &format!("{plural}.{group}"),
         );
+    }
+
+    /// While `failing`, discovery of `group`'s versions answers 500 (an aggregated API that is
+    /// down, a timeout); list, watch and the group list still work.
+    pub fn fail_discovery(&self, group: &str, failing: bool) {
+        let mut f = self.shared.faults.lock().unwrap();
+        if failing {
+            f.failing_discovery.insert(group.to_owned());
+        } else {
+            f.failing_discovery.remove(group);
+        }
+    }
+
+    /// While `hidden`, `group` is missing from discovery (the group list, and 404 for its
+    /// versions), as in the first moments of an API server's start; its objects stay served.
+    pub fn hide_from_discovery(&self, group: &str, hidden: bool) {
+        let mut f = self.shared.faults.lock().unwrap();
+        if hidden {
+            f.hidden_groups.insert(group.to_owned());
+        } else {
+            f.hidden_groups.remove(group);
+        }
     }
 
     /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
@@ -737,13 +764,22 @@ async fn handle(
             );
         }
         "/apis" => {
+            // Counted as lists of "/apis": how often discovery looked.
+            shared
+                .counts
+                .lock()
+                .unwrap()
+                .entry("/apis".into())
+                .or_default()
+                .lists += 1;
+            let hidden = shared.faults.lock().unwrap().hidden_groups.clone();
             let mut groups: BTreeMap<&str, &str> = BTreeMap::new();
             for r in shared
                 .resources
                 .read()
                 .unwrap()
                 .iter()
-                .filter(|r| !r.group.is_empty() && r.served)
+                .filter(|r| !r.group.is_empty() && r.served && !hidden.contains(r.group))
             {
                 groups.insert(r.group, r.version);
             }
@@ -768,12 +804,26 @@ async fn handle(
         _ => None,
     };
     if let Some(gv) = discovery_gv {
+        let group = gv.split_once('/').map_or("", |(g, _)| g);
+        let (failing, hidden) = {
+            let f = shared.faults.lock().unwrap();
+            (
+                f.failing_discovery.contains(group),
+                f.hidden_groups.contains(group),
+            )
+        };
+        if failing {
+            return json_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                &status(500, "InternalError", "the aggregated API is unavailable"),
+            );
+        }
         let resources: Vec<Value> = shared
             .resources
             .read()
             .unwrap()
             .iter()
-            .filter(|r| r.group_version() == gv && r.served)
+            .filter(|r| r.group_version() == gv && r.served && !hidden)
             .map(|r| {
                 json!({"name": r.plural, "singularName": r.kind.to_lowercase(), "namespaced": r.namespaced,
                        "kind": r.kind, "verbs": r.verbs})
