@@ -661,3 +661,117 @@ async fn discovery_failures_and_brief_gaps_delete_nothing() {
     .await;
     assert!(app.stop().await.undelivered.is_empty());
 }
+
+/// A CRD whose served version moves (v1beta1 → v1) under a group wildcard: the same objects
+/// are followed at the new version; nothing is deleted or added again (it used to delete
+/// every object of the kind), and later changes come with the new apiVersion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_version_change_under_a_wildcard_deletes_and_replays_nothing() {
+    let api = ApiServer::start().await;
+    api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
+    for i in 0..30 {
+        let mut w = custom_resource(
+            &format!("{GROUP}/v1beta1"),
+            "Widget",
+            Some("ns"),
+            &format!("w{i}"),
+        );
+        w["spec"] = json!({"size": i});
+        api.create(w);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "1s"}))
+        .resources(json!([{"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*"}]))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
+    let app = RunningApp::start(cfg, &api).await;
+    wait::until("every widget", PATIENCE, async || {
+        let d = delivered(&out);
+        (0..30).all(|i| d.contains_key(&format!("Widget ns/w{i}")))
+    })
+    .await;
+    api.serve_crd_at(GROUP, "widgets", "v1");
+    let factory = app.factory.clone();
+    wait::until("the informer at v1", PATIENCE, async || {
+        let names: Vec<String> = factory
+            .informers()
+            .iter()
+            .map(|i| i.name().to_owned())
+            .collect();
+        names.iter().any(|n| n.contains("/v1/widgets"))
+            && !names.iter().any(|n| n.contains("v1beta1"))
+    })
+    .await;
+    let mut w = api
+        .get(&format!("{GROUP}/v1"), "Widget", "ns", "w0")
+        .unwrap();
+    w["spec"]["size"] = json!(100);
+    api.update(w);
+    wait::until("the update at v1", PATIENCE, async || {
+        delivered(&out)["Widget ns/w0"].len() == 2
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(app.stop().await.undelivered.is_empty());
+    let d = delivered(&out);
+    assert_eq!(d.len(), 30);
+    assert_eq!(d["Widget ns/w0"], ["added", "updated"]);
+    assert!(
+        (1..30).all(|i| d[&format!("Widget ns/w{i}")] == ["added"]),
+        "nothing deleted or added again: {d:?}"
+    );
+    let last = support::cloudevent_lines(&out).pop().unwrap();
+    assert_eq!(last["data"]["object"]["apiVersion"], format!("{GROUP}/v1"));
+    let source = last["source"].as_str().unwrap();
+    assert!(
+        source.contains(&format!("{GROUP}/v1")) && !source.contains("v1beta1"),
+        "the new version's encoder: {source}"
+    );
+}
+
+/// An explicit kind whose configured version stops being served while the kind is served at
+/// another: its objects live on, so nothing is deleted; it waits as pending, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_explicit_kind_whose_version_goes_deletes_nothing_and_says_which_versions_serve_it() {
+    let api = ApiServer::start().await;
+    api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
+    for i in 0..10 {
+        api.create(custom_resource(
+            &format!("{GROUP}/v1beta1"),
+            "Widget",
+            Some("ns"),
+            &format!("w{i}"),
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "1s"}))
+        .resources(json!([{"name": "widget", "api_version": format!("{GROUP}/v1beta1"), "kind": "Widget"}]))
+        .stdout("out", &out)
+        .route_each_resource_to(&["out"])
+        .build();
+    let app = RunningApp::start(cfg, &api).await;
+    wait::until("every widget", PATIENCE, async || {
+        delivered(&out).len() == 10
+    })
+    .await;
+    api.serve_crd_at(GROUP, "widgets", "v1");
+    let admin = app.admin;
+    wait::until("pending with the reason", PATIENCE, async || {
+        let (_, body) = http_get(admin, "/readyz").await;
+        body.contains("shop.example.org/v1beta1 is no longer served, but the kind is, at [\"v1\"]")
+    })
+    .await;
+    assert!(app.stop().await.undelivered.is_empty());
+    let d = delivered(&out);
+    assert!(
+        d.values().all(|t| t == &["added"]),
+        "nothing deleted: {d:?}"
+    );
+}

@@ -81,8 +81,10 @@ pub(super) async fn follow_discovery(
     }
 }
 
+/// The same kind, at any version: its objects are the same (a CRD serves one set of objects
+/// at each of its versions), and so are the kind's routes and checkpoints.
 fn same_kind(a: &ApiResource, b: &ApiResource) -> bool {
-    a.group == b.group && a.version == b.version && a.plural == b.plural
+    a.group == b.group && a.plural == b.plural
 }
 
 /// What one look at discovery changes for one configured resource.
@@ -101,11 +103,15 @@ enum Start {
     Again(usize),
     /// A kind never wired: new routes and informers.
     New(ApiResource, bool),
+    /// A wired kind now served (or preferred) at another version: its informers (if any) stop
+    /// without deleting anything, and new ones at this version feed the same routes.
+    Switch(usize, ApiResource),
 }
 
 /// The changes for `resources[index]` when discovery selects `want` (kind, namespaced) and
 /// `wired` holds (resource index, kind, has informers) per wired kind: start what is wanted
-/// and not watched, stop what is watched and no longer wanted.
+/// and not watched, switch what is watched at another version, stop what is watched and no
+/// longer wanted at any version.
 fn plan(index: usize, want: &[(ApiResource, bool)], wired: &[(usize, &ApiResource, bool)]) -> Plan {
     let mut start = Vec::new();
     for (api_resource, namespaced) in want {
@@ -113,6 +119,9 @@ fn plan(index: usize, want: &[(ApiResource, bool)], wired: &[(usize, &ApiResourc
             .iter()
             .position(|(i, a, _)| *i == index && same_kind(a, api_resource));
         match found {
+            Some(i) if wired[i].1.version != api_resource.version => {
+                start.push(Start::Switch(i, api_resource.clone()))
+            }
             Some(i) if wired[i].2 => {}
             Some(i) => start.push(Start::Again(i)),
             None => start.push(Start::New(api_resource.clone(), *namespaced)),
@@ -142,6 +151,7 @@ pub(super) async fn refresh(
     let mut recheck: Option<tokio::time::Instant> = None;
     for (index, r) in config.resources.iter().enumerate() {
         let name = r.effective_name();
+        let mut version_gone = None;
         let (want, unanswered, not_served) = match resolve_all(&wiring.client, index, r).await {
             Ok(selection) => (
                 selection
@@ -175,6 +185,10 @@ pub(super) async fn refresh(
         for s in start {
             let (i, new, api_resource) = match s {
                 Start::Again(i) => (i, false, resources.wired[i].api_resource.clone()),
+                Start::Switch(i, api_resource) => {
+                    switch_version(wiring, resources, i, &api_resource).await;
+                    (i, false, api_resource)
+                }
                 Start::New(api_resource, namespaced) => {
                     match wiring.wire(index, api_resource.clone(), namespaced).await {
                         Ok(wired) => {
@@ -200,6 +214,15 @@ pub(super) async fn refresh(
                 resources.gone_since.remove(&i);
                 continue;
             }
+            // A version no longer served, of a kind served at another: its objects live on.
+            let elsewhere = match served_at(&wiring.client, &resources.wired[i].api_resource).await
+            {
+                Ok(versions) => versions,
+                Err(err) => {
+                    warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
+                    continue;
+                }
+            };
             let since = *resources.gone_since.entry(i).or_insert(now);
             if now < since + grace {
                 if since == now {
@@ -211,6 +234,17 @@ pub(super) async fn refresh(
             }
             resources.gone_since.remove(&i);
             let wired = &mut resources.wired[i];
+            if !elsewhere.is_empty() {
+                stop_informers(wiring, wired).await;
+                let reason = format!(
+                    "{}/{} is no longer served, but the kind is, at {elsewhere:?}: its objects \
+                     live on (nothing is deleted); set api_version to a served version",
+                    wired.api_resource.group, wired.api_resource.version
+                );
+                warn!(resource = %kind_name(r, &wired.api_resource), "{reason}");
+                version_gone = Some(reason);
+                continue;
+            }
             // Its objects' deletes came from the watch; what is still cached goes as deleted.
             wired.informers.iter().for_each(|i| i.mark_gone());
             wired.cancel.cancel();
@@ -228,7 +262,9 @@ pub(super) async fn refresh(
             resources.pending.remove(&index);
             metrics.resource_pending.with_label_values(&[&name]).set(0);
         } else {
-            let reason = not_served.unwrap_or_else(|| "no kind selected".into());
+            let reason = version_gone
+                .or(not_served)
+                .unwrap_or_else(|| "no kind selected".into());
             resources
                 .pending
                 .insert(index, wiring.pending_reason(index, &reason));
@@ -236,6 +272,81 @@ pub(super) async fn refresh(
         }
     }
     recheck
+}
+
+/// The versions at which the group of `kind` serves its resource now (none: the kind is
+/// gone).
+async fn served_at(client: &kube::Client, kind: &ApiResource) -> Result<Vec<String>, kube::Error> {
+    let group = match kube::discovery::group(client, &kind.group).await {
+        Ok(group) => group,
+        Err(kube::Error::Discovery(_)) => return Ok(Vec::new()),
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Vec::new()),
+        Err(err) => return Err(err),
+    };
+    Ok(group
+        .versions()
+        .filter(|v| {
+            group
+                .versioned_resources(v)
+                .iter()
+                .any(|(a, _)| a.plural == kind.plural)
+        })
+        .map(str::to_owned)
+        .collect())
+}
+
+/// Stops `wired`'s informers without deleting what they cache (the FIFO drains into the
+/// routes first).
+async fn stop_informers(wiring: &Wiring, wired: &mut super::resources::Wired) {
+    wired.cancel.cancel();
+    futures::future::join_all(wired.tasks.drain(..)).await;
+    for informer in wired.informers.drain(..) {
+        wiring.factory.remove(&informer);
+    }
+}
+
+/// Moves wired kind `i` to `api_resource` (the same kind at another version): its informers
+/// stop without deleting anything, its routes encode the new version from now on, and, when
+/// this replica publishes, each route resumes from what the old informers cached, so that
+/// the new version's first list publishes only what changed meanwhile (client-go's informer
+/// of the old version would simply stop; a new one would add everything again).
+async fn switch_version(
+    wiring: &Wiring,
+    resources: &mut Resources,
+    i: usize,
+    api_resource: &ApiResource,
+) {
+    let leading = resources.leading;
+    let wired = &mut resources.wired[i];
+    let mut cached = crate::pipeline::checkpoint::Checkpoint::new();
+    for informer in &wired.informers {
+        for obj in informer.indexer().list() {
+            cached.insert(
+                crate::informer::meta_namespace_key(&obj),
+                crate::pipeline::checkpoint::Entry {
+                    uid: obj.uid().unwrap_or_default().to_owned(),
+                    resource_version: crate::informer::resource_version(&obj).to_owned(),
+                },
+            );
+        }
+    }
+    let had_informers = !wired.informers.is_empty();
+    stop_informers(wiring, wired).await;
+    info!(from = %wired.api_resource.version, to = %api_resource.version, kind = %api_resource.kind,
+          objects = cached.len(), "The kind is served at another version now; following it without deleting anything");
+    wired.api_resource = api_resource.clone();
+    for route in &wired.routes {
+        route
+            .route
+            .set_encoder(wiring.encoder(&route.sink, api_resource));
+        route.resumer.set_types(kube::api::TypeMeta {
+            api_version: api_resource.api_version.clone(),
+            kind: api_resource.kind.clone(),
+        });
+        if leading && had_informers {
+            route.resumer.begin(Some(cached.clone()));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -298,17 +409,18 @@ mod tests {
     }
 
     #[test]
-    fn a_version_change_is_a_different_kind_today() {
-        // The behaviour the continuity issue changes (a CRD's preferred version moving);
-        // pinned here so that the change is deliberate.
+    fn a_version_change_switches_the_kind_without_stopping_it() {
+        // A CRD's preferred version moving: the same objects, the same routes.
         let (beta, v1) = (
             kind("x.io", "v1beta1", "Widget"),
             kind("x.io", "v1", "Widget"),
         );
-        let wired = [(0, &beta, true)];
-        let p = plan(0, &[(v1.clone(), true)], &wired);
-        assert_eq!(p.start, [Start::New(v1, true)]);
-        assert_eq!(p.stop, [0]);
+        for active in [true, false] {
+            let wired = [(0, &beta, active)];
+            let p = plan(0, &[(v1.clone(), true)], &wired);
+            assert_eq!(p.start, [Start::Switch(0, v1.clone())]);
+            assert!(p.stop.is_empty());
+        }
     }
 
     #[test]

@@ -122,6 +122,8 @@ mod tests {
                 route: built.route,
                 workers: 1,
                 handler: built.handler,
+                sink: "out".into(),
+                resumer: built.resumer.clone().unwrap(),
                 resume: Some(Resume {
                     resumer: built.resumer.unwrap(),
                     checkpointer: built.checkpointer.unwrap(),

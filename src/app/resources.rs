@@ -122,6 +122,11 @@ pub(super) struct WiredRoute {
     pub(super) workers: usize,
     /// What its listeners hand notifications to: the queue, or the stages in front of it.
     pub(super) handler: Arc<dyn NotificationHandler>,
+    /// The sink's name.
+    pub(super) sink: String,
+    /// In front of the stages: compares a first list with what consumers have.
+    pub(super) resumer: Arc<Resumer>,
+    /// With a checkpoint store: its checkpointer and the resume from it.
     pub(super) resume: Option<Resume>,
 }
 
@@ -252,21 +257,20 @@ impl Wiring {
                     informers,
                 )
                 .build();
-            // Both or neither: a checkpointer without a resumer would record acknowledgements
-            // that no writer task of the app ever writes.
-            debug_assert_eq!(built.resumer.is_some(), built.checkpointer.is_some());
-            let resume = match (built.resumer, built.checkpointer) {
-                (Some(resumer), Some(checkpointer)) => Some(Resume {
-                    resumer,
-                    checkpointer,
-                    interval: sink_cfg.checkpoint_interval,
-                }),
-                _ => None,
-            };
+            // The app always resumes: from the checkpoint with a store, and from what earlier
+            // informers cached when a served version changes.
+            let resumer = built.resumer.expect("built with resume");
+            let resume = built.checkpointer.map(|checkpointer| Resume {
+                resumer: resumer.clone(),
+                checkpointer,
+                interval: sink_cfg.checkpoint_interval,
+            });
             routes.push(WiredRoute {
                 route: built.route,
                 workers: sink_cfg.workers,
                 handler: built.handler,
+                sink: sink_name.clone(),
+                resumer,
                 resume,
             });
         }
@@ -320,6 +324,22 @@ impl Wiring {
                 informer.add_listener(Arc::new(listener));
             }
         }
+    }
+
+    /// The encoder of routes of `api_resource` to sink `sink`.
+    pub(super) fn encoder(&self, sink: &str, api_resource: &ApiResource) -> Encoder {
+        let sink_cfg = self
+            .config
+            .sinks
+            .iter()
+            .find(|s| s.name == sink)
+            .expect("validated");
+        Encoder::new(
+            &self.config.cluster,
+            api_resource,
+            &self.config.message,
+            sink_cfg.encoding(),
+        )
     }
 
     pub(super) fn pending_reason(&self, index: usize, reason: &str) -> String {

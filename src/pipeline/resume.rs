@@ -79,7 +79,7 @@ impl Outcome {
 pub struct Resumer {
     route: String,
     next: Arc<dyn NotificationHandler>,
-    types: TypeMeta,
+    types: Mutex<TypeMeta>,
     informers: usize,
     state: Mutex<State>,
     // Mirrors `state` (set and cleared under its lock): once a resume is over, notifications
@@ -109,7 +109,7 @@ impl Resumer {
         Self {
             route,
             next,
-            types,
+            types: Mutex::new(types),
             informers: informers.max(1),
             state: Mutex::new(State::Passing),
             resuming: AtomicBool::new(false),
@@ -121,8 +121,15 @@ impl Resumer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Stubs carry `types` from now on (the kind is now served at another version).
+    pub fn set_types(&self, types: TypeMeta) {
+        *self.types.lock().unwrap_or_else(|e| e.into_inner()) = types;
+    }
+
     /// Starts resuming from `checkpoint` (call it before the listeners pass on the initial
-    /// state); `None` passes the initial state through as initial adds.
+    /// state); `None` passes the initial state through as initial adds. The checkpoint may
+    /// also be what earlier informers of the route cached (a served version changed): what
+    /// the consumers have or will have once the queue drains.
     pub fn begin(&self, checkpoint: Option<Checkpoint>) {
         let mut state = self.lock();
         *state = match checkpoint {
@@ -150,7 +157,7 @@ impl Resumer {
             None => (None, key.to_owned()),
         };
         Arc::new(CachedObject::new(&DynamicObject {
-            types: Some(self.types.clone()),
+            types: Some(self.types.lock().unwrap_or_else(|e| e.into_inner()).clone()),
             metadata: ObjectMeta {
                 namespace,
                 name: Some(name),

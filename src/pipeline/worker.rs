@@ -97,7 +97,8 @@ impl Degradation {
 pub struct Route {
     resource: String,
     queue: Arc<RouteQueue>,
-    encoder: Encoder,
+    // Replaced when the kind's served version changes (see `set_encoder`).
+    encoder: std::sync::RwLock<Arc<Encoder>>,
     delivery: Arc<Delivery>,
     metrics: RouteMetrics,
     checkpointer: Option<Arc<super::Checkpointer>>,
@@ -222,7 +223,7 @@ impl Route {
         Self {
             resource,
             queue,
-            encoder,
+            encoder: std::sync::RwLock::new(Arc::new(encoder)),
             delivery,
             metrics,
             checkpointer: None,
@@ -231,6 +232,19 @@ impl Route {
             trim_hints: std::sync::Mutex::new(std::collections::HashMap::new()),
             has_trim_hints: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// The encoder messages are made with now.
+    pub fn encoder(&self) -> Arc<Encoder> {
+        self.encoder
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Encodes from now on with `encoder` (the kind is now served at another version).
+    pub fn set_encoder(&self, encoder: Encoder) {
+        *self.encoder.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(encoder);
     }
 
     /// Records every settled notification in `checkpointer` (see `pipeline::checkpoint`).
@@ -439,7 +453,7 @@ impl Route {
             .max_message_bytes()
             .map(|m| m.saturating_sub(SIZE_MARGIN));
         loop {
-            let message = match self.encoder.encode_trimmed(key, n, trim) {
+            let message = match self.encoder().encode_trimmed(key, n, trim) {
                 Ok(m) => m,
                 Err(err) => {
                     self.failed(FailureReason::Encode);
@@ -485,7 +499,7 @@ impl Route {
 
     /// The step after `trim` that changes `n`'s message.
     fn next_trim(&self, n: &Notification, trim: Trim) -> Option<Trim> {
-        self.encoder
+        self.encoder()
             .trim_steps(n)
             .into_iter()
             .find(|&step| step > trim)
@@ -679,7 +693,7 @@ impl Route {
             payload: record.to_string().into(),
             attributes: Vec::new(),
             content_type: crate::message::DATA_CONTENT_TYPE,
-            resource: self.encoder.resource().clone(),
+            resource: self.encoder().resource().clone(),
             namespace: meta.namespace().map(str::to_owned),
             name: meta.name().unwrap_or_default().to_owned(),
             received: n.received,

@@ -457,6 +457,29 @@ impl ApiServer {
         }
     }
 
+    /// A CRD's served version changes to `version` (a storage migration: v1beta1 → v1): the
+    /// same objects (uid and resourceVersion kept) are served at the new version only, and
+    /// discovery names only it. Watches already open go on.
+    pub fn serve_crd_at(&self, group: &str, plural: &str, version: &str) {
+        let version: &'static str = Box::leak(version.to_owned().into_boxed_str());
+        let res = {
+            let mut resources = self.shared.resources.write().unwrap();
+            let res = resources
+                .iter()
+                .position(|r| r.group == group && r.plural == plural && r.served)
+                .unwrap_or_else(|| panic!("no served CRD {plural}.{group}"));
+            resources[res].version = version;
+            res
+        };
+        let api_version = format!("{group}/{version}");
+        let mut store = self.shared.store.lock().unwrap();
+        for ((r, _, _), obj) in store.objects.iter_mut() {
+            if *r == res {
+                obj["apiVersion"] = json!(api_version);
+            }
+        }
+    }
+
     /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
     pub fn refuse_lease_writes_from(&self, holder: Option<&str>) {
         self.shared.faults.lock().unwrap().refuse_lease_holder = holder.map(str::to_owned);
