@@ -167,6 +167,13 @@ pub(super) async fn refresh(
             }
             Err(err) => {
                 warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
+                // Gone must be answered without a break.
+                let ours: Vec<usize> = (0..resources.wired.len())
+                    .filter(|&i| resources.wired[i].index == index)
+                    .collect();
+                ours.iter().for_each(|i| {
+                    resources.gone_since.remove(i);
+                });
                 continue;
             }
         };
@@ -183,10 +190,11 @@ pub(super) async fn refresh(
             }
         }
         for s in start {
+            let mut cached = None;
             let (i, new, api_resource) = match s {
                 Start::Again(i) => (i, false, resources.wired[i].api_resource.clone()),
                 Start::Switch(i, api_resource) => {
-                    switch_version(wiring, resources, i, &api_resource).await;
+                    cached = Some(switch_version(wiring, resources, i, &api_resource).await);
                     (i, false, api_resource)
                 }
                 Start::New(api_resource, namespaced) => {
@@ -203,6 +211,9 @@ pub(super) async fn refresh(
                 }
             };
             wiring.add_informers(&mut resources.wired[i]);
+            if let Some(cached) = cached {
+                seed(&resources.wired[i].informers, cached);
+            }
             resources.start(i, new, metrics).await;
             info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
         }
@@ -306,45 +317,54 @@ async fn stop_informers(wiring: &Wiring, wired: &mut super::resources::Wired) {
 }
 
 /// Moves wired kind `i` to `api_resource` (the same kind at another version): its informers
-/// stop without deleting anything, its routes encode the new version from now on, and, when
-/// this replica publishes, each route resumes from what the old informers cached, so that
-/// the new version's first list publishes only what changed meanwhile (client-go's informer
-/// of the old version would simply stop; a new one would add everything again).
+/// stop without deleting anything (their FIFOs drain into the routes first), and its routes
+/// encode the new version from now on. Returns what each old informer cached, for the new
+/// ones to start from: their first list is then a relist (client-go's `DeltaFIFO.Replace`
+/// against a known cache), which publishes only what changed meanwhile (unchanged objects
+/// are resyncs, dropped unless a resync is due; vanished ones are deleted), where a new
+/// informer would add everything again.
 async fn switch_version(
     wiring: &Wiring,
     resources: &mut Resources,
     i: usize,
     api_resource: &ApiResource,
-) {
-    let leading = resources.leading;
+) -> Vec<Vec<crate::informer::ObjectRef>> {
     let wired = &mut resources.wired[i];
-    let mut cached = crate::pipeline::checkpoint::Checkpoint::new();
-    for informer in &wired.informers {
-        for obj in informer.indexer().list() {
-            cached.insert(
-                crate::informer::meta_namespace_key(&obj),
-                crate::pipeline::checkpoint::Entry {
-                    uid: obj.uid().unwrap_or_default().to_owned(),
-                    resource_version: crate::informer::resource_version(&obj).to_owned(),
-                },
-            );
-        }
-    }
-    let had_informers = !wired.informers.is_empty();
+    let old = wired.informers.clone();
     stop_informers(wiring, wired).await;
+    // After the stop: what drained from the FIFOs is in the caches too.
+    let cached: Vec<_> = old.iter().map(|i| i.indexer().list()).collect();
     info!(from = %wired.api_resource.version, to = %api_resource.version, kind = %api_resource.kind,
-          objects = cached.len(), "The kind is served at another version now; following it without deleting anything");
+          objects = cached.iter().map(Vec::len).sum::<usize>(),
+          "The kind is served at another version now; following it without deleting anything");
     wired.api_resource = api_resource.clone();
     for route in &wired.routes {
         route
             .route
             .set_encoder(wiring.encoder(&route.sink, api_resource));
-        route.resumer.set_types(kube::api::TypeMeta {
-            api_version: api_resource.api_version.clone(),
-            kind: api_resource.kind.clone(),
-        });
-        if leading && had_informers {
-            route.resumer.begin(Some(cached.clone()));
+        if let Some(resume) = &route.resume {
+            resume.resumer.set_types(kube::api::TypeMeta {
+                api_version: api_resource.api_version.clone(),
+                kind: api_resource.kind.clone(),
+            });
+        }
+    }
+    cached
+}
+
+/// Starts each of `informers` (not running yet) from what the informer it replaces cached.
+fn seed(
+    informers: &[Arc<crate::informer::SharedIndexInformer>],
+    cached: Vec<Vec<crate::informer::ObjectRef>>,
+) {
+    for (informer, objects) in informers.iter().zip(cached) {
+        if informer.is_running() {
+            continue; // shared with another resource: it has its own cache
+        }
+        for obj in objects {
+            informer
+                .indexer()
+                .upsert(crate::informer::meta_namespace_key(&obj), obj);
         }
     }
 }

@@ -123,7 +123,6 @@ mod tests {
                 workers: 1,
                 handler: built.handler,
                 sink: "out".into(),
-                resumer: built.resumer.clone().unwrap(),
                 resume: Some(Resume {
                     resumer: built.resumer.unwrap(),
                     checkpointer: built.checkpointer.unwrap(),

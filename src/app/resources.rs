@@ -124,9 +124,6 @@ pub(super) struct WiredRoute {
     pub(super) handler: Arc<dyn NotificationHandler>,
     /// The sink's name.
     pub(super) sink: String,
-    /// In front of the stages: compares a first list with what consumers have.
-    pub(super) resumer: Arc<Resumer>,
-    /// With a checkpoint store: its checkpointer and the resume from it.
     pub(super) resume: Option<Resume>,
 }
 
@@ -257,20 +254,22 @@ impl Wiring {
                     informers,
                 )
                 .build();
-            // The app always resumes: from the checkpoint with a store, and from what earlier
-            // informers cached when a served version changes.
-            let resumer = built.resumer.expect("built with resume");
-            let resume = built.checkpointer.map(|checkpointer| Resume {
-                resumer: resumer.clone(),
-                checkpointer,
-                interval: sink_cfg.checkpoint_interval,
-            });
+            // Both or neither: a checkpointer without a resumer would record acknowledgements
+            // that no writer task of the app ever writes.
+            debug_assert_eq!(built.resumer.is_some(), built.checkpointer.is_some());
+            let resume = match (built.resumer, built.checkpointer) {
+                (Some(resumer), Some(checkpointer)) => Some(Resume {
+                    resumer,
+                    checkpointer,
+                    interval: sink_cfg.checkpoint_interval,
+                }),
+                _ => None,
+            };
             routes.push(WiredRoute {
                 route: built.route,
                 workers: sink_cfg.workers,
                 handler: built.handler,
                 sink: sink_name.clone(),
-                resumer,
                 resume,
             });
         }

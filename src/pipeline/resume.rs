@@ -127,9 +127,7 @@ impl Resumer {
     }
 
     /// Starts resuming from `checkpoint` (call it before the listeners pass on the initial
-    /// state); `None` passes the initial state through as initial adds. The checkpoint may
-    /// also be what earlier informers of the route cached (a served version changed): what
-    /// the consumers have or will have once the queue drains.
+    /// state); `None` passes the initial state through as initial adds.
     pub fn begin(&self, checkpoint: Option<Checkpoint>) {
         let mut state = self.lock();
         *state = match checkpoint {

@@ -54,7 +54,7 @@ pub struct BuiltRoute {
     /// What the route's listeners hand notifications to: the resumer, the filter or the
     /// queue. Listeners pass on every type: the queue applies the route's `events`.
     pub handler: Arc<dyn NotificationHandler>,
-    /// The resumer, when built with [`RouteBuilder::resume`].
+    /// The resumer, when the route resumes from its checkpoint.
     pub resumer: Option<Arc<Resumer>>,
     /// The checkpointer the workers record acknowledgements into, with a store.
     pub checkpointer: Option<Arc<Checkpointer>>,
@@ -124,10 +124,8 @@ impl<'m> RouteBuilder<'m> {
         self
     }
 
-    /// Puts a [`Resumer`] in front, for a route fed by `informers` informers of objects of
-    /// `types`: with a checkpoint store, the app begins it with the checkpoint, so that the
-    /// first list publishes only what changed; without one it passes everything until begun
-    /// with what earlier informers cached (a served version changed).
+    /// With a checkpoint store, compares the first list of the route's `informers` informers
+    /// of objects of `types` with the checkpoint and publishes only what changed.
     pub fn resume(mut self, types: TypeMeta, informers: usize) -> Self {
         self.resume = Some((types, informers));
         self
@@ -176,8 +174,8 @@ impl<'m> RouteBuilder<'m> {
                     .with_label_values(&[&name]),
             ))
         });
-        let resumer = self.resume.map(|(types, informers)| {
-            Arc::new(Resumer::new(
+        let resumer = match (&checkpointer, self.resume) {
+            (Some(_), Some((types, informers))) => Some(Arc::new(Resumer::new(
                 name.clone(),
                 front.clone(),
                 types,
@@ -187,8 +185,9 @@ impl<'m> RouteBuilder<'m> {
                         .resume_objects
                         .with_label_values(&[name.as_str(), o.as_str()])
                 }),
-            ))
-        });
+            ))),
+            _ => None,
+        };
         let handler: Arc<dyn NotificationHandler> = match &resumer {
             Some(r) => r.clone(),
             None => front,

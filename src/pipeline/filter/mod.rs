@@ -466,9 +466,12 @@ impl NotificationHandler for RouteFilter {
                     }
                     st.published.insert(key.clone());
                     st.bases.remove(&key);
-                    if self
-                        .publishes(&mut st, &key, &new, None, EventType::Added)
-                        .is_ok()
+                    // As an `added`, unless the route publishes no adds (then the update
+                    // itself is what brings the object back to the consumers).
+                    if self.queue.publishes(EventType::Added)
+                        && self
+                            .publishes(&mut st, &key, &new, None, EventType::Added)
+                            .is_ok()
                     {
                         n.kind = NotificationKind::Add {
                             obj: new,
@@ -496,7 +499,11 @@ impl NotificationHandler for RouteFilter {
                     }
                     return self.drop_for(reason);
                 }
-                if updated && let Some(base) = st.bases.remove(&key) {
+                // Whatever is published now is what consumers have: an update starts from
+                // the last published state, and a resync or resumed update carries the state.
+                if let Some(base) = st.bases.remove(&key)
+                    && updated
+                {
                     n.kind = NotificationKind::Update { old: base, new };
                 }
             }
@@ -553,19 +560,30 @@ mod tests {
     }
 
     fn stage(config: &str) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 4]) {
+        stage_publishing(config, &EventType::ALL)
+    }
+
+    /// The stage of `config` in front of a queue publishing `events`.
+    fn stage_publishing(
+        config: &str,
+        events: &[EventType],
+    ) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 4]) {
         let r = serde_yaml_like(config);
         let rules = Arc::new(Rules::new(&r).unwrap().expect("rules"));
-        let queue = Arc::new(RouteQueue::new(
-            "r".into(),
-            Box::new(ItemExponentialFailureRateLimiter::new(
-                Duration::from_secs(1),
-                Duration::from_secs(10),
-            )),
-            QueueMetrics::unregistered(),
-            Arc::new(super::super::Budget::new(1000)),
-            IntGauge::new("b", "b").unwrap(),
-            IntCounter::new("c", "c").unwrap(),
-        ));
+        let queue = Arc::new(
+            RouteQueue::new(
+                "r".into(),
+                Box::new(ItemExponentialFailureRateLimiter::new(
+                    Duration::from_secs(1),
+                    Duration::from_secs(10),
+                )),
+                QueueMetrics::unregistered(),
+                Arc::new(super::super::Budget::new(1000)),
+                IntGauge::new("b", "b").unwrap(),
+                IntCounter::new("c", "c").unwrap(),
+            )
+            .with_events(events),
+        );
         let filtered =
             Reason::ALL.map(|r| IntCounter::new(format!("f_{}", r.as_str()), "f").unwrap());
         let f = RouteFilter::new(
@@ -696,11 +714,34 @@ mod tests {
             [
                 "added 1",
                 "synced 3 from 3",
-                "updated 4 from 1",
+                "updated 4 from 3",
                 "deleted 5 filteredout"
             ]
         );
         assert_eq!(filtered[Reason::PublishIf as usize].get(), 2);
+    }
+
+    #[test]
+    fn without_added_in_events_an_object_back_in_the_filter_comes_back_as_updated() {
+        let (f, q, _) = stage_publishing(
+            r#"{"filter": "object.metadata.labels.team == 'shop'"}"#,
+            &[EventType::Updated, EventType::Deleted],
+        );
+        let on = |kind| f.on_notification(Notification::new(kind));
+        on(NotificationKind::Add {
+            obj: object("a", "1", "shop", "x"),
+            is_initial_list: true,
+        });
+        on(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "web", "x"),
+        });
+        on(NotificationKind::Update {
+            old: object("a", "2", "web", "x"),
+            new: object("a", "3", "shop", "x"),
+        });
+        // Not a delete last: the object is live and in the stream.
+        assert_eq!(drain(&q), ["deleted 2 filteredout", "updated 3 from 2"]);
     }
 
     #[test]
