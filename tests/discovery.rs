@@ -667,9 +667,15 @@ async fn discovery_failures_and_brief_gaps_delete_nothing() {
 /// every object of the kind), and later changes come with the new apiVersion.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crd_version_change_under_a_wildcard_deletes_and_replays_nothing() {
+    // KEB_SWITCH_OBJECTS=20000 runs it at scale (printing duplicates and the peak held).
+    let n: usize = std::env::var("KEB_SWITCH_OBJECTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let patience = PATIENCE * (1 + n / 5000) as u32;
     let api = ApiServer::start().await;
     api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
-    for i in 0..30 {
+    for i in 0..n {
         let mut w = custom_resource(
             &format!("{GROUP}/v1beta1"),
             "Widget",
@@ -689,16 +695,30 @@ async fn a_crd_version_change_under_a_wildcard_deletes_and_replays_nothing() {
         .route_each_resource_to(&["out"])
         .build();
     let app = RunningApp::start(cfg, &api).await;
-    wait::until("every widget", PATIENCE, async || {
+    wait::until("every widget", patience, async || {
         let d = delivered(&out);
-        (0..30).all(|i| d.contains_key(&format!("Widget ns/w{i}")))
+        (0..n).all(|i| d.contains_key(&format!("Widget ns/w{i}")))
     })
     .await;
+    let held = app
+        .metrics
+        .listener_buffered
+        .with_label_values(&["shop/widgets.shop.example.org", "out"]);
+    let peak = Arc::new(std::sync::atomic::AtomicI64::new(0));
+    let sampler = tokio::spawn({
+        let peak = peak.clone();
+        async move {
+            loop {
+                peak.fetch_max(held.get(), std::sync::atomic::Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
     api.serve_crd_at(GROUP, "widgets", "v1");
     // A delete while the bridge switches: one delete, from either version's informer.
     api.delete(&format!("{GROUP}/v1"), "Widget", "ns", "w5");
     let factory = app.factory.clone();
-    wait::until("the informer at v1", PATIENCE, async || {
+    wait::until("the informer at v1", patience, async || {
         let names: Vec<String> = factory
             .informers()
             .iter()
@@ -713,21 +733,28 @@ async fn a_crd_version_change_under_a_wildcard_deletes_and_replays_nothing() {
         .unwrap();
     w["spec"]["size"] = json!(100);
     api.update(w);
-    wait::until("the update at v1", PATIENCE, async || {
+    wait::until("the update at v1", patience, async || {
         delivered(&out)["Widget ns/w0"].len() == 2
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
+    sampler.abort();
     assert!(app.stop().await.undelivered.is_empty());
     let d = delivered(&out);
-    assert_eq!(d.len(), 30);
+    let messages: usize = d.values().map(Vec::len).sum();
+    println!(
+        "version switch: {n} objects, {messages} messages (expected {}), peak held after the first list {}",
+        n + 2,
+        peak.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert_eq!(d.len(), n);
     assert_eq!(d["Widget ns/w0"], ["added", "updated"]);
     assert_eq!(d["Widget ns/w5"], ["added", "deleted"]);
     assert!(
-        (1..30)
+        (1..n)
             .filter(|&i| i != 5)
             .all(|i| d[&format!("Widget ns/w{i}")] == ["added"]),
-        "nothing deleted or added again: {d:?}"
+        "nothing deleted or added again"
     );
     let last = support::cloudevent_lines(&out).pop().unwrap();
     assert_eq!(last["data"]["object"]["apiVersion"], format!("{GROUP}/v1"));

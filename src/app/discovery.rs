@@ -168,12 +168,8 @@ pub(super) async fn refresh(
             Err(err) => {
                 warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
                 // Gone must be answered without a break.
-                let ours: Vec<usize> = (0..resources.wired.len())
-                    .filter(|&i| resources.wired[i].index == index)
-                    .collect();
-                ours.iter().for_each(|i| {
-                    resources.gone_since.remove(i);
-                });
+                let wired = &resources.wired;
+                resources.gone_since.retain(|&i, _| wired[i].index != index);
                 continue;
             }
         };
@@ -225,15 +221,6 @@ pub(super) async fn refresh(
                 resources.gone_since.remove(&i);
                 continue;
             }
-            // A version no longer served, of a kind served at another: its objects live on.
-            let elsewhere = match served_at(&wiring.client, &resources.wired[i].api_resource).await
-            {
-                Ok(versions) => versions,
-                Err(err) => {
-                    warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
-                    continue;
-                }
-            };
             let since = *resources.gone_since.entry(i).or_insert(now);
             if now < since + grace {
                 if since == now {
@@ -243,6 +230,16 @@ pub(super) async fn refresh(
                 recheck = Some(recheck.map_or(at, |r| r.min(at)));
                 continue;
             }
+            // A version no longer served, of a kind served at another: its objects live on.
+            let elsewhere = match served_at(&wiring.client, &resources.wired[i].api_resource).await
+            {
+                Ok(versions) => versions,
+                Err(err) => {
+                    warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
+                    resources.gone_since.remove(&i);
+                    continue;
+                }
+            };
             resources.gone_since.remove(&i);
             let wired = &mut resources.wired[i];
             if !elsewhere.is_empty() {

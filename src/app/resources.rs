@@ -205,12 +205,7 @@ impl Wiring {
                 .expect("validated");
             let (delivery, budget) = &self.deliveries[sink_name.as_str()];
             let retry = &sink_cfg.retry;
-            let encoder = Encoder::new(
-                &config.cluster,
-                &api_resource,
-                &config.message,
-                sink_cfg.encoding(),
-            );
+            let encoder = self.encoder(sink_name, &api_resource);
             if let (Some(kafka), Some(topics_cfg)) = (
                 self.kafka_sinks.get(sink_name.as_str()),
                 sink_cfg
