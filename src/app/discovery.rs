@@ -340,7 +340,7 @@ async fn switch_version(
             .route
             .set_encoder(wiring.encoder(&route.sink, api_resource));
         if let Some(resume) = &route.resume {
-            resume.resumer.set_types(kube::api::TypeMeta {
+            resume.resumer.informers_replaced(kube::api::TypeMeta {
                 api_version: api_resource.api_version.clone(),
                 kind: api_resource.kind.clone(),
             });

@@ -121,9 +121,14 @@ impl Resumer {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Stubs carry `types` from now on (the kind is now served at another version).
-    pub fn set_types(&self, types: TypeMeta) {
+    /// The route's informers were replaced (the kind is now served at another version):
+    /// stubs carry `types` from now on, and a resume still running waits for every new
+    /// informer's initial state (what the old ones passed on stays passed on).
+    pub fn informers_replaced(&self, types: TypeMeta) {
         *self.types.lock().unwrap_or_else(|e| e.into_inner()) = types;
+        if let State::Resuming { unsynced, .. } = &mut *self.lock() {
+            *unsynced = self.informers;
+        }
     }
 
     /// Starts resuming from `checkpoint` (call it before the listeners pass on the initial

@@ -297,7 +297,7 @@ impl Route {
         let queue = self.queue.queue();
         loop {
             let mut batch = self.settle_acks(&key, &mut handed).await;
-            let failed = !batch.is_empty();
+            let mut failed = !batch.is_empty();
             if failed
                 && self
                     .delivery
@@ -305,10 +305,20 @@ impl Route {
                     .is_some_and(|max| queue.num_requeues(&key) >= max)
             {
                 self.give_up(&key, &mut batch).await;
-                // The rest (and what arrived meanwhile) goes on, without the delay earned
-                // by the one that failed; with nothing left the key is simply released.
-                self.queue.retry(&key, batch, term);
-                break;
+                if !queue.is_shutting_down() {
+                    // The rest (and what arrived meanwhile) goes on, without the delay earned
+                    // by the one that failed; with nothing left the key is simply released.
+                    self.queue.retry(&key, batch, term);
+                    break;
+                }
+                // A draining work queue takes no retries (the key would stay parked with
+                // what is left): the rest goes on here, and what arrived meanwhile comes
+                // from `finish`.
+                failed = !batch.is_empty();
+                if failed {
+                    handed = self.hand_over(&key, batch, term).await;
+                    continue;
+                }
             }
             if failed && queue.is_shutting_down() {
                 // A draining work queue takes no retries: retry here, within the grace period

@@ -22,9 +22,11 @@
 //!     published only if it belongs to the stream and `publish_if` passes it;
 //!   - when a published object stops belonging to the stream, a `deleted` notification of its
 //!     current state marked `k8sfilteredout: true` is published instead of the change;
-//!   - a change that `publish_if` passes for a member not published yet (relabelled into the
-//!     filter, or skipped so far) is published as `added` when `publish_if` passes it as
-//!     such, so that every object enters the stream with an `added`.
+//!   - a member not published yet (relabelled into the filter, or skipped so far) enters the
+//!     stream as `added` when `publish_if` passes it as one (and the route publishes adds),
+//!     else as the change itself when `publish_if` passes that;
+//!   - a resumed update (changed while no replica published) is always published: it
+//!     repairs what consumers have, and its stub old state is nothing to judge by.
 //! - With `ignore_fields`, an update whose old and new objects are equal once those JSON
 //!   pointers are removed is suppressed (`reason="suppressed"`); as with `publish_if`, the
 //!   next published update starts from the last one published: `oldObject` and `data.patch`
@@ -460,19 +462,21 @@ impl NotificationHandler for RouteFilter {
                     return self.drop_for(reason);
                 }
                 if !published {
-                    // A member the consumers do not have: it enters the stream.
-                    if let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty) {
+                    // A member the consumers do not have enters the stream: as an `added`
+                    // when `publish_if` passes it as one (and the route publishes adds),
+                    // else as the change itself when `publish_if` passes that.
+                    let as_added = self.queue.publishes(EventType::Added)
+                        && self
+                            .publishes(&mut st, &key, &new, None, EventType::Added)
+                            .is_ok();
+                    if !as_added
+                        && let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty)
+                    {
                         return self.drop_for(reason);
                     }
                     st.published.insert(key.clone());
                     st.bases.remove(&key);
-                    // As an `added`, unless the route publishes no adds (then the update
-                    // itself is what brings the object back to the consumers).
-                    if self.queue.publishes(EventType::Added)
-                        && self
-                            .publishes(&mut st, &key, &new, None, EventType::Added)
-                            .is_ok()
-                    {
+                    if as_added {
                         n.kind = NotificationKind::Add {
                             obj: new,
                             is_initial_list: false,
@@ -493,7 +497,11 @@ impl NotificationHandler for RouteFilter {
                     st.bases.entry(key).or_insert(old);
                     return self.drop_for(Reason::Suppressed);
                 }
-                if let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty) {
+                // A resumed update repairs what consumers have (and its old state is a stub
+                // `publish_if` cannot read): always published.
+                if !n.resumed
+                    && let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty)
+                {
                     if updated {
                         st.bases.entry(key).or_insert(old);
                     }
@@ -755,6 +763,52 @@ mod tests {
                 "{err}"
             );
         }
+    }
+
+    #[test]
+    fn publish_if_never_keeps_a_member_out_and_never_drops_a_resumed_repair() {
+        let (f, q, _) = stage(
+            r#"{"filter": "object.metadata.labels.team == 'shop'", "filter_error": "drop",
+                "publish_if": "type != 'updated' || object.status.phase != oldObject.status.phase"}"#,
+        );
+        let on = |n: Notification| f.on_notification(n);
+        on(Notification::new(NotificationKind::Add {
+            obj: object("a", "1", "shop", "x"),
+            is_initial_list: true,
+        }));
+        on(Notification::new(NotificationKind::Update {
+            old: object("a", "1", "shop", "x"),
+            new: object("a", "2", "web", "x"),
+        }));
+        // Back in the filter with the phase unchanged: publish_if fails it as an update, but
+        // it enters the stream as an added.
+        on(Notification::new(NotificationKind::Update {
+            old: object("a", "2", "web", "x"),
+            new: object("a", "3", "shop", "x"),
+        }));
+        // Changed while down: the stub old state has no status (an evaluation error, dropped
+        // by the policy), yet the repair is published.
+        let mut resumed = Notification::new(NotificationKind::Update {
+            old: Arc::new(CachedObject::new(
+                &serde_json::from_value(serde_json::json!({
+                    "apiVersion": "v1", "kind": "ConfigMap",
+                    "metadata": {"namespace": "ns", "name": "b", "uid": "uid-b",
+                                 "resourceVersion": "1"}}))
+                .unwrap(),
+            )),
+            new: object("b", "2", "shop", "x"),
+        });
+        resumed.resumed = true;
+        on(resumed);
+        assert_eq!(
+            drain(&q),
+            [
+                "added 1",
+                "deleted 2 filteredout",
+                "added 3",
+                "updated 2 from 1"
+            ]
+        );
     }
 
     #[test]
