@@ -291,6 +291,52 @@ impl Config {
                 }
             }
         }
+        // Two entries that can select the same object and send it to one sink render the same
+        // topic (or subject, or file) and key from two queues with no order between them: a
+        // `k8sfilteredout` delete from one could land after the other's `added`.
+        let mut seen: Vec<(&str, &str)> = Vec::new();
+        for (i, route) in self.routes.iter().enumerate() {
+            let Some(r) = self
+                .resources
+                .iter()
+                .find(|r| r.effective_name() == route.resource)
+            else {
+                continue;
+            };
+            for sink in &route.sinks {
+                for &(other_name, other_sink) in &seen {
+                    let other = self
+                        .resources
+                        .iter()
+                        .find(|o| o.effective_name() == other_name)
+                        .expect("seen only when found");
+                    if other_sink == sink
+                        && other_name != route.resource
+                        && r.may_share_objects_with(other)
+                    {
+                        p.add(
+                            format!("routes[{i}]"),
+                            format!(
+                                "resources {other_name:?} and {:?} can both select the same \
+                                 objects (same kind, overlapping namespaces) and both go to sink \
+                                 {sink:?}: their messages would share topics and keys with no \
+                                 order between them (one's delete could land after the other's \
+                                 add). Merge them into one entry, make them disjoint \
+                                 (namespaces, exclude, exclude_namespaces), or send them to \
+                                 different sinks",
+                                route.resource
+                            ),
+                        );
+                    }
+                }
+            }
+            seen.extend(
+                route
+                    .sinks
+                    .iter()
+                    .map(|s| (route.resource.as_str(), s.as_str())),
+            );
+        }
         for (i, r) in self.resources.iter().enumerate() {
             if !routed.contains(r.effective_name().as_str()) {
                 p.add(
@@ -401,6 +447,59 @@ mod tests {
                 .any(|l| l.starts_with("resources[0]: \"configmap\" is not used")),
             "{e:?}"
         );
+    }
+
+    #[test]
+    fn two_entries_that_can_select_one_object_for_one_sink_are_refused_naming_both() {
+        let with = |resources: serde_json::Value, sinks: [&[&str]; 2]| {
+            let mut v = minimal();
+            v["sinks"] = json!([{"name": "out", "type": "stdout"}, {"name": "other", "type": "stdout"}]);
+            let names: Vec<String> = resources
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r["name"].as_str().unwrap().to_owned())
+                .collect();
+            v["resources"] = resources;
+            v["routes"] = json!([
+                {"resource": names[0], "sinks": sinks[0]},
+                {"resource": names[1], "sinks": sinks[1]},
+            ]);
+            Config::from_value(v)
+        };
+        let shop = json!({"name": "shop", "api_version": "v1", "kind": "ConfigMap", "filter": "object.metadata.labels['team'] == 'shop'"});
+        let all_core = json!({"name": "core", "api_version": "v1", "kind": "*"});
+        // A wildcard and an explicit entry of the same kind, to one sink.
+        let e = match with(json!([all_core, shop]), [&["out"], &["out"]]) {
+            Err(Error::Invalid(e)) => e,
+            other => panic!("expected invalid, got {other:?}"),
+        };
+        assert!(
+            e.iter().any(|l| l.starts_with("routes[1]: resources \"core\" and \"shop\" can both select")
+                && l.contains("sink \"out\"")),
+            "{e:?}"
+        );
+        // Two filters of one kind (an object can move between them), to one sink.
+        let billing = json!({"name": "billing", "api_version": "v1", "kind": "ConfigMap", "filter": "true"});
+        assert!(with(json!([shop, billing]), [&["out"], &["out"]]).is_err());
+        // Allowed: different sinks, disjoint namespaces, a kind the wildcard excludes, other
+        // groups, another version of another group's kind.
+        assert!(with(json!([shop, billing]), [&["out"], &["other"]]).is_ok());
+        let a = json!({"name": "a", "api_version": "v1", "kind": "ConfigMap", "namespaces": ["a"]});
+        let b = json!({"name": "b", "api_version": "v1", "kind": "ConfigMap", "namespaces": ["b"]});
+        assert!(with(json!([a, b]), [&["out"], &["out"]]).is_ok());
+        let not_a = json!({"name": "not-a", "api_version": "v1", "kind": "ConfigMap", "exclude_namespaces": ["a"]});
+        assert!(with(json!([a, not_a]), [&["out"], &["out"]]).is_ok());
+        assert!(with(json!([b, not_a]), [&["out"], &["out"]]).is_err());
+        let but_cm = json!({"name": "core", "api_version": "v1", "kind": "*", "exclude": ["ConfigMap"]});
+        assert!(with(json!([but_cm, shop]), [&["out"], &["out"]]).is_ok());
+        let apps = json!({"name": "apps", "api_version": "apps/*", "kind": "*"});
+        assert!(with(json!([apps, shop]), [&["out"], &["out"]]).is_ok());
+        let everything = json!({"name": "all", "api_version": "*", "kind": "*"});
+        assert!(with(json!([everything, shop]), [&["out"], &["out"]]).is_err());
+        let d1 = json!({"name": "d1", "api_version": "apps/v1", "kind": "Deployment"});
+        let d2 = json!({"name": "d2", "api_version": "apps/v1beta1", "kind": "Deployment"});
+        assert!(with(json!([d1, d2]), [&["out"], &["out"]]).is_err(), "versions do not make kinds");
     }
 
     #[test]

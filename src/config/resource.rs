@@ -225,6 +225,53 @@ impl ResourceConfig {
         self.filter_settings().validate(p);
     }
 
+    /// The API group this entry selects: `Some("")` for core, `Some(g)`, or `None` for every
+    /// group (`api_version: "*"`).
+    fn group(&self) -> Option<&str> {
+        match self.api_version.split_once('/') {
+            _ if self.api_version == "*" => None,
+            Some((g, _)) => Some(g),
+            None => Some(""),
+        }
+    }
+
+    /// Whether an object could be selected by both this entry and `other`: their kinds can
+    /// be the same (a version is not part of a kind's identity) and their namespaces can
+    /// overlap. Label selectors and filters are not compared: an object can be relabelled
+    /// from one into the other.
+    pub fn may_share_objects_with(&self, other: &ResourceConfig) -> bool {
+        let groups = match (self.group(), other.group()) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        };
+        let takes = |wild: &ResourceConfig, kind: &str, group: Option<&str>| {
+            group.is_none_or(|g| !wild.excludes(g, kind))
+        };
+        let kinds = match (self.is_wildcard(), other.is_wildcard()) {
+            (false, false) => self.kind == other.kind,
+            (true, false) => takes(self, &other.kind, other.group()),
+            (false, true) => takes(other, &self.kind, self.group()),
+            (true, true) => !matches!(
+                (self.scope, other.scope),
+                (ScopeSelection::Namespaced, ScopeSelection::Cluster)
+                    | (ScopeSelection::Cluster, ScopeSelection::Namespaced)
+            ),
+        };
+        let watches = |r: &ResourceConfig, ns: &String| {
+            if r.namespaces.is_empty() {
+                !r.exclude_namespaces.contains(ns)
+            } else {
+                r.namespaces.contains(ns)
+            }
+        };
+        let namespaces = match (self.namespaces.is_empty(), other.namespaces.is_empty()) {
+            (true, true) => true,
+            (false, _) => self.namespaces.iter().any(|ns| watches(other, ns)),
+            (true, false) => other.namespaces.iter().any(|ns| watches(self, ns)),
+        };
+        groups && kinds && namespaces
+    }
+
     /// The settings of this resource's filter stage.
     pub fn filter_settings(&self) -> FilterSettings {
         FilterSettings {
