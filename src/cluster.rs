@@ -312,10 +312,51 @@ pub fn client(
         .with_layer(&layer)
         // Retry needs a service it can clone.
         .with_layer(&tower::buffer::BufferLayer::new(1024))
-        .with_layer(&tower::retry::RetryLayer::new(
+        .with_layer(&tower::retry::RetryLayer::new(ApiRetryPolicy(
             kube::client::retry::RetryPolicy::server_retry(),
-        ))
+        )))
         .build())
+}
+
+/// kube's server-aware retry (429, 503, 504 after Retry-After), except a watch answered 504:
+/// that is the API server's "Too large resource version" (its cache is behind the
+/// resourceVersion asked, as after etcd was restored from a backup), and only a relist helps,
+/// which the informer's list+watch does at once; retrying the same watch would delay it by up
+/// to 15 attempts.
+#[derive(Clone)]
+struct ApiRetryPolicy(kube::client::retry::RetryPolicy);
+
+impl<Res>
+    tower::retry::Policy<http::Request<kube::client::Body>, http::Response<Res>, tower::BoxError>
+    for ApiRetryPolicy
+{
+    type Future = tokio::time::Sleep;
+
+    fn retry(
+        &mut self,
+        req: &mut http::Request<kube::client::Body>,
+        result: &mut Result<http::Response<Res>, tower::BoxError>,
+    ) -> Option<Self::Future> {
+        let is_watch = req
+            .uri()
+            .query()
+            .is_some_and(|q| q.split('&').any(|p| p == "watch=true"));
+        if is_watch && matches!(result, Ok(r) if r.status() == http::StatusCode::GATEWAY_TIMEOUT) {
+            return None;
+        }
+        self.0.retry(req, result)
+    }
+
+    fn clone_request(
+        &mut self,
+        req: &http::Request<kube::client::Body>,
+    ) -> Option<http::Request<kube::client::Body>> {
+        <kube::client::retry::RetryPolicy as tower::retry::Policy<
+            http::Request<kube::client::Body>,
+            http::Response<Res>,
+            tower::BoxError,
+        >>::clone_request(&mut self.0, req)
+    }
 }
 
 #[derive(Clone)]

@@ -56,8 +56,15 @@ impl Drop for Running {
 /// One ConfigMap informer (page size 10) with the given listeners, started.
 fn start(server: &ApiServer, probes: &[Probe], streaming_list: bool) -> Running {
     let metrics = Arc::new(Metrics::new());
+    // The bridge's own client (its rate limit and retry policy), as the informers run.
+    let client = kube_event_bridge::cluster::client(
+        kube::Config::new(server.url().parse().unwrap()),
+        &Default::default(),
+        &metrics,
+    )
+    .unwrap();
     let factory = SharedInformerFactory::new(
-        server.client(),
+        client,
         WatchOptions {
             page_size: 10,
             streaming_list,
@@ -213,6 +220,87 @@ async fn a_relist_finding_a_new_uid_under_a_key_deletes_the_old_incarnation_then
         "client-go reports this as an update; consumers keyed by uid need the delete"
     );
     assert_eq!(relists(&r), 1);
+}
+
+#[tokio::test]
+async fn after_etcd_is_restored_a_too_large_resource_version_relists_instead_of_rewatching() {
+    let server = ApiServer::start().await;
+    let (l, r) = watching(&server, &["a", "b"]).await;
+    let backup = server.backup();
+    server.create(typed(&configmap("ns", "c", "1")));
+    server.update(typed(&configmap("ns", "a", "2")));
+    take(&l, 2).await;
+    // etcd goes back to the backup: the informer's resourceVersion is now ahead of the
+    // server's (a watch from it gets 504 "Too large resource version").
+    server.restore(&backup);
+    server.create(typed(&configmap("ns", "d", "1")));
+    let mut got = take(&l, 3).await;
+    got.sort();
+    assert_eq!(
+        got,
+        [
+            "add ns/d v=1",
+            "delete ns/c v=1 final-state-unknown",
+            "update ns/a v=2->1"
+        ],
+        "a consistent relist, then the changes made after the restore (kube-runtime's watcher \
+         re-watches the too-large resourceVersion forever and never sees d)"
+    );
+    assert_eq!(relists(&r), 1);
+    let mut keys = r.informer.indexer().list_keys();
+    keys.sort();
+    assert_eq!(keys, ["ns/a", "ns/b", "ns/d"]);
+}
+
+/// A lagging watch cache (reads at resourceVersion "0" served from an older state) is never
+/// read: paged and streaming lists are consistent reads, so an informer's first list, and
+/// every relist compared with its cache, never goes back in time.
+#[tokio::test]
+async fn lists_and_watch_lists_are_consistent_reads_that_a_lagging_cache_cannot_send_back_in_time()
+{
+    for streaming in [false, true] {
+        let server = ApiServer::start().await;
+        server.create(typed(&configmap("ns", "a", "1")));
+        server.create(typed(&configmap("ns", "gone", "1")));
+        server.serve_stale_cache(Some(server.backup()));
+        server.update(typed(&configmap("ns", "a", "2")));
+        server.create(typed(&configmap("ns", "new", "1")));
+        server.delete("v1", "ConfigMap", "ns", "gone");
+        let l = Collector::new();
+        let r = start(&server, &[(&l, None)], streaming);
+        let mut got = take(&l, 2).await;
+        got.sort();
+        assert_eq!(
+            got,
+            ["add ns/a v=2 initial", "add ns/new v=1 initial"],
+            "streaming: {streaming}"
+        );
+        wait::until("has_synced", PATIENCE, async || r.informer.has_synced()).await;
+        // A relist asked for (as a new leader does) is a consistent read too.
+        let cancel = CancellationToken::new();
+        r.informer.deactivate_listeners();
+        server.update(typed(&configmap("ns", "a", "3")));
+        let handed = r
+            .informer
+            .activate_listeners_after_relist(&cancel)
+            .await
+            .expect("relisted");
+        assert_eq!(handed, 2);
+        let mut got = take(&l, 2).await;
+        got.sort();
+        assert_eq!(
+            got,
+            ["add ns/a v=3 initial", "add ns/new v=1 initial"],
+            "streaming: {streaming}"
+        );
+        assert_eq!(relists(&r), 1);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), l.pop())
+                .await
+                .is_err(),
+            "nothing else"
+        );
+    }
 }
 
 #[tokio::test]

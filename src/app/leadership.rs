@@ -1,10 +1,13 @@
 //! Following leadership: only the leader publishes. Every change of leadership ends a term;
-//! becoming leader compares the cache with what the last leader's sinks acknowledged (the
-//! checkpoints) and publishes what changed, or replays the cache where there is none.
+//! becoming leader relists every informer (a consistent list, as a restart does: a standby's
+//! watch may lag or be stalled), compares the result with what the last leader's sinks
+//! acknowledged (the checkpoints) and publishes what changed, or replays it where there is no
+//! checkpoint.
 
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::resources::{Resources, resume_from_checkpoints};
@@ -15,10 +18,15 @@ impl Resources {
     /// listeners stop and routes drop what they hold (a worker drops what it took), so that
     /// nothing of the old term is published after the new one's replay. Becoming leader
     /// writes what this replica's sinks acknowledged in an earlier term to the checkpoints,
-    /// loads them, starts each route's resume, and switches the routes and listeners on
-    /// (each cached object handed over once).
+    /// loads them, starts each route's resume, switches the routes on, and each informer's
+    /// listeners once a fresh list of it is in the cache (each object handed over once). The
+    /// listeners of an informer whose list fails stay off (nothing of it is published) until
+    /// a list succeeds or the term ends.
     pub(super) async fn set_leading(&mut self, leading: bool, metrics: &Metrics) {
         self.leading = leading;
+        // Ends the last term's pending switch-ons before anything is switched off.
+        self.term.cancel();
+        self.term = CancellationToken::new();
         let informers: Vec<_> = self
             .wired
             .iter()
@@ -43,8 +51,18 @@ impl Resources {
         // while no replica led: each cached object once, and what the first list has not
         // cached yet comes from it.
         queues.iter().for_each(|q| q.set_active(true));
-        let replayed: usize = informers.iter().map(|i| i.activate_listeners()).sum();
-        info!(objects = replayed, "Leading: replayed the cache");
+        info!(
+            informers = informers.len(),
+            "Leading: relisting every informer before comparing with the checkpoints"
+        );
+        for informer in informers {
+            let term = self.term.clone();
+            tokio::spawn(async move {
+                if let Some(objects) = informer.activate_listeners_after_relist(&term).await {
+                    info!(informer = %informer.name(), objects, "Leading: relisted; handed the listed state to the routes");
+                }
+            });
+        }
     }
 }
 
@@ -137,6 +155,7 @@ mod tests {
             wired: vec![wired],
             pending: BTreeMap::new(),
             leading: false,
+            term: Default::default(),
             gone_since: Default::default(),
             live: None,
         }

@@ -128,6 +128,7 @@ impl App {
             wired: Vec::new(),
             pending: BTreeMap::new(),
             leading: !config.leader_election.enabled,
+            term: CancellationToken::new(),
             gone_since: Default::default(),
             live: None,
         };

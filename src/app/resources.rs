@@ -145,6 +145,9 @@ pub(super) struct Resources {
     pub(super) wired: Vec<Wired>,
     pub(super) pending: BTreeMap<usize, String>,
     pub(super) leading: bool,
+    /// The leadership term: cancelled when it ends (switch-ons still waiting for a relist
+    /// give up).
+    pub(super) term: CancellationToken,
     /// Wired kinds (by index) that discovery answered are gone, since when: they stop once
     /// that lasted `kubernetes.discovery_grace`.
     pub(super) gone_since: HashMap<usize, tokio::time::Instant>,

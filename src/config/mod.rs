@@ -453,7 +453,8 @@ mod tests {
     fn two_entries_that_can_select_one_object_for_one_sink_are_refused_naming_both() {
         let with = |resources: serde_json::Value, sinks: [&[&str]; 2]| {
             let mut v = minimal();
-            v["sinks"] = json!([{"name": "out", "type": "stdout"}, {"name": "other", "type": "stdout"}]);
+            v["sinks"] =
+                json!([{"name": "out", "type": "stdout"}, {"name": "other", "type": "stdout"}]);
             let names: Vec<String> = resources
                 .as_array()
                 .unwrap()
@@ -475,12 +476,14 @@ mod tests {
             other => panic!("expected invalid, got {other:?}"),
         };
         assert!(
-            e.iter().any(|l| l.starts_with("routes[1]: resources \"core\" and \"shop\" can both select")
+            e.iter().any(|l| l
+                .starts_with("routes[1]: resources \"core\" and \"shop\" can both select")
                 && l.contains("sink \"out\"")),
             "{e:?}"
         );
         // Two filters of one kind (an object can move between them), to one sink.
-        let billing = json!({"name": "billing", "api_version": "v1", "kind": "ConfigMap", "filter": "true"});
+        let billing =
+            json!({"name": "billing", "api_version": "v1", "kind": "ConfigMap", "filter": "true"});
         assert!(with(json!([shop, billing]), [&["out"], &["out"]]).is_err());
         // Allowed: different sinks, disjoint namespaces, a kind the wildcard excludes, other
         // groups, another version of another group's kind.
@@ -491,7 +494,8 @@ mod tests {
         let not_a = json!({"name": "not-a", "api_version": "v1", "kind": "ConfigMap", "exclude_namespaces": ["a"]});
         assert!(with(json!([a, not_a]), [&["out"], &["out"]]).is_ok());
         assert!(with(json!([b, not_a]), [&["out"], &["out"]]).is_err());
-        let but_cm = json!({"name": "core", "api_version": "v1", "kind": "*", "exclude": ["ConfigMap"]});
+        let but_cm =
+            json!({"name": "core", "api_version": "v1", "kind": "*", "exclude": ["ConfigMap"]});
         assert!(with(json!([but_cm, shop]), [&["out"], &["out"]]).is_ok());
         let apps = json!({"name": "apps", "api_version": "apps/*", "kind": "*"});
         assert!(with(json!([apps, shop]), [&["out"], &["out"]]).is_ok());
@@ -499,7 +503,10 @@ mod tests {
         assert!(with(json!([everything, shop]), [&["out"], &["out"]]).is_err());
         let d1 = json!({"name": "d1", "api_version": "apps/v1", "kind": "Deployment"});
         let d2 = json!({"name": "d2", "api_version": "apps/v1beta1", "kind": "Deployment"});
-        assert!(with(json!([d1, d2]), [&["out"], &["out"]]).is_err(), "versions do not make kinds");
+        assert!(
+            with(json!([d1, d2]), [&["out"], &["out"]]).is_err(),
+            "versions do not make kinds"
+        );
     }
 
     #[test]

@@ -96,6 +96,11 @@ struct State {
     queue: VecDeque<String>,
     populated: bool,
     initial_population_count: usize,
+    // Lists replaced so far, and the newest of them whose deltas have all been popped (keys
+    // still to pop before it is: `replace_remaining`).
+    replaces: u64,
+    replaced_through: u64,
+    replace_remaining: usize,
     closed: bool,
 }
 
@@ -194,8 +199,22 @@ impl DeltaFifo {
             s.populated = true;
             s.initial_population_count = listed.len() + queued_deletions;
         }
+        // Every key queued now (this list's and those queued before it) pops before the list
+        // counts as applied.
+        s.replaces += 1;
+        s.replace_remaining = s.queue.len();
+        if s.replace_remaining == 0 {
+            s.replaced_through = s.replaces;
+        }
         drop(s);
         self.notify.notify_one();
+    }
+
+    /// How many lists [`replace`](Self::replace) took so far, and how many of them have been
+    /// popped entirely (applied to the cache and distributed).
+    pub fn replaces(&self) -> (u64, u64) {
+        let s = self.lock();
+        (s.replaces, s.replaced_through)
     }
 
     /// Queues `Sync(cached)` for every known key with nothing queued.
@@ -269,6 +288,12 @@ impl DeltaFifo {
         let is_in_initial_list = !(s.populated && s.initial_population_count == 0);
         if s.initial_population_count > 0 {
             s.initial_population_count -= 1;
+        }
+        if s.replace_remaining > 0 {
+            s.replace_remaining -= 1;
+            if s.replace_remaining == 0 {
+                s.replaced_through = s.replaces;
+            }
         }
         Some(process(deltas, is_in_initial_list))
     }

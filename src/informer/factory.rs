@@ -9,13 +9,13 @@ use std::{
 use kube::{
     Api, Client,
     api::{ApiResource, DynamicObject},
-    runtime::watcher,
 };
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{
     DeltaFifo, Indexer, SharedIndexInformer,
+    list_watch::ListWatchConfig,
     reflector::{Reflector, ReflectorMetrics, Transform},
     shared_informer::InformerMetrics,
 };
@@ -107,17 +107,13 @@ impl SharedInformerFactory {
             Some(ns) => Api::namespaced_with(self.client.clone(), ns, resource),
             None => Api::all_with(self.client.clone(), resource),
         };
-        let mut config = watcher::Config::default().page_size(self.options.page_size);
-        config.timeout = Some(self.options.watch_timeout_seconds);
-        if self.options.streaming_list {
-            config = config.streaming_lists();
-        }
-        if let Some(l) = &key.label_selector {
-            config = config.labels(l);
-        }
-        if let Some(f) = &key.field_selector {
-            config = config.fields(f);
-        }
+        let config = ListWatchConfig {
+            page_size: self.options.page_size,
+            streaming: self.options.streaming_list,
+            timeout: self.options.watch_timeout_seconds,
+            labels: key.label_selector.clone(),
+            fields: key.field_selector.clone(),
+        };
         let indexer = Arc::new(Indexer::new());
         let fifo = Arc::new(DeltaFifo::new(indexer.clone()));
         let m = &self.metrics;

@@ -13,6 +13,7 @@
 pub mod delta_fifo;
 pub mod factory;
 pub mod indexer;
+pub mod list_watch;
 pub mod listener;
 pub mod notification;
 pub mod object;

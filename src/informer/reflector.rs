@@ -1,10 +1,12 @@
-//! The Reflector: list+watch of one resource into a [`DeltaFifo`], on `kube::runtime::watcher`.
+//! The Reflector: list+watch of one resource into a [`DeltaFifo`], on [`list_watch`] (kube-runtime's
+//! watcher state machine with client-go's consistent reads, see that module).
 //!
-//! The watcher already does what client-go's reflector does on the wire: paged lists (or a
-//! streaming watch-list), watches with bookmarks from the last resourceVersion, a relist after
-//! 410 Gone, a re-watch without relist when a stream ends, and client-go's backoff (800 ms
-//! doubling to 30 s, jittered, reset after 2 min) through `default_backoff`. This module only
-//! turns its events into deltas:
+//! The list+watch does what client-go's reflector does on the wire: paged lists (or a
+//! streaming watch-list), always consistent reads; watches with bookmarks from the last
+//! resourceVersion, a relist after 410 Gone or "Too large resource version", a re-watch without
+//! relist when a stream ends, and client-go's backoff (800 ms doubling to 30 s, jittered, reset
+//! after 2 min) through kube-runtime's `default_backoff`. This module only turns its events into
+//! deltas:
 //!
 //! | watcher event    | FIFO                                     |
 //! |------------------|------------------------------------------|
@@ -36,6 +38,8 @@ use kube::{
     api::DynamicObject,
     runtime::{WatchStreamExt, watcher},
 };
+
+use super::list_watch::{ListWatchConfig, Relists, list_watch};
 use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -82,7 +86,10 @@ fn is_stall(err: &watcher::Error) -> bool {
 pub struct Reflector {
     name: String,
     api: Api<DynamicObject>,
-    config: watcher::Config,
+    config: ListWatchConfig,
+    relists: Relists,
+    // (request served, FIFO generation) of the last list replaced.
+    served: Mutex<(u64, u64)>,
     fifo: Arc<DeltaFifo>,
     transform: Option<Transform>,
     metrics: ReflectorMetrics,
@@ -95,7 +102,7 @@ impl Reflector {
     pub fn new(
         name: String,
         api: Api<DynamicObject>,
-        config: watcher::Config,
+        config: ListWatchConfig,
         fifo: Arc<DeltaFifo>,
         transform: Option<Transform>,
         metrics: ReflectorMetrics,
@@ -104,6 +111,8 @@ impl Reflector {
             name,
             api,
             config,
+            relists: Relists::default(),
+            served: Mutex::new((0, 0)),
             fifo,
             transform,
             metrics,
@@ -168,9 +177,24 @@ impl Reflector {
         Arc::new(CachedObject::new(&obj))
     }
 
+    /// Asks the running list+watch to start a new consistent list now (dropping a list in
+    /// progress); its `replace` reaches the FIFO like any relist's. Returns the request's
+    /// number, for [`served`](Self::served).
+    pub fn request_relist(&self) -> u64 {
+        self.relists.request()
+    }
+
+    /// The newest relist request a list handed to the FIFO has served, and that list's
+    /// generation in the FIFO ([`DeltaFifo::replaces`]).
+    pub fn served(&self) -> (u64, u64) {
+        *self.served.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Runs until `cancel` fires.
     pub async fn run(&self, cancel: CancellationToken) {
-        let stream = watcher(self.api.clone(), self.config.clone()).default_backoff();
+        let stream =
+            list_watch(self.api.clone(), self.config.clone(), &self.relists).default_backoff();
+        let mut serving = 0;
         futures::pin_mut!(stream);
         let mut listing: Option<Vec<ObjectRef>> = None;
         let mut lists = 0u64;
@@ -192,6 +216,7 @@ impl Reflector {
                     }
                     lists += 1;
                     listing = Some(Vec::new());
+                    serving = self.relists.listing_for();
                 }
                 Ok(watcher::Event::InitApply(obj)) => {
                     let obj = self.prepare(obj);
@@ -202,6 +227,8 @@ impl Reflector {
                     self.metrics.listed.inc_by(list.len() as u64);
                     debug!(informer = %self.name, objects = list.len(), "List complete");
                     self.fifo.replace(list);
+                    let generation = self.fifo.replaces().0;
+                    *self.served.lock().unwrap_or_else(|e| e.into_inner()) = (serving, generation);
                 }
                 Ok(watcher::Event::Apply(obj)) => {
                     self.metrics.applied.inc();

@@ -58,6 +58,8 @@ pub struct SharedIndexInformer {
     gone: AtomicBool,
     // Set (under the FIFO lock) once listeners were told the first list is through.
     sync_signalled: AtomicBool,
+    // Set when `run` ends.
+    stopped: AtomicBool,
     metrics: InformerMetrics,
 }
 
@@ -88,6 +90,7 @@ impl SharedIndexInformer {
             spawned: AtomicBool::new(false),
             gone: AtomicBool::new(false),
             sync_signalled: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             metrics,
         }
     }
@@ -208,6 +211,7 @@ impl SharedIndexInformer {
         if let Some(r) = resync {
             let _ = r.await;
         }
+        self.stopped.store(true, Ordering::SeqCst);
         debug!(informer = %self.name, "Informer stopped");
     }
 
@@ -253,14 +257,53 @@ impl SharedIndexInformer {
     /// Listeners already on get nothing. Returns how many objects were sent to each listener
     /// switched on (0 when none was off).
     pub fn activate_listeners(&self) -> usize {
+        self.activate_listeners_if(|| true).unwrap_or(0)
+    }
+
+    /// [`activate_listeners`](Self::activate_listeners) after a fresh list: asks the reflector
+    /// for a new consistent list and waits until it has been applied to the cache, so that the
+    /// listeners get the API server's state as of now, not a cache whose watch may lag or be
+    /// stalled (a new leader compares its checkpoints with this). An informer not running yet
+    /// switches them on at once (its first list is still to come). `None`, with nothing
+    /// switched on, once `cancel` fires (checked under the FIFO lock, so a caller that cancels
+    /// and then deactivates never finds listeners switched on after it) or the informer stops.
+    pub async fn activate_listeners_after_relist(
+        &self,
+        cancel: &CancellationToken,
+    ) -> Option<usize> {
+        if self.is_running() {
+            let request = self.reflector.request_relist();
+            loop {
+                if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {
+                    return None;
+                }
+                let (served, generation) = self.reflector.served();
+                if served >= request && self.fifo.replaces().1 >= generation {
+                    break;
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return None,
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                }
+            }
+        }
+        self.activate_listeners_if(|| !cancel.is_cancelled())
+    }
+
+    /// Switches listeners on as `activate_listeners` does if `wanted()`, asked under the FIFO
+    /// lock, holds.
+    fn activate_listeners_if(&self, wanted: impl FnOnce() -> bool) -> Option<usize> {
         self.fifo.with_lock(|_| {
+            if !wanted() {
+                return None;
+            }
             let switched_on: Vec<_> = self
                 .listeners()
                 .into_iter()
                 .filter(|l| !l.set_active(true))
                 .collect();
             if switched_on.is_empty() {
-                return 0;
+                return Some(0);
             }
             let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
             let cached = self.indexer.list();
@@ -285,7 +328,7 @@ impl SharedIndexInformer {
             if self.sync_signalled.load(Ordering::SeqCst) {
                 switched_on.iter().for_each(|l| l.synced());
             }
-            cached.len()
+            Some(cached.len())
         })
     }
 

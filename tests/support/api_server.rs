@@ -10,7 +10,10 @@
 //!
 //! Faults: `drop_watches` (connections cut mid-stream), `block_watches` (429 with Retry-After),
 //! `inject_watch_lines` (bad input on the wire),
-//! `fail_next_lists` and `throttle_every` (429), `compact` and `trim_history` (history gone: old RVs get 410), `expire_continue_tokens`.
+//! `fail_next_lists` and `throttle_every` (429), `compact` and `trim_history` (history gone: old RVs get 410), `expire_continue_tokens`,
+//! `backup` and `restore` (etcd restored: resourceVersions go back, a watch from a newer one
+//! gets 504 "Too large resource version"), `serve_stale_cache` (reads at resourceVersion "0"
+//! served from an older state, as a lagging watch cache does).
 //! Test code only; never shipped.
 
 use std::{
@@ -135,6 +138,16 @@ struct Faults {
     // Groups left out of discovery (as right after an API server's start) while their
     // objects are still served.
     hidden_groups: std::collections::HashSet<String>,
+    // What reads at resourceVersion "0" (any cached state) are served: a watch cache that
+    // lags behind etcd (as another API server's can).
+    stale_cache: Option<Backup>,
+}
+
+/// The objects and resourceVersion at one moment (see [`ApiServer::backup`]).
+#[derive(Clone)]
+pub struct Backup {
+    rv: u64,
+    objects: BTreeMap<(usize, String, String), Value>,
 }
 
 /// Requests seen per collection path.
@@ -313,6 +326,37 @@ impl ApiServer {
         let mut store = self.shared.store.lock().unwrap();
         store.compacted = store.rv;
         store.history.clear();
+    }
+
+    /// The objects and resourceVersion as they are now (etcd's snapshot).
+    pub fn backup(&self) -> Backup {
+        let store = self.shared.store.lock().unwrap();
+        Backup {
+            rv: store.rv,
+            objects: store.objects.clone(),
+        }
+    }
+
+    /// etcd restored from `backup`: objects and resourceVersion go back to it, the history is
+    /// gone (a watch from an older resourceVersion gets 410, from a newer one "Too large
+    /// resource version") and every open watch connection is cut.
+    pub fn restore(&self, backup: &Backup) {
+        {
+            let mut store = self.shared.store.lock().unwrap();
+            store.rv = backup.rv;
+            store.compacted = backup.rv;
+            store.objects = backup.objects.clone();
+            store.history.clear();
+            store.snapshots.clear();
+        }
+        self.drop_watches();
+    }
+
+    /// While set, reads at resourceVersion "0" (lists, watches and watch-lists that accept
+    /// any cached state) are served from `backup` (a lagging watch cache); watches from it then
+    /// replay what changed after it. Consistent reads (resourceVersion unset) are not.
+    pub fn serve_stale_cache(&self, backup: Option<Backup>) {
+        self.shared.faults.lock().unwrap().stale_cache = backup;
     }
 
     /// Cuts every open watch connection mid-stream (no clean end).
@@ -1094,13 +1138,19 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
                 );
             }
         }
-        let items: Vec<Value> = store
-            .objects
+        let stale = (rv_param == "0")
+            .then(|| shared.faults.lock().unwrap().stale_cache.clone())
+            .flatten();
+        let (rv, objects) = match &stale {
+            Some(b) => (b.rv, &b.objects),
+            None => (store.rv, &store.objects),
+        };
+        let items: Vec<Value> = objects
             .iter()
             .filter(|((res, _, _), obj)| filter.matches(*res, obj))
             .map(|(_, obj)| list_item(&def, obj))
             .collect();
-        (store.rv, Arc::new(items), 0)
+        (rv, Arc::new(items), 0)
     };
     let end = limit.map_or(items.len(), |l| (offset + l).min(items.len()));
     let page: Vec<Value> = items[offset.min(items.len())..end].to_vec();
@@ -1187,7 +1237,27 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
             .parse::<u64>()
             .ok()
             .filter(|n| *n != 0 && !send_initial);
+        let stale = (rv_param == "0")
+            .then(|| shared.faults.lock().unwrap().stale_cache.clone())
+            .flatten();
         match from {
+            None if stale.is_some() => {
+                let b = stale.expect("matched");
+                for ((res, _, _), obj) in &b.objects {
+                    if filter.matches(*res, obj) {
+                        first.push(line("ADDED", obj));
+                    }
+                }
+                if send_initial {
+                    first.push(bookmark(&def, b.rv, true));
+                }
+                // The lagging cache catches up afterwards.
+                for ev in store.history.iter().filter(|e| e.rv > b.rv) {
+                    if let Some((ty, obj)) = filter.translate(ev) {
+                        first.push(line(ty, &obj));
+                    }
+                }
+            }
             None => {
                 for ((res, _, _), obj) in &store.objects {
                     if filter.matches(*res, obj) {
@@ -1197,6 +1267,12 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
                 if send_initial {
                     first.push(bookmark(&def, store.rv, true));
                 }
+            }
+            Some(n) if n > store.rv => {
+                // The real server waits up to 3 s for its cache to reach `n`, then gives up.
+                let mut body = status(504, "Timeout", "Too large resource version");
+                body["details"] = json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1});
+                return json_response(StatusCode::GATEWAY_TIMEOUT, &body);
             }
             Some(n) if n < store.compacted => {
                 let msg = format!("too old resource version: {n} ({})", store.compacted);

@@ -1,0 +1,371 @@
+//! The list+watch state machine under the [`Reflector`](super::reflector::Reflector):
+//! kube-runtime's `watcher` (same states, same events, same errors, so its backoff applies),
+//! with client-go's read semantics where kube-runtime differs:
+//!
+//! - **Every list is a consistent read.** A paged list starts with `resourceVersion` unset
+//!   (a quorum read; later pages follow the first page's snapshot through `continue`), and a
+//!   streaming watch-list asks for `sendInitialEvents=true` with `resourceVersion` unset and
+//!   `resourceVersionMatch=NotOlderThan`, the consistent form (kube-runtime 5 asks for
+//!   `resourceVersion=0`, any cached state, which can go back in time behind what the informer
+//!   already saw: a relist compared with the cache would then delete recent objects and move
+//!   others back to older states).
+//! - **A watch from a resourceVersion the server does not have relists.** 410 Gone (compacted)
+//!   and 504 "Too large resource version" (the server is behind the informer: etcd restored
+//!   from a backup, or a lagging apiserver) both go back to a consistent list, as client-go's
+//!   reflector does (`isLastSyncResourceVersionUnavailable`); kube-runtime keeps re-watching
+//!   the same too-large resourceVersion and skips every change below it.
+//! - **A relist can be asked for** ([`Relists::request`]): whatever the machine is doing (a
+//!   list in progress included) is dropped and a new consistent list starts. A new leader
+//!   compares its checkpoints with such a list, not with a cache its watch may lag behind.
+//!
+//! Errors other than these are returned as the stream's items, in the state to retry from;
+//! the caller's backoff (`default_backoff`) spaces the retries.
+
+use std::{
+    collections::VecDeque,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use futures::{Stream, StreamExt, stream::BoxStream};
+use kube::{
+    Api,
+    api::{DynamicObject, ListParams, WatchEvent, WatchParams},
+    core::Status,
+    runtime::watcher::{Error, Event},
+};
+use tokio::sync::watch;
+
+/// What the list+watch asks the server for.
+#[derive(Debug, Clone, Default)]
+pub struct ListWatchConfig {
+    /// Objects per page of a paged list (0: no limit).
+    pub page_size: u32,
+    /// A streaming watch-list instead of a paged list.
+    pub streaming: bool,
+    /// Server-side timeout of each watch request, in seconds.
+    pub timeout: u32,
+    /// Label selector.
+    pub labels: Option<String>,
+    /// Field selector.
+    pub fields: Option<String>,
+}
+
+impl ListWatchConfig {
+    fn list_params(&self, continue_token: Option<String>) -> ListParams {
+        ListParams {
+            label_selector: self.labels.clone(),
+            field_selector: self.fields.clone(),
+            // Unset: a consistent (quorum) read.
+            resource_version: None,
+            version_match: None,
+            limit: (self.page_size > 0).then_some(self.page_size),
+            continue_token,
+            ..Default::default()
+        }
+    }
+
+    fn watch_params(&self, initial_events: bool) -> WatchParams {
+        WatchParams {
+            label_selector: self.labels.clone(),
+            field_selector: self.fields.clone(),
+            timeout: Some(self.timeout),
+            bookmarks: true,
+            // With resourceVersion "" (below): the consistent form of the watch-list.
+            send_initial_events: initial_events,
+        }
+    }
+}
+
+/// Relist requests, numbered: the informer asks, the list+watch stream starts a new list
+/// and records which requests that list serves.
+#[derive(Debug)]
+pub struct Relists {
+    requests: watch::Sender<u64>,
+    // The newest request made before the list in progress (or the last one) was asked for.
+    listing_for: Arc<AtomicU64>,
+}
+
+impl Default for Relists {
+    fn default() -> Self {
+        Self {
+            requests: watch::Sender::new(0),
+            listing_for: Arc::default(),
+        }
+    }
+}
+
+impl Relists {
+    /// Asks the stream to start a new consistent list now; returns the request's number.
+    pub fn request(&self) -> u64 {
+        let mut n = 0;
+        self.requests.send_modify(|r| {
+            *r += 1;
+            n = *r;
+        });
+        n
+    }
+
+    /// Every request up to this number is served by the list in progress (or the last one):
+    /// it was asked for after them. Read it when the list starts (`Init`).
+    pub fn listing_for(&self) -> u64 {
+        self.listing_for.load(Ordering::SeqCst)
+    }
+
+    fn receiver(&self) -> Requests {
+        Requests {
+            rx: self.requests.subscribe(),
+            listing_for: self.listing_for.clone(),
+        }
+    }
+}
+
+/// A stream's side of [`Relists`].
+pub struct Requests {
+    rx: watch::Receiver<u64>,
+    listing_for: Arc<AtomicU64>,
+}
+
+impl Requests {
+    /// A list is about to be asked for: it serves every request made so far.
+    fn list_starts(&mut self) {
+        let n = *self.rx.borrow_and_update();
+        self.listing_for.store(n, Ordering::SeqCst);
+    }
+}
+
+type WatchStream = BoxStream<'static, kube::Result<WatchEvent<DynamicObject>>>;
+
+enum State {
+    Empty,
+    InitPage {
+        continue_token: Option<String>,
+        objects: VecDeque<DynamicObject>,
+        last_rv: Option<String>,
+    },
+    InitialWatch {
+        stream: WatchStream,
+    },
+    InitListed {
+        rv: String,
+    },
+    Watching {
+        rv: String,
+        stream: WatchStream,
+    },
+}
+
+/// Whether the server answered that it cannot serve a watch or list from the resourceVersion
+/// asked: compacted (410 Gone, `Expired`) or ahead of it (`Too large resource version`).
+pub fn is_rv_unavailable(status: &Status) -> bool {
+    status.code == 410
+        || status.reason == "Expired"
+        || status.reason == "Gone"
+        || status.message.contains("Too large resource version")
+        || status.details.as_ref().is_some_and(|d| {
+            d.causes
+                .iter()
+                .any(|c| c.reason == "ResourceVersionTooLarge")
+        })
+}
+
+fn unavailable(err: &kube::Error) -> bool {
+    matches!(err, kube::Error::Api(s) if is_rv_unavailable(s))
+}
+
+/// The list+watch of `api` as kube-runtime watcher events, relisting when `relists` asks.
+/// See the module docs.
+pub fn list_watch(
+    api: Api<DynamicObject>,
+    config: ListWatchConfig,
+    relists: &Relists,
+) -> impl Stream<Item = Result<Event<DynamicObject>, Error>> + Send {
+    futures::stream::unfold(
+        (State::Empty, api, config, relists.receiver()),
+        |(mut state, api, config, mut relists)| async move {
+            loop {
+                let (event, next) = step(&api, &config, state, &mut relists).await;
+                state = next;
+                if let Some(event) = event {
+                    return Some((event, (state, api, config, relists)));
+                }
+            }
+        },
+    )
+}
+
+/// The next event of a watch stream, or `None` when a relist was requested first.
+async fn next_or_relist(
+    stream: &mut WatchStream,
+    relists: &mut Requests,
+) -> Option<Option<kube::Result<WatchEvent<DynamicObject>>>> {
+    tokio::select! {
+        biased;
+        changed = relists.rx.changed() => match changed {
+            Ok(()) => None,
+            // The sender is gone (the informer is being dropped): go on watching.
+            Err(_) => Some(stream.next().await),
+        },
+        event = stream.next() => Some(event),
+    }
+}
+
+async fn step(
+    api: &Api<DynamicObject>,
+    config: &ListWatchConfig,
+    state: State,
+    relists: &mut Requests,
+) -> (Option<Result<Event<DynamicObject>, Error>>, State) {
+    if relists.rx.has_changed().unwrap_or(false) {
+        relists.rx.borrow_and_update();
+        return (None, State::Empty);
+    }
+    match state {
+        State::Empty if config.streaming => {
+            relists.list_starts();
+            match api.watch(&config.watch_params(true), "").await {
+                Ok(stream) => (
+                    Some(Ok(Event::Init)),
+                    State::InitialWatch {
+                        stream: stream.boxed(),
+                    },
+                ),
+                Err(err) => (Some(Err(Error::WatchStartFailed(err))), State::Empty),
+            }
+        }
+        State::Empty => {
+            relists.list_starts();
+            (
+                Some(Ok(Event::Init)),
+                State::InitPage {
+                    continue_token: None,
+                    objects: VecDeque::new(),
+                    last_rv: None,
+                },
+            )
+        }
+        State::InitPage {
+            continue_token,
+            mut objects,
+            last_rv,
+        } => {
+            if let Some(next) = objects.pop_front() {
+                return (
+                    Some(Ok(Event::InitApply(next))),
+                    State::InitPage {
+                        continue_token,
+                        objects,
+                        last_rv,
+                    },
+                );
+            }
+            if continue_token.is_none()
+                && let Some(rv) = last_rv
+            {
+                return (Some(Ok(Event::InitDone)), State::InitListed { rv });
+            }
+            match api.list(&config.list_params(continue_token)).await {
+                Ok(list) => {
+                    let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
+                    let continue_token = list.metadata.continue_.filter(|s| !s.is_empty());
+                    if last_rv.is_none() && continue_token.is_none() {
+                        return (Some(Err(Error::NoResourceVersion)), State::Empty);
+                    }
+                    (
+                        None,
+                        State::InitPage {
+                            continue_token,
+                            objects: list.items.into(),
+                            last_rv,
+                        },
+                    )
+                }
+                // An expired continue token included: the list starts over.
+                Err(err) => (Some(Err(Error::InitialListFailed(err))), State::Empty),
+            }
+        }
+        State::InitialWatch { mut stream } => match next_or_relist(&mut stream, relists).await {
+            None => (None, State::Empty),
+            Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => (
+                Some(Ok(Event::InitApply(obj))),
+                State::InitialWatch { stream },
+            ),
+            // The API server never sends these during the initial events.
+            Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream }),
+            Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
+                if bm
+                    .metadata
+                    .annotations
+                    .contains_key("k8s.io/initial-events-end")
+                {
+                    (
+                        Some(Ok(Event::InitDone)),
+                        State::Watching {
+                            rv: bm.metadata.resource_version,
+                            stream,
+                        },
+                    )
+                } else {
+                    (None, State::InitialWatch { stream })
+                }
+            }
+            // The initial events are a whole or nothing: any error starts them over.
+            Some(Some(Ok(WatchEvent::Error(status)))) => {
+                (Some(Err(Error::WatchError(status))), State::Empty)
+            }
+            Some(Some(Err(err))) => (Some(Err(Error::WatchFailed(err))), State::Empty),
+            Some(None) => (None, State::Empty),
+        },
+        State::InitListed { rv } => match api.watch(&config.watch_params(false), &rv).await {
+            Ok(stream) => (
+                None,
+                State::Watching {
+                    rv,
+                    stream: stream.boxed(),
+                },
+            ),
+            Err(err) => {
+                let next = if unavailable(&err) {
+                    State::Empty
+                } else {
+                    State::InitListed { rv }
+                };
+                (Some(Err(Error::WatchStartFailed(err))), next)
+            }
+        },
+        State::Watching { rv, mut stream } => match next_or_relist(&mut stream, relists).await {
+            None => (None, State::Empty),
+            Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
+                let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
+                (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
+            }
+            Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
+                let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
+                (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
+            }
+            Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (
+                None,
+                State::Watching {
+                    rv: bm.metadata.resource_version,
+                    stream,
+                },
+            ),
+            Some(Some(Ok(WatchEvent::Error(status)))) => {
+                let next = if is_rv_unavailable(&status) {
+                    State::Empty
+                } else {
+                    State::Watching { rv, stream }
+                };
+                (Some(Err(Error::WatchError(status))), next)
+            }
+            Some(Some(Err(err))) => (
+                Some(Err(Error::WatchFailed(err))),
+                State::Watching { rv, stream },
+            ),
+            // A watch that ends (its timeout) is started again from where it was.
+            Some(None) => (None, State::InitListed { rv }),
+        },
+    }
+}
