@@ -16,7 +16,7 @@ use std::{
 };
 
 use kube_event_bridge::app::Report;
-use serde_json::Value;
+use serde_json::{Value, json};
 use support::{
     ApiServer, RunningApp,
     config::ConfigBuilder,
@@ -55,6 +55,29 @@ impl Instance {
             .build();
         let app = RunningApp::start(config, api).await;
         Self { identity, app, out }
+    }
+
+    /// An instance writing to `out` (shared by instances that take turns: one stream, one
+    /// checkpoint beside it), with the `kubernetes` section given.
+    async fn start_sharing(
+        api: &ApiServer,
+        out: &Path,
+        identity: &'static str,
+        kubernetes: Value,
+    ) -> Self {
+        let config = ConfigBuilder::new()
+            .configmaps()
+            .stdout("out", out)
+            .route("configmap", &["out"])
+            .kubernetes(kubernetes)
+            .fast_leader_election(identity, "100ms")
+            .build();
+        let app = RunningApp::start(config, api).await;
+        Self {
+            identity,
+            app,
+            out: out.to_owned(),
+        }
     }
 
     fn leading(&self) -> bool {
@@ -340,4 +363,64 @@ async fn each_leadership_change_publishes_each_object_once() {
         subjects(&by_two),
         "both leaders sent every object"
     );
+}
+
+/// A standby's watch can lag behind the leader's (here: stalled, while the leader's stall
+/// timeout restarted its own). Its cache is then older than what the leader published. The new
+/// leader relists (a consistent read) and compares the checkpoint with that, not with its
+/// cache: nothing is published for objects that did not change, and the stream, folded in
+/// order, ends equal to the API server (comparing with the stale cache deleted the newly
+/// created object, re-added the deleted one and moved the updated one back).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_compares_the_checkpoint_with_a_fresh_list_not_its_lagging_cache() {
+    let api = ApiServer::start().await;
+    for i in 0..5 {
+        api.create(typed(&configmap("ns", &format!("x{i}"), "1")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("stream.jsonl");
+    let one =
+        Instance::start_sharing(&api, &out, "one", json!({"watch_stall_timeout": "1s"})).await;
+    wait::until("one leads", Duration::from_secs(10), async || one.leading()).await;
+    let two = Instance::start_sharing(&api, &out, "two", json!({})).await;
+    two.app.synced().await;
+    support::wait_for_lines(&out, 5).await;
+    // Every open watch goes silent: one's restarts after 1 s, two's stays silent.
+    api.stall_watches();
+    api.create(typed(&configmap("ns", "new", "1")));
+    api.update(typed(&configmap("ns", "x1", "2")));
+    api.delete("v1", "ConfigMap", "ns", "x2");
+    support::wait_for_lines(&out, 8).await;
+    assert_eq!(
+        two.app.factory.informers()[0].indexer().len(),
+        5,
+        "the standby's cache lags: it saw none of the three changes"
+    );
+    // one hands over: drained, checkpoint written, lease released.
+    one.stop().await;
+    wait::until("two takes over", Duration::from_secs(10), async || {
+        two.leading()
+    })
+    .await;
+    let relisted = || {
+        two.app
+            .metrics
+            .informer_relists
+            .with_label_values(&[two.app.factory.informers()[0].name()])
+            .get()
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let events = support::cloudevent_lines(&out);
+    let folded = support::fold_in_order(&events);
+    let live = api.objects("v1", "ConfigMap");
+    let relists = relisted();
+    two.stop().await;
+    let d = support::differences(&folded, &live);
+    assert!(d.is_empty(), "{d:?}");
+    assert_eq!(
+        events.len(),
+        8,
+        "the new leader published nothing: every object was unchanged since the checkpoint"
+    );
+    assert_eq!(relists, 1, "one relist, on becoming leader");
 }

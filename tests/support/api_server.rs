@@ -359,6 +359,36 @@ impl ApiServer {
         self.shared.faults.lock().unwrap().stale_cache = backup;
     }
 
+    /// Every object of `kind` (`api_version`) the server holds, by `namespace/name` (or name):
+    /// its uid and resourceVersion.
+    pub fn objects(&self, api_version: &str, kind: &str) -> BTreeMap<String, (String, String)> {
+        let res = self.resource_of(api_version, kind);
+        let store = self.shared.store.lock().unwrap();
+        store
+            .objects
+            .iter()
+            .filter(|((r, _, _), _)| *r == res)
+            .map(|((_, ns, name), obj)| {
+                let key = if ns.is_empty() {
+                    name.clone()
+                } else {
+                    format!("{ns}/{name}")
+                };
+                let meta = &obj["metadata"];
+                (
+                    key,
+                    (
+                        meta["uid"].as_str().unwrap_or_default().to_owned(),
+                        meta["resourceVersion"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                    ),
+                )
+            })
+            .collect()
+    }
+
     /// Cuts every open watch connection mid-stream (no clean end).
     pub fn drop_watches(&self) {
         self.shared.kill.send_modify(|g| *g += 1);

@@ -159,7 +159,16 @@ pub struct RunningApp {
 impl RunningApp {
     /// Builds the service against `api` and runs it.
     pub async fn start(config: kube_event_bridge::config::Config, api: &ApiServer) -> Self {
-        Self::start_with(config, api.client(), Default::default()).await
+        // The service's own client for its `kubernetes` settings (rate limit, retries, stall
+        // timeout), as `run` builds it.
+        let metrics: Arc<kube_event_bridge::metrics::Metrics> = Default::default();
+        let client = kube_event_bridge::cluster::client(
+            kube::Config::new(api.url().parse().unwrap()),
+            &config.kubernetes,
+            &metrics,
+        )
+        .unwrap();
+        Self::start_with(config, client, metrics).await
     }
 
     /// Builds the service with `client` (made with `metrics`) and runs it.
@@ -309,4 +318,70 @@ pub fn degraded(metrics: &kube_event_bridge::metrics::Metrics, sink: &str) -> [u
             .with_label_values(&[sink, "configmap", step])
             .get()
     })
+}
+
+/// What a consumer that folds a stream by the order it reads it ends with, per object key:
+/// the last message's object uid and resourceVersion, `None` when the last message is a
+/// delete. Resyncs are folded like updates.
+pub fn fold_in_order<'a>(
+    events: impl IntoIterator<Item = &'a serde_json::Value>,
+) -> std::collections::BTreeMap<String, Option<(String, String)>> {
+    let mut folded = std::collections::BTreeMap::new();
+    for e in events {
+        let meta = &e["data"]["object"]["metadata"];
+        let state = (event_type(e) != "deleted").then(|| {
+            (
+                meta["uid"].as_str().unwrap_or_default().to_owned(),
+                meta["resourceVersion"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        });
+        folded.insert(e["subject"].as_str().unwrap().to_owned(), state);
+    }
+    folded
+}
+
+/// How a folded stream differs from the API server's objects (see [`fold_in_order`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Differences {
+    /// Gone from the server, last message not a delete (or of another incarnation).
+    pub lost_deletes: Vec<String>,
+    /// Live on the server, last message a delete.
+    pub phantom_deletes: Vec<String>,
+    /// Live, last message of an older state (or another incarnation).
+    pub stale: Vec<String>,
+    /// Live, never published.
+    pub missing: Vec<String>,
+}
+
+impl Differences {
+    /// Whether the consumer ends with exactly the server's objects.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// Compares `folded` with `live` (the server's objects that belong to the stream, as
+/// [`ApiServer::objects`] gives them).
+pub fn differences(
+    folded: &std::collections::BTreeMap<String, Option<(String, String)>>,
+    live: &std::collections::BTreeMap<String, (String, String)>,
+) -> Differences {
+    let mut d = Differences::default();
+    for (key, state) in folded {
+        match (state, live.get(key)) {
+            (Some(_), None) => d.lost_deletes.push(key.clone()),
+            (None, Some(_)) => d.phantom_deletes.push(key.clone()),
+            (Some(got), Some(want)) if got != want => d.stale.push(key.clone()),
+            _ => {}
+        }
+    }
+    d.missing = live
+        .keys()
+        .filter(|k| !folded.contains_key(*k))
+        .cloned()
+        .collect();
+    d
 }
