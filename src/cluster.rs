@@ -202,6 +202,29 @@ pub enum Error {
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The cluster's identity: the uid of its `kube-system` namespace (what checkpoints record, so
+/// that a checkpoint of another cluster is never resumed from). An error names what to grant.
+pub async fn identity(client: &Client) -> std::result::Result<String, String> {
+    let namespaces = kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("", "v1", "Namespace"),
+        "namespaces",
+    );
+    let api: kube::Api<kube::api::DynamicObject> = kube::Api::all_with(client.clone(), &namespaces);
+    match api.get("kube-system").await {
+        Ok(ns) => ns
+            .metadata
+            .uid
+            .filter(|u| !u.is_empty())
+            .ok_or_else(|| "namespace kube-system has no uid".to_owned()),
+        Err(kube::Error::Api(s)) if s.code == 403 => Err(format!(
+            "reading namespace kube-system was refused (403: {}); its uid identifies the cluster \
+             in checkpoints: grant get on namespaces, resourceNames [kube-system]",
+            s.message
+        )),
+        Err(e) => Err(format!("cannot read namespace kube-system: {e}")),
+    }
+}
+
 /// Where the client points: for messages and logs.
 #[derive(Debug, Clone)]
 pub struct Target {

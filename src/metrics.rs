@@ -77,6 +77,9 @@ pub struct Metrics {
     pub resume_objects: IntCounterVec,
     /// `keb_checkpoint_load_seconds{route}`: how long the last checkpoint load took.
     pub checkpoint_load_seconds: prometheus::GaugeVec,
+    /// `keb_checkpoint_waiting{route}`: 1 while the route publishes nothing because its
+    /// checkpoint cannot be loaded (unreadable: retried; another cluster's: for good).
+    pub checkpoint_waiting: IntGaugeVec,
     /// `keb_checkpoint_lag{route}`: keys acknowledged by the sink but not yet stored in the
     /// checkpoint.
     pub checkpoint_lag: IntGaugeVec,
@@ -265,6 +268,11 @@ impl Metrics {
                     .expect("unique metric");
                 g
             },
+            checkpoint_waiting: gauge(
+                "keb_checkpoint_waiting",
+                "1 while the route publishes nothing because its checkpoint cannot be loaded",
+                &["route"],
+            ),
             checkpoint_lag: gauge(
                 "keb_checkpoint_lag",
                 "Keys acknowledged by the sink but not yet stored in the route's checkpoint",

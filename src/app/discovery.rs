@@ -210,7 +210,7 @@ pub(super) async fn refresh(
             if let Some(cached) = cached {
                 seed(&resources.wired[i].informers, cached);
             }
-            resources.start(i, new, metrics).await;
+            resources.start(i, new).await;
             info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
         }
         let now = tokio::time::Instant::now();

@@ -14,23 +14,30 @@ use kube::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::resources::Resources;
+use super::{checkpoints::WaitingRoutes, resources::Resources};
 use crate::{admin, informer::SharedInformerFactory, metrics::Metrics, sinks::Sink};
 
 /// How often the API server's health is probed for `/readyz`.
 const API_PROBE_PERIOD: Duration = Duration::from_secs(5);
 
 /// What `/readyz` answers: not ready while an informer has not synced (a forbidden one is
-/// only noted: it is retried and must not hold the rest back), the API server is unreachable
-/// or a sink is unhealthy; `pending` notes the kinds not served yet.
+/// only noted: it is retried and must not hold the rest back), a route waits for its
+/// checkpoint, the API server is unreachable or a sink is unhealthy; `pending` notes the
+/// kinds not served yet.
 pub(super) fn readiness(
     factory: Arc<SharedInformerFactory>,
     api_ok: Arc<AtomicBool>,
     sinks: Vec<Arc<dyn Sink>>,
     pending: Arc<std::sync::Mutex<Vec<String>>>,
+    waiting: WaitingRoutes,
 ) -> admin::Readiness {
     Arc::new(move || {
-        let mut reasons = Vec::new();
+        let mut reasons: Vec<String> = waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(route, why)| format!("route {route} publishes nothing: {why}"))
+            .collect();
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for i in factory.informers().iter().filter(|i| !i.has_synced()) {
             match i.problem() {

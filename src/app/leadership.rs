@@ -10,8 +10,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::resources::{Resources, resume_from_checkpoints};
-use crate::{leader::LeaderElector, metrics::Metrics};
+use super::resources::Resources;
+use crate::leader::LeaderElector;
 
 impl Resources {
     /// Applies a change of leadership: `leading` is the new state. Every change ends a term:
@@ -22,7 +22,7 @@ impl Resources {
     /// listeners once a fresh list of it is in the cache (each object handed over once). The
     /// listeners of an informer whose list fails stay off (nothing of it is published) until
     /// a list succeeds or the term ends.
-    pub(super) async fn set_leading(&mut self, leading: bool, metrics: &Metrics) {
+    pub(super) async fn set_leading(&mut self, leading: bool) {
         self.leading = leading;
         // Ends the last term's pending switch-ons before anything is switched off.
         self.term.cancel();
@@ -45,8 +45,9 @@ impl Resources {
                 warn!(route = %r.checkpointer.route(), error = %err, "Checkpoint write failed before resuming; those objects may be re-sent");
             }
         }
-        // Without fail_fast it cannot fail: a store it cannot read replays.
-        let _ = resume_from_checkpoints(&self.resumes(), metrics, false).await;
+        // Routes whose checkpoint cannot be used wait, their listeners off (see checkpoints).
+        let all: Vec<usize> = (0..self.wired.len()).collect();
+        let (_, waiting) = self.begin_resumes(&all).await;
         // Consumers get the state this replica follows from here on, including what changed
         // while no replica led: each cached object once, and what the first list has not
         // cached yet comes from it.
@@ -55,10 +56,17 @@ impl Resources {
             informers = informers.len(),
             "Leading: relisting every informer before comparing with the checkpoints"
         );
+        let waiting = Arc::new(waiting);
         for informer in informers {
-            let term = self.term.clone();
+            let (term, waiting) = (self.term.clone(), waiting.clone());
             tokio::spawn(async move {
-                if let Some(objects) = informer.activate_listeners_after_relist(&term).await {
+                let not_waiting = |l: &crate::informer::ProcessorListener| {
+                    !waiting.iter().any(|p| l.name().starts_with(p))
+                };
+                if let Some(objects) = informer
+                    .activate_listeners_after_relist(&term, not_waiting)
+                    .await
+                {
                     info!(informer = %informer.name(), objects, "Leading: relisted; handed the listed state to the routes");
                 }
             });
@@ -72,13 +80,12 @@ impl Resources {
 pub(super) fn follow(
     elector: &LeaderElector,
     resources: Arc<tokio::sync::Mutex<Resources>>,
-    metrics: Arc<Metrics>,
 ) -> JoinHandle<()> {
     let mut leading = elector.subscribe();
     tokio::spawn(async move {
         while leading.changed().await.is_ok() {
             let now = *leading.borrow_and_update();
-            resources.lock().await.set_leading(now, &metrics).await;
+            resources.lock().await.set_leading(now).await;
         }
     })
 }
@@ -86,6 +93,7 @@ pub(super) fn follow(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::metrics::Metrics;
     use crate::{
         app::resources::{Resume, Wired, WiredRoute},
         informer::{Notification, NotificationKind, testing::obj},
@@ -101,7 +109,7 @@ mod tests {
 
     /// Resources with one wired ConfigMap route to a file sink with a checkpoint, no
     /// informers (none is needed to follow leadership), standing by.
-    async fn standby(dir: &std::path::Path, metrics: &Metrics) -> Resources {
+    async fn standby(dir: &std::path::Path, metrics: &Arc<Metrics>) -> Resources {
         let configmaps = ApiResource::from_gvk_with_plural(
             &GroupVersionKind::gvk("", "v1", "ConfigMap"),
             "configmaps",
@@ -156,6 +164,9 @@ mod tests {
             pending: BTreeMap::new(),
             leading: false,
             term: Default::default(),
+            cluster: "this-cluster".into(),
+            waiting: Default::default(),
+            metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
         }
@@ -171,7 +182,7 @@ mod tests {
     #[tokio::test]
     async fn a_standby_holds_nothing_and_a_leader_resumes_from_what_it_acknowledged_before() {
         let dir = tempfile::tempdir().unwrap();
-        let metrics = Metrics::new();
+        let metrics = Arc::new(Metrics::new());
         let mut resources = standby(dir.path(), &metrics).await;
         let route = resources.wired[0].routes[0].route.clone();
         let checkpointer = resources.resumes()[0].checkpointer.clone();
@@ -180,7 +191,7 @@ mod tests {
         assert_eq!(route.queue().held(), 0);
         // Acknowledged in an earlier term, not written yet.
         checkpointer.record("ns/a", &add("a", "1"));
-        resources.set_leading(true, &metrics).await;
+        resources.set_leading(true).await;
         assert!(resources.leading && route.queue().is_active());
         let written = FileCheckpointStore::beside(&dir.path().join("out.jsonl"))
             .load("configmap/out")
@@ -195,28 +206,63 @@ mod tests {
             "a leader's route takes notifications"
         );
         // Losing the lease ends the term: what the route held is dropped.
-        resources.set_leading(false, &metrics).await;
+        resources.set_leading(false).await;
         assert!(!resources.leading && !route.queue().is_active());
         assert_eq!(route.queue().held(), 0);
     }
 
     #[tokio::test]
-    async fn an_unreadable_checkpoint_fails_a_start_but_a_new_leader_replays() {
+    async fn an_unreadable_checkpoint_makes_the_route_wait_until_it_loads() {
         let dir = tempfile::tempdir().unwrap();
-        let metrics = Metrics::new();
-        let resources = standby(dir.path(), &metrics).await;
+        let metrics = Arc::new(Metrics::new());
+        let mut resources = standby(dir.path(), &metrics).await;
         // A directory where the checkpoint file should be: reading it fails.
-        std::fs::create_dir(dir.path().join("out.jsonl.checkpoint")).unwrap();
-        let resumes = resources.resumes();
+        let path = dir.path().join("out.jsonl.checkpoint");
+        std::fs::create_dir(&path).unwrap();
+        let (refusals, waiting) = resources.begin_resumes(&[0]).await;
+        assert!(matches!(
+            refusals[..],
+            [super::super::checkpoints::Refusal::Unreadable(_)]
+        ));
+        assert_eq!(waiting, ["configmap/out@"]);
+        let gauge = metrics
+            .checkpoint_waiting
+            .with_label_values(&["configmap/out"]);
+        assert_eq!(gauge.get(), 1);
+        let reason = resources.waiting.lock().unwrap()["configmap/out"].clone();
+        assert!(reason.contains("cannot read its checkpoint"), "{reason}");
+        // The store comes back: the next attempt (after 1 s) loads it.
+        std::fs::remove_dir(&path).unwrap();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(5);
+        while gauge.get() == 1 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        assert_eq!(gauge.get(), 0);
+        assert!(resources.waiting.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_checkpoint_of_another_cluster_is_refused_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let metrics = Arc::new(Metrics::new());
+        let mut resources = standby(dir.path(), &metrics).await;
+        let checkpointer = resources.resumes()[0].checkpointer.clone();
+        checkpointer.record_cluster("other-cluster");
+        checkpointer.record("ns/a", &add("a", "1"));
+        checkpointer.flush().await.unwrap();
+        let (refusals, _) = resources.begin_resumes(&[0]).await;
+        let err = super::super::checkpoints::start_error(&refusals)
+            .expect("refused")
+            .to_string();
         assert!(
-            resume_from_checkpoints(&resumes, &metrics, true)
-                .await
-                .is_err()
+            err.contains("other-cluster") && err.contains("this-cluster"),
+            "{err}"
         );
-        assert!(
-            resume_from_checkpoints(&resumes, &metrics, false)
-                .await
-                .is_ok()
-        );
+        // Its own cluster's checkpoint (or one without identity) is resumed from, and the
+        // identity is written with the next batch.
+        resources.cluster = "other-cluster".into();
+        resources.waiting.lock().unwrap().clear();
+        let (refusals, _) = resources.begin_resumes(&[0]).await;
+        assert!(refusals.is_empty());
     }
 }

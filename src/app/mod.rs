@@ -9,6 +9,7 @@
 //! left per route, write the checkpoints, release the lease, flush sinks, stop the admin
 //! server.
 
+mod checkpoints;
 mod discovery;
 mod health;
 mod leadership;
@@ -36,7 +37,7 @@ use crate::{
     selection::{self, ResolvedResource},
     sinks::Sink,
 };
-use resources::{Live, Resources, Wiring, kind_name, resume_from_checkpoints};
+use resources::{Live, Resources, Wiring, kind_name};
 use sinks::Opened;
 
 /// Errors building or running the service.
@@ -51,6 +52,12 @@ pub enum Error {
     /// A route's checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] pipeline::checkpoint::Error),
+    /// A route's checkpoint was written for another cluster.
+    #[error("{0}")]
+    OtherCluster(String),
+    /// The cluster's identity could not be read (routes with a checkpoint need it).
+    #[error("cluster identity: {0}")]
+    Identity(String),
     /// A resource's filter settings do not compile (the config check catches this first).
     #[error("filter: {0}")]
     Filter(#[from] filter::Error),
@@ -129,6 +136,9 @@ impl App {
             pending: BTreeMap::new(),
             leading: !config.leader_election.enabled,
             term: CancellationToken::new(),
+            cluster: String::new(),
+            waiting: Default::default(),
+            metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
         };
@@ -159,6 +169,10 @@ impl App {
                 Err(err) => return Err(err.into()),
             }
         }
+        if !resources.resumes().is_empty() {
+            resources.cluster = cluster::identity(&client).await.map_err(Error::Identity)?;
+            info!(cluster = %resources.cluster, "Cluster identity (uid of namespace kube-system), recorded in checkpoints");
+        }
         let le = &config.leader_election;
         let elector = if le.enabled {
             let (namespace, identity) =
@@ -179,8 +193,13 @@ impl App {
             ))
         } else {
             metrics.leader.set(1);
-            // This replica publishes from the start: resume before the first list.
-            resume_from_checkpoints(&resources.resumes(), &metrics, true).await?;
+            // This replica publishes from the start: resume before the first list. A checkpoint
+            // of another cluster fails the start; one that cannot be read makes its route wait.
+            let all: Vec<usize> = (0..resources.wired.len()).collect();
+            let (refusals, _) = resources.begin_resumes(&all).await;
+            if let Some(err) = checkpoints::start_error(&refusals) {
+                return Err(err);
+            }
             None
         };
         let address = config.admin.address;
@@ -223,11 +242,13 @@ impl App {
         let api_ok = Arc::new(AtomicBool::new(true));
         // What `/readyz` reports of pending resources, kept beside the async lock.
         let pending_notes: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let waiting = self.resources.lock().await.waiting.clone();
         let readiness = health::readiness(
             self.factory.clone(),
             api_ok.clone(),
             self.sinks.clone(),
             pending_notes.clone(),
+            waiting,
         );
         let admin_addr = self.admin_addr();
         let admin_task = tokio::spawn(admin::serve(
@@ -276,13 +297,13 @@ impl App {
         ));
         let elector_cancel = CancellationToken::new();
         let election = self.elector.map(|elector| {
-            let follow = leadership::follow(&elector, self.resources.clone(), self.metrics.clone());
+            let follow = leadership::follow(&elector, self.resources.clone());
             (tokio::spawn(elector.run(elector_cancel.clone())), follow)
         });
         let informers_started = {
             let mut resources = self.resources.lock().await;
             for i in 0..resources.wired.len() {
-                resources.start(i, false, &self.metrics).await;
+                resources.start(i, false).await;
             }
             resources
                 .wired
@@ -306,6 +327,8 @@ impl App {
         discovery_cancel.cancel();
         let _ = discovery.await;
         let mut resources = self.resources.lock().await;
+        // Routes still waiting for their checkpoint give up.
+        resources.term.cancel();
         informers_cancel.cancel();
         let tasks: Vec<_> = resources
             .wired

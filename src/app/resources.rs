@@ -12,9 +12,11 @@ use kube::{
     api::{ApiResource, TypeMeta},
 };
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
 
-use super::Error;
+use super::{
+    Error,
+    checkpoints::{Refusal, Waiter, WaitingRoutes, resume_from_checkpoints, wait_for_checkpoint},
+};
 use crate::{
     config::{Config, ResourceConfig},
     informer::{
@@ -35,59 +37,6 @@ pub(super) struct Resume {
     pub(super) resumer: Arc<Resumer>,
     pub(super) checkpointer: Arc<Checkpointer>,
     pub(super) interval: Duration,
-}
-
-/// Loads the checkpoints of `resumes`, one read per store for all its routes, and starts
-/// each route's resume. A store that cannot be read fails the start (`fail_fast`), or else
-/// is logged and its routes replay the whole cache (a new leader must publish something).
-pub(super) async fn resume_from_checkpoints(
-    resumes: &[&Resume],
-    metrics: &Metrics,
-    fail_fast: bool,
-) -> Result<(), Error> {
-    let mut by_store: Vec<(&Arc<dyn CheckpointStore>, Vec<&Resume>)> = Vec::new();
-    for &r in resumes {
-        let store = r.checkpointer.store();
-        match by_store.iter_mut().find(|(s, _)| Arc::ptr_eq(s, store)) {
-            Some((_, group)) => group.push(r),
-            None => by_store.push((store, vec![r])),
-        }
-    }
-    for (store, group) in by_store {
-        let routes: Vec<String> = group
-            .iter()
-            .map(|r| r.checkpointer.route().to_owned())
-            .collect();
-        let started = std::time::Instant::now();
-        let mut loaded = match store.load_routes(&routes).await {
-            Ok(loaded) => loaded,
-            Err(err) if fail_fast => return Err(err.into()),
-            Err(err) => {
-                warn!(error = %err, "Cannot load the checkpoint; replaying the whole cache instead");
-                group.iter().for_each(|r| r.resumer.begin(None));
-                continue;
-            }
-        };
-        let took = started.elapsed().as_secs_f64();
-        for r in group {
-            let route = r.checkpointer.route();
-            metrics
-                .checkpoint_load_seconds
-                .with_label_values(&[route])
-                .set(took);
-            let checkpoint = loaded.remove(route);
-            match &checkpoint {
-                Some(c) => info!(route, keys = c.len(), seconds = took, "Checkpoint loaded"),
-                None => info!(
-                    route,
-                    store = %store.describe(),
-                    "No checkpoint yet: the initial list is published as initial adds"
-                ),
-            }
-            r.resumer.begin(checkpoint);
-        }
-    }
-    Ok(())
 }
 
 /// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
@@ -145,9 +94,15 @@ pub(super) struct Resources {
     pub(super) wired: Vec<Wired>,
     pub(super) pending: BTreeMap<usize, String>,
     pub(super) leading: bool,
-    /// The leadership term: cancelled when it ends (switch-ons still waiting for a relist
-    /// give up).
+    /// The leadership term: cancelled when it ends (switch-ons still waiting for a relist,
+    /// and routes waiting for their checkpoint, give up).
     pub(super) term: CancellationToken,
+    /// The cluster's identity (uid of namespace kube-system), recorded in checkpoints; empty
+    /// when no route has one.
+    pub(super) cluster: String,
+    /// Routes waiting for their checkpoint, and why.
+    pub(super) waiting: WaitingRoutes,
+    pub(super) metrics: Arc<Metrics>,
     /// Wired kinds (by index) that discovery answered are gone, since when: they stop once
     /// that lasted `kubernetes.discovery_grace`.
     pub(super) gone_since: HashMap<usize, tokio::time::Instant>,
@@ -164,6 +119,60 @@ pub(super) struct Live {
 }
 
 impl Resources {
+    /// Begins the resumes of the routes of `self.wired[i]` for every `i` in `which` from their
+    /// checkpoints. A route whose checkpoint cannot be used waits (see [`super::checkpoints`]):
+    /// its listeners are switched off here and switched on by its own task once the
+    /// checkpoint loads. Returns the refusals, and the listener name prefixes of the waiting
+    /// routes (not to be switched on by the caller).
+    pub(super) async fn begin_resumes(&mut self, which: &[usize]) -> (Vec<Refusal>, Vec<String>) {
+        let at: Vec<(usize, usize)> = which
+            .iter()
+            .flat_map(|&w| {
+                self.wired[w]
+                    .routes
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.resume.is_some())
+                    .map(move |(r, _)| (w, r))
+            })
+            .collect();
+        let resumes: Vec<&Resume> = at
+            .iter()
+            .map(|&(w, r)| self.wired[w].routes[r].resume.as_ref().expect("filtered"))
+            .collect();
+        let refused = resume_from_checkpoints(&resumes, &self.metrics, &self.cluster).await;
+        let mut prefixes = Vec::new();
+        let mut refusals = Vec::new();
+        for (i, why) in refused {
+            let (w, r) = at[i];
+            let wired = &self.wired[w];
+            let route = &wired.routes[r];
+            let resume = route.resume.as_ref().expect("filtered");
+            let prefix = format!("{}@", route.route.queue().name());
+            wired
+                .informers
+                .iter()
+                .for_each(|i| i.deactivate_listeners_where(|l| l.name().starts_with(&prefix)));
+            wait_for_checkpoint(
+                Waiter {
+                    resume_route: resume.checkpointer.route().to_owned(),
+                    resumer: resume.resumer.clone(),
+                    checkpointer: resume.checkpointer.clone(),
+                    listeners: prefix.clone(),
+                    informers: wired.informers.clone(),
+                },
+                why.clone(),
+                self.cluster.clone(),
+                self.term.clone(),
+                self.waiting.clone(),
+                self.metrics.clone(),
+            );
+            prefixes.push(prefix);
+            refusals.push(why);
+        }
+        (refusals, prefixes)
+    }
+
     pub(super) fn resumes(&self) -> Vec<&Resume> {
         self.wired
             .iter()
@@ -354,7 +363,7 @@ impl Resources {
     /// Starts `self.wired[i]` when the app runs: its routes' workers and checkpoint writers
     /// (unless already running), the resume of its routes when this replica publishes, and
     /// its informers. A standby's new listeners and queues start off.
-    pub(super) async fn start(&mut self, i: usize, routes_too: bool, metrics: &Metrics) {
+    pub(super) async fn start(&mut self, i: usize, routes_too: bool) {
         let leading = self.leading;
         let Some(live) = self.live.as_mut() else {
             return;
@@ -376,19 +385,16 @@ impl Resources {
             }
         }
         if leading {
-            if routes_too {
-                let resumes: Vec<&Resume> = wired
-                    .routes
-                    .iter()
-                    .filter_map(|r| r.resume.as_ref())
-                    .collect();
-                // Without fail_fast it cannot fail: a store it cannot read replays.
-                let _ = resume_from_checkpoints(&resumes, metrics, false).await;
-            }
+            let waiting = if routes_too {
+                self.begin_resumes(&[i]).await.1
+            } else {
+                Vec::new()
+            };
+            let wired = &mut self.wired[i];
             // Listeners added to an informer another resource already runs get its cache now
             // (after their resume began); on informers not started yet this changes nothing.
             wired.informers.iter().for_each(|i| {
-                i.activate_listeners();
+                i.activate_listeners_where(|l| !waiting.iter().any(|p| l.name().starts_with(p)));
             });
         } else {
             wired
@@ -400,6 +406,10 @@ impl Resources {
                 .iter()
                 .for_each(|r| r.route.queue().set_active(false));
         }
+        let Some(live) = self.live.as_mut() else {
+            return;
+        };
+        let wired = &mut self.wired[i];
         wired.cancel = live.informers_cancel.child_token();
         wired.tasks = wired
             .informers

@@ -257,7 +257,12 @@ impl SharedIndexInformer {
     /// Listeners already on get nothing. Returns how many objects were sent to each listener
     /// switched on (0 when none was off).
     pub fn activate_listeners(&self) -> usize {
-        self.activate_listeners_if(|| true).unwrap_or(0)
+        self.activate_listeners_where(|_| true)
+    }
+
+    /// [`activate_listeners`](Self::activate_listeners) for the listeners `which` selects.
+    pub fn activate_listeners_where(&self, which: impl Fn(&ProcessorListener) -> bool) -> usize {
+        self.activate_listeners_if(|| true, which).unwrap_or(0)
     }
 
     /// [`activate_listeners`](Self::activate_listeners) after a fresh list: asks the reflector
@@ -267,9 +272,11 @@ impl SharedIndexInformer {
     /// switches them on at once (its first list is still to come). `None`, with nothing
     /// switched on, once `cancel` fires (checked under the FIFO lock, so a caller that cancels
     /// and then deactivates never finds listeners switched on after it) or the informer stops.
+    /// Only listeners that are off and `which` selects are switched on.
     pub async fn activate_listeners_after_relist(
         &self,
         cancel: &CancellationToken,
+        which: impl Fn(&ProcessorListener) -> bool,
     ) -> Option<usize> {
         if self.is_running() {
             let request = self.reflector.request_relist();
@@ -287,12 +294,26 @@ impl SharedIndexInformer {
                 }
             }
         }
-        self.activate_listeners_if(|| !cancel.is_cancelled())
+        self.activate_listeners_if(|| !cancel.is_cancelled(), which)
     }
 
-    /// Switches listeners on as `activate_listeners` does if `wanted()`, asked under the FIFO
-    /// lock, holds.
-    fn activate_listeners_if(&self, wanted: impl FnOnce() -> bool) -> Option<usize> {
+    /// Switches the listeners `which` selects off (see
+    /// [`deactivate_listeners`](Self::deactivate_listeners)).
+    pub fn deactivate_listeners_where(&self, which: impl Fn(&ProcessorListener) -> bool) {
+        self.fifo.with_lock(|_| {
+            for l in self.listeners().iter().filter(|l| which(l)) {
+                l.set_active(false);
+            }
+        });
+    }
+
+    /// Switches the listeners `which` selects on as `activate_listeners` does if `wanted()`,
+    /// asked under the FIFO lock, holds.
+    fn activate_listeners_if(
+        &self,
+        wanted: impl FnOnce() -> bool,
+        which: impl Fn(&ProcessorListener) -> bool,
+    ) -> Option<usize> {
         self.fifo.with_lock(|_| {
             if !wanted() {
                 return None;
@@ -300,7 +321,7 @@ impl SharedIndexInformer {
             let switched_on: Vec<_> = self
                 .listeners()
                 .into_iter()
-                .filter(|l| !l.set_active(true))
+                .filter(|l| which(l) && !l.set_active(true))
                 .collect();
             if switched_on.is_empty() {
                 return Some(0);

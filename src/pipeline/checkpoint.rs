@@ -28,6 +28,11 @@ use tracing::{debug, warn};
 use crate::informer::{Notification, NotificationKind, ObjectRef, resource_version};
 pub use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result};
 
+/// The key under which a route's checkpoint records the cluster it belongs to (the uid of
+/// its `kube-system` namespace) as the entry's uid. No object has this key: `:` is not allowed
+/// in names.
+pub const CLUSTER_KEY: &str = ":cluster";
+
 /// Records one route's acknowledgements and writes them to its store. See the module docs.
 pub struct Checkpointer {
     route: String,
@@ -36,6 +41,8 @@ pub struct Checkpointer {
     // than its uid and resourceVersion keeps the acknowledgement path free of allocations
     // for keys already pending.
     changed: Mutex<HashMap<String, Option<ObjectRef>>>,
+    // The cluster identity still to write (see `CLUSTER_KEY`).
+    cluster: Mutex<Option<String>>,
     // Serializes writes, so that an older batch never lands after a newer one.
     writing: tokio::sync::Mutex<()>,
     lag: IntGauge,
@@ -54,6 +61,7 @@ impl Checkpointer {
             route,
             store,
             changed: Mutex::default(),
+            cluster: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
             lag,
             failures,
@@ -92,23 +100,42 @@ impl Checkpointer {
         }
     }
 
+    /// Records that the checkpoint belongs to the cluster whose `kube-system` namespace has uid
+    /// `uid` (written with the next batch, under [`CLUSTER_KEY`]).
+    pub fn record_cluster(&self, uid: &str) {
+        *self.cluster.lock().unwrap_or_else(|e| e.into_inner()) = Some(uid.to_owned());
+    }
+
     /// Writes every change recorded so far. On failure they are kept for the next attempt
     /// (unless a newer change of the same key arrived meanwhile).
     pub async fn flush(&self) -> Result<()> {
         let _writing = self.writing.lock().await;
         let taken = std::mem::take(&mut *self.lock());
-        if taken.is_empty() {
+        let cluster = self
+            .cluster
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if taken.is_empty() && cluster.is_none() {
             return Ok(());
         }
-        let batch: Vec<Change> = taken
-            .iter()
-            .map(|(key, object)| {
+        let identity = cluster.iter().map(|uid| {
+            (
+                CLUSTER_KEY.to_owned(),
+                Some(Entry {
+                    uid: uid.clone(),
+                    resource_version: String::new(),
+                }),
+            )
+        });
+        let batch: Vec<Change> = identity
+            .chain(taken.iter().map(|(key, object)| {
                 let entry = object.as_ref().map(|obj| Entry {
                     uid: obj.uid().unwrap_or_default().to_owned(),
                     resource_version: resource_version(obj).to_owned(),
                 });
                 (key.clone(), entry)
-            })
+            }))
             .collect();
         let n = batch.len();
         match self.store.write(&self.route, batch).await {
@@ -119,6 +146,12 @@ impl Checkpointer {
             }
             Err(err) => {
                 self.failures.inc();
+                if let Some(uid) = cluster {
+                    self.cluster
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(uid);
+                }
                 let mut changed = self.lock();
                 for (key, object) in taken {
                     changed.entry(key).or_insert(object);

@@ -141,6 +141,8 @@ struct Faults {
     // What reads at resourceVersion "0" (any cached state) are served: a watch cache that
     // lags behind etcd (as another API server's can).
     stale_cache: Option<Backup>,
+    // The kube-system namespace's uid (one fixed value unless a test sets another).
+    cluster_uid: String,
 }
 
 /// The objects and resourceVersion at one moment (see [`ApiServer::backup`]).
@@ -229,6 +231,7 @@ impl ApiServer {
             inject: watch::channel(Vec::new()).0,
             faults: Mutex::new(Faults {
                 bookmark_interval: Some(Duration::from_secs(60)),
+                cluster_uid: "0b5e2f9c-test-cluster".into(),
                 ..Default::default()
             }),
             counts: Mutex::default(),
@@ -387,6 +390,16 @@ impl ApiServer {
                 )
             })
             .collect()
+    }
+
+    /// The uid of namespace kube-system: what identifies the cluster.
+    pub fn cluster_uid(&self) -> String {
+        self.shared.faults.lock().unwrap().cluster_uid.clone()
+    }
+
+    /// Makes this server another cluster: namespace kube-system gets uid `uid`.
+    pub fn set_cluster_uid(&self, uid: &str) {
+        self.shared.faults.lock().unwrap().cluster_uid = uid.to_owned();
     }
 
     /// Cuts every open watch connection mid-stream (no clean end).
@@ -846,6 +859,16 @@ async fn handle(
 ) -> Response<Body> {
     let path = uri.path();
     match path {
+        // The cluster's identity (the kube-system namespace's uid), served without being an
+        // object of the store, so that kinds listing namespaces do not see it.
+        "/api/v1/namespaces/kube-system" if method == axum::http::Method::GET => {
+            let uid = shared.faults.lock().unwrap().cluster_uid.clone();
+            return json_response(
+                StatusCode::OK,
+                &json!({"apiVersion": "v1", "kind": "Namespace",
+                        "metadata": {"name": "kube-system", "uid": uid, "resourceVersion": "1"}}),
+            );
+        }
         "/version" => {
             return json_response(
                 StatusCode::OK,

@@ -6,7 +6,9 @@
 //! also quiet: a read that has reached every watermark ends once nothing arrived for
 //! [`QUIET`] (some Kafka-protocol brokers report the watermark of a multi-record batch late or
 //! early; nothing is taken as the end while records still come). A read that receives nothing
-//! at all for [`STALL`] ends with what it has, and says so in a warning.
+//! at all for [`STALL`] before the watermarks is an error naming how far it got: a partial
+//! read is never taken for the whole topic (a checkpoint missing its newest records would
+//! lose the deletes made while down, or delete live objects).
 
 use std::{collections::HashMap, time::Duration};
 
@@ -15,7 +17,6 @@ use rdkafka::{
     consumer::{BaseConsumer, Consumer},
     message::{BorrowedMessage, Headers},
 };
-use tracing::warn;
 
 /// How long the brokers get to answer metadata requests.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
@@ -83,7 +84,7 @@ pub fn consumer(config: &ClientConfig) -> Result<BaseConsumer, String> {
     }
     config
         .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "false")
+        .set("enable.partition.eof", "true")
         .set("group.id", "kube-event-bridge-reader");
     config.create().map_err(|e| format!("consumer: {e}"))
 }
@@ -123,25 +124,44 @@ pub fn read_to_end(
         .assign(&assignment)
         .map_err(|e| format!("assign: {e}"))?;
     let mut next: HashMap<(String, i32), i64> = high.keys().map(|k| (k.clone(), 0)).collect();
+    // Partitions the broker said were read to their end (a compacted topic can end in offsets
+    // that hold no record any more, so `next` may never reach the watermark). The EOF names a
+    // partition but not its topic: it counts only when one topic is read.
+    let mut at_end: std::collections::HashSet<(String, i32)> = Default::default();
     let mut last_record = std::time::Instant::now();
     loop {
-        let done = next.iter().all(|(k, n)| *n >= high[k]);
+        let done = next
+            .iter()
+            .all(|(k, n)| *n >= high[k] || at_end.contains(k));
         if done && last_record.elapsed() >= QUIET {
             return Ok(());
         }
         if last_record.elapsed() >= STALL {
-            warn!(
-                ?topics,
-                "Read stalled before the high watermark; using what was read"
-            );
-            return Ok(());
+            let behind: Vec<String> = next
+                .iter()
+                .filter(|(k, n)| **n < high[*k])
+                .map(|((t, p), n)| format!("{t}/{p} at offset {n} of {}", high[&(t.clone(), *p)]))
+                .collect();
+            return Err(format!(
+                "read stalled: nothing arrived for {STALL:?} before the end ({})",
+                behind.join(", ")
+            ));
         }
         let Some(result) = consumer.poll(Duration::from_millis(100)) else {
             continue;
         };
-        let m = result.map_err(|e| format!("read: {e}"))?;
+        let m = match result {
+            Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
+                if let [topic] = topics {
+                    at_end.insert((topic.clone(), p));
+                }
+                continue;
+            }
+            other => other.map_err(|e| format!("read: {e}"))?,
+        };
         last_record = std::time::Instant::now();
         next.insert((m.topic().to_owned(), m.partition()), m.offset() + 1);
+        at_end.remove(&(m.topic().to_owned(), m.partition()));
         each(Record::from(&m));
     }
 }
