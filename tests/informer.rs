@@ -282,7 +282,7 @@ async fn lists_and_watch_lists_are_consistent_reads_that_a_lagging_cache_cannot_
         server.update(typed(&configmap("ns", "a", "3")));
         let handed = r
             .informer
-            .activate_listeners_after_relist(&cancel)
+            .activate_listeners_after_relist(&cancel, |_| true)
             .await
             .expect("relisted");
         assert_eq!(handed, 2);

@@ -386,3 +386,105 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
     );
     assert!(cut <= 1, "at most the line being written when killed");
 }
+
+/// A bridge pointed at another cluster (a wrong kubeconfig, or two clusters sharing one
+/// broker and checkpoint) must not resume from the first cluster's checkpoint: that would
+/// delete every object of the first cluster and re-add the second's. The start fails, naming
+/// both clusters; the same cluster resumes as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_of_another_cluster_is_refused_naming_both() {
+    let api = ApiServer::start().await;
+    for i in 0..3 {
+        api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    run_until(&api, &out, 3).await;
+    let first = api.cluster_uid();
+    api.set_cluster_uid("5d1c-another-cluster");
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .stdout("out", &out)
+        .route("configmap", &["out"])
+        .build();
+    let client = kube_event_bridge::cluster::client(
+        kube::Config::new(api.url().parse().unwrap()),
+        &config.kubernetes,
+        &Default::default(),
+    )
+    .unwrap();
+    let err = kube_event_bridge::app::App::build(config, client)
+        .await
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains(&first)
+            && err.contains("5d1c-another-cluster")
+            && err.contains("configmap/out"),
+        "{err}"
+    );
+    assert_eq!(messages(&out).len(), 3, "nothing published");
+    // Back on the first cluster: a change made meanwhile, and only it, is published.
+    api.set_cluster_uid(&first);
+    api.update(typed(&configmap("ns", "cm-1", "2")));
+    run_until(&api, &out, 4).await;
+    let all = messages(&out);
+    assert_eq!(all.len(), 4);
+    assert_eq!(describe(&all[3]), "updated ns/cm-1 resumed");
+}
+
+/// A route over several namespaces resumes each one on its own: while one namespace is
+/// forbidden (its informer cannot list), the deletes made while down in the others are
+/// published at once, and the forbidden namespace's follow once it may be listed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forbidden_namespace_holds_back_only_its_own_deletes() {
+    let api = ApiServer::start().await;
+    for ns in ["a", "b"] {
+        for name in ["keep", "gone"] {
+            api.create(typed(&configmap(ns, name, "1")));
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let config = || {
+        ConfigBuilder::new()
+            .resource(json!({"name": "configmap", "api_version": "v1", "kind": "ConfigMap", "namespaces": ["a", "b"]}))
+            .stdout("out", &out)
+            .route("configmap", &["out"])
+            .build()
+    };
+    let first = RunningApp::start(config(), &api).await;
+    first.synced().await;
+    wait::until("4 published", PATIENCE, async || messages(&out).len() >= 4).await;
+    first.stop().await;
+    // While down: one object deleted in each namespace, and b becomes forbidden.
+    api.delete("v1", "ConfigMap", "a", "gone");
+    api.delete("v1", "ConfigMap", "b", "gone");
+    api.forbid_in_namespace("configmaps", "b", true);
+    let second = RunningApp::start(config(), &api).await;
+    wait::until("a's delete", PATIENCE, async || messages(&out).len() >= 5).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got: Vec<String> = messages(&out)[4..].iter().map(describe).collect();
+    assert_eq!(
+        got,
+        ["deleted a/gone finalstateunknown resumed"],
+        "a resumed while b waits"
+    );
+    api.forbid_in_namespace("configmaps", "b", false);
+    wait::until("b's delete", Duration::from_secs(40), async || {
+        messages(&out).len() >= 6
+    })
+    .await;
+    let all = messages(&out);
+    assert_eq!(
+        describe(&all[5]),
+        "deleted b/gone finalstateunknown resumed"
+    );
+    second.stop().await;
+    let d = support::differences(
+        &support::fold_in_order(&all),
+        &api.objects("v1", "ConfigMap"),
+    );
+    assert!(d.is_empty(), "{d:?}");
+}

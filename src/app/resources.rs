@@ -303,7 +303,8 @@ impl Wiring {
             r.namespaces.iter().cloned().map(Some).collect()
         };
         wired.informers = namespaces
-            .into_iter()
+            .iter()
+            .cloned()
             .map(|namespace| {
                 let key = InformerKey {
                     group: api_resource.group.clone(),
@@ -318,13 +319,14 @@ impl Wiring {
             })
             .collect();
         for route in &wired.routes {
-            for informer in &wired.informers {
+            for (informer, namespace) in wired.informers.iter().zip(&namespaces) {
                 let listener = ProcessorListener::new(
                     format!("{}@{}", route.route.queue().name(), informer.name()),
                     &EventType::ALL,
                     r.resync(),
                     route.handler.clone(),
-                );
+                )
+                .for_namespace(namespace.clone());
                 // On an informer already running (shared with another resource), the listener
                 // starts off and `start` switches it on.
                 informer.add_listener(Arc::new(listener));

@@ -35,8 +35,8 @@ pub trait NotificationHandler: Send + Sync {
 
     /// Every object of the informer's first list (or, for a listener switched on later, of
     /// the cache it was handed) has been passed on. Called once per activation, in order with
-    /// the notifications.
-    fn on_synced(&self) {}
+    /// the notifications. `namespace` is the one namespace the informer watches (`None`: all).
+    fn on_synced(&self, _namespace: Option<&str>) {}
 
     /// From a route's resume: the consumers have the object at `key` (the checkpoint holds
     /// it); `unchanged` is the informer's object when it is the version the checkpoint knows
@@ -52,6 +52,7 @@ pub struct ProcessorListener {
     resync: Mutex<ResyncState>,
     active: AtomicBool,
     handler: Arc<dyn NotificationHandler>,
+    namespace: Option<String>,
 }
 
 struct ResyncState {
@@ -91,7 +92,15 @@ impl ProcessorListener {
             }),
             active: AtomicBool::new(true),
             handler,
+            namespace: None,
         }
+    }
+
+    /// The listener of an informer that watches only `namespace` (told to the handler with
+    /// the sync).
+    pub fn for_namespace(mut self, namespace: Option<String>) -> Self {
+        self.namespace = namespace;
+        self
     }
 
     /// The listener's name.
@@ -110,7 +119,7 @@ impl ProcessorListener {
     /// Tells the handler that the initial state has been passed on, if the listener is on.
     pub fn synced(&self) {
         if self.is_active() {
-            self.handler.on_synced();
+            self.handler.on_synced(self.namespace.as_deref());
         }
     }
 

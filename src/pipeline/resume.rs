@@ -270,7 +270,11 @@ impl NotificationHandler for Resumer {
         }
     }
 
-    fn on_synced(&self) {
+    /// One informer passed on its initial state: the checkpoint keys it would have held and
+    /// did not are deleted now (an informer of one namespace: that namespace's keys), so that a
+    /// namespace still waiting (forbidden, say) holds back only its own deletes. Once every
+    /// informer has, every key left is deleted and the resume is over.
+    fn on_synced(&self, namespace: Option<&str>) {
         let mut state = self.lock();
         let State::Resuming {
             remaining,
@@ -280,12 +284,24 @@ impl NotificationHandler for Resumer {
             return;
         };
         *unsynced = unsynced.saturating_sub(1);
-        if *unsynced > 0 {
-            return;
-        }
-        let mut vanished: Vec<_> = std::mem::take(remaining).into_iter().collect();
-        *state = State::Passing;
-        self.resuming.store(false, Ordering::SeqCst);
+        let mut vanished: Vec<_> = if *unsynced == 0 {
+            let all = std::mem::take(remaining).into_iter().collect();
+            *state = State::Passing;
+            self.resuming.store(false, Ordering::SeqCst);
+            all
+        } else if let Some(ns) = namespace {
+            let keys: Vec<String> = remaining
+                .keys()
+                .filter(|k| k.split_once('/').is_some_and(|(n, _)| n == ns))
+                .cloned()
+                .collect();
+            keys.into_iter()
+                .filter_map(|k| remaining.remove_entry(&k))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let over = matches!(*state, State::Passing);
         drop(state);
         vanished.sort_by(|a, b| a.0.cmp(&b.0));
         let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
@@ -303,6 +319,10 @@ impl NotificationHandler for Resumer {
                 filtered_out: false,
             });
         }
-        info!(route = %self.route, deleted, "Resumed: objects gone while down are deleted");
+        if over {
+            info!(route = %self.route, deleted, "Resumed: objects gone while down are deleted");
+        } else {
+            info!(route = %self.route, namespace, deleted, "Resumed one namespace: its objects gone while down are deleted");
+        }
     }
 }

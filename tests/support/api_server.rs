@@ -433,6 +433,12 @@ impl ApiServer {
         }
     }
 
+    /// List and watch of `plural` in namespace `namespace` get 403 Forbidden while
+    /// `forbidden` is set (a Role granted in some namespaces only).
+    pub fn forbid_in_namespace(&self, plural: &str, namespace: &str, forbidden: bool) {
+        self.forbid(&format!("{plural}/{namespace}"), forbidden);
+    }
+
     /// Watches opened from now on send a bookmark this often when idle (default: a minute,
     /// as the real server; `None`: only when they time out).
     pub fn set_bookmark_interval(&self, every: Option<Duration>) {
@@ -979,10 +985,24 @@ async fn handle(
     }
     let is_watch = matches!(q.get("watch").map(String::as_str), Some("true" | "1"));
     let def = shared.def(collection.resource);
-    if shared.faults.lock().unwrap().forbidden.contains(def.plural) {
+    let forbidden_here = {
+        let f = shared.faults.lock().unwrap();
+        f.forbidden.contains(def.plural)
+            || collection
+                .namespace
+                .as_ref()
+                .is_some_and(|ns| f.forbidden.contains(&format!("{}/{ns}", def.plural)))
+    };
+    if forbidden_here {
         let verb = if is_watch { "watch" } else { "list" };
+        let scope = collection
+            .namespace
+            .as_ref()
+            .map_or("at the cluster scope".to_owned(), |ns| {
+                format!("in the namespace \"{ns}\"")
+            });
         let message = format!(
-            "{} is forbidden: User \"system:serviceaccount:test:kube-event-bridge\" cannot {verb} resource \"{}\" in API group \"{}\" at the cluster scope",
+            "{} is forbidden: User \"system:serviceaccount:test:kube-event-bridge\" cannot {verb} resource \"{}\" in API group \"{}\" {scope}",
             def.plural, def.plural, def.group
         );
         return json_response(StatusCode::FORBIDDEN, &status(403, "Forbidden", &message));

@@ -539,8 +539,8 @@ impl NotificationHandler for RouteFilter {
         }
     }
 
-    fn on_synced(&self) {
-        self.queue.on_synced();
+    fn on_synced(&self, namespace: Option<&str>) {
+        self.queue.on_synced(namespace);
     }
 }
 
