@@ -112,6 +112,7 @@ pub(super) async fn resume_from_checkpoints(
                         .checkpoint_load_seconds
                         .with_label_values(&[route])
                         .set(took);
+                    metrics.checkpoint_waiting.with_label_values(&[route]).set(0);
                     begin(r, checkpoint, cluster, store.as_ref(), took);
                 }
                 Err(why) => refused.push((i, why)),
