@@ -488,3 +488,59 @@ async fn a_forbidden_namespace_holds_back_only_its_own_deletes() {
     );
     assert!(d.is_empty(), "{d:?}");
 }
+
+/// A checkpoint that cannot be read at start is never replaced by a replay without deletes:
+/// the route publishes nothing and `/readyz` names it until the checkpoint loads (retried with
+/// backoff); then exactly what changed while down is published, deletes included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
+    let api = ApiServer::start().await;
+    for i in 0..3 {
+        api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    run_until(&api, &out, 3).await;
+    api.delete("v1", "ConfigMap", "ns", "cm-0");
+    // The checkpoint file cannot be read: a directory stands where it was.
+    let checkpoint = dir.path().join("out.jsonl.checkpoint");
+    let saved = dir.path().join("saved.checkpoint");
+    std::fs::rename(&checkpoint, &saved).unwrap();
+    std::fs::create_dir(&checkpoint).unwrap();
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .stdout("out", &out)
+        .route("configmap", &["out"])
+        .build();
+    let app = RunningApp::start(config, &api).await;
+    app.synced().await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(messages(&out).len(), 3, "nothing published while it waits");
+    let (code, body) = support::http_get(app.admin, "/readyz").await;
+    assert!(
+        code != 200 && body.contains("configmap/out") && body.contains("checkpoint"),
+        "{code} {body}"
+    );
+    let waiting = app
+        .metrics
+        .checkpoint_waiting
+        .with_label_values(&["configmap/out"]);
+    assert_eq!(waiting.get(), 1);
+    std::fs::remove_dir(&checkpoint).unwrap();
+    std::fs::rename(&saved, &checkpoint).unwrap();
+    wait::until("the delete", Duration::from_secs(40), async || {
+        messages(&out).len() >= 4
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let all = messages(&out);
+    app.stop().await;
+    assert_eq!(waiting.get(), 0);
+    let got: Vec<String> = all[3..].iter().map(describe).collect();
+    assert_eq!(got, ["deleted ns/cm-0 finalstateunknown resumed"]);
+    let d = support::differences(
+        &support::fold_in_order(&all),
+        &api.objects("v1", "ConfigMap"),
+    );
+    assert!(d.is_empty(), "{d:?}");
+}

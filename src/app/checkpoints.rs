@@ -60,14 +60,16 @@ fn check_cluster(
         return Ok(None);
     };
     match cp.remove(CLUSTER_KEY) {
-        Some(recorded) if recorded.uid != cluster => Err(Refusal::OtherCluster(format!(
-            "the checkpoint of route {route} in {} was written for another cluster (kube-system \
+        Some(recorded) if !cluster.is_empty() && recorded.uid != cluster => {
+            Err(Refusal::OtherCluster(format!(
+                "the checkpoint of route {route} in {} was written for another cluster (kube-system \
              uid {}), not this one ({cluster}): refusing to resume from it. Point the bridge at \
              the right cluster, or give this cluster its own checkpoint (sinks[].kafka.\
              checkpoint_topic, sinks[].nats.checkpoint_bucket, or another file)",
-            store.describe(),
-            recorded.uid
-        ))),
+                store.describe(),
+                recorded.uid
+            )))
+        }
         _ => Ok(Some(cp)),
     }
 }
@@ -112,7 +114,10 @@ pub(super) async fn resume_from_checkpoints(
                         .checkpoint_load_seconds
                         .with_label_values(&[route])
                         .set(took);
-                    metrics.checkpoint_waiting.with_label_values(&[route]).set(0);
+                    metrics
+                        .checkpoint_waiting
+                        .with_label_values(&[route])
+                        .set(0);
                     begin(r, checkpoint, cluster, store.as_ref(), took);
                 }
                 Err(why) => refused.push((i, why)),
@@ -138,7 +143,9 @@ fn begin(
             "No checkpoint yet: the initial list is published as initial adds"
         ),
     }
-    r.checkpointer.record_cluster(cluster);
+    if !cluster.is_empty() {
+        r.checkpointer.record_cluster(cluster);
+    }
     r.resumer.begin(checkpoint);
 }
 
@@ -164,22 +171,7 @@ pub(super) fn wait_for_checkpoint(
     metrics: Arc<Metrics>,
 ) {
     let route = w.resume_route.clone();
-    let set_waiting = |reason: Option<&str>| {
-        let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
-        match reason {
-            Some(r) => {
-                all.insert(route.clone(), r.to_owned());
-            }
-            None => {
-                all.remove(&route);
-            }
-        }
-        metrics
-            .checkpoint_waiting
-            .with_label_values(&[&route])
-            .set(reason.is_some() as i64);
-    };
-    set_waiting(Some(why.reason()));
+    mark_waiting(&waiting, &metrics, &route, Some(why.reason()));
     if let Refusal::OtherCluster(reason) = &why {
         error!(route = %route, "{reason}");
         return;
@@ -201,17 +193,8 @@ pub(super) fn wait_for_checkpoint(
                     "cannot read its checkpoint: {err}"
                 ))),
             };
-            let mark = |reason: Option<&str>| {
-                let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
-                match reason {
-                    Some(r) => all.insert(w.resume_route.clone(), r.to_owned()),
-                    None => all.remove(&w.resume_route),
-                };
-                metrics
-                    .checkpoint_waiting
-                    .with_label_values(&[&w.resume_route])
-                    .set(reason.is_some() as i64);
-            };
+            let mark =
+                |reason: Option<&str>| mark_waiting(&waiting, &metrics, &w.resume_route, reason);
             match loaded {
                 Ok(checkpoint) => {
                     if term.is_cancelled() {
@@ -223,18 +206,23 @@ pub(super) fn wait_for_checkpoint(
                         .with_label_values(&[&w.resume_route])
                         .set(took);
                     w.resumer.begin(checkpoint.clone());
-                    w.checkpointer.record_cluster(&cluster);
+                    if !cluster.is_empty() {
+                        w.checkpointer.record_cluster(&cluster);
+                    }
                     info!(route = %w.resume_route, keys = checkpoint.as_ref().map_or(0, HashMap::len), "Checkpoint loaded after waiting; resuming");
                     mark(None);
-                    for informer in &w.informers {
-                        informer
-                            .activate_listeners_after_relist(&term, |l| {
-                                l.name().starts_with(&w.listeners)
-                            })
-                            .await;
-                    }
+                    // Each informer on its own: one that cannot list holds back only itself.
+                    let prefix = &w.listeners;
+                    futures::future::join_all(w.informers.iter().map(|informer| {
+                        informer.activate_listeners_after_relist(&term, |l| {
+                            l.name().starts_with(prefix)
+                        })
+                    }))
+                    .await;
                     return;
                 }
+                // The term ended meanwhile: its waiting entries are gone; so is this task.
+                Err(_) if term.is_cancelled() => return,
                 Err(Refusal::OtherCluster(reason)) => {
                     error!(route = %w.resume_route, "{reason}");
                     mark(Some(&reason));
@@ -248,6 +236,19 @@ pub(super) fn wait_for_checkpoint(
             }
         }
     });
+}
+
+/// Records whether `route` waits for its checkpoint, and why (`/readyz`, the gauge).
+fn mark_waiting(waiting: &WaitingRoutes, metrics: &Metrics, route: &str, reason: Option<&str>) {
+    let mut all = waiting.lock().unwrap_or_else(|e| e.into_inner());
+    match reason {
+        Some(r) => all.insert(route.to_owned(), r.to_owned()),
+        None => all.remove(route),
+    };
+    metrics
+        .checkpoint_waiting
+        .with_label_values(&[route])
+        .set(reason.is_some() as i64);
 }
 
 /// The start's error for a checkpoint of another cluster (without leader election).

@@ -27,6 +27,7 @@ impl Resources {
         // Ends the last term's pending switch-ons before anything is switched off.
         self.term.cancel();
         self.term = CancellationToken::new();
+        self.clear_waiting();
         let informers: Vec<_> = self
             .wired
             .iter()

@@ -169,7 +169,8 @@ impl App {
                 Err(err) => return Err(err.into()),
             }
         }
-        if !resources.resumes().is_empty() {
+        // Any sink with a checkpoint (kinds that appear later wire their routes then).
+        if !wiring.stores.is_empty() {
             resources.cluster = cluster::identity(&client).await.map_err(Error::Identity)?;
             info!(cluster = %resources.cluster, "Cluster identity (uid of namespace kube-system), recorded in checkpoints");
         }

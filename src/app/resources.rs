@@ -173,6 +173,29 @@ impl Resources {
         (refusals, prefixes)
     }
 
+    /// The listener name prefixes (`{route}@`) of the routes waiting for their checkpoint.
+    pub(super) fn waiting_prefixes(&self) -> Vec<String> {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .map(|route| format!("{route}@"))
+            .collect()
+    }
+
+    /// Forgets which routes wait (their tasks end with the term): the next term's resumes
+    /// decide again.
+    pub(super) fn clear_waiting(&self) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        for route in waiting.keys() {
+            self.metrics
+                .checkpoint_waiting
+                .with_label_values(&[route])
+                .set(0);
+        }
+        waiting.clear();
+    }
+
     pub(super) fn resumes(&self) -> Vec<&Resume> {
         self.wired
             .iter()
@@ -387,11 +410,12 @@ impl Resources {
             }
         }
         if leading {
-            let waiting = if routes_too {
-                self.begin_resumes(&[i]).await.1
-            } else {
-                Vec::new()
-            };
+            if routes_too {
+                self.begin_resumes(&[i]).await;
+            }
+            // Routes waiting for their checkpoint (now or since the start) stay off: their own
+            // task switches them on once it loads.
+            let waiting = self.waiting_prefixes();
             let wired = &mut self.wired[i];
             // Listeners added to an informer another resource already runs get its cache now
             // (after their resume began); on informers not started yet this changes nothing.
