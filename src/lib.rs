@@ -20,7 +20,8 @@
 //! metrics.rs        every Prometheus metric family
 //! problems.rs       what settings validation found, with field paths
 //! selector.rs       label selectors as kubectl takes them → kube's Selector
-//! informer/         reflector, delta_fifo, indexer, shared_informer, listener, factory;
+//! informer/         reflector, list_watch (list+watch state machine), delta_fifo, indexer,
+//!                   shared_informer, listener, factory;
 //!                   notification.rs (Notification, EventType), object.rs (CachedObject, diffs)
 //! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
@@ -33,7 +34,8 @@
 //! config/           the document: mod.rs (load, cross-references), resource.rs, sink.rs
 //! selection.rs      which kinds each configured resource selects, by discovery
 //! app/              mod.rs (build, run, layered shutdown), sinks.rs (opening sinks and stores),
-//!                   resources.rs (wiring), discovery.rs, leadership.rs, health.rs
+//!                   resources.rs (wiring), checkpoints.rs (loading them, waiting routes),
+//!                   discovery.rs, leadership.rs, health.rs
 //! consumer/         tools for consumers: state.rs, tail.rs; event.rs (reading messages back),
 //!                   progress.rs
 //! ```

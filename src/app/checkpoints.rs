@@ -18,16 +18,25 @@ use std::{
     time::Duration,
 };
 
+use crate::pipeline::{Checkpointer, Resumer};
+
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::{Error, resources::Resume};
+use super::Error;
 use crate::{
     informer::SharedIndexInformer,
     metrics::Metrics,
     pipeline::checkpoint::{CLUSTER_KEY, Checkpoint},
     sinks::CheckpointStore,
 };
+
+/// One route's resume: its resumer and the checkpointer its workers record into.
+pub(super) struct Resume {
+    pub(super) resumer: Arc<Resumer>,
+    pub(super) checkpointer: Arc<Checkpointer>,
+    pub(super) interval: Duration,
+}
 
 /// Routes waiting for their checkpoint, with the reason (for `/readyz`).
 pub(super) type WaitingRoutes = Arc<Mutex<BTreeMap<String, String>>>;

@@ -96,7 +96,10 @@ mod tests {
     use super::*;
     use crate::metrics::Metrics;
     use crate::{
-        app::resources::{Resume, Wired, WiredRoute},
+        app::{
+            checkpoints::Resume,
+            resources::{Wired, WiredRoute},
+        },
         informer::{Notification, NotificationKind, testing::obj},
         message::{Encoder, Encoding, MessageConfig},
         pipeline::{Delivery, RouteBuilder},

@@ -4,7 +4,6 @@
 use std::{
     collections::{BTreeMap, HashMap},
     sync::Arc,
-    time::Duration,
 };
 
 use kube::{
@@ -15,7 +14,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     Error,
-    checkpoints::{Refusal, Waiter, WaitingRoutes, resume_from_checkpoints, wait_for_checkpoint},
+    checkpoints::{
+        Refusal, Resume, Waiter, WaitingRoutes, resume_from_checkpoints, wait_for_checkpoint,
+    },
 };
 use crate::{
     config::{Config, ResourceConfig},
@@ -25,19 +26,10 @@ use crate::{
     },
     message::{Encoder, object_transform},
     metrics::Metrics,
-    pipeline::{
-        self, Budget, Checkpointer, Delivery, Resumer, Route, RouteBuilder, RouteQueue, filter,
-    },
+    pipeline::{self, Budget, Delivery, Route, RouteBuilder, RouteQueue, filter},
     sinks::{self, CheckpointStore, kafka::KafkaSink},
     workqueue::rate_limiter::RetrySettings,
 };
-
-/// One route's resume: its resumer and the checkpointer its workers record into.
-pub(super) struct Resume {
-    pub(super) resumer: Arc<Resumer>,
-    pub(super) checkpointer: Arc<Checkpointer>,
-    pub(super) interval: Duration,
-}
 
 /// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
 /// name, and for a `kind: "*"` entry `/` and the kind's resource (`configmaps`,
