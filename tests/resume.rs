@@ -34,13 +34,16 @@ fn describe(m: &Value) -> String {
     d
 }
 
-async fn run_until(api: &ApiServer, out: &Path, total: usize) {
-    let config = ConfigBuilder::new()
+/// ConfigMaps to the file sink `out` (its checkpoint beside it).
+fn to_file(out: &Path) -> ConfigBuilder {
+    ConfigBuilder::new()
         .configmaps()
         .stdout("out", out)
         .route("configmap", &["out"])
-        .build();
-    let app = RunningApp::start(config, api).await;
+}
+
+async fn run_until(api: &ApiServer, out: &Path, total: usize) {
+    let app = RunningApp::start(to_file(out).build(), api).await;
     app.synced().await;
     wait::until("the messages", PATIENCE, async || {
         messages(out).len() >= total
@@ -148,11 +151,7 @@ async fn ten_thousand_unchanged_objects_publish_nothing_after_a_restart() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("events.jsonl");
     run_until(&api, &out, 10_000).await;
-    let config = ConfigBuilder::new()
-        .configmaps()
-        .stdout("out", &out)
-        .route("configmap", &["out"])
-        .build();
+    let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;
     let unchanged = || {
@@ -193,10 +192,7 @@ async fn a_new_leader_delivers_the_deletes_made_while_no_replica_led() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("events.jsonl");
     let replica = |identity: &str| {
-        ConfigBuilder::new()
-            .configmaps()
-            .stdout("out", &out)
-            .route("configmap", &["out"])
+        to_file(&out)
             .fast_leader_election(identity, "100ms")
             .build()
     };
@@ -402,11 +398,7 @@ async fn a_checkpoint_of_another_cluster_is_refused_naming_both() {
     run_until(&api, &out, 3).await;
     let first = api.cluster_uid();
     api.set_cluster_uid("5d1c-another-cluster");
-    let config = ConfigBuilder::new()
-        .configmaps()
-        .stdout("out", &out)
-        .route("configmap", &["out"])
-        .build();
+    let config = to_file(&out).build();
     let client = kube_event_bridge::cluster::client(
         kube::Config::new(api.url().parse().unwrap()),
         &config.kubernetes,
@@ -507,11 +499,7 @@ async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
     let saved = dir.path().join("saved.checkpoint");
     std::fs::rename(&checkpoint, &saved).unwrap();
     std::fs::create_dir(&checkpoint).unwrap();
-    let config = ConfigBuilder::new()
-        .configmaps()
-        .stdout("out", &out)
-        .route("configmap", &["out"])
-        .build();
+    let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;
     tokio::time::sleep(Duration::from_millis(1500)).await;

@@ -509,7 +509,9 @@ impl NotificationHandler for RouteFilter {
                 }
                 // Whatever is published now is what consumers have: an update starts from
                 // the last published state, and a resync or resumed update carries the state.
-                if let Some(base) = st.bases.remove(&key)
+                // A type the queue drops (`events` without it) publishes nothing: the base stays.
+                if self.queue.publishes(ty)
+                    && let Some(base) = st.bases.remove(&key)
                     && updated
                 {
                     n.kind = NotificationKind::Update { old: base, new };
@@ -875,6 +877,21 @@ mod tests {
         on(object("a", "4", "web", "z"), object("a", "4", "web", "z"));
         assert_eq!(drain(&q), ["updated 4 from 1", "synced 4 from 4"]);
         assert_eq!(filtered[2].get(), 2);
+    }
+
+    #[test]
+    fn a_resync_the_route_does_not_publish_keeps_the_base_of_the_next_update() {
+        let (f, q, _) = stage_publishing(
+            r#"{"ignore_fields": ["/status", "/metadata/resourceVersion"]}"#,
+            &[EventType::Added, EventType::Updated, EventType::Deleted],
+        );
+        let on =
+            |old, new| f.on_notification(Notification::new(NotificationKind::Update { old, new }));
+        on(object("a", "1", "shop", "x"), object("a", "2", "shop", "y"));
+        // A resync the queue drops (no `synced` in events): consumers still have rv 1.
+        on(object("a", "2", "shop", "y"), object("a", "2", "shop", "y"));
+        on(object("a", "2", "shop", "y"), object("a", "3", "web", "y"));
+        assert_eq!(drain(&q), ["updated 3 from 1"]);
     }
 
     #[test]
