@@ -807,3 +807,164 @@ async fn an_explicit_kind_whose_version_goes_deletes_nothing_and_says_which_vers
         "nothing deleted: {d:?}"
     );
 }
+
+/// Two resources share the informer of a kind, and one of them switches to a version another
+/// resource already watches: the switching routes join that running informer with only what
+/// changed since their old one (it used to hand them every object again as added, and lost
+/// the deletes made in between); the resource that stays on the old version keeps its
+/// informer (it used to be stopped under it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_switch_onto_a_shared_informer_publishes_only_what_changed() {
+    let api = ApiServer::start().await;
+    api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
+    for i in 0..20 {
+        api.create(custom_resource(
+            &format!("{GROUP}/v1beta1"),
+            "Widget",
+            Some("ns"),
+            &format!("w{i}"),
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (all, beta) = (dir.path().join("all.jsonl"), dir.path().join("beta.jsonl"));
+    let cfg = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "30s"}))
+        .resources(json!([
+            {"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*"},
+            {"name": "beta", "api_version": format!("{GROUP}/v1beta1"), "kind": "Widget"},
+        ]))
+        .stdout("all", &all)
+        .stdout("beta", &beta)
+        .route("shop", &["all"])
+        .route("beta", &["beta"])
+        .build();
+    let app = RunningApp::start(cfg, &api).await;
+    wait::until("every widget, twice", PATIENCE, async || {
+        delivered(&all).len() == 20 && delivered(&beta).len() == 20
+    })
+    .await;
+    assert_eq!(app.factory.informers().len(), 1, "one informer serves both");
+    // The CRD serves v1 too (v1 preferred): the wildcard moves, `beta` stays.
+    api.serve_crd_at(GROUP, "widgets", "v1");
+    api.serve_crd_also_at(GROUP, "widgets", "v1beta1");
+    for i in 0..3 {
+        api.delete(&format!("{GROUP}/v1"), "Widget", "ns", &format!("w{i}"));
+    }
+    let factory = app.factory.clone();
+    wait::until("informers at both versions", PATIENCE, async || {
+        let names: Vec<String> = factory
+            .informers()
+            .iter()
+            .map(|i| i.name().to_owned())
+            .collect();
+        names.iter().any(|n| n.contains("/v1/widgets"))
+            && names.iter().any(|n| n.contains("/v1beta1/widgets"))
+    })
+    .await;
+    api.delete(&format!("{GROUP}/v1"), "Widget", "ns", "w3");
+    wait::until("the deletes in both streams", PATIENCE, async || {
+        let (a, b) = (delivered(&all), delivered(&beta));
+        (0..4).all(|i| {
+            let k = format!("Widget ns/w{i}");
+            a[&k].last().map(String::as_str) == Some("deleted")
+                && b[&k].last().map(String::as_str) == Some("deleted")
+        })
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(app.stop().await.undelivered.is_empty());
+    for out in [&all, &beta] {
+        let d = delivered(out);
+        for i in 0..20 {
+            let want: &[&str] = if i < 4 {
+                &["added", "deleted"]
+            } else {
+                &["added"]
+            };
+            assert_eq!(d[&format!("Widget ns/w{i}")], want, "{out:?} w{i}");
+        }
+        let events = support::cloudevent_lines(out);
+        let d = support::differences(
+            &support::fold_in_order(&events),
+            &api.objects(&format!("{GROUP}/v1"), "Widget"),
+        );
+        assert!(d.is_empty(), "{out:?}: {d:?}");
+    }
+}
+
+/// A route waiting for its checkpoint (unreadable at start) while its kind moves to another
+/// version: once the checkpoint loads, the route switches on at the new version and publishes
+/// exactly what changed while it was down (it used to wait on the stopped informers forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
+    let api = ApiServer::start().await;
+    api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
+    for i in 0..10 {
+        api.create(custom_resource(
+            &format!("{GROUP}/v1beta1"),
+            "Widget",
+            Some("ns"),
+            &format!("w{i}"),
+        ));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let config = || {
+        ConfigBuilder::new()
+            .grace_period("5s")
+            .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "1s"}))
+            .resources(json!([{"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*"}]))
+            .stdout("out", &out)
+            .route_each_resource_to(&["out"])
+            .build()
+    };
+    let app = RunningApp::start(config(), &api).await;
+    wait::until("every widget", PATIENCE, async || {
+        delivered(&out).len() == 10
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(app.stop().await.undelivered.is_empty());
+    api.delete(&format!("{GROUP}/v1beta1"), "Widget", "ns", "w0");
+    let checkpoint = dir.path().join("out.jsonl.checkpoint");
+    let saved = dir.path().join("saved.checkpoint");
+    std::fs::rename(&checkpoint, &saved).unwrap();
+    std::fs::create_dir(&checkpoint).unwrap();
+    let app = RunningApp::start(config(), &api).await;
+    app.synced().await;
+    api.serve_crd_at(GROUP, "widgets", "v1");
+    let factory = app.factory.clone();
+    wait::until("the informer at v1", PATIENCE, async || {
+        factory
+            .informers()
+            .iter()
+            .any(|i| i.name().contains("/v1/widgets"))
+    })
+    .await;
+    let mut w = api
+        .get(&format!("{GROUP}/v1"), "Widget", "ns", "w1")
+        .unwrap();
+    w["spec"] = json!({"size": 1});
+    api.update(w);
+    std::fs::remove_dir(&checkpoint).unwrap();
+    std::fs::rename(&saved, &checkpoint).unwrap();
+    wait::until(
+        "the delete and the update",
+        Duration::from_secs(40),
+        async || support::cloudevent_lines(&out).len() >= 12,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(app.stop().await.undelivered.is_empty());
+    let events = support::cloudevent_lines(&out);
+    let d = delivered(&out);
+    assert_eq!(events.len(), 12, "{d:?}");
+    assert_eq!(d["Widget ns/w0"], ["added", "deleted"]);
+    assert_eq!(d["Widget ns/w1"], ["added", "updated"]);
+    let d = support::differences(
+        &support::fold_in_order(&events),
+        &api.objects(&format!("{GROUP}/v1"), "Widget"),
+    );
+    assert!(d.is_empty(), "{d:?}");
+}

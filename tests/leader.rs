@@ -424,3 +424,76 @@ async fn a_new_leader_compares_the_checkpoint_with_a_fresh_list_not_its_lagging_
     );
     assert_eq!(relists, 1, "one relist, on becoming leader");
 }
+
+/// A new leader whose relist is held back (the kind's lists are refused for a while) sees the
+/// kind move to another version before that relist: the new version's informer lists afresh
+/// and the route compares that list with the checkpoint. Only what changed is published (the
+/// new informer used to start from the standby's cache, so unchanged objects went by as
+/// resyncs and the resume deleted every one of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_switch_while_a_new_leader_waits_for_its_relist_deletes_nothing() {
+    const GROUP: &str = "shop.example.org";
+    let api = ApiServer::start().await;
+    api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
+    let widget = |name: &str| {
+        support::objects::custom_resource(&format!("{GROUP}/v1beta1"), "Widget", Some("ns"), name)
+    };
+    for i in 0..20 {
+        api.create(widget(&format!("w{i}")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("stream.jsonl");
+    let start = async |identity| {
+        let config = ConfigBuilder::new()
+            .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "1s"}))
+            .resources(json!([{"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*"}]))
+            .stdout("out", &out)
+            .route_each_resource_to(&["out"])
+            .fast_leader_election(identity, "100ms")
+            .build();
+        RunningApp::start(config, &api).await
+    };
+    let one = start("one").await;
+    wait::until("one leads", Duration::from_secs(10), async || {
+        one.metrics.leader.get() == 1
+    })
+    .await;
+    let two = start("two").await;
+    two.synced().await;
+    support::wait_for_lines(&out, 20).await;
+    // two's relist on taking over is refused until the kind has moved.
+    api.forbid("widgets", true);
+    assert!(one.stop().await.undelivered.is_empty());
+    wait::until("two takes over", Duration::from_secs(10), async || {
+        two.metrics.leader.get() == 1
+    })
+    .await;
+    api.serve_crd_at(GROUP, "widgets", "v1");
+    let factory = two.factory.clone();
+    wait::until("the informer at v1", Duration::from_secs(10), async || {
+        factory
+            .informers()
+            .iter()
+            .any(|i| i.name().contains("/v1/widgets"))
+    })
+    .await;
+    api.delete(&format!("{GROUP}/v1"), "Widget", "ns", "w0");
+    api.forbid("widgets", false);
+    wait::until("the delete", Duration::from_secs(20), async || {
+        support::cloudevent_lines(&out).len() > 20
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let events = support::cloudevent_lines(&out);
+    assert!(two.stop().await.undelivered.is_empty());
+    let d = support::differences(
+        &support::fold_in_order(&events),
+        &api.objects(&format!("{GROUP}/v1"), "Widget"),
+    );
+    assert!(d.is_empty(), "{d:?}");
+    assert_eq!(
+        events.len(),
+        21,
+        "only the delete was published after the takeover"
+    );
+}

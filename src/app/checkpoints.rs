@@ -165,7 +165,8 @@ pub(super) struct Waiter {
     pub(super) checkpointer: Arc<crate::pipeline::Checkpointer>,
     /// Its listeners' name prefix (`{queue}@`).
     pub(super) listeners: String,
-    pub(super) informers: Vec<Arc<SharedIndexInformer>>,
+    /// Its kind's informers, followed: a version switch may replace them while it waits.
+    pub(super) informers: tokio::sync::watch::Receiver<Vec<Arc<SharedIndexInformer>>>,
 }
 
 /// Marks `w`'s route as waiting for `why` and, unless its checkpoint is of another cluster,
@@ -222,7 +223,8 @@ pub(super) fn wait_for_checkpoint(
                     mark(None);
                     // Each informer on its own: one that cannot list holds back only itself.
                     let prefix = &w.listeners;
-                    futures::future::join_all(w.informers.iter().map(|informer| {
+                    let informers = w.informers.borrow().clone();
+                    futures::future::join_all(informers.iter().map(|informer| {
                         informer.activate_listeners_after_relist(&term, |l| {
                             l.name().starts_with(prefix)
                         })

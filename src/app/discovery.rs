@@ -186,11 +186,11 @@ pub(super) async fn refresh(
             }
         }
         for s in start {
-            let mut cached = None;
+            let mut base = None;
             let (i, new, api_resource) = match s {
                 Start::Again(i) => (i, false, resources.wired[i].api_resource.clone()),
                 Start::Switch(i, api_resource) => {
-                    cached = Some(switch_version(wiring, resources, i, &api_resource).await);
+                    base = switch_version(wiring, resources, i, &api_resource).await;
                     (i, false, api_resource)
                 }
                 Start::New(api_resource, namespaced) => {
@@ -207,8 +207,8 @@ pub(super) async fn refresh(
                 }
             };
             wiring.add_informers(&mut resources.wired[i]);
-            if let Some(cached) = cached {
-                seed(&resources.wired[i].informers, cached);
+            if let Some(base) = base {
+                hand_over(&resources.wired[i], base);
             }
             resources.start(i, new).await;
             info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
@@ -241,9 +241,9 @@ pub(super) async fn refresh(
                 }
             };
             resources.gone_since.remove(&i);
-            let wired = &mut resources.wired[i];
             if !elsewhere.is_empty() {
-                stop_informers(wiring, wired).await;
+                stop_informers(wiring, resources, i).await;
+                let wired = &resources.wired[i];
                 let reason = format!(
                     "{}/{} is no longer served, but the kind is, at {elsewhere:?}: its objects \
                      live on (nothing is deleted); set api_version to a served version",
@@ -253,14 +253,29 @@ pub(super) async fn refresh(
                 version_gone = Some(reason);
                 continue;
             }
-            // Its objects' deletes came from the watch; what is still cached goes as deleted.
-            wired.informers.iter().for_each(|i| i.mark_gone());
-            wired.cancel.cancel();
-            futures::future::join_all(wired.tasks.drain(..)).await;
-            for informer in wired.informers.drain(..) {
-                wiring.factory.remove(&informer);
+            // Its objects' deletes came from the watch; what is still cached goes as deleted,
+            // to every resource an informer serves (the kind is gone for all of them).
+            let gone = resources.wired[i].informers.clone();
+            gone.iter().for_each(|i| i.mark_gone());
+            futures::future::join_all(gone.iter().map(|i| i.stop())).await;
+            for informer in &gone {
+                wiring.factory.remove(informer);
             }
-            warn!(resource = %kind_name(r, &wired.api_resource), "No longer served (its CRD was deleted?): informers stopped");
+            for w in resources.wired.iter_mut() {
+                if w.informers
+                    .iter()
+                    .any(|x| gone.iter().any(|g| Arc::ptr_eq(x, g)))
+                {
+                    let left = w
+                        .informers
+                        .iter()
+                        .filter(|x| !gone.iter().any(|g| Arc::ptr_eq(x, g)))
+                        .cloned()
+                        .collect();
+                    w.set_informers(left);
+                }
+            }
+            warn!(resource = %kind_name(r, &resources.wired[i].api_resource), "No longer served (its CRD was deleted?): informers stopped");
         }
         let active = resources
             .wired
@@ -303,36 +318,62 @@ async fn served_at(client: &kube::Client, kind: &ApiResource) -> Result<Vec<Stri
         .collect())
 }
 
-/// Stops `wired`'s informers without deleting what they cache (the FIFO drains into the
-/// routes first).
-async fn stop_informers(wiring: &Wiring, wired: &mut super::resources::Wired) {
-    wired.cancel.cancel();
-    futures::future::join_all(wired.tasks.drain(..)).await;
-    for informer in wired.informers.drain(..) {
-        wiring.factory.remove(&informer);
+/// Stops `resources.wired[i]`'s informers without deleting what they cache (each FIFO drains
+/// into the routes first). An informer another wired kind shares runs on for it: only this
+/// kind's listeners leave it. Returns, per informer, what its listeners were handed last (its
+/// cache once they left it).
+async fn stop_informers(
+    wiring: &Wiring,
+    resources: &mut Resources,
+    i: usize,
+) -> Vec<Vec<crate::informer::ObjectRef>> {
+    let prefixes = resources.wired[i].listener_prefixes();
+    let ours =
+        |l: &crate::informer::ProcessorListener| prefixes.iter().any(|p| l.name().starts_with(p));
+    let mut cached = Vec::new();
+    for informer in resources.wired[i].informers.clone() {
+        if resources.shared(i, &informer) {
+            cached.push(informer.remove_listeners_where(ours));
+        } else {
+            informer.stop().await;
+            wiring.factory.remove(&informer);
+            // After the stop: what drained from the FIFO is in the cache too.
+            cached.push(informer.indexer().list());
+        }
     }
+    resources.wired[i].set_informers(Vec::new());
+    cached
 }
 
 /// Moves wired kind `i` to `api_resource` (the same kind at another version): its informers
-/// stop without deleting anything (their FIFOs drain into the routes first), and its routes
-/// encode the new version from now on. Returns what each old informer cached, for the new
-/// ones to start from: their first list is then a relist (client-go's `DeltaFIFO.Replace`
-/// against a known cache), which publishes only what changed meanwhile (unchanged objects
-/// are resyncs, dropped unless a resync is due; vanished ones are deleted), where a new
-/// informer would add everything again.
+/// stop without deleting anything (see [`stop_informers`]), and its routes encode the new
+/// version from now on. Returns what the old informers' listeners were handed, when that is
+/// what its routes passed on (this replica leads, every listener was on, and no route is
+/// still comparing its first list with a checkpoint): the new informers then start from it
+/// (see [`hand_over`]) and publish only what changed meanwhile. Otherwise (`None`) the new
+/// informers list afresh and their listeners get it whole, as the switch-on they were waiting
+/// for would have handed it: a resume compares it with its checkpoint, a new leader's
+/// listeners get it as the relist they were waiting for.
 async fn switch_version(
     wiring: &Wiring,
     resources: &mut Resources,
     i: usize,
     api_resource: &ApiResource,
-) -> Vec<Vec<crate::informer::ObjectRef>> {
+) -> Option<Vec<Vec<crate::informer::ObjectRef>>> {
+    let wired = &resources.wired[i];
+    let prefixes = wired.listener_prefixes();
+    let known = resources.leading
+        && wired.informers.iter().all(|informer| {
+            informer.listeners_on_where(|l| prefixes.iter().any(|p| l.name().starts_with(p)))
+        })
+        && !wired
+            .routes
+            .iter()
+            .any(|r| r.resume.as_ref().is_some_and(|r| r.resumer.is_resuming()));
+    let cached = stop_informers(wiring, resources, i).await;
     let wired = &mut resources.wired[i];
-    let old = wired.informers.clone();
-    stop_informers(wiring, wired).await;
-    // After the stop: what drained from the FIFOs is in the caches too.
-    let cached: Vec<_> = old.iter().map(|i| i.indexer().list()).collect();
     info!(from = %wired.api_resource.version, to = %api_resource.version, kind = %api_resource.kind,
-          objects = cached.iter().map(Vec::len).sum::<usize>(),
+          objects = cached.iter().map(Vec::len).sum::<usize>(), from_cache = known,
           "The kind is served at another version now; following it without deleting anything");
     wired.api_resource = api_resource.clone();
     for route in &wired.routes {
@@ -346,17 +387,24 @@ async fn switch_version(
             });
         }
     }
-    cached
+    known.then_some(cached)
 }
 
-/// Starts each of `informers` (not running yet) from what the informer it replaces cached.
-fn seed(
-    informers: &[Arc<crate::informer::SharedIndexInformer>],
-    cached: Vec<Vec<crate::informer::ObjectRef>>,
-) {
-    for (informer, objects) in informers.iter().zip(cached) {
+/// Starts `wired`'s new informers from `base`, what the informers they replace handed its
+/// listeners (one list per informer, in order). One not running yet is seeded with it: its
+/// first list is then a relist (client-go's `DeltaFIFO.Replace` against a known cache), which
+/// publishes only what changed meanwhile (unchanged objects are resyncs, dropped unless a
+/// resync is due; vanished ones are deleted), where a new informer would add everything
+/// again. On one already running (another resource's), its listeners are switched on with
+/// the difference between `base` and its cache.
+fn hand_over(wired: &super::resources::Wired, base: Vec<Vec<crate::informer::ObjectRef>>) {
+    let prefixes = wired.listener_prefixes();
+    for (informer, objects) in wired.informers.iter().zip(base) {
         if informer.is_running() {
-            continue; // shared with another resource: it has its own cache
+            informer.activate_listeners_against(objects, |l| {
+                prefixes.iter().any(|p| l.name().starts_with(p))
+            });
+            continue;
         }
         for obj in objects {
             informer

@@ -159,9 +159,8 @@ mod tests {
                     interval: std::time::Duration::from_secs(1),
                 }),
             }],
+            current: tokio::sync::watch::Sender::new(Vec::new()),
             informers: Vec::new(),
-            cancel: Default::default(),
-            tasks: Vec::new(),
         };
         Resources {
             wired: vec![wired],

@@ -331,12 +331,12 @@ impl App {
         // Routes still waiting for their checkpoint give up.
         resources.term.cancel();
         informers_cancel.cancel();
-        let tasks: Vec<_> = resources
+        let informers: Vec<_> = resources
             .wired
-            .iter_mut()
-            .flat_map(|w| w.tasks.drain(..))
+            .iter()
+            .flat_map(|w| w.informers.iter().cloned())
             .collect();
-        futures::future::join_all(tasks).await;
+        futures::future::join_all(informers.iter().map(|i| i.stop())).await;
         let live = resources.live.take().expect("set at start");
         let report = Report {
             undelivered: live

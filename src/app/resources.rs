@@ -75,9 +75,43 @@ pub(super) struct Wired {
     pub(super) api_resource: ApiResource,
     pub(super) namespaced: bool,
     pub(super) routes: Vec<WiredRoute>,
+    /// Its informers now (change them with [`Wired::set_informers`]).
     pub(super) informers: Vec<Arc<SharedIndexInformer>>,
-    pub(super) cancel: CancellationToken,
-    pub(super) tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// Follows `informers`, for tasks that outlive a change of them (a route waiting for its
+    /// checkpoint switches on the informers of the moment it loads).
+    pub(super) current: tokio::sync::watch::Sender<Vec<Arc<SharedIndexInformer>>>,
+}
+
+impl Wired {
+    /// A wired kind without informers.
+    pub(super) fn new(
+        index: usize,
+        api_resource: ApiResource,
+        namespaced: bool,
+        routes: Vec<WiredRoute>,
+    ) -> Self {
+        Self {
+            index,
+            api_resource,
+            namespaced,
+            routes,
+            informers: Vec::new(),
+            current: tokio::sync::watch::Sender::new(Vec::new()),
+        }
+    }
+
+    pub(super) fn set_informers(&mut self, informers: Vec<Arc<SharedIndexInformer>>) {
+        self.current.send_replace(informers.clone());
+        self.informers = informers;
+    }
+
+    /// The listener name prefixes (`{route}@`) of its routes.
+    pub(super) fn listener_prefixes(&self) -> Vec<String> {
+        self.routes
+            .iter()
+            .map(|r| format!("{}@", r.route.queue().name()))
+            .collect()
+    }
 }
 
 /// The resources: wired, and pending (not served yet, by index, with the reason). Changes
@@ -151,7 +185,7 @@ impl Resources {
                     resumer: resume.resumer.clone(),
                     checkpointer: resume.checkpointer.clone(),
                     listeners: prefix.clone(),
-                    informers: wired.informers.clone(),
+                    informers: wired.current.subscribe(),
                 },
                 why.clone(),
                 self.cluster.clone(),
@@ -295,15 +329,7 @@ impl Wiring {
                 resume,
             });
         }
-        Ok(Wired {
-            index,
-            api_resource,
-            namespaced,
-            routes,
-            informers: Vec::new(),
-            cancel: CancellationToken::new(),
-            tasks: Vec::new(),
-        })
+        Ok(Wired::new(index, api_resource, namespaced, routes))
     }
 
     /// New informers for `wired` (one per namespace, or one for all), each with a listener
@@ -317,7 +343,7 @@ impl Wiring {
         } else {
             r.namespaces.iter().cloned().map(Some).collect()
         };
-        wired.informers = namespaces
+        let informers: Vec<_> = namespaces
             .iter()
             .cloned()
             .map(|namespace| {
@@ -333,6 +359,7 @@ impl Wiring {
                     .informer_for(api_resource, key, Some(transform.clone()))
             })
             .collect();
+        wired.set_informers(informers);
         for route in &wired.routes {
             for (informer, namespace) in wired.informers.iter().zip(&namespaces) {
                 let listener = ProcessorListener::new(
@@ -411,8 +438,13 @@ impl Resources {
             let wired = &mut self.wired[i];
             // Listeners added to an informer another resource already runs get its cache now
             // (after their resume began); on informers not started yet this changes nothing.
+            let is_waiting =
+                |l: &ProcessorListener| waiting.iter().any(|p| l.name().starts_with(p));
             wired.informers.iter().for_each(|i| {
-                i.activate_listeners_where(|l| !waiting.iter().any(|p| l.name().starts_with(p)));
+                // New informers (not running yet) register listeners on: a waiting route's
+                // go off here.
+                i.deactivate_listeners_where(is_waiting);
+                i.activate_listeners_where(|l| !is_waiting(l));
             });
         } else {
             wired
@@ -424,15 +456,20 @@ impl Resources {
                 .iter()
                 .for_each(|r| r.route.queue().set_active(false));
         }
-        let Some(live) = self.live.as_mut() else {
+        let Some(live) = self.live.as_ref() else {
             return;
         };
-        let wired = &mut self.wired[i];
-        wired.cancel = live.informers_cancel.child_token();
-        wired.tasks = wired
-            .informers
+        for informer in &self.wired[i].informers {
+            informer.spawn(&live.informers_cancel);
+        }
+    }
+
+    /// Whether another wired kind than `self.wired[i]` holds `informer` (one informer serves
+    /// every resource with the same kind, version, namespace and selectors).
+    pub(super) fn shared(&self, i: usize, informer: &Arc<SharedIndexInformer>) -> bool {
+        self.wired
             .iter()
-            .filter_map(|i| i.spawn(wired.cancel.clone()))
-            .collect();
+            .enumerate()
+            .any(|(j, w)| j != i && w.informers.iter().any(|x| Arc::ptr_eq(x, informer)))
     }
 }

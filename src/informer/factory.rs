@@ -10,7 +10,6 @@ use kube::{
     Api, Client,
     api::{ApiResource, DynamicObject},
 };
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -174,12 +173,12 @@ impl SharedInformerFactory {
             .retain(|(_, i)| !Arc::ptr_eq(i, informer));
     }
 
-    /// Starts every informer; each task ends after `cancel` fires and its FIFO is drained.
-    pub fn start(&self, cancel: &CancellationToken) -> Vec<JoinHandle<()>> {
-        self.informers()
-            .into_iter()
-            .filter_map(|i| i.spawn(cancel.clone()))
-            .collect()
+    /// Starts every informer; each stops after `cancel` fires and its FIFO is drained
+    /// ([`SharedIndexInformer::stop`] waits for that).
+    pub fn start(&self, cancel: &CancellationToken) {
+        for i in self.informers() {
+            i.spawn(cancel);
+        }
     }
 
     /// Whether every informer has synced.

@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::{
-    DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ProcessorListener,
+    DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ObjectRef, ProcessorListener,
     delta_fifo::Deltas, meta_namespace_key, reflector::Reflector, resource_version,
 };
 
@@ -60,6 +60,8 @@ pub struct SharedIndexInformer {
     sync_signalled: AtomicBool,
     // Set when `run` ends.
     stopped: AtomicBool,
+    // The running task and what stops it (set by `spawn`).
+    task: std::sync::Mutex<Option<(CancellationToken, tokio::task::JoinHandle<()>)>>,
     metrics: InformerMetrics,
 }
 
@@ -91,6 +93,7 @@ impl SharedIndexInformer {
             gone: AtomicBool::new(false),
             sync_signalled: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
+            task: std::sync::Mutex::new(None),
             metrics,
         }
     }
@@ -215,16 +218,128 @@ impl SharedIndexInformer {
         debug!(informer = %self.name, "Informer stopped");
     }
 
-    /// Runs the informer in a task unless an earlier call already did (several resources
-    /// of the config may share one informer).
-    pub fn spawn(
-        self: &Arc<Self>,
-        cancel: CancellationToken,
-    ) -> Option<tokio::task::JoinHandle<()>> {
-        self.spawned
+    /// Runs the informer in a task, until [`stop`](Self::stop) or `parent` fires, unless an
+    /// earlier call already did (several resources of the config may share one informer).
+    /// Returns whether this call started it.
+    pub fn spawn(self: &Arc<Self>, parent: &CancellationToken) -> bool {
+        if self
+            .spawned
             .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
-            .then(|| tokio::spawn(self.clone().run(cancel)))
+            .is_err()
+        {
+            return false;
+        }
+        let cancel = parent.child_token();
+        let task = tokio::spawn(self.clone().run(cancel.clone()));
+        *self.task.lock().unwrap_or_else(|e| e.into_inner()) = Some((cancel, task));
+        true
+    }
+
+    /// Stops the informer (if it runs) and waits until its FIFO has drained into the
+    /// listeners. Also what waits for an informer whose `parent` token fired.
+    pub async fn stop(&self) {
+        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some((cancel, task)) = task {
+            cancel.cancel();
+            let _ = task.await;
+        }
+    }
+
+    /// Removes the listeners `which` selects: they get nothing more from this informer (the
+    /// informer runs on for the others). Returns what the cache holds at that moment: the
+    /// state every one of them that was on has been handed.
+    pub fn remove_listeners_where(
+        &self,
+        which: impl Fn(&ProcessorListener) -> bool,
+    ) -> Vec<ObjectRef> {
+        self.fifo.with_lock(|_| {
+            self.listeners
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .retain(|l| !which(l));
+            self.indexer.list()
+        })
+    }
+
+    /// Whether every listener `which` selects is on.
+    pub fn listeners_on_where(&self, which: impl Fn(&ProcessorListener) -> bool) -> bool {
+        self.listeners()
+            .iter()
+            .filter(|l| which(l))
+            .all(|l| l.is_active())
+    }
+
+    /// Switches the listeners `which` selects that are off on, handing them what changed
+    /// between `base` (the state they were handed elsewhere: the informer of another version
+    /// of the kind they followed until now) and this informer's cache, under the FIFO lock
+    /// (each change exactly once, as [`activate_listeners`](Self::activate_listeners)):
+    /// objects not in `base` are added, those at another resourceVersion updated (from the
+    /// `base` object), those of another uid deleted and added, and those of `base` not cached
+    /// deleted (final state unknown). Returns how many notifications each got.
+    pub fn activate_listeners_against(
+        &self,
+        base: Vec<ObjectRef>,
+        which: impl Fn(&ProcessorListener) -> bool,
+    ) -> usize {
+        self.fifo.with_lock(|_| {
+            let switched_on: Vec<_> = self
+                .listeners()
+                .into_iter()
+                .filter(|l| which(l) && !l.set_active(true))
+                .collect();
+            if switched_on.is_empty() {
+                return 0;
+            }
+            let mut base: std::collections::HashMap<String, ObjectRef> = base
+                .into_iter()
+                .map(|o| (meta_namespace_key(&o), o))
+                .collect();
+            let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
+            let mut changes = Vec::new();
+            let mut cached = self.indexer.list();
+            cached.sort_by_key(meta_namespace_key);
+            for obj in cached {
+                let key = meta_namespace_key(&obj);
+                match base.remove(&key) {
+                    Some(old) if old.uid() != obj.uid() => {
+                        changes.push(NotificationKind::Delete {
+                            obj: old,
+                            final_state_unknown: true,
+                        });
+                        changes.push(NotificationKind::Add {
+                            obj,
+                            is_initial_list: false,
+                        });
+                    }
+                    Some(old) if resource_version(&old) == resource_version(&obj) => {}
+                    Some(old) => changes.push(NotificationKind::Update { old, new: obj }),
+                    None => changes.push(NotificationKind::Add {
+                        obj,
+                        is_initial_list: false,
+                    }),
+                }
+            }
+            let mut gone: Vec<_> = base.into_iter().collect();
+            gone.sort_by(|a, b| a.0.cmp(&b.0));
+            changes.extend(gone.into_iter().map(|(_, obj)| NotificationKind::Delete {
+                obj,
+                final_state_unknown: true,
+            }));
+            for kind in &changes {
+                let n = Notification {
+                    kind: kind.clone(),
+                    received,
+                    observed,
+                    resumed: false,
+                    filtered_out: false,
+                };
+                self.metrics.notifications[n.event_type() as usize].inc();
+                for l in &switched_on {
+                    l.add(n.clone());
+                }
+            }
+            changes.len()
+        })
     }
 
     /// Marks the kind as no longer served: when the informer is stopped, every object still

@@ -93,6 +93,9 @@ enum State {
     Resuming {
         remaining: Checkpoint,
         unsynced: usize,
+        /// What was passed on so far, per key (what consumers will have once it is
+        /// delivered): informers replaced mid-resume compare their initial state with it too.
+        passed: Checkpoint,
     },
 }
 
@@ -122,13 +125,25 @@ impl Resumer {
     }
 
     /// The route's informers were replaced (the kind is now served at another version):
-    /// stubs carry `types` from now on, and a resume still running waits for every new
-    /// informer's initial state (what the old ones passed on stays passed on).
+    /// stubs carry `types` from now on, and a resume still running starts over with the new
+    /// informers' initial state, compared with the checkpoint where nothing was passed on yet
+    /// and with what was passed on elsewhere.
     pub fn informers_replaced(&self, types: TypeMeta) {
         *self.types.lock().unwrap_or_else(|e| e.into_inner()) = types;
-        if let State::Resuming { unsynced, .. } = &mut *self.lock() {
+        if let State::Resuming {
+            unsynced,
+            remaining,
+            passed,
+        } = &mut *self.lock()
+        {
             *unsynced = self.informers;
+            remaining.extend(passed.drain());
         }
+    }
+
+    /// Whether a resume runs (the initial state is still being compared).
+    pub fn is_resuming(&self) -> bool {
+        self.resuming.load(Ordering::SeqCst)
     }
 
     /// Starts resuming from `checkpoint` (call it before the listeners pass on the initial
@@ -141,6 +156,7 @@ impl Resumer {
                 State::Resuming {
                     remaining,
                     unsynced: self.informers,
+                    passed: Checkpoint::new(),
                 }
             }
             None => State::Passing,
@@ -210,6 +226,18 @@ impl NotificationHandler for Resumer {
         };
         let key = n.key();
         let entry = remaining.remove(&key);
+        if let State::Resuming { passed, .. } = &mut *state {
+            match &n.kind {
+                NotificationKind::Delete { .. } => passed.remove(&key),
+                _ => passed.insert(
+                    key.clone(),
+                    Entry {
+                        uid: n.object().uid().unwrap_or_default().to_owned(),
+                        resource_version: crate::informer::resource_version(n.object()).to_owned(),
+                    },
+                ),
+            };
+        }
         drop(state);
         let uid = n.object().uid().unwrap_or_default().to_owned();
         match (n.kind.clone(), entry) {
@@ -279,6 +307,7 @@ impl NotificationHandler for Resumer {
         let State::Resuming {
             remaining,
             unsynced,
+            ..
         } = &mut *state
         else {
             return;

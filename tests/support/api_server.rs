@@ -138,6 +138,8 @@ struct Faults {
     // Groups left out of discovery (as right after an API server's start) while their
     // objects are still served.
     hidden_groups: std::collections::HashSet<String>,
+    // (group, plural) → versions a CRD serves besides its preferred one (a migration).
+    also_served: HashMap<(String, String), Vec<String>>,
     // What reads at resourceVersion "0" (any cached state) are served: a watch cache that
     // lags behind etcd (as another API server's can).
     stale_cache: Option<Backup>,
@@ -573,6 +575,20 @@ impl ApiServer {
         }
     }
 
+    /// A CRD serves its objects at `version` too, besides its preferred version (a storage
+    /// migration's overlap: both versions listed in discovery, the preferred one first). The
+    /// objects are not converted: they keep the preferred version's apiVersion.
+    pub fn serve_crd_also_at(&self, group: &str, plural: &str, version: &str) {
+        self.shared
+            .faults
+            .lock()
+            .unwrap()
+            .also_served
+            .entry((group.to_owned(), plural.to_owned()))
+            .or_default()
+            .push(version.to_owned());
+    }
+
     /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
     pub fn refuse_lease_writes_from(&self, holder: Option<&str>) {
         self.shared.faults.lock().unwrap().refuse_lease_holder = holder.map(str::to_owned);
@@ -756,6 +772,18 @@ struct Collection {
     name: Option<String>,
 }
 
+/// Whether `r` is served at group/version `gv`: its preferred version, or one it is also
+/// served at.
+fn serves_at(r: &ResourceDef, gv: &str, also: &HashMap<(String, String), Vec<String>>) -> bool {
+    r.group_version() == gv
+        || gv.split_once('/').is_some_and(|(g, v)| {
+            g == r.group
+                && also
+                    .get(&(r.group.to_owned(), r.plural.to_owned()))
+                    .is_some_and(|vs| vs.iter().any(|x| x == v))
+        })
+}
+
 fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
     let (gv, rest): (String, &[&str]) = match segs.as_slice() {
@@ -770,12 +798,13 @@ fn parse_collection(shared: &Shared, path: &str) -> Option<Collection> {
         [plural, name] => (None, *plural, Some(name.to_string())),
         _ => return None,
     };
+    let also = shared.faults.lock().unwrap().also_served.clone();
     let resource = shared
         .resources
         .read()
         .unwrap()
         .iter()
-        .position(|r| r.group_version() == gv && r.plural == plural && r.served)?;
+        .position(|r| serves_at(r, &gv, &also) && r.plural == plural && r.served)?;
     if namespace.is_some() && !shared.def(resource).namespaced {
         return None;
     }
@@ -898,8 +927,11 @@ async fn handle(
                 .entry("/apis".into())
                 .or_default()
                 .lists += 1;
-            let hidden = shared.faults.lock().unwrap().hidden_groups.clone();
-            let mut groups: BTreeMap<&str, &str> = BTreeMap::new();
+            let (hidden, also) = {
+                let f = shared.faults.lock().unwrap();
+                (f.hidden_groups.clone(), f.also_served.clone())
+            };
+            let mut groups: BTreeMap<&str, (&str, Vec<String>)> = BTreeMap::new();
             for r in shared
                 .resources
                 .read()
@@ -907,13 +939,20 @@ async fn handle(
                 .iter()
                 .filter(|r| !r.group.is_empty() && r.served && !hidden.contains(r.group))
             {
-                groups.insert(r.group, r.version);
+                let extra = also
+                    .get(&(r.group.to_owned(), r.plural.to_owned()))
+                    .cloned()
+                    .unwrap_or_default();
+                let entry = groups.entry(r.group).or_insert((r.version, Vec::new()));
+                entry.1.extend(extra.into_iter().filter(|v| v != r.version));
             }
             let groups: Vec<Value> = groups
                 .iter()
-                .map(|(g, v)| {
-                    let gv = json!({"groupVersion": format!("{g}/{v}"), "version": v});
-                    json!({"name": g, "versions": [gv.clone()], "preferredVersion": gv})
+                .map(|(g, (v, extra))| {
+                    let gv = |v: &str| json!({"groupVersion": format!("{g}/{v}"), "version": v});
+                    let mut versions = vec![gv(v)];
+                    versions.extend(extra.iter().map(|v| gv(v)));
+                    json!({"name": g, "versions": versions, "preferredVersion": gv(v)})
                 })
                 .collect();
             return json_response(
@@ -931,11 +970,12 @@ async fn handle(
     };
     if let Some(gv) = discovery_gv {
         let group = gv.split_once('/').map_or("", |(g, _)| g);
-        let (failing, hidden) = {
+        let (failing, hidden, also) = {
             let f = shared.faults.lock().unwrap();
             (
                 f.failing_discovery.contains(group),
                 f.hidden_groups.contains(group),
+                f.also_served.clone(),
             )
         };
         if failing {
@@ -949,7 +989,7 @@ async fn handle(
             .read()
             .unwrap()
             .iter()
-            .filter(|r| r.group_version() == gv && r.served && !hidden)
+            .filter(|r| serves_at(r, &gv, &also) && r.served && !hidden)
             .map(|r| {
                 json!({"name": r.plural, "singularName": r.kind.to_lowercase(), "namespaced": r.namespaced,
                        "kind": r.kind, "verbs": r.verbs})
