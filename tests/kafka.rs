@@ -594,27 +594,41 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
 
     // While down: 5 deletes, 5 updates, 5 creates, 2 deleted and recreated.
     let mut want = support::change_while_down(&api, 0..5, 5..10, 60..65, 10..12);
-    // A corrupt checkpoint record: a warning, and that object is treated as unknown.
-    {
+    // A corrupt checkpoint record: the checkpoint is incomplete, so its route waits (naming
+    // the record) and publishes nothing until a tombstone for that key mends it; then that
+    // object is unknown to the checkpoint (published as added).
+    let write_checkpoint_record = |payload: Option<&str>| {
         use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
         let producer: BaseProducer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .create()
             .unwrap();
-        producer
-            .send(
-                BaseRecord::to("kube-event-bridge.checkpoints")
-                    .key(r#"["configmap/kafka","ns/cm-30"]"#)
-                    .payload("not json"),
-            )
-            .unwrap();
+        let mut record: BaseRecord<str, str> = BaseRecord::to("kube-event-bridge.checkpoints")
+            .key(r#"["configmap/kafka","ns/cm-30"]"#);
+        if let Some(p) = payload {
+            record = record.payload(p);
+        }
+        producer.send(record).unwrap();
         producer.flush(Duration::from_secs(10)).unwrap();
-    }
+    };
+    write_checkpoint_record(Some("not json"));
     want.insert("ns/cm-30".into(), vec!["added"]);
     let expected: usize = want.values().map(Vec::len).sum();
 
     let second = RunningApp::start(cfg(), &api).await;
     second.synced().await;
+    let admin = second.admin;
+    wait::until("readyz names the corrupt record", PATIENCE, async || {
+        let (_, body) = support::http_get(admin, "/readyz").await;
+        body.contains("configmap/kafka") && body.contains("ns/cm-30") && body.contains("corrupt")
+    })
+    .await;
+    assert_eq!(
+        published(&second, "kafka"),
+        0,
+        "the waiting route publishes nothing"
+    );
+    write_checkpoint_record(None);
     wait::until("the changes published to both", PATIENCE, async || {
         published(&second, "kafka") as usize >= expected
             && published(&second, "state") as usize >= expected - 1

@@ -47,8 +47,9 @@ pub trait CheckpointStore: Send + Sync {
     fn describe(&self) -> String;
 
     /// The checkpoints of `routes`, read in one pass over the store; a route the store has
-    /// never held one for is absent. A record that cannot be read is logged (naming the
-    /// route and key) and skipped.
+    /// never held one for is absent. A record of one of `routes` that cannot be read makes
+    /// the load an error naming the route and key (the checkpoint would be incomplete, and
+    /// a resume from it would lose or invent deletes).
     fn load_routes<'a>(
         &'a self,
         routes: &'a [String],

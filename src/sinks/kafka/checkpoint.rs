@@ -18,7 +18,7 @@ use rdkafka::{
     producer::{FutureProducer, FutureRecord},
     util::Timeout,
 };
-use tracing::{info, warn};
+use tracing::info;
 
 use super::{
     KafkaSink, KafkaSinkConfig,
@@ -110,15 +110,18 @@ impl KafkaCheckpointStore {
 
     /// Reads the whole topic (blocking; run it off the async threads): the entries of every
     /// route a record names.
-    fn read_all(&self) -> Result<HashMap<String, Checkpoint>> {
-        let mut routes: HashMap<String, Checkpoint> = HashMap::new();
+    fn read_all(&self) -> Result<Read> {
+        let mut read = Read::default();
         read_to_end(&self.consumer, std::slice::from_ref(&self.topic), |r| {
             let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
-                warn!(store = %self.describe(), key = %String::from_utf8_lossy(&r.key),
-                      "Checkpoint record with an unreadable key; skipped");
+                read.unreadable_key
+                    .get_or_insert_with(|| String::from_utf8_lossy(&r.key).into_owned());
                 return;
             };
-            let entries = routes.entry(route.clone()).or_default();
+            let entries = read.routes.entry(route.clone()).or_default();
+            let corrupt = read.corrupt.entry(route).or_default();
+            // The newest record of a key decides: a later one mends a corrupt one.
+            corrupt.remove(&key);
             match r.value {
                 None => {
                     entries.remove(&key);
@@ -128,16 +131,25 @@ impl KafkaCheckpointStore {
                         entries.insert(key, entry);
                     }
                     Err(e) => {
-                        warn!(store = %self.describe(), route = %route, key = %key, error = %e,
-                              "Corrupt checkpoint record; that object is treated as unknown");
                         entries.remove(&key);
+                        corrupt.insert(key, e.to_string());
                     }
                 },
             }
         })
         .map_err(|e| self.error(e))?;
-        Ok(routes)
+        Ok(read)
     }
+}
+
+/// What one pass over the checkpoint topic found.
+#[derive(Default)]
+struct Read {
+    routes: HashMap<String, Checkpoint>,
+    /// Per route, keys whose newest record is corrupt, and why.
+    corrupt: HashMap<String, HashMap<String, String>>,
+    /// A record whose key is not `[route, key]`.
+    unreadable_key: Option<String>,
 }
 
 impl CheckpointStore for KafkaCheckpointStore {
@@ -155,11 +167,27 @@ impl CheckpointStore for KafkaCheckpointStore {
                 producer: self.producer.clone(),
                 consumer: self.consumer.clone(),
             };
-            let mut all = tokio::task::spawn_blocking(move || this.read_all())
+            let mut read = tokio::task::spawn_blocking(move || this.read_all())
                 .await
                 .map_err(|e| self.error(e))??;
-            all.retain(|route, _| routes.contains(route));
-            Ok(all)
+            // A checkpoint with a record that cannot be read is incomplete: never guess.
+            if let Some(key) = read.unreadable_key {
+                return Err(self.error(format!(
+                    "a record's key ({key:?}) is not a checkpoint key, so the checkpoint of \
+                     any route may be incomplete"
+                )));
+            }
+            for route in routes {
+                if let Some((key, e)) = read.corrupt.get(route).and_then(|c| c.iter().next()) {
+                    return Err(self.error(format!(
+                        "route {route}: the newest record of {key} is corrupt ({e}), so the \
+                         checkpoint is incomplete; write a tombstone for that key to go on \
+                         (its object is then published as added)"
+                    )));
+                }
+            }
+            read.routes.retain(|route, _| routes.contains(route));
+            Ok(read.routes)
         }
         .boxed()
     }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 
 use async_nats::jetstream::{self, kv};
 use futures::{FutureExt, StreamExt, TryStreamExt, future::BoxFuture};
-use tracing::{info, warn};
+use tracing::info;
 
 use super::{NatsSink, NatsSinkConfig};
 use crate::{
@@ -203,8 +203,13 @@ impl NatsCheckpointStore {
                 .and_then(|h| h.get("KV-Operation"))
                 .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
             match unescape(raw) {
-                None => warn!(store = %self.describe(), route, key = %message.subject,
-                                  "Checkpoint key cannot be read; skipped"),
+                None => {
+                    return Err(self.error(format!(
+                        "route {route}: the key of {} cannot be read, so the checkpoint is \
+                         incomplete; purge that key to go on",
+                        message.subject
+                    )));
+                }
                 Some(key) if deleted => {
                     checkpoint.remove(&key);
                 }
@@ -212,8 +217,13 @@ impl NatsCheckpointStore {
                     Ok(e) => {
                         checkpoint.insert(key, e);
                     }
-                    Err(e) => warn!(store = %self.describe(), route, key = %key, error = %e,
-                                        "Corrupt checkpoint record; that object is treated as unknown"),
+                    Err(e) => {
+                        return Err(self.error(format!(
+                            "route {route}: the record of {key} is corrupt ({e}), so the \
+                             checkpoint is incomplete; delete that key to go on (its object \
+                             is then published as added)"
+                        )));
+                    }
                 },
             }
         }

@@ -6,19 +6,23 @@ use std::{
 };
 
 use futures::{FutureExt, future::BoxFuture};
-use tracing::warn;
+use serde::Deserialize;
 
 use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result};
 
 /// The checkpoint store of a file sink: one JSON document beside the output file
 /// (`<path>.checkpoint`), `{"route": {"namespace/name": {"uid", "resourceVersion"}}}`,
-/// replaced atomically (written to a temporary file, synced, renamed) at each write.
+/// replaced atomically (written to a temporary file, synced, renamed) at each write. A file
+/// or a record that cannot be read makes the load of the routes it concerns an error (the
+/// checkpoint would be incomplete); a rewrite keeps such records as they are.
 pub struct FileCheckpointStore {
     path: PathBuf,
-    // The whole document as last read or written; every write rewrites the file from it, and
-    // every load reads the file again.
-    routes: tokio::sync::Mutex<Option<HashMap<String, Checkpoint>>>,
+    // The whole document as last read or written, records as read (a corrupt one is kept,
+    // not dropped); every write rewrites the file from it, and every load reads it again.
+    routes: tokio::sync::Mutex<Option<Document>>,
 }
+
+type Document = HashMap<String, HashMap<String, serde_json::Value>>;
 
 impl FileCheckpointStore {
     /// The store beside the output file `output`.
@@ -43,39 +47,39 @@ impl FileCheckpointStore {
         }
     }
 
-    /// Reads the file: routes by name, each record checked on its own.
-    async fn read(&self) -> Result<HashMap<String, Checkpoint>> {
+    /// Reads the file (none: an empty document).
+    async fn read(&self) -> Result<Document> {
         let text = match tokio::fs::read(&self.path).await {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
             Err(e) => return Err(self.error(e)),
         };
-        let doc: HashMap<String, HashMap<String, serde_json::Value>> = match serde_json::from_slice(
-            &text,
-        ) {
-            Ok(d) => d,
-            Err(e) => {
-                warn!(store = %self.describe(), error = %e, "Checkpoint file is corrupt; every route starts without a checkpoint");
-                return Ok(HashMap::new());
-            }
-        };
-        Ok(doc
-            .into_iter()
-            .map(|(route, records)| {
-                let entries = records
-                    .into_iter()
-                    .filter_map(|(key, value)| match serde_json::from_value::<Entry>(value) {
-                        Ok(entry) => Some((key, entry)),
-                        Err(e) => {
-                            warn!(store = %self.describe(), route = %route, key = %key, error = %e,
-                                  "Corrupt checkpoint record; that object is treated as unknown");
-                            None
-                        }
-                    })
-                    .collect();
-                (route, entries)
+        serde_json::from_slice(&text).map_err(|e| {
+            self.error(format!(
+                "the file is not a checkpoint document ({e}), so every checkpoint in it is \
+                 unknown; remove it to start over without checkpoints (every object is then \
+                 published as added, and deletes made while down are not)"
+            ))
+        })
+    }
+
+    /// The checkpoint of `route` in `doc`: an error names a record that cannot be read.
+    fn decode(
+        &self,
+        route: &str,
+        records: &HashMap<String, serde_json::Value>,
+    ) -> Result<Checkpoint> {
+        records
+            .iter()
+            .map(|(key, value)| match Entry::deserialize(value) {
+                Ok(entry) => Ok((key.clone(), entry)),
+                Err(e) => Err(self.error(format!(
+                    "route {route}: the record of {key} is corrupt ({e}), so the checkpoint is \
+                     incomplete; remove that record to go on (its object is then published as \
+                     added)"
+                ))),
             })
-            .collect())
+            .collect()
     }
 }
 
@@ -94,10 +98,11 @@ impl CheckpointStore for FileCheckpointStore {
             let all = self.read().await?;
             let wanted = routes
                 .iter()
-                .filter_map(|r| all.get(r).map(|c| (r.clone(), c.clone())))
-                .collect();
+                .filter_map(|r| all.get(r).map(|c| (r, c)))
+                .map(|(r, c)| Ok((r.clone(), self.decode(r, c)?)))
+                .collect::<Result<_>>();
             *cached = Some(all);
-            Ok(wanted)
+            wanted
         }
         .boxed()
     }
@@ -112,7 +117,9 @@ impl CheckpointStore for FileCheckpointStore {
             let entries = all.entry(route.to_owned()).or_default();
             for (key, entry) in changes {
                 match entry {
-                    Some(e) => entries.insert(key, e),
+                    Some(e) => {
+                        entries.insert(key, serde_json::to_value(e).expect("an entry is JSON"))
+                    }
                     None => entries.remove(&key),
                 };
             }
@@ -166,21 +173,30 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_corrupt_record_is_skipped_and_the_rest_loads() {
+    async fn a_corrupt_record_or_file_is_an_error_naming_it_and_a_rewrite_keeps_it() {
         let dir = tempfile::tempdir().unwrap();
         let store = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
         std::fs::write(
             store.path(),
-            r#"{"r": {"ns/a": {"uid": "u", "resourceVersion": "1"}, "ns/b": {"uid": 7}}}"#,
+            r#"{"r": {"ns/a": {"uid": "u", "resourceVersion": "1"}, "ns/b": {"uid": 7}},
+                "other": {"ns/c": {"uid": "u", "resourceVersion": "2"}}}"#,
         )
         .unwrap();
-        let cp = store.load("r").await.unwrap().unwrap();
-        assert_eq!(cp.keys().collect::<Vec<_>>(), ["ns/a"]);
+        let err = store.load("r").await.unwrap_err().to_string();
+        assert!(
+            err.contains("route r") && err.contains("ns/b") && err.contains("incomplete"),
+            "{err}"
+        );
+        // Another route of the store loads, and its writes keep the corrupt record.
+        assert_eq!(store.load("other").await.unwrap().unwrap().len(), 1);
+        store
+            .write("other", vec![("ns/c".into(), None)])
+            .await
+            .unwrap();
+        assert!(store.load("r").await.is_err(), "the corrupt record is kept");
         std::fs::write(store.path(), "not json").unwrap();
         let fresh = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
-        assert!(
-            fresh.load("r").await.unwrap().is_none(),
-            "corrupt file: no checkpoint"
-        );
+        let err = fresh.load("r").await.unwrap_err().to_string();
+        assert!(err.contains("not a checkpoint document"), "{err}");
     }
 }
