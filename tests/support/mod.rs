@@ -5,6 +5,7 @@
 pub mod api_server;
 pub mod config;
 pub mod kafka;
+pub mod model;
 pub mod nats;
 pub mod objects;
 pub mod schema;
