@@ -9,7 +9,10 @@
 //! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
 //! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
 //! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
-//! delete, and every patch applied to the object last read must give the new one). Every
+//! delete, and every patch applied to the object last read must give the new one), `model`
+//! (the model-based test of `tests/model.rs`, in this process: filters, `publish_if`, an
+//! `events` subset, a CRD wildcard, resume, leader handovers, version switches, discovery
+//! faults and watch 410s combined, case after case; see `tests/support/model.rs`). Every
 //! scenario exports to JetStream except `kafka-broker-down`, which exports to librdkafka's
 //! mock cluster (in this process, on a loopback port the service connects to), the one Kafka
 //! broker here that can be taken down and brought back with its data.
@@ -33,6 +36,10 @@ mod nats;
 mod objects;
 #[path = "../tests/support/wait.rs"]
 mod wait;
+// The model-based test's engine (with its own copy of the test support).
+#[path = "../tests/support/mod.rs"]
+#[allow(dead_code)]
+mod support;
 
 use std::{
     collections::HashMap,
@@ -55,7 +62,7 @@ use serde_json::{Value, json};
 use wait::Patience;
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 9] = [
+const SCENARIOS: [&str; 10] = [
     "watch-drop",
     "gone-storm",
     "throttle",
@@ -65,6 +72,7 @@ const SCENARIOS: [&str; 9] = [
     "sigterm",
     "sigkill",
     "filter-churn",
+    "model",
 ];
 /// Namespaces the objects are spread over.
 const NAMESPACES: usize = 20;
@@ -641,15 +649,49 @@ fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
 fn default_minutes(scenario: &str) -> f64 {
     match scenario {
         "watch-drop" => 10.0,
-        "slow-sink" => 2.0,
+        "slow-sink" | "model" => 2.0,
         "broker-down" | "kafka-broker-down" => 3.0,
         _ => 5.0,
     }
 }
 
+/// The `model` scenario: the model-based test's cases (200 operations each, seeds from 1000)
+/// until the time is up; the line sums them. Fails loudly, naming the seed, on any loss.
+async fn run_model(duration: Duration) -> String {
+    use support::model::{Outcome, Settings, run_case};
+    let start = Instant::now();
+    let mut total = Outcome::default();
+    let mut cases = 0;
+    while cases == 0 || start.elapsed() < duration {
+        let seed = 1000 + cases;
+        let dir = tempfile::tempdir().unwrap();
+        let o = run_case(Settings { seed, ops: 200 }, dir.path()).await;
+        assert!(
+            o.holds(),
+            "seed {seed} (replay: KEB_MODEL_SEED={seed} KEB_MODEL_CASES=1 KEB_MODEL_OPS=200 \
+             cargo test --test model): {}\nlost deletes {:?}\nphantom deletes {:?}\nstale {:?}\nmissing {:?}",
+            o.line(),
+            o.lost_deletes,
+            o.phantom_deletes,
+            o.stale,
+            o.missing
+        );
+        total.add(&o);
+        cases += 1;
+    }
+    format!(
+        "model: {cases} cases in {:.0?}: {}",
+        start.elapsed(),
+        total.line()
+    )
+}
+
 async fn run(scenario: &str, opts: &Options) -> String {
     let minutes = opts.minutes.unwrap_or_else(|| default_minutes(scenario));
     let duration = Duration::from_secs_f64(minutes * 60.0);
+    if scenario == "model" {
+        return run_model(duration).await;
+    }
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(ApiServer::start().await);
     let mut broker = Broker::start(scenario == "kafka-broker-down");
