@@ -17,6 +17,9 @@ use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error
 /// checkpoint would be incomplete); a rewrite keeps such records as they are.
 pub struct FileCheckpointStore {
     path: PathBuf,
+    /// The output file: synced to disk before each checkpoint write, so that a checkpoint
+    /// never claims a line a node crash could still lose.
+    output: PathBuf,
     // The whole document as last read or written, records as read (a corrupt one is kept,
     // not dropped); every write rewrites the file from it, and every load reads it again.
     routes: tokio::sync::Mutex<Option<Document>>,
@@ -31,6 +34,7 @@ impl FileCheckpointStore {
         name.push(".checkpoint");
         Self {
             path: PathBuf::from(name),
+            output: output.to_owned(),
             routes: tokio::sync::Mutex::new(None),
         }
     }
@@ -122,6 +126,17 @@ impl CheckpointStore for FileCheckpointStore {
                     }
                     None => entries.remove(&key),
                 };
+            }
+            // What the checkpoint will claim is on disk first (the sink flushes each line
+            // to the operating system only).
+            match tokio::fs::File::open(&self.output).await {
+                Ok(f) => f.sync_data().await.map_err(|e| {
+                    self.error(format!("cannot sync {}: {e}", self.output.display()))
+                })?,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(self.error(format!("cannot open {}: {e}", self.output.display())));
+                }
             }
             let bytes = serde_json::to_vec(all).map_err(|e| self.error(e))?;
             let mut tmp = self.path.as_os_str().to_owned();
