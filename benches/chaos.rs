@@ -24,22 +24,12 @@
 //! every 250 ms under load) and the p99 of `keb_end_to_end_latency_seconds` (watch event to
 //! acknowledgement; the bucket's upper bound, of the last process).
 
-#[path = "../tests/support/api_server.rs"]
-#[allow(dead_code)]
-mod api_server;
-#[path = "../tests/support/config.rs"]
-mod config;
-#[path = "../tests/support/nats.rs"]
-#[allow(dead_code)]
-mod nats;
-#[path = "../tests/support/objects.rs"]
-mod objects;
-#[path = "../tests/support/wait.rs"]
-mod wait;
-// The model-based test's engine (with its own copy of the test support).
+// The test support (the API test server, config builder, brokers, waits, and the model-based
+// test's engine).
 #[path = "../tests/support/mod.rs"]
-#[allow(dead_code)]
 mod support;
+
+use support::{api_server, config, nats, objects, wait};
 
 use std::{
     collections::HashMap,

@@ -186,11 +186,15 @@ pub(super) async fn refresh(
             }
         }
         for s in start {
-            let mut base = None;
+            let mut switched = None;
             let (i, new, api_resource) = match s {
-                Start::Again(i) => (i, false, resources.wired[i].api_resource.clone()),
+                Start::Again(i) => {
+                    // New informers: a resume still running waits for their initial state.
+                    informers_replaced(&resources.wired[i]);
+                    (i, false, resources.wired[i].api_resource.clone())
+                }
                 Start::Switch(i, api_resource) => {
-                    base = switch_version(wiring, resources, i, &api_resource).await;
+                    switched = Some(switch_version(wiring, resources, i, &api_resource).await);
                     (i, false, api_resource)
                 }
                 Start::New(api_resource, namespaced) => {
@@ -207,10 +211,12 @@ pub(super) async fn refresh(
                 }
             };
             wiring.add_informers(&mut resources.wired[i]);
-            if let Some(base) = base {
-                hand_over(&resources.wired[i], base);
+            let mut held = Vec::new();
+            if let Some((base, h)) = switched {
+                held = h;
+                hand_over(&resources.wired[i], base, &mut held, &resources.term).await;
             }
-            resources.start(i, new).await;
+            resources.start(i, new, &held).await;
             info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
         }
         let now = tokio::time::Instant::now();
@@ -261,18 +267,30 @@ pub(super) async fn refresh(
             for informer in &gone {
                 wiring.factory.remove(informer);
             }
-            for w in resources.wired.iter_mut() {
-                if w.informers
-                    .iter()
-                    .any(|x| gone.iter().any(|g| Arc::ptr_eq(x, g)))
-                {
-                    let left = w
+            // Every resource holding one of them watches the same kind: it goes as a whole.
+            let holders: Vec<usize> = (0..resources.wired.len())
+                .filter(|&j| {
+                    resources.wired[j]
                         .informers
                         .iter()
-                        .filter(|x| !gone.iter().any(|g| Arc::ptr_eq(x, g)))
-                        .cloned()
-                        .collect();
-                    w.set_informers(left);
+                        .any(|x| gone.iter().any(|g| Arc::ptr_eq(x, g)))
+                })
+                .collect();
+            for j in holders {
+                let rest: Vec<_> = resources.wired[j].informers.clone();
+                rest.iter().for_each(|i| i.mark_gone());
+                futures::future::join_all(rest.iter().map(|i| i.stop())).await;
+                for informer in &rest {
+                    wiring.factory.remove(informer);
+                }
+                let w = &mut resources.wired[j];
+                w.set_informers(Vec::new());
+                // Listeners that were off (a resume waiting for a relist) got no deletes.
+                for r in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
+                    r.resumer.kind_gone();
+                }
+                if j != i {
+                    resources.gone_since.remove(&j);
                 }
             }
             warn!(resource = %kind_name(r, &resources.wired[i].api_resource), "No longer served (its CRD was deleted?): informers stopped");
@@ -345,72 +363,105 @@ async fn stop_informers(
     cached
 }
 
+/// New informers replace `wired`'s: a resume still running waits for their initial state.
+fn informers_replaced(wired: &super::resources::Wired) {
+    for route in &wired.routes {
+        if let Some(resume) = &route.resume {
+            resume.resumer.informers_replaced(kube::api::TypeMeta {
+                api_version: wired.api_resource.api_version.clone(),
+                kind: wired.api_resource.kind.clone(),
+            });
+        }
+    }
+}
+
 /// Moves wired kind `i` to `api_resource` (the same kind at another version): its informers
 /// stop without deleting anything (see [`stop_informers`]), and its routes encode the new
-/// version from now on. Returns what the old informers' listeners were handed, when that is
-/// what its routes passed on (this replica leads, every listener was on, and no route is
-/// still comparing its first list with a checkpoint): the new informers then start from it
-/// (see [`hand_over`]) and publish only what changed meanwhile. Otherwise (`None`) the new
-/// informers list afresh and their listeners get it whole, as the switch-on they were waiting
-/// for would have handed it: a resume compares it with its checkpoint, a new leader's
-/// listeners get it as the relist they were waiting for.
+/// version from now on. Returns what the old informers' listeners were handed last (one list
+/// per informer), and the listener name prefixes of the routes for which that is not what
+/// they passed on (this replica does not lead, a listener of the route was off: a new
+/// leader's relist or a checkpoint still to come, or the route's resume is still comparing
+/// its first list): those must get a fresh list whole, to compare with their checkpoint.
 async fn switch_version(
     wiring: &Wiring,
     resources: &mut Resources,
     i: usize,
     api_resource: &ApiResource,
-) -> Option<Vec<Vec<crate::informer::ObjectRef>>> {
+) -> (Vec<Vec<crate::informer::ObjectRef>>, Vec<String>) {
     let wired = &resources.wired[i];
-    let prefixes = wired.listener_prefixes();
-    let known = resources.leading
-        && wired.informers.iter().all(|informer| {
-            informer.listeners_on_where(|l| prefixes.iter().any(|p| l.name().starts_with(p)))
+    let held: Vec<String> = wired
+        .routes
+        .iter()
+        .filter(|r| {
+            let prefix = format!("{}@", r.route.queue().name());
+            !resources.leading
+                || r.resume.as_ref().is_some_and(|r| r.resumer.is_resuming())
+                || !wired
+                    .informers
+                    .iter()
+                    .all(|inf| inf.listeners_on_where(|l| l.name().starts_with(prefix.as_str())))
         })
-        && !wired
-            .routes
-            .iter()
-            .any(|r| r.resume.as_ref().is_some_and(|r| r.resumer.is_resuming()));
+        .map(|r| format!("{}@", r.route.queue().name()))
+        .collect();
     let cached = stop_informers(wiring, resources, i).await;
     let wired = &mut resources.wired[i];
     info!(from = %wired.api_resource.version, to = %api_resource.version, kind = %api_resource.kind,
-          objects = cached.iter().map(Vec::len).sum::<usize>(), from_cache = known,
+          objects = cached.iter().map(Vec::len).sum::<usize>(), relisted_for = ?held,
           "The kind is served at another version now; following it without deleting anything");
     wired.api_resource = api_resource.clone();
     for route in &wired.routes {
         route
             .route
             .set_encoder(wiring.encoder(&route.sink, api_resource));
-        if let Some(resume) = &route.resume {
-            resume.resumer.informers_replaced(kube::api::TypeMeta {
-                api_version: api_resource.api_version.clone(),
-                kind: api_resource.kind.clone(),
-            });
-        }
     }
-    known.then_some(cached)
+    informers_replaced(wired);
+    (cached, held)
 }
 
 /// Starts `wired`'s new informers from `base`, what the informers they replace handed its
-/// listeners (one list per informer, in order). One not running yet is seeded with it: its
+/// listeners (one list per informer, in order). One not started yet is seeded with it: its
 /// first list is then a relist (client-go's `DeltaFIFO.Replace` against a known cache), which
 /// publishes only what changed meanwhile (unchanged objects are resyncs, dropped unless a
 /// resync is due; vanished ones are deleted), where a new informer would add everything
-/// again. On one already running (another resource's), its listeners are switched on with
-/// the difference between `base` and its cache.
-fn hand_over(wired: &super::resources::Wired, base: Vec<Vec<crate::informer::ObjectRef>>) {
-    let prefixes = wired.listener_prefixes();
+/// again; the routes in `held` get that first list whole once it is applied (see
+/// [`Resources::start`]). On one another resource already runs, once it has synced, the
+/// listeners of the routes not held are switched on with the difference between `base` and
+/// its cache; if it does not sync within 10 s (or the term ends) they are held too.
+async fn hand_over(
+    wired: &super::resources::Wired,
+    base: Vec<Vec<crate::informer::ObjectRef>>,
+    held: &mut Vec<String>,
+    term: &CancellationToken,
+) {
+    let ours = wired.listener_prefixes();
     for (informer, objects) in wired.informers.iter().zip(base) {
-        if informer.is_running() {
-            informer.activate_listeners_against(objects, |l| {
-                prefixes.iter().any(|p| l.name().starts_with(p))
-            });
+        if !informer.is_spawned() {
+            for obj in objects {
+                informer
+                    .indexer()
+                    .upsert(crate::informer::meta_namespace_key(&obj), obj);
+            }
             continue;
         }
-        for obj in objects {
-            informer
-                .indexer()
-                .upsert(crate::informer::meta_namespace_key(&obj), obj);
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !informer.has_synced()
+            && !term.is_cancelled()
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
+        if !informer.has_synced() || term.is_cancelled() {
+            for p in &ours {
+                if !held.contains(p) {
+                    held.push(p.clone());
+                }
+            }
+            continue;
+        }
+        informer.activate_listeners_against(objects, |l| {
+            ours.iter().any(|p| l.name().starts_with(p.as_str()))
+                && !held.iter().any(|p| l.name().starts_with(p.as_str()))
+        });
     }
 }
 

@@ -304,7 +304,7 @@ impl App {
         let informers_started = {
             let mut resources = self.resources.lock().await;
             for i in 0..resources.wired.len() {
-                resources.start(i, false).await;
+                resources.start(i, false, &[]).await;
             }
             resources
                 .wired

@@ -406,8 +406,13 @@ impl Wiring {
 impl Resources {
     /// Starts `self.wired[i]` when the app runs: its routes' workers and checkpoint writers
     /// (unless already running), the resume of its routes when this replica publishes, and
-    /// its informers. A standby's new listeners and queues start off.
-    pub(super) async fn start(&mut self, i: usize, routes_too: bool) {
+    /// its informers. A standby's new listeners and queues start off. When leading, its
+    /// routes' listeners that are off (on an informer another resource already runs), and
+    /// those of the routes `held` names (listener name prefixes: routes that must compare a
+    /// fresh list, after a version switch), are switched on once a fresh list of their
+    /// informer is in its cache (each object handed over once); those of routes waiting for
+    /// their checkpoint stay off (their own task switches them on).
+    pub(super) async fn start(&mut self, i: usize, routes_too: bool, held: &[String]) {
         let leading = self.leading;
         let Some(live) = self.live.as_mut() else {
             return;
@@ -432,21 +437,30 @@ impl Resources {
             if routes_too {
                 self.begin_resumes(&[i]).await;
             }
-            // Routes waiting for their checkpoint (now or since the start) stay off: their own
-            // task switches them on once it loads.
             let waiting = self.waiting_prefixes();
-            let wired = &mut self.wired[i];
-            // Listeners added to an informer another resource already runs get its cache now
-            // (after their resume began); on informers not started yet this changes nothing.
-            let is_waiting =
-                |l: &ProcessorListener| waiting.iter().any(|p| l.name().starts_with(p));
-            wired.informers.iter().for_each(|i| {
-                // New informers (not running yet) register listeners on: a waiting route's
-                // go off here.
-                i.deactivate_listeners_where(is_waiting);
-                i.activate_listeners_where(|l| !is_waiting(l));
-            });
+            let ours = self.wired[i].listener_prefixes();
+            let matches = |l: &ProcessorListener, ps: &[String]| {
+                ps.iter().any(|p| l.name().starts_with(p.as_str()))
+            };
+            for informer in &self.wired[i].informers {
+                // New informers (not running yet) register listeners on.
+                informer.deactivate_listeners_where(|l| matches(l, &waiting) || matches(l, held));
+                let switch_on = |l: &ProcessorListener| matches(l, &ours) && !matches(l, &waiting);
+                if informer.listeners_on_where(switch_on) {
+                    continue;
+                }
+                let (informer, term) = (informer.clone(), self.term.clone());
+                let (ours, waiting) = (ours.clone(), waiting.clone());
+                tokio::spawn(async move {
+                    let which = |l: &ProcessorListener| {
+                        ours.iter().any(|p| l.name().starts_with(p.as_str()))
+                            && !waiting.iter().any(|p| l.name().starts_with(p.as_str()))
+                    };
+                    informer.activate_listeners_after_relist(&term, which).await;
+                });
+            }
         } else {
+            let wired = &self.wired[i];
             wired
                 .informers
                 .iter()

@@ -136,6 +136,11 @@ impl SharedIndexInformer {
         self.started.load(Ordering::SeqCst)
     }
 
+    /// Whether [`spawn`](Self::spawn) started it (its task may not have begun `run` yet).
+    pub fn is_spawned(&self) -> bool {
+        self.spawned.load(Ordering::SeqCst)
+    }
+
     fn listeners(&self) -> Vec<Arc<ProcessorListener>> {
         self.listeners
             .read()
@@ -383,8 +388,8 @@ impl SharedIndexInformer {
     /// [`activate_listeners`](Self::activate_listeners) after a fresh list: asks the reflector
     /// for a new consistent list and waits until it has been applied to the cache, so that the
     /// listeners get the API server's state as of now, not a cache whose watch may lag or be
-    /// stalled (a new leader compares its checkpoints with this). An informer not running yet
-    /// switches them on at once (its first list is still to come). `None`, with nothing
+    /// stalled (a new leader compares its checkpoints with this). On an informer not running
+    /// yet, its first list is that list: they are switched on once it is applied. `None`, with nothing
     /// switched on, once `cancel` fires (checked under the FIFO lock, so a caller that cancels
     /// and then deactivates never finds listeners switched on after it) or the informer stops.
     /// Only listeners that are off and `which` selects are switched on.
@@ -393,7 +398,23 @@ impl SharedIndexInformer {
         cancel: &CancellationToken,
         which: impl Fn(&ProcessorListener) -> bool,
     ) -> Option<usize> {
-        if self.is_running() {
+        if !self.is_running() {
+            // Its first list is the fresh one: hand the cache over once it is applied (a
+            // cache seeded from an informer it replaces would otherwise pass unchanged
+            // objects by as resyncs).
+            loop {
+                if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {
+                    return None;
+                }
+                if self.has_synced() {
+                    break;
+                }
+                tokio::select! {
+                    _ = cancel.cancelled() => return None,
+                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+                }
+            }
+        } else {
             let request = self.reflector.request_relist();
             loop {
                 if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {

@@ -96,6 +96,10 @@ enum State {
         /// What was passed on so far, per key (what consumers will have once it is
         /// delivered): informers replaced mid-resume compare their initial state with it too.
         passed: Checkpoint,
+        /// What was passed on before the informers were replaced, compared like `remaining`
+        /// (a key the new initial state lacks is deleted), except that an unchanged one is not
+        /// reported as known (the stages behind already know what they passed on).
+        replayed: Checkpoint,
     },
 }
 
@@ -132,13 +136,58 @@ impl Resumer {
         *self.types.lock().unwrap_or_else(|e| e.into_inner()) = types;
         if let State::Resuming {
             unsynced,
-            remaining,
             passed,
+            replayed,
+            ..
         } = &mut *self.lock()
         {
             *unsynced = self.informers;
-            remaining.extend(passed.drain());
+            replayed.extend(passed.drain());
         }
+    }
+
+    /// The kind is gone (its CRD was deleted): a resume still running deletes every key it
+    /// has not seen yet (the informer's own deletes cannot reach listeners that are off) and
+    /// is over.
+    pub fn kind_gone(&self) {
+        let mut state = self.lock();
+        let State::Resuming {
+            remaining,
+            replayed,
+            ..
+        } = &mut *state
+        else {
+            return;
+        };
+        let vanished: Vec<(String, Entry)> = std::mem::take(remaining)
+            .into_iter()
+            .chain(std::mem::take(replayed))
+            .collect();
+        *state = State::Passing;
+        self.resuming.store(false, Ordering::SeqCst);
+        drop(state);
+        self.delete_vanished(vanished);
+    }
+
+    /// Deletes `vanished` checkpoint keys (final state unknown, stubs), in key order.
+    fn delete_vanished(&self, mut vanished: Vec<(String, Entry)>) -> usize {
+        vanished.sort_by(|a, b| a.0.cmp(&b.0));
+        let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
+        let deleted = vanished.len();
+        for (key, entry) in vanished {
+            self.count(Outcome::Deleted);
+            self.forward(Notification {
+                kind: NotificationKind::Delete {
+                    obj: self.stub(&key, &entry),
+                    final_state_unknown: true,
+                },
+                received,
+                observed,
+                resumed: true,
+                filtered_out: false,
+            });
+        }
+        deleted
     }
 
     /// Whether a resume runs (the initial state is still being compared).
@@ -157,6 +206,7 @@ impl Resumer {
                     remaining,
                     unsynced: self.informers,
                     passed: Checkpoint::new(),
+                    replayed: Checkpoint::new(),
                 }
             }
             None => State::Passing,
@@ -225,8 +275,16 @@ impl NotificationHandler for Resumer {
             return self.forward(n);
         };
         let key = n.key();
-        let entry = remaining.remove(&key);
-        if let State::Resuming { passed, .. } = &mut *state {
+        let mut entry = remaining.remove(&key);
+        let mut known_here = entry.is_some();
+        if let State::Resuming {
+            passed, replayed, ..
+        } = &mut *state
+        {
+            if let Some(e) = replayed.remove(&key) {
+                known_here = false;
+                entry = Some(e);
+            }
             match &n.kind {
                 NotificationKind::Delete { .. } => passed.remove(&key),
                 _ => passed.insert(
@@ -263,7 +321,9 @@ impl NotificationHandler for Resumer {
                         && e.resource_version == crate::informer::resource_version(&obj) =>
                 {
                     self.count(Outcome::Unchanged);
-                    self.next.on_known(&key, Some(&obj));
+                    if known_here {
+                        self.next.on_known(&key, Some(&obj));
+                    }
                 }
                 Some(e) if e.uid == uid => {
                     self.count(Outcome::Updated);
@@ -290,7 +350,7 @@ impl NotificationHandler for Resumer {
                 self.forward(n);
             }
             (_, entry) => {
-                if entry.is_some() {
+                if entry.is_some() && known_here {
                     self.next.on_known(&key, None);
                 }
                 self.forward(n)
@@ -307,47 +367,41 @@ impl NotificationHandler for Resumer {
         let State::Resuming {
             remaining,
             unsynced,
+            replayed,
             ..
         } = &mut *state
         else {
             return;
         };
         *unsynced = unsynced.saturating_sub(1);
-        let mut vanished: Vec<_> = if *unsynced == 0 {
-            let all = std::mem::take(remaining).into_iter().collect();
+        let vanished: Vec<_> = if *unsynced == 0 {
+            let all = std::mem::take(remaining)
+                .into_iter()
+                .chain(std::mem::take(replayed))
+                .collect();
             *state = State::Passing;
             self.resuming.store(false, Ordering::SeqCst);
             all
         } else if let Some(ns) = namespace {
-            let keys: Vec<String> = remaining
-                .keys()
-                .filter(|k| k.split_once('/').is_some_and(|(n, _)| n == ns))
-                .cloned()
-                .collect();
-            keys.into_iter()
-                .filter_map(|k| remaining.remove_entry(&k))
-                .collect()
+            let of_ns = |m: &mut Checkpoint| -> Vec<(String, Entry)> {
+                let keys: Vec<String> = m
+                    .keys()
+                    .filter(|k| k.split_once('/').is_some_and(|(n, _)| n == ns))
+                    .cloned()
+                    .collect();
+                keys.into_iter()
+                    .filter_map(|k| m.remove_entry(&k))
+                    .collect()
+            };
+            let mut v = of_ns(remaining);
+            v.extend(of_ns(replayed));
+            v
         } else {
             Vec::new()
         };
         let over = matches!(*state, State::Passing);
         drop(state);
-        vanished.sort_by(|a, b| a.0.cmp(&b.0));
-        let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
-        let deleted = vanished.len();
-        for (key, entry) in vanished {
-            self.count(Outcome::Deleted);
-            self.forward(Notification {
-                kind: NotificationKind::Delete {
-                    obj: self.stub(&key, &entry),
-                    final_state_unknown: true,
-                },
-                received,
-                observed,
-                resumed: true,
-                filtered_out: false,
-            });
-        }
+        let deleted = self.delete_vanished(vanished);
         if over {
             info!(route = %self.route, deleted, "Resumed: objects gone while down are deleted");
         } else {

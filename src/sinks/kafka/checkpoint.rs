@@ -114,6 +114,10 @@ impl KafkaCheckpointStore {
         let mut read = Read::default();
         read_to_end(&self.consumer, std::slice::from_ref(&self.topic), |r| {
             let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
+                // A tombstone of a key that is not ours removes nothing of ours.
+                if r.value.is_none() {
+                    return;
+                }
                 read.unreadable_key
                     .get_or_insert_with(|| String::from_utf8_lossy(&r.key).into_owned());
                 return;
@@ -174,7 +178,8 @@ impl CheckpointStore for KafkaCheckpointStore {
             if let Some(key) = read.unreadable_key {
                 return Err(self.error(format!(
                     "a record's key ({key:?}) is not a checkpoint key, so the checkpoint of \
-                     any route may be incomplete"
+                     any route may be incomplete; write a tombstone for that key (or keep the \
+                     topic for checkpoints only) to go on"
                 )));
             }
             for route in routes {
