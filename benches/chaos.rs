@@ -659,12 +659,8 @@ async fn run_model(duration: Duration) -> String {
         assert!(
             o.holds(),
             "seed {seed} (replay: KEB_MODEL_SEED={seed} KEB_MODEL_CASES=1 KEB_MODEL_OPS=200 \
-             cargo test --test model): {}\nlost deletes {:?}\nphantom deletes {:?}\nstale {:?}\nmissing {:?}",
-            o.line(),
-            o.lost_deletes,
-            o.phantom_deletes,
-            o.stale,
-            o.missing
+             cargo test --test model): {}",
+            o.details()
         );
         total.add(&o);
         cases += 1;

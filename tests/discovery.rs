@@ -37,6 +37,32 @@ fn delivered(out: &Path) -> HashMap<String, Vec<String>> {
     by_object
 }
 
+/// Creates Widgets `ns/w0`… of `GROUP`/v1beta1 (its CRD installed).
+fn create_beta_widgets(api: &ApiServer, n: usize) {
+    for i in 0..n {
+        api.create(custom_resource(
+            &format!("{GROUP}/v1beta1"),
+            "Widget",
+            Some("ns"),
+            &format!("w{i}"),
+        ));
+    }
+}
+
+/// Waits until `app` runs an informer whose name contains each of `names`.
+async fn wait_for_informers(app: &RunningApp, names: &[&str]) {
+    wait::until(format!("informers {names:?}"), PATIENCE, async || {
+        let running: Vec<String> = app
+            .factory
+            .informers()
+            .iter()
+            .map(|i| i.name().to_owned())
+            .collect();
+        names.iter().all(|n| running.iter().any(|r| r.contains(n)))
+    })
+    .await;
+}
+
 fn gauge(metrics: &str, line_start: &str) -> Option<f64> {
     metrics
         .lines()
@@ -771,14 +797,7 @@ async fn a_crd_version_change_under_a_wildcard_deletes_and_replays_nothing() {
 async fn an_explicit_kind_whose_version_goes_deletes_nothing_and_says_which_versions_serve_it() {
     let api = ApiServer::start().await;
     api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
-    for i in 0..10 {
-        api.create(custom_resource(
-            &format!("{GROUP}/v1beta1"),
-            "Widget",
-            Some("ns"),
-            &format!("w{i}"),
-        ));
-    }
+    create_beta_widgets(&api, 10);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
     let cfg = ConfigBuilder::new()
@@ -817,14 +836,7 @@ async fn an_explicit_kind_whose_version_goes_deletes_nothing_and_says_which_vers
 async fn a_version_switch_onto_a_shared_informer_publishes_only_what_changed() {
     let api = ApiServer::start().await;
     api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
-    for i in 0..20 {
-        api.create(custom_resource(
-            &format!("{GROUP}/v1beta1"),
-            "Widget",
-            Some("ns"),
-            &format!("w{i}"),
-        ));
-    }
+    create_beta_widgets(&api, 20);
     let dir = tempfile::tempdir().unwrap();
     let (all, beta) = (dir.path().join("all.jsonl"), dir.path().join("beta.jsonl"));
     let cfg = ConfigBuilder::new()
@@ -851,17 +863,7 @@ async fn a_version_switch_onto_a_shared_informer_publishes_only_what_changed() {
     for i in 0..3 {
         api.delete(&format!("{GROUP}/v1"), "Widget", "ns", &format!("w{i}"));
     }
-    let factory = app.factory.clone();
-    wait::until("informers at both versions", PATIENCE, async || {
-        let names: Vec<String> = factory
-            .informers()
-            .iter()
-            .map(|i| i.name().to_owned())
-            .collect();
-        names.iter().any(|n| n.contains("/v1/widgets"))
-            && names.iter().any(|n| n.contains("/v1beta1/widgets"))
-    })
-    .await;
+    wait_for_informers(&app, &["/v1/widgets", "/v1beta1/widgets"]).await;
     api.delete(&format!("{GROUP}/v1"), "Widget", "ns", "w3");
     wait::until("the deletes in both streams", PATIENCE, async || {
         let (a, b) = (delivered(&all), delivered(&beta));
@@ -900,14 +902,7 @@ async fn a_version_switch_onto_a_shared_informer_publishes_only_what_changed() {
 async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
     let api = ApiServer::start().await;
     api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
-    for i in 0..10 {
-        api.create(custom_resource(
-            &format!("{GROUP}/v1beta1"),
-            "Widget",
-            Some("ns"),
-            &format!("w{i}"),
-        ));
-    }
+    create_beta_widgets(&api, 10);
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out.jsonl");
     let config = || {
@@ -934,14 +929,7 @@ async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
     let app = RunningApp::start(config(), &api).await;
     app.synced().await;
     api.serve_crd_at(GROUP, "widgets", "v1");
-    let factory = app.factory.clone();
-    wait::until("the informer at v1", PATIENCE, async || {
-        factory
-            .informers()
-            .iter()
-            .any(|i| i.name().contains("/v1/widgets"))
-    })
-    .await;
+    wait_for_informers(&app, &["/v1/widgets"]).await;
     let mut w = api
         .get(&format!("{GROUP}/v1"), "Widget", "ns", "w1")
         .unwrap();

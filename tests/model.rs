@@ -25,12 +25,8 @@ async fn random_sequences_where_features_meet_leave_consumers_with_the_api_serve
         println!("seed {seed}: {}", o.line());
         assert!(
             o.holds(),
-            "seed {seed} (replay: KEB_MODEL_SEED={seed} KEB_MODEL_CASES=1): {}\nlost deletes {:?}\nphantom deletes {:?}\nstale {:?}\nmissing {:?}",
-            o.line(),
-            o.lost_deletes,
-            o.phantom_deletes,
-            o.stale,
-            o.missing
+            "seed {seed} (replay: KEB_MODEL_SEED={seed} KEB_MODEL_CASES=1): {}",
+            o.details()
         );
         total.add(&o);
     }

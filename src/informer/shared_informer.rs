@@ -299,7 +299,6 @@ impl SharedIndexInformer {
                 .into_iter()
                 .map(|o| (meta_namespace_key(&o), o))
                 .collect();
-            let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
             let mut changes = Vec::new();
             let mut cached = self.indexer.list();
             cached.sort_by_key(meta_namespace_key);
@@ -330,20 +329,9 @@ impl SharedIndexInformer {
                 obj,
                 final_state_unknown: true,
             }));
-            for kind in &changes {
-                let n = Notification {
-                    kind: kind.clone(),
-                    received,
-                    observed,
-                    resumed: false,
-                    filtered_out: false,
-                };
-                self.metrics.notifications[n.event_type() as usize].inc();
-                for l in &switched_on {
-                    l.add(n.clone());
-                }
-            }
-            changes.len()
+            let count = changes.len();
+            self.hand(&switched_on, changes);
+            count
         })
     }
 
@@ -462,24 +450,14 @@ impl SharedIndexInformer {
             if switched_on.is_empty() {
                 return Some(0);
             }
-            let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
             let cached = self.indexer.list();
-            for obj in &cached {
-                let n = Notification {
-                    kind: NotificationKind::Add {
-                        obj: obj.clone(),
-                        is_initial_list: true,
-                    },
-                    received,
-                    observed,
-                    resumed: false,
-                    filtered_out: false,
-                };
-                self.metrics.notifications[n.event_type() as usize].inc();
-                for l in &switched_on {
-                    l.add(n.clone());
-                }
-            }
+            self.hand(
+                &switched_on,
+                cached.iter().map(|obj| NotificationKind::Add {
+                    obj: obj.clone(),
+                    is_initial_list: true,
+                }),
+            );
             // Once the first list is through, the cache is the whole initial state; before
             // that, the sync signal comes when it is (see `run`).
             if self.sync_signalled.load(Ordering::SeqCst) {
@@ -487,6 +465,28 @@ impl SharedIndexInformer {
             }
             Some(cached.len())
         })
+    }
+
+    /// Hands `kinds` (built under the FIFO lock) to `listeners` only, as notifications of now.
+    fn hand(
+        &self,
+        listeners: &[Arc<ProcessorListener>],
+        kinds: impl IntoIterator<Item = NotificationKind>,
+    ) {
+        let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
+        for kind in kinds {
+            let n = Notification {
+                kind,
+                received,
+                observed,
+                resumed: false,
+                filtered_out: false,
+            };
+            self.metrics.notifications[n.event_type() as usize].inc();
+            for l in listeners {
+                l.add(n.clone());
+            }
+        }
     }
 
     fn resync_tick(&self, now: tokio::time::Instant) {

@@ -68,11 +68,27 @@ impl Outcome {
     /// `max_pending`, plus one per object incarnation with something pending (and once more
     /// while a worker publishes it).
     pub fn holds(&self) -> bool {
+        self.nothing_lost() && self.peak_held <= self.bound()
+    }
+
+    /// Whether every loss column is zero.
+    fn nothing_lost(&self) -> bool {
         self.lost_deletes.is_empty()
             && self.phantom_deletes.is_empty()
             && self.stale.is_empty()
             && self.missing.is_empty()
-            && self.peak_held <= self.bound()
+    }
+
+    /// The figures and the keys of every loss column (for a failing case).
+    pub fn details(&self) -> String {
+        format!(
+            "{}\nlost deletes {:?}\nphantom deletes {:?}\nstale {:?}\nmissing {:?}",
+            self.line(),
+            self.lost_deletes,
+            self.phantom_deletes,
+            self.stale,
+            self.missing
+        )
     }
 
     fn bound(&self) -> i64 {
@@ -471,11 +487,7 @@ pub async fn run_case(settings: Settings, dir: &Path) -> Outcome {
     let check = || check(&model, &streams);
     let mut last = check();
     for _ in 0..120 {
-        if last.lost_deletes.is_empty()
-            && last.phantom_deletes.is_empty()
-            && last.stale.is_empty()
-            && last.missing.is_empty()
-        {
+        if last.nothing_lost() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
