@@ -556,3 +556,76 @@ async fn many_stalled_workers_are_given_up_on_together_at_the_deadline() {
         "64 adds and 22 deletes"
     );
 }
+
+/// After a message trimmed to a reference, consumers lack the object the key's next patch
+/// would start from: that update goes without `data.patch` (its `data.object` is the state),
+/// and the one after it carries a patch again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_reference_the_next_update_carries_no_patch() {
+    let sink = Arc::new(TestSink {
+        max_size: Some(4_000),
+        ..TestSink::named("test")
+    });
+    let metrics = Arc::new(Metrics::new());
+    let delivery = Arc::new(Delivery {
+        sink: sink.clone(),
+        dead_letter: None,
+        publish_limit: None,
+        max_retries: None,
+    });
+    let message = MessageConfig {
+        include_old_object: false,
+        diff: kube_event_bridge::message::DiffMode::Patch,
+        ..MessageConfig::default()
+    };
+    let encoder = Encoder::new("test", &configmaps(), &message, Encoding::Structured);
+    let budget = Arc::new(Budget::new(1_000));
+    let route = RouteBuilder::new("configmap", "test", encoder, delivery, &metrics)
+        .budget(budget.clone())
+        .retry(fast_retries())
+        .build()
+        .route;
+    let running = pipeline::start(&[(route.clone(), 1)]);
+    let q = route.queue();
+    q.push(Notification::new(NotificationKind::Add {
+        obj: object("a", 1, 10_000),
+        is_initial_list: false,
+    }));
+    for rv in 2..=3 {
+        q.push(Notification::new(NotificationKind::Update {
+            old: object("a", rv - 1, if rv == 2 { 10_000 } else { 10 }),
+            new: object("a", rv, 10),
+        }));
+    }
+    settled(&budget).await;
+    let accepted: Vec<serde_json::Value> = sink
+        .accepted
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, _, v)| v.clone())
+        .collect();
+    assert_eq!(accepted.len(), 3);
+    assert_eq!(accepted[0]["k8struncated"], true);
+    assert!(
+        accepted[1]["data"].get("patch").is_none(),
+        "{}",
+        accepted[1]
+    );
+    assert_eq!(
+        accepted[1]["data"]["object"]["metadata"]["resourceVersion"],
+        "2"
+    );
+    assert!(accepted[2]["data"]["patch"].is_array(), "{}", accepted[2]);
+    let degraded = |step: &str| {
+        metrics
+            .message_degraded
+            .with_label_values(&["test", "configmap", step])
+            .get()
+    };
+    // Only the reference was a degradation.
+    assert_eq!(["reference", "patch"].map(degraded), [1, 0]);
+    running
+        .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+}

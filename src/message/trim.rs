@@ -74,6 +74,11 @@ pub fn reference_of(obj: &CachedObject) -> Box<serde_json::value::RawValue> {
 }
 
 impl Encoder {
+    /// Whether update messages carry `data.patch`.
+    pub fn patches(&self) -> bool {
+        self.encoding != Encoding::State && self.diff == DiffMode::Patch
+    }
+
     /// The steps of [`Trim`] that change the message of `n`, in order (`Reference` always).
     pub fn trim_steps(&self, n: &Notification) -> Vec<Trim> {
         let update = n.event_type() == EventType::Updated && !n.resumed;

@@ -5,8 +5,11 @@
 //!   it for good. Retriable failures go back through the rate-limited work queue
 //!   (per-key exponential backoff plus an overall token bucket) until they succeed, or until
 //!   `max_retries` if set.
-//! - **Per-object order**: one key is never handled by two workers at once, and a key's
-//!   notifications are published in informer order, a failed one before any later one.
+//! - **Per-object order, the newest state last**: one key is never handled by two workers at
+//!   once, a key's notifications are published in informer order, a failed one before any
+//!   later one, and one message of a key is in flight at a time (the next is handed over once
+//!   the previous one is acknowledged), so a retry never stores an older state after a newer
+//!   one, in either consumer model ("last message wins", "deduplicate by id, then last wins").
 //! - **Bounded memory**: see [`RouteQueue`]: at the sink's cap updates are coalesced; deletes
 //!   and the newest state are never dropped.
 //! - **Final failures** (an object that cannot be encoded, a message the sink can never take)

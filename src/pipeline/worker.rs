@@ -106,11 +106,28 @@ pub struct Route {
     failing: std::sync::atomic::AtomicBool,
     // When the last failure warning was logged, and failures since.
     failure_log: std::sync::Mutex<(Option<std::time::Instant>, u64)>,
-    // Per key: the id of a message the destination refused as too large in its
-    // acknowledgement, and the trim step its retry starts from.
-    trim_hints: std::sync::Mutex<std::collections::HashMap<String, (String, Trim)>>,
-    // Whether `trim_hints` holds any: the hot path skips its lock when not.
-    has_trim_hints: std::sync::atomic::AtomicBool,
+    // What the next message of some keys must take into account (see `Marks`).
+    marks: std::sync::Mutex<Marks>,
+    // Whether `marks` holds any: the hot path skips its lock when not.
+    has_marks: std::sync::atomic::AtomicBool,
+}
+
+/// Per key, what the next message must take into account.
+#[derive(Default)]
+struct Marks {
+    // The id of a message the destination refused as too large in its acknowledgement, and
+    // the trim step its retry starts from.
+    trim: std::collections::HashMap<String, (String, Trim)>,
+    // Keys whose consumers may not hold the object a patch would start from (the last message
+    // was a reference, or one failed for good): the next update goes without `data.patch`,
+    // so that a consumer applying patches takes its `data.object`.
+    unpatched: std::collections::HashSet<String>,
+}
+
+impl Marks {
+    fn is_empty(&self) -> bool {
+        self.trim.is_empty() && self.unpatched.is_empty()
+    }
 }
 
 enum Outcome {
@@ -123,6 +140,8 @@ struct Sent {
     id: String,
     // How much of the message was left out to fit.
     trim: Trim,
+    // How much of that was left out for a consumer's sake, not to fit (see `Marks`).
+    forced: Trim,
     event_type: EventType,
     bytes: usize,
     received: std::time::Instant,
@@ -130,11 +149,12 @@ struct Sent {
 }
 
 impl Sent {
-    fn of(message: Message, trim: Trim, started: std::time::Instant) -> Self {
+    fn of(message: Message, (trim, forced): (Trim, Trim), started: std::time::Instant) -> Self {
         Self {
             bytes: message.payload.len(),
             id: message.id,
             trim,
+            forced,
             event_type: message.event_type,
             received: message.received,
             started,
@@ -159,27 +179,29 @@ enum Submitted {
     Retry,
 }
 
-/// What a worker handed over of a key's batch, in order (`None`: a silent delete, settled in
-/// its turn), and what it could not hand over.
+/// What a worker handed over of a key's batch: at most one message, whose acknowledgement is
+/// awaited before the next of the key is handed over; what follows it; and whether a hand-over
+/// failed (what follows then goes back for retry).
 #[derive(Default)]
 struct HandedOver {
-    pending: Vec<(Notification, Option<Pending>)>,
-    not_handed: VecDeque<Notification>,
+    pending: Option<(Notification, Pending)>,
+    rest: VecDeque<Notification>,
+    failed: bool,
 }
 
 impl HandedOver {
-    /// Polls every acknowledgement once; whether all are in.
+    /// Polls the acknowledgement once; whether it is in (or there is none).
     fn all_ready(&mut self) -> bool {
         use futures::FutureExt;
-        self.pending.iter_mut().all(|(_, p)| match p {
-            Some(p) => {
+        match &mut self.pending {
+            Some((_, p)) => {
                 if p.ready.is_none() {
                     p.ready = (&mut p.ack).now_or_never();
                 }
                 p.ready.is_some()
             }
             None => true,
-        })
+        }
     }
 }
 
@@ -229,8 +251,8 @@ impl Route {
             checkpointer: None,
             failing: std::sync::atomic::AtomicBool::new(false),
             failure_log: std::sync::Mutex::new((None, 0)),
-            trim_hints: std::sync::Mutex::new(std::collections::HashMap::new()),
-            has_trim_hints: std::sync::atomic::AtomicBool::new(false),
+            marks: std::sync::Mutex::default(),
+            has_marks: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -291,13 +313,18 @@ impl Route {
         }
     }
 
-    /// Awaits what was handed over for `key`, settles or retries, goes on with what arrived
+    /// Awaits what was handed over for `key`, settles it or retries, hands over the key's next
+    /// notification (one message of a key in flight at a time), goes on with what arrived
     /// meanwhile when shutting down, and releases the key.
     async fn complete(self: Arc<Self>, key: String, mut handed: HandedOver, term: u64) {
         let queue = self.queue.queue();
         loop {
-            let mut batch = self.settle_acks(&key, &mut handed).await;
-            let mut failed = !batch.is_empty();
+            let (mut batch, mut failed) = self.settle_ack(&key, &mut handed).await;
+            if !failed && !batch.is_empty() {
+                // The acknowledgement came: the next message of the key goes now.
+                handed = self.hand_over(&key, batch, term).await;
+                continue;
+            }
             if failed
                 && self
                     .delivery
@@ -314,8 +341,8 @@ impl Route {
                 // A draining work queue takes no retries (the key would stay parked with
                 // what is left): the rest goes on here, and what arrived meanwhile comes
                 // from `finish`.
-                failed = !batch.is_empty();
-                if failed {
+                failed = false;
+                if !batch.is_empty() {
                     handed = self.hand_over(&key, batch, term).await;
                     continue;
                 }
@@ -341,8 +368,12 @@ impl Route {
         queue.done(&key);
     }
 
-    /// Hands `batch` to the sink front to back; stops at the first retriable hand-over
-    /// failure, leaving it and what follows not handed over.
+    /// Hands the front of `batch` to the sink: settles the silent deletes and the
+    /// notifications settled at once (no pipelining, failed for good) in front, and stops at
+    /// the first message handed over (its acknowledgement pending) or at a retriable
+    /// hand-over failure. What follows is handed over only once that acknowledgement came:
+    /// one message of a key is in flight at a time, so a retry never re-sends an older state
+    /// after a newer one was stored (see the delivery contract in the README).
     async fn hand_over(
         &self,
         key: &str,
@@ -359,13 +390,8 @@ impl Route {
                 break;
             }
             if !self.queue.publishes(n.event_type()) {
-                // A delete the route does not publish: it only settles the key, after what
-                // was handed over before it.
-                if handed.pending.is_empty() {
-                    self.settle_silently(key, &n);
-                } else {
-                    handed.pending.push((n, None));
-                }
+                // A delete the route does not publish: it only settles the key.
+                self.settle_silently(key, &n);
                 continue;
             }
             match self.submit(key, &n).await {
@@ -375,42 +401,36 @@ impl Route {
                     }
                     self.queue.settle(1);
                 }
-                Submitted::Pending(ack) => handed.pending.push((n, Some(ack))),
+                Submitted::Pending(ack) => {
+                    handed.pending = Some((n, ack));
+                    break;
+                }
                 Submitted::Retry => {
                     batch.push_front(n);
+                    handed.failed = true;
                     break;
                 }
             }
         }
-        handed.not_handed = batch;
+        handed.rest = batch;
         handed
     }
 
-    /// Awaits the acknowledgements of `handed` in order. Returns what goes back for retry, in
-    /// order: from the first retriable failure on, every later notification too (even if
-    /// its own acknowledgement came: consumers may see it again, and then the older one
-    /// re-sent after it; the last message of the key is still the newest state), and what
-    /// was not handed over.
-    async fn settle_acks(&self, key: &str, handed: &mut HandedOver) -> VecDeque<Notification> {
-        let mut retry = VecDeque::new();
-        for (n, pending) in handed.pending.drain(..) {
-            let Some(pending) = pending else {
-                if retry.is_empty() {
-                    self.settle_silently(key, &n);
-                } else {
-                    retry.push_back(n);
-                }
-                continue;
-            };
+    /// Awaits the acknowledgement of what `handed` holds. Returns what is left of the key's
+    /// batch, in order (the failed notification in front), and whether it failed.
+    async fn settle_ack(
+        &self,
+        key: &str,
+        handed: &mut HandedOver,
+    ) -> (VecDeque<Notification>, bool) {
+        let mut rest = std::mem::take(&mut handed.rest);
+        let mut failed = handed.failed;
+        if let Some((n, pending)) = handed.pending.take() {
             let result = match pending.ready {
                 Some(result) => result,
                 None => pending.ack.await,
             };
             self.metrics.in_flight.dec();
-            if !retry.is_empty() {
-                retry.push_back(n);
-                continue;
-            }
             match self.acknowledged(key, &n, &pending.message, result).await {
                 Outcome::Settled => {
                     if let Some(c) = &self.checkpointer {
@@ -418,11 +438,13 @@ impl Route {
                     }
                     self.queue.settle(1);
                 }
-                Outcome::Retry => retry.push_back(n),
+                Outcome::Retry => {
+                    rest.push_front(n);
+                    failed = true;
+                }
             }
         }
-        retry.extend(handed.not_handed.drain(..));
-        retry
+        (rest, failed)
     }
 
     /// Settles a notification the route does not publish (a delete: the checkpoint forgets
@@ -485,26 +507,61 @@ impl Route {
         }
     }
 
-    /// Where a retry of `n` starts trimming: a step recorded when the destination refused its
-    /// message as too large, else nothing.
-    fn trim_hint(&self, key: &str, n: &Notification) -> Trim {
+    /// Where the message of `n` starts trimming: a step recorded when the destination refused
+    /// its message as too large, and at least [`Trim::Patch`] for an update of an unpatched key
+    /// (see [`Marks`]); the second value is the step forced by the latter (not a degradation).
+    fn trim_hint(&self, key: &str, n: &Notification) -> (Trim, Trim) {
         use std::sync::atomic::Ordering;
-        if !self.has_trim_hints.load(Ordering::Relaxed) {
-            return Trim::None;
+        if !self.has_marks.load(Ordering::Relaxed) {
+            return (Trim::None, Trim::None);
         }
-        let mut hints = self.trim_hints.lock().unwrap_or_else(|e| e.into_inner());
-        let trim = match hints.get(key) {
+        let mut marks = self.lock_marks();
+        let trim = match marks.trim.get(key) {
             Some((id, trim)) if *id == message_id(n) => {
                 let trim = *trim;
-                hints.remove(key);
+                marks.trim.remove(key);
                 trim
             }
             _ => Trim::None,
         };
-        if hints.is_empty() {
-            self.has_trim_hints.store(false, Ordering::SeqCst);
+        let forced = if marks.unpatched.contains(key)
+            && self.encoder().trim_steps(n).contains(&Trim::Patch)
+        {
+            Trim::Patch
+        } else {
+            Trim::None
+        };
+        if marks.is_empty() {
+            self.has_marks.store(false, Ordering::SeqCst);
         }
-        trim
+        (trim.max(forced), forced)
+    }
+
+    fn lock_marks(&self) -> std::sync::MutexGuard<'_, Marks> {
+        self.marks.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records whether the consumers of `key` hold the object its next patch starts from
+    /// (only for an encoder that makes patches).
+    fn set_unpatched(&self, key: &str, unpatched: bool) {
+        use std::sync::atomic::Ordering;
+        if !self.encoder().patches() {
+            return;
+        }
+        if !unpatched && !self.has_marks.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut marks = self.lock_marks();
+        if unpatched {
+            marks.unpatched.insert(key.to_owned());
+            // Set under the lock, as `trim_hint` clears it under the lock.
+            self.has_marks.store(true, Ordering::SeqCst);
+        } else {
+            marks.unpatched.remove(key);
+            if marks.is_empty() {
+                self.has_marks.store(false, Ordering::SeqCst);
+            }
+        }
     }
 
     /// The step after `trim` that changes `n`'s message.
@@ -539,7 +596,7 @@ impl Route {
             }
         }
         // A message the broker refused as too large after the hand-over goes again trimmed.
-        let mut trim = self.trim_hint(key, n);
+        let (mut trim, forced) = self.trim_hint(key, n);
         loop {
             let Some((message, fitted)) = self.encode_fitting(key, n, trim).await else {
                 return Submitted::Settled;
@@ -556,7 +613,7 @@ impl Route {
                     return Submitted::Pending(Pending {
                         ack,
                         ready: None,
-                        message: Sent::of(message, trim, started),
+                        message: Sent::of(message, (trim, forced), started),
                     });
                 }
                 Err(err) => err,
@@ -576,7 +633,7 @@ impl Route {
                     }
                 }
             }
-            let sent = Sent::of(message, trim, started);
+            let sent = Sent::of(message, (trim, forced), started);
             return match self.acknowledged(key, n, &sent, Err(err)).await {
                 Outcome::Settled => Submitted::Settled,
                 Outcome::Retry => Submitted::Retry,
@@ -602,7 +659,8 @@ impl Route {
                     .end_to_end
                     .observe(sent.received.elapsed().as_secs_f64());
                 self.metrics.published[sent.event_type as usize].inc();
-                if let Some(step) = Degradation::of(sent.trim) {
+                self.set_unpatched(key, sent.trim == Trim::Reference);
+                if let Some(step) = Degradation::of(sent.trim).filter(|_| sent.trim > sent.forced) {
                     // Counted once accepted: a trimmed message the destination refused again
                     // is counted at the step that made it fit.
                     self.metrics.degraded[step as usize].inc();
@@ -625,12 +683,12 @@ impl Route {
                 let next = self.next_trim(n, sent.trim).expect("checked");
                 warn!(error = %err, sink = %sink.name(), key, id = %sent.id, step = next.as_str(),
                       "The destination refused the message as too large; sending it again trimmed");
-                let mut hints = self.trim_hints.lock().unwrap_or_else(|e| e.into_inner());
-                hints.insert(key.to_owned(), (sent.id.clone(), next));
+                let mut marks = self.lock_marks();
+                marks.trim.insert(key.to_owned(), (sent.id.clone(), next));
                 // Set under the lock, as `trim_hint` clears it under the lock.
-                self.has_trim_hints
+                self.has_marks
                     .store(true, std::sync::atomic::Ordering::SeqCst);
-                drop(hints);
+                drop(marks);
                 Outcome::Retry
             }
             Err(err) if err.is_retriable() => {
@@ -682,6 +740,8 @@ impl Route {
         message: Option<(&str, usize)>,
         reason: FailureReason,
     ) {
+        // Consumers miss this state: the key's next patch would start from one they lack.
+        self.set_unpatched(key, true);
         let Some(dlq) = &self.delivery.dead_letter else {
             return;
         };
