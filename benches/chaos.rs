@@ -18,8 +18,10 @@
 //! broker here that can be taken down and brought back with its data.
 //!
 //! One line per scenario: changes made, messages the broker acknowledged (last process) and
-//! holds, `lost` (objects whose last state, or whose delete, is missing once the service
-//! caught up), duplicate message ids, the service's peak RSS (VmHWM; for the restart
+//! holds, `lost` (once the service caught up, the stream folded per object in the order the
+//! broker holds it, in both consumer models, "last message wins" and "deduplicate by id, then
+//! last wins": stale finals + lost deletes + phantom deletes + missing objects, the larger of
+//! the two models; each model's figures are printed above the line), duplicate message ids, the service's peak RSS (VmHWM; for the restart
 //! scenarios, the larger of the two processes), the peak of notifications it held (sampled
 //! every 250 ms under load) and the p99 of `keb_end_to_end_latency_seconds` (watch event to
 //! acknowledgement; the bucket's upper bound, of the last process).
@@ -325,12 +327,11 @@ fn histogram_p99(text: &str, name: &str) -> Option<f64> {
         .map(|(le, _)| *le)
 }
 
-/// What the stream holds: per object its newest message (by resourceVersion) and whether it
-/// is a delete; messages; duplicate ids.
+/// What the stream holds, folded per object in the order the broker holds the messages (never
+/// by resourceVersion: consumers see order, not numbers); messages; duplicate ids.
 struct Stream {
     messages: u64,
     duplicates: u64,
-    newest: HashMap<String, (u64, bool)>,
     /// Per key, (resourceVersion, deleted) of the last message in the order the broker holds
     /// them: what a "last message wins" consumer ends with.
     last: HashMap<String, (u64, bool)>,
@@ -355,7 +356,6 @@ impl Stream {
         Self {
             messages: 0,
             duplicates: 0,
-            newest: HashMap::new(),
             last: HashMap::new(),
             last_deduplicated: HashMap::new(),
             ids: std::collections::HashSet::new(),
@@ -400,10 +400,6 @@ impl Stream {
             }
             self.objects.insert(s.key(), object);
         }
-        let slot = self.newest.entry(s.key()).or_insert((0, true));
-        if rv >= slot.0 {
-            *slot = (rv, deleted);
-        }
         self.last.insert(s.key(), (rv, deleted));
         if first_of_its_id {
             self.last_deduplicated.insert(s.key(), (rv, deleted));
@@ -412,33 +408,53 @@ impl Stream {
 }
 
 /// What a consumer that folds `last` (per key, in the broker's order) ends with, against the
-/// truth: (stale finals, lost deletes, phantom deletes, missing objects). A stale final is a
-/// live object whose last message is another state; a lost delete, a deleted object whose last
-/// message is not a delete; a phantom delete, a live object whose last message is a delete.
-fn fold_by_order(
-    truth: &Truth,
-    last: &HashMap<String, (u64, bool)>,
-    filtered: bool,
-) -> (u64, u64, u64, u64) {
+/// truth. A stale final is a live object whose last message is another state; a lost delete, a
+/// deleted object whose last message is not a delete; a phantom delete, a live object whose
+/// last message is a delete; missing, a live object never published. With `filtered`, an
+/// object whose last state fails the filter must be absent (never published, or deleted).
+#[derive(Default)]
+struct Finals {
+    stale: u64,
+    lost_deletes: u64,
+    phantom: u64,
+    missing: u64,
+    /// The first wrong keys, described.
+    wrong: Vec<String>,
+}
+
+impl Finals {
+    fn total(&self) -> u64 {
+        self.stale + self.lost_deletes + self.phantom + self.missing
+    }
+}
+
+fn fold_by_order(truth: &Truth, last: &HashMap<String, (u64, bool)>, filtered: bool) -> Finals {
     let objects = if filtered {
         &truth.unsuppressed
     } else {
         &truth.objects
     };
-    let (mut stale, mut lost_deletes, mut phantom, mut missing) = (0, 0, 0, 0);
+    let mut f = Finals::default();
     for (k, want) in objects {
         let want = want
             .as_ref()
             .filter(|_| !filtered || truth.matching.get(k).copied().unwrap_or(false));
-        match (want, last.get(k)) {
-            (Some(rv), Some((got, false))) if rv.parse::<u64>().ok() != Some(*got) => stale += 1,
-            (Some(_), Some((_, true))) => phantom += 1,
-            (Some(_), None) => missing += 1,
-            (None, Some((_, false))) => lost_deletes += 1,
-            _ => {}
+        let got = last.get(k);
+        let counter = match (want, got) {
+            (Some(rv), Some((got, false))) if rv.parse::<u64>().ok() != Some(*got) => &mut f.stale,
+            (Some(_), Some((_, true))) => &mut f.phantom,
+            (Some(_), None) => &mut f.missing,
+            (None, Some((_, false))) => &mut f.lost_deletes,
+            _ => continue,
+        };
+        *counter += 1;
+        if f.wrong.len() < 10 {
+            f.wrong
+                .push(format!("{k}: want {want:?}, last message {got:?}"));
         }
     }
-    (stale, lost_deletes, phantom, missing)
+    f.wrong.sort();
+    f
 }
 
 /// Where the service exports to.
@@ -577,34 +593,6 @@ async fn read_stream(url: &str) -> Stream {
         out.add(&m.payload);
     }
     out
-}
-
-/// Objects whose true last state is not what the stream says last. With `filtered`, an
-/// object whose last state fails the filter must be absent (never published, or deleted).
-fn lost(truth: &Truth, stream: &Stream, filtered: bool) -> (u64, Vec<String>) {
-    let mut lost = Vec::new();
-    let objects = if filtered {
-        &truth.unsuppressed
-    } else {
-        &truth.objects
-    };
-    for (k, want) in objects {
-        let want = &want
-            .clone()
-            .filter(|_| !filtered || truth.matching.get(k).copied().unwrap_or(false));
-        let got = stream.newest.get(k);
-        let ok = match (want, got) {
-            (Some(rv), Some((got, false))) => rv.parse::<u64>().ok() == Some(*got),
-            (Some(_), _) => false,
-            (None, Some((_, false))) => false,
-            (None, _) => true,
-        };
-        if !ok {
-            lost.push(format!("{k}: want {want:?}, stream has {got:?}"));
-        }
-    }
-    lost.sort();
-    (lost.len() as u64, lost)
 }
 
 fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
@@ -793,7 +781,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
     };
     let stream = broker.read().await;
     let t = truth.lock().unwrap();
-    let (lost_n, lost_list) = lost(&t, &stream, scenario == "filter-churn");
+    let mut lost_n = 0;
     for (model, last) in [
         ("last message wins", &stream.last),
         (
@@ -801,14 +789,15 @@ async fn run(scenario: &str, opts: &Options) -> String {
             &stream.last_deduplicated,
         ),
     ] {
-        let (stale, lost_deletes, phantom, missing) =
-            fold_by_order(&t, last, scenario == "filter-churn");
+        let f = fold_by_order(&t, last, scenario == "filter-churn");
         println!(
-            "  {scenario}: folded by order ({model}): stale finals {stale}, lost deletes {lost_deletes}, phantom deletes {phantom}, missing {missing}"
+            "  {scenario}: folded by order ({model}): stale finals {}, lost deletes {}, phantom deletes {}, missing {}",
+            f.stale, f.lost_deletes, f.phantom, f.missing
         );
-    }
-    for l in lost_list.iter().take(10) {
-        eprintln!("  {scenario}: lost {l}");
+        for l in &f.wrong {
+            eprintln!("  {scenario}: ({model}) {l}");
+        }
+        lost_n = lost_n.max(f.total());
     }
     if lost_n > 0 || !caught_up {
         let keep = std::env::temp_dir().join(format!("chaos-{scenario}.log"));

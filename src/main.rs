@@ -306,8 +306,24 @@ async fn state(
         Output::Table => {
             print!("{}", state::table(&objects, jiff::Timestamp::now()));
             if let Some(d) = &differences {
-                println!("\n{} difference(s) with the cluster", d.len());
-                d.iter().for_each(|d| println!("{d}"));
+                if d.last_wins == d.deduplicated {
+                    println!(
+                        "\n{} difference(s) with the cluster (both consumer models: last message wins, and deduplicate by id then last wins)",
+                        d.last_wins.len()
+                    );
+                    d.last_wins.iter().for_each(|d| println!("{d}"));
+                } else {
+                    for (model, found) in [
+                        ("last message wins", &d.last_wins),
+                        ("deduplicate by id, then last wins", &d.deduplicated),
+                    ] {
+                        println!(
+                            "\n{} difference(s) with the cluster for a consumer that folds by {model}",
+                            found.len()
+                        );
+                        found.iter().for_each(|d| println!("{d}"));
+                    }
+                }
             }
         }
         Output::Json => {
@@ -316,7 +332,8 @@ async fn state(
                 None => serde_json::json!(objects),
                 Some(d) => serde_json::json!({
                     "objects": objects,
-                    "differences": d.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    "differences": d.last_wins.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                    "differences_deduplicated": d.deduplicated.iter().map(ToString::to_string).collect::<Vec<_>>(),
                 }),
             };
             println!("{doc}");

@@ -2,14 +2,19 @@
 //! would, printed like `kubectl get` or as JSON; `--check` compares them with the live API
 //! server, the check an operator wants after an incident.
 //!
+//! Messages are folded as a consumer reads them: per object, in the order the destination
+//! holds them (partition offset, stream sequence), the last one wins; resourceVersions are
+//! never compared (they are opaque). Two consumer models are folded side by side: one that
+//! keeps every message ("last message wins") and one that first skips a message whose id it
+//! has seen ("deduplicate by id, then last message wins"); `--check` reports both.
+//!
 //! - A Kafka state topic (`mode: state`): read from offset 0, last value per key, tombstones
 //!   drop the key. Objects are placed by topic.
-//! - A JetStream stream: every event of the sink's subjects, in stream order; the newest per
-//!   object wins (`deleted` drops it), and an event older than what was already folded for
-//!   the object (a lower resourceVersion: a retried publish) is skipped. Objects are placed
-//!   by resource (`configmaps`, `widgets.example.com`). Only what the stream still holds can
-//!   be rebuilt: an object whose events its limits (`max_age`, `max_bytes`) removed is
-//!   missing, and the command warns when the stream has dropped messages.
+//! - A JetStream stream: every event of the sink's subjects, in stream order; `deleted` drops
+//!   the object. Objects are placed by resource (`configmaps`, `widgets.example.com`). Only
+//!   what the stream still holds can be rebuilt: an object whose events its limits
+//!   (`max_age`, `max_bytes`) removed is missing, and the command warns when the stream has
+//!   dropped messages.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -38,8 +43,41 @@ use crate::{
 pub struct State {
     /// What the place is: `TOPIC` or `RESOURCE`.
     pub place: &'static str,
-    /// The objects.
+    /// The objects, as a consumer that keeps every message ends with them.
     pub objects: BTreeMap<(String, String), Value>,
+    /// Where a consumer that skips a message whose id it has seen ends elsewhere: its object
+    /// there (`None`: deleted).
+    pub deduplicated: BTreeMap<(String, String), Option<Value>>,
+}
+
+impl State {
+    /// The objects as a consumer that deduplicates by id ends with them.
+    pub fn deduplicated_objects(&self) -> BTreeMap<(String, String), Value> {
+        let mut objects = self.objects.clone();
+        for (place, object) in &self.deduplicated {
+            match object {
+                Some(o) => objects.insert(place.clone(), o.clone()),
+                None => objects.remove(place),
+            };
+        }
+        objects
+    }
+}
+
+/// What `--check` found, for each consumer model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Differences {
+    /// For a consumer that keeps every message.
+    pub last_wins: Vec<Difference>,
+    /// For a consumer that skips a message whose id it has seen.
+    pub deduplicated: Vec<Difference>,
+}
+
+impl Differences {
+    /// Whether both models end with the cluster's objects.
+    pub fn is_empty(&self) -> bool {
+        self.last_wins.is_empty() && self.deduplicated.is_empty()
+    }
 }
 
 /// What `--check` found for one object.
@@ -180,35 +218,29 @@ async fn read_kafka(
     let topics = kafka_topics(sink, cfg, &client, topics).await?;
     let mut p = std::mem::replace(progress, Progress::with("records", false));
     let (state, p) = tokio::task::spawn_blocking(move || {
-        let mut objects = BTreeMap::new();
+        let mut fold = Fold::default();
         read_to_end(&client, &topics, |r| {
             p.add(1);
             let key = String::from_utf8_lossy(&r.key).into_owned();
-            match r.value.map(|v| serde_json::from_slice::<Value>(&v)) {
-                Some(Ok(object)) => {
-                    objects.insert((r.topic, key), object);
-                }
+            let id = r
+                .headers
+                .iter()
+                .find(|(k, _)| k == "ce_id")
+                .map(|(_, v)| v.clone());
+            let object = match r.value.map(|v| serde_json::from_slice::<Value>(&v)) {
+                Some(Ok(object)) => Some(object),
                 Some(Err(e)) => {
                     // The newest value cannot be read: no state is claimed for the key (a
                     // --check then reports it), and the reason is shown.
                     tracing::warn!(topic = %r.topic, key = %key, error = %e,
                                    "State record is not a JSON object; its key is left out");
-                    objects.remove(&(r.topic, key));
+                    None
                 }
-                None => {
-                    objects.remove(&(r.topic, key));
-                }
-            }
+                None => None,
+            };
+            fold.apply((r.topic, key), id.as_deref(), object);
         })
-        .map(|()| {
-            (
-                State {
-                    place: "TOPIC",
-                    objects,
-                },
-                p,
-            )
-        })
+        .map(|()| (fold.into_state("TOPIC"), p))
         .map_err(Error::Read)
     })
     .await
@@ -248,7 +280,7 @@ async fn read_jetstream(
                 .map_err(|e| read_error(&e))?;
             progress.add(1);
             match source.decode(m.headers.as_ref(), &m.payload) {
-                Ok(event) => fold.apply(event),
+                Ok(event) => fold.apply_event(event),
                 Err(e) => {
                     let seq = m.info().map(|i| i.stream_sequence).unwrap_or_default();
                     tracing::warn!(stream = %stream_name, sequence = seq, error = %e,
@@ -257,53 +289,75 @@ async fn read_jetstream(
             }
         }
     }
-    Ok(State {
-        place: "RESOURCE",
-        objects: fold.objects,
-    })
+    Ok(fold.into_state("RESOURCE"))
 }
 
-/// Events folded into the newest state per object.
+/// Messages folded per object in the order they are read, in both consumer models.
 #[derive(Debug, Default)]
 struct Fold {
-    objects: BTreeMap<(String, String), Value>,
-    /// The resourceVersion of each object's newest delete, so that a retried older event
-    /// cannot bring it back.
-    deleted: BTreeMap<(String, String), u64>,
+    /// Last message wins: the object, `None` once deleted.
+    last: BTreeMap<(String, String), Option<std::sync::Arc<Value>>>,
+    /// Deduplicate by id, then last message wins.
+    deduplicated: BTreeMap<(String, String), Option<std::sync::Arc<Value>>>,
+    /// Hashes of the ids read.
+    seen: std::collections::HashSet<u64>,
 }
 
 impl Fold {
-    fn apply(&mut self, event: Value) {
+    /// Folds a message about the object at `place` with `id` (when it has one); `object`
+    /// `None` is a delete.
+    fn apply(&mut self, place: (String, String), id: Option<&str>, object: Option<Value>) {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let object = object.map(std::sync::Arc::new);
+        let first = id.is_none_or(|id| {
+            self.seen
+                .insert(BuildHasherDefault::<DefaultHasher>::default().hash_one(id))
+        });
+        if first {
+            self.deduplicated.insert(place.clone(), object.clone());
+        }
+        self.last.insert(place, object);
+    }
+
+    /// Folds one CloudEvent.
+    fn apply_event(&mut self, event: Value) {
         let s = Summary::of(&event);
         let place = (s.resource_name(), s.key());
-        let rv = s.resource_version.parse::<u64>().ok();
-        let newest = self
-            .objects
-            .get(&place)
-            .and_then(|o| {
-                o["metadata"]["resourceVersion"]
-                    .as_str()?
-                    .parse::<u64>()
-                    .ok()
-            })
-            .or_else(|| self.deleted.get(&place).copied());
-        if let (Some(rv), Some(newest)) = (rv, newest)
-            && rv < newest
-        {
-            return;
-        }
         let gone = s.event_type == "deleted" || event["k8sfilteredout"] == true;
-        match event.get("data").and_then(|d| d.get("object")) {
-            Some(object) if !gone => {
-                self.deleted.remove(&place);
-                self.objects.insert(place, object.clone());
+        let object = event
+            .get("data")
+            .and_then(|d| d.get("object"))
+            .filter(|_| !gone)
+            .cloned();
+        let id = event["id"].as_str().map(str::to_owned);
+        self.apply(place, id.as_deref(), object);
+    }
+
+    fn into_state(self, place: &'static str) -> State {
+        let same = |a: &Option<std::sync::Arc<Value>>,
+                    b: Option<&Option<std::sync::Arc<Value>>>| {
+            match (a, b) {
+                (Some(a), Some(Some(b))) => std::sync::Arc::ptr_eq(a, b) || a == b,
+                (None, Some(None)) | (None, None) => true,
+                _ => false,
             }
-            _ => {
-                self.objects.remove(&place);
-                if let Some(rv) = rv {
-                    self.deleted.insert(place, rv);
-                }
+        };
+        let mut deduplicated = BTreeMap::new();
+        for (p, o) in &self.deduplicated {
+            if !same(o, self.last.get(p)) {
+                deduplicated.insert(p.clone(), o.as_deref().cloned());
             }
+        }
+        drop(self.deduplicated);
+        let objects = self
+            .last
+            .into_iter()
+            .filter_map(|(p, o)| Some((p, std::sync::Arc::unwrap_or_clone(o?))))
+            .collect();
+        State {
+            place,
+            objects,
+            deduplicated,
         }
     }
 }
@@ -379,7 +433,7 @@ pub async fn check(
     client: &Client,
     sink: &str,
     state: &State,
-) -> Result<Vec<Difference>> {
+) -> Result<Differences> {
     let placer = match destination(config, sink)? {
         Destination::Kafka(cfg) => Placer::Topic(KafkaSink::connect(sink, cfg).await?),
         Destination::JetStream(_) => Placer::Resource,
@@ -456,9 +510,28 @@ pub async fn check(
             }
         }
     }
+    let deduplicated = if state.deduplicated.is_empty() {
+        None
+    } else {
+        Some(compare(&cluster, &topics, &state.deduplicated_objects()))
+    };
+    let last_wins = compare(&cluster, &topics, &state.objects);
+    Ok(Differences {
+        deduplicated: deduplicated.unwrap_or_else(|| last_wins.clone()),
+        last_wins,
+    })
+}
+
+/// How `objects` (as a consumer ends with them) differ from `cluster` (resourceVersions by
+/// place); objects in other places than `topics` are not the sink's and left out.
+fn compare(
+    cluster: &BTreeMap<(String, String), String>,
+    topics: &BTreeSet<String>,
+    objects: &BTreeMap<(String, String), Value>,
+) -> Vec<Difference> {
     let mut differences = Vec::new();
-    for ((topic, key), cluster_rv) in &cluster {
-        match state.objects.get(&(topic.clone(), key.clone())) {
+    for ((topic, key), cluster_rv) in cluster {
+        match objects.get(&(topic.clone(), key.clone())) {
             None => differences.push(Difference::Missing {
                 topic: topic.clone(),
                 key: key.clone(),
@@ -473,7 +546,7 @@ pub async fn check(
             Some(_) => {}
         }
     }
-    for ((topic, key), object) in &state.objects {
+    for ((topic, key), object) in objects {
         if topics.contains(topic) && !cluster.contains_key(&(topic.clone(), key.clone())) {
             differences.push(Difference::Gone {
                 topic: topic.clone(),
@@ -482,7 +555,7 @@ pub async fn check(
             });
         }
     }
-    Ok(differences)
+    differences
 }
 
 #[cfg(test)]
@@ -509,22 +582,45 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_folds_into_the_newest_state_and_retried_old_events_do_not_win() {
+    fn a_stream_folds_by_order_in_both_consumer_models() {
         let place = ("configmaps".to_owned(), "ns/a".to_owned());
+        let with_id = |ty: &str, rv: &str, uid: &str| {
+            let mut e = event(ty, rv, uid);
+            e["id"] = serde_json::json!(format!("{uid}:{rv}:{ty}"));
+            e
+        };
         let mut f = Fold::default();
-        f.apply(event("added", "5", "u1"));
-        f.apply(event("updated", "7", "u1"));
-        f.apply(event("updated", "6", "u1")); // a retried older publish
-        assert_eq!(f.objects[&place]["metadata"]["resourceVersion"], "7");
-        f.apply(event("deleted", "7", "u1"));
-        assert!(f.objects.is_empty());
-        f.apply(event("updated", "6", "u1")); // cannot bring it back
-        assert!(f.objects.is_empty());
-        f.apply(event("added", "9", "u2")); // recreated
-        assert_eq!(f.objects[&place]["metadata"]["uid"], "u2");
-        let mut filtered = event("deleted", "10", "u2");
+        f.apply_event(with_id("added", "5", "u1"));
+        f.apply_event(with_id("updated", "7", "u1"));
+        // An older message stored after a newer one: the order wins, not the number.
+        f.apply_event(with_id("updated", "6", "u1"));
+        let state = std::mem::take(&mut f).into_state("RESOURCE");
+        assert_eq!(state.objects[&place]["metadata"]["resourceVersion"], "6");
+        assert!(state.deduplicated.is_empty(), "no id repeated: both agree");
+        // A re-send of rv 7 (same id) after rv 6: the deduplicating consumer skips it and
+        // stays at 6; the other ends at 7.
+        for e in [
+            with_id("added", "5", "u1"),
+            with_id("updated", "7", "u1"),
+            with_id("updated", "6", "u1"),
+            with_id("updated", "7", "u1"),
+        ] {
+            f.apply_event(e);
+        }
+        let state = f.into_state("RESOURCE");
+        assert_eq!(state.objects[&place]["metadata"]["resourceVersion"], "7");
+        let dedup = state.deduplicated_objects();
+        assert_eq!(dedup[&place]["metadata"]["resourceVersion"], "6");
+        // Deletes, recreation and filter exits fold the same way.
+        let mut f = Fold::default();
+        f.apply_event(with_id("added", "5", "u1"));
+        f.apply_event(with_id("deleted", "8", "u1"));
+        assert_eq!(f.last[&place], None);
+        f.apply_event(with_id("added", "9", "u2"));
+        let mut filtered = with_id("deleted", "10", "u2");
         filtered["k8sfilteredout"] = serde_json::json!(true);
-        f.apply(filtered);
-        assert!(f.objects.is_empty());
+        f.apply_event(filtered);
+        let state = f.into_state("RESOURCE");
+        assert!(state.objects.is_empty() && state.deduplicated.is_empty());
     }
 }
