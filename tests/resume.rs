@@ -383,6 +383,95 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
     assert!(cut <= 1, "at most the line being written when killed");
 }
 
+/// Objects added and acknowledged less than a checkpoint interval before a SIGKILL, then
+/// deleted while no replica runs: their deletes are published after the restart. The
+/// checkpoint interval is an hour, so no periodic write happens at all: the keys are known to
+/// the restart only because each was written as an intent before its first message was handed
+/// over (without that, the restart finds no checkpoint and publishes no delete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn objects_added_just_before_a_sigkill_and_deleted_while_down_get_their_deletes() {
+    use std::process::{Command, Stdio};
+    const BIN: &str = env!("CARGO_BIN_EXE_kube-event-bridge");
+    let api = ApiServer::start().await;
+    for i in 0..20 {
+        api.create(typed(&configmap("ns", &format!("old-{i:02}"), "0")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("events.jsonl");
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let cfg = dir.path().join("config.yaml");
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .sink(
+            json!({"name": "out", "type": "stdout", "checkpoint_interval": "1h",
+                     "stdout": {"path": out}}),
+        )
+        .route("configmap", &["out"])
+        .value();
+    std::fs::write(&cfg, config.to_string()).unwrap();
+    let start = || {
+        Command::new(BIN)
+            .args(["run", "--config", cfg.to_str().unwrap()])
+            .env("KUBECONFIG", &kubeconfig)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = start();
+    wait::until("the initial list published", PATIENCE, async || {
+        messages(&out).len() >= 20
+    })
+    .await;
+    for i in 0..50 {
+        api.create(typed(&configmap("ns", &format!("new-{i:02}"), "1")));
+    }
+    wait::until("the adds published", PATIENCE, async || {
+        messages(&out).len() >= 70
+    })
+    .await;
+    first.kill().unwrap(); // SIGKILL, well within the checkpoint interval
+    first.wait().unwrap();
+    let before = messages(&out).len();
+    for i in 0..50 {
+        api.delete("v1", "ConfigMap", "ns", &format!("new-{i:02}"));
+    }
+    api.delete("v1", "ConfigMap", "ns", "old-00");
+    let mut second = start();
+    let deleted_last = || {
+        let folded = support::fold_in_order(&messages(&out));
+        (0..50)
+            .map(|i| format!("ns/new-{i:02}"))
+            .chain(["ns/old-00".to_owned()])
+            .filter(|k| folded.get(k).is_some_and(Option::is_none))
+            .count()
+    };
+    let patience = Patience::of(PATIENCE).polling(Duration::from_millis(100));
+    wait::within(patience, async || deleted_last() == 51).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Command::new("kill")
+        .args(["-TERM", &second.id().to_string()])
+        .status()
+        .unwrap();
+    assert_eq!(second.wait().unwrap().code(), Some(0));
+    let all = messages(&out);
+    let after: Vec<String> = all[before..].iter().map(describe).collect();
+    assert_eq!(deleted_last(), 51, "after the restart: {after:#?}");
+    let d = support::differences(
+        &support::fold_in_order(&all),
+        &api.objects("v1", "ConfigMap"),
+    );
+    assert!(d.is_empty(), "{d:?}");
+    // Besides the deletes, at most re-sends: old objects whose acknowledgement was not
+    // written with any intent batch (an intent write takes every change recorded so far).
+    let resent = after
+        .iter()
+        .filter(|d| d.starts_with("updated ns/old-") && d.ends_with(" resumed"))
+        .count();
+    assert_eq!(after.len(), 51 + resent, "{after:#?}");
+    println!("after the restart: 51 deletes, {resent} re-sent");
+}
+
 /// A bridge pointed at another cluster (a wrong kubeconfig, or two clusters sharing one
 /// broker and checkpoint) must not resume from the first cluster's checkpoint: that would
 /// delete every object of the first cluster and re-add the second's. The start fails, naming

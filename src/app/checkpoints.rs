@@ -155,6 +155,7 @@ fn begin(
     if !cluster.is_empty() {
         r.checkpointer.record_cluster(cluster);
     }
+    r.checkpointer.knows(checkpoint.as_ref());
     r.resumer.begin(checkpoint);
 }
 
@@ -215,6 +216,7 @@ pub(super) fn wait_for_checkpoint(
                         .checkpoint_load_seconds
                         .with_label_values(&[&w.resume_route])
                         .set(took);
+                    w.checkpointer.knows(checkpoint.as_ref());
                     w.resumer.begin(checkpoint.clone());
                     if !cluster.is_empty() {
                         w.checkpointer.record_cluster(&cluster);

@@ -10,14 +10,26 @@
 //! - [`Checkpointer::record`] runs after the acknowledgement and only remembers the change;
 //!   a background task writes the changes in batches every `interval`. Memory is bounded by
 //!   the number of keys changed since the last write (`keb_checkpoint_lag`), and so is what a
-//!   crash can lose: those notifications are re-sent after the restart, with the same ids.
+//!   crash can cost: those notifications are re-sent after the restart, with the same ids.
 //! - A failed write is counted, logged, and retried with the next batch; a change recorded
 //!   meanwhile for the same key wins.
 //! - At shutdown, once the queues have drained, [`Checkpointer::flush`] writes what is left.
+//! - **What a consumer may have received, the next resume knows.** A message can reach
+//!   consumers as soon as the broker stores it, before its acknowledgement (and so before the
+//!   next write). So before the first message of a key the store does not hold is handed
+//!   over, [`Checkpointer::intend`] writes the key as an *intent* (its uid and
+//!   resourceVersion, `pending`): a restart or new leader that finds it gone publishes its
+//!   delete, and one that finds it listed publishes it again (`updated`, even at the same
+//!   resourceVersion), whether or not the add was ever acknowledged. Intents are written in
+//!   batches by the tasks that wait for them (all those waiting share one write); a key the
+//!   store holds (loaded at the resume, then kept up to date by the writes) waits for nothing.
 
 use std::{
-    collections::HashMap,
-    sync::{Arc, Mutex},
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -37,16 +49,45 @@ pub const CLUSTER_KEY: &str = ":cluster";
 pub struct Checkpointer {
     route: String,
     store: Arc<dyn CheckpointStore>,
-    // Per key, the newest settled object (`None`: deleted). Holding the shared object rather
-    // than its uid and resourceVersion keeps the acknowledgement path free of allocations
-    // for keys already pending.
-    changed: Mutex<HashMap<String, Option<ObjectRef>>>,
+    pending: Mutex<Pending>,
     // The cluster identity still to write (see `CLUSTER_KEY`).
     cluster: Mutex<Option<String>>,
     // Serializes writes, so that an older batch never lands after a newer one.
     writing: tokio::sync::Mutex<()>,
+    // The newest batch (see `Pending::taken`) written.
+    durable: AtomicU64,
     lag: IntGauge,
     failures: IntCounter,
+}
+
+/// What is not written yet, and which keys the store holds.
+#[derive(Default)]
+struct Pending {
+    // Per key, the change to write. Holding the shared object rather than its uid and
+    // resourceVersion keeps the acknowledgement path free of allocations for keys already
+    // pending.
+    changed: HashMap<String, KeyChange>,
+    // Hashes of the keys the store holds and will still hold once `changed` is written (a
+    // recorded delete removes its key at once): the keys whose messages need no intent.
+    known: HashSet<u64>,
+    // Batches taken for writing so far: a change recorded now goes with batch `taken + 1`.
+    taken: u64,
+}
+
+/// One key's change to write.
+#[derive(Clone)]
+enum KeyChange {
+    /// The newest settled object.
+    Settled(ObjectRef),
+    /// About to be handed over, not acknowledged yet (see [`Checkpointer::intend`]).
+    Intent(ObjectRef),
+    /// Deleted.
+    Deleted,
+}
+
+fn key_hash(key: &str) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(key)
 }
 
 impl Checkpointer {
@@ -60,9 +101,10 @@ impl Checkpointer {
         Self {
             route,
             store,
-            changed: Mutex::default(),
+            pending: Mutex::default(),
             cluster: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
+            durable: AtomicU64::new(0),
             lag,
             failures,
         }
@@ -78,24 +120,87 @@ impl Checkpointer {
         &self.store
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<ObjectRef>>> {
-        self.changed.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The store holds `checkpoint` (just loaded; `None`: nothing): its keys need no intent.
+    pub fn knows(&self, checkpoint: Option<&Checkpoint>) {
+        let mut p = self.lock();
+        p.known = checkpoint
+            .into_iter()
+            .flat_map(|c| c.keys())
+            .filter(|k| *k != CLUSTER_KEY)
+            .map(|k| key_hash(k))
+            .collect();
+        // What is pending and deleted is not known any more.
+        let Pending { changed, known, .. } = &mut *p;
+        for (k, change) in changed.iter() {
+            if matches!(change, KeyChange::Deleted) {
+                known.remove(&key_hash(k));
+            }
+        }
+    }
+
+    /// Before a message about `obj` (at `key`) is handed over: `None` when the store holds
+    /// the key already; else the key is recorded as an intent, and the future resolves once
+    /// it is written (see the module docs).
+    pub fn intend(
+        self: &Arc<Self>,
+        key: &str,
+        obj: &ObjectRef,
+    ) -> Option<futures::future::BoxFuture<'static, ()>> {
+        let hash = key_hash(key);
+        let target = {
+            let mut p = self.lock();
+            if p.known.contains(&hash) {
+                return None;
+            }
+            let target = p.taken + 1;
+            match p.changed.get(key) {
+                // Written with the next batch anyway.
+                Some(KeyChange::Settled(_) | KeyChange::Intent(_)) => {}
+                _ => {
+                    p.changed
+                        .insert(key.to_owned(), KeyChange::Intent(obj.clone()));
+                    self.lag.set(p.changed.len() as i64);
+                }
+            }
+            target
+        };
+        let this = self.clone();
+        Some(Box::pin(async move { this.written(target).await }))
+    }
+
+    /// Returns once batch `target` (or a later one) is written, writing it if need be.
+    async fn written(&self, target: u64) {
+        let mut delay = Duration::from_millis(100);
+        while self.durable.load(Ordering::SeqCst) < target {
+            if let Err(err) = self.flush().await {
+                warn!(route = %self.route, error = %err, "Checkpoint write failed; messages of objects it does not know yet wait for it");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(5));
+            }
+        }
     }
 
     /// Remembers that the sink settled `n` (about the object at `key`).
     pub fn record(&self, key: &str, n: &Notification) {
-        let object = match &n.kind {
-            NotificationKind::Delete { .. } => None,
+        let change = match &n.kind {
+            NotificationKind::Delete { .. } => KeyChange::Deleted,
             NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. } => {
-                Some(obj.clone())
+                KeyChange::Settled(obj.clone())
             }
         };
-        let mut changed = self.lock();
-        match changed.get_mut(key) {
-            Some(slot) => *slot = object,
+        let mut p = self.lock();
+        if matches!(change, KeyChange::Deleted) {
+            p.known.remove(&key_hash(key));
+        }
+        match p.changed.get_mut(key) {
+            Some(slot) => *slot = change,
             None => {
-                changed.insert(key.to_owned(), object);
-                self.lag.set(changed.len() as i64);
+                p.changed.insert(key.to_owned(), change);
+                self.lag.set(p.changed.len() as i64);
             }
         }
     }
@@ -110,13 +215,18 @@ impl Checkpointer {
     /// (unless a newer change of the same key arrived meanwhile).
     pub async fn flush(&self) -> Result<()> {
         let _writing = self.writing.lock().await;
-        let taken = std::mem::take(&mut *self.lock());
+        let (taken, batch_number) = {
+            let mut p = self.lock();
+            p.taken += 1;
+            (std::mem::take(&mut p.changed), p.taken)
+        };
         let cluster = self
             .cluster
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if taken.is_empty() && cluster.is_none() {
+            self.durable.fetch_max(batch_number, Ordering::SeqCst);
             return Ok(());
         }
         let identity = cluster.iter().map(|uid| {
@@ -125,15 +235,25 @@ impl Checkpointer {
                 Some(Entry {
                     uid: uid.clone(),
                     resource_version: String::new(),
+                    pending: false,
                 }),
             )
         });
         let batch: Vec<Change> = identity
-            .chain(taken.iter().map(|(key, object)| {
-                let entry = object.as_ref().map(|obj| Entry {
-                    uid: obj.uid().unwrap_or_default().to_owned(),
-                    resource_version: resource_version(obj).to_owned(),
-                });
+            .chain(taken.iter().map(|(key, change)| {
+                let entry = match change {
+                    KeyChange::Settled(obj) => Some(Entry {
+                        uid: obj.uid().unwrap_or_default().to_owned(),
+                        resource_version: resource_version(obj).to_owned(),
+                        pending: false,
+                    }),
+                    KeyChange::Intent(obj) => Some(Entry {
+                        uid: obj.uid().unwrap_or_default().to_owned(),
+                        resource_version: resource_version(obj).to_owned(),
+                        pending: true,
+                    }),
+                    KeyChange::Deleted => None,
+                };
                 (key.clone(), entry)
             }))
             .collect();
@@ -141,7 +261,17 @@ impl Checkpointer {
         match self.store.write(&self.route, batch).await {
             Ok(()) => {
                 debug!(route = %self.route, keys = n, "Checkpoint written");
-                self.lag.set(self.lock().len() as i64);
+                let mut p = self.lock();
+                let Pending { changed, known, .. } = &mut *p;
+                for (key, change) in &taken {
+                    // A change recorded since decides with the next write.
+                    if !matches!(change, KeyChange::Deleted) && !changed.contains_key(key) {
+                        known.insert(key_hash(key));
+                    }
+                }
+                self.lag.set(changed.len() as i64);
+                drop(p);
+                self.durable.fetch_max(batch_number, Ordering::SeqCst);
                 Ok(())
             }
             Err(err) => {
@@ -152,11 +282,11 @@ impl Checkpointer {
                         .unwrap_or_else(|e| e.into_inner())
                         .get_or_insert(uid);
                 }
-                let mut changed = self.lock();
-                for (key, object) in taken {
-                    changed.entry(key).or_insert(object);
+                let mut p = self.lock();
+                for (key, change) in taken {
+                    p.changed.entry(key).or_insert(change);
                 }
-                self.lag.set(changed.len() as i64);
+                self.lag.set(p.changed.len() as i64);
                 Err(err)
             }
         }
@@ -258,5 +388,68 @@ mod tests {
         std::fs::create_dir(dir.path().join("missing")).unwrap();
         c.flush().await.unwrap();
         assert_eq!(c.lag.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_key_the_store_does_not_hold_is_written_as_an_intent_before_its_message_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let store = Arc::new(FileCheckpointStore::beside(&out));
+        let c = Arc::new(checkpointer(store.clone()));
+        let loaded = Checkpoint::from([(
+            "ns/known".to_owned(),
+            Entry {
+                uid: "uid-ns-known".into(),
+                resource_version: "1".into(),
+                pending: false,
+            },
+        )]);
+        c.knows(Some(&loaded));
+        assert!(c.intend("ns/known", &obj("ns", "known", "2")).is_none());
+        let wait = c
+            .intend("ns/new", &obj("ns", "new", "3"))
+            .expect("an unknown key waits for its intent");
+        let reread = || FileCheckpointStore::beside(&out);
+        assert!(reread().load("configmap/out").await.unwrap().is_none());
+        wait.await;
+        let cp = reread().load("configmap/out").await.unwrap().unwrap();
+        assert_eq!(
+            cp["ns/new"],
+            Entry {
+                uid: "uid-ns-new".into(),
+                resource_version: "3".into(),
+                pending: true,
+            },
+            "an intent: a resume publishes the object again, or its delete"
+        );
+        // Written: known from now on, and its acknowledgement records the real version.
+        assert!(c.intend("ns/new", &obj("ns", "new", "3")).is_none());
+        c.record(
+            "ns/new",
+            &Notification::new(NotificationKind::Add {
+                obj: obj("ns", "new", "3"),
+                is_initial_list: false,
+            }),
+        );
+        c.flush().await.unwrap();
+        let cp = reread().load("configmap/out").await.unwrap().unwrap();
+        assert_eq!(cp["ns/new"].resource_version, "3");
+        assert!(!cp["ns/new"].pending, "acknowledged");
+        // A delete recorded (not yet written) makes the key unknown at once: a recreation
+        // waits for its own intent.
+        c.record(
+            "ns/new",
+            &Notification::new(NotificationKind::Delete {
+                obj: obj("ns", "new", "4"),
+                final_state_unknown: false,
+            }),
+        );
+        let wait = c
+            .intend("ns/new", &obj("ns", "new", "5"))
+            .expect("deleted, then recreated: unknown");
+        wait.await;
+        let cp = reread().load("configmap/out").await.unwrap().unwrap();
+        assert_eq!(cp["ns/new"].resource_version, "5");
+        assert!(cp["ns/new"].pending);
     }
 }

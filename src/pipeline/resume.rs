@@ -292,6 +292,7 @@ impl NotificationHandler for Resumer {
                     Entry {
                         uid: n.object().uid().unwrap_or_default().to_owned(),
                         resource_version: crate::informer::resource_version(n.object()).to_owned(),
+                        pending: false,
                     },
                 ),
             };
@@ -318,6 +319,7 @@ impl NotificationHandler for Resumer {
                 }
                 Some(e)
                     if e.uid == uid
+                        && !e.pending
                         && e.resource_version == crate::informer::resource_version(&obj) =>
                 {
                     self.count(Outcome::Unchanged);

@@ -9,7 +9,7 @@ use tracing::{debug, error, info, warn};
 
 use super::RouteQueue;
 use crate::{
-    informer::{EventType, Notification},
+    informer::{EventType, Notification, NotificationKind},
     message::{Encoder, Message, Trim},
     metrics::Metrics,
     sinks::{FailureReason, Sink},
@@ -180,19 +180,24 @@ enum Submitted {
 }
 
 /// What a worker handed over of a key's batch: at most one message, whose acknowledgement is
-/// awaited before the next of the key is handed over; what follows it; and whether a hand-over
-/// failed (what follows then goes back for retry).
+/// awaited before the next of the key is handed over; what follows it; whether a hand-over
+/// failed (what follows then goes back for retry); or the checkpoint write the front of the
+/// rest waits for (see [`super::Checkpointer::intend`]).
 #[derive(Default)]
 struct HandedOver {
     pending: Option<(Notification, Pending)>,
     rest: VecDeque<Notification>,
     failed: bool,
+    intent: Option<futures::future::BoxFuture<'static, ()>>,
 }
 
 impl HandedOver {
     /// Polls the acknowledgement once; whether it is in (or there is none).
     fn all_ready(&mut self) -> bool {
         use futures::FutureExt;
+        if self.intent.is_some() {
+            return false;
+        }
         match &mut self.pending {
             Some((_, p)) => {
                 if p.ready.is_none() {
@@ -319,6 +324,14 @@ impl Route {
     async fn complete(self: Arc<Self>, key: String, mut handed: HandedOver, term: u64) {
         let queue = self.queue.queue();
         loop {
+            if let Some(intent) = handed.intent.take() {
+                // The key is in the checkpoint now: its message may go.
+                intent.await;
+                handed = self
+                    .hand_over(&key, std::mem::take(&mut handed.rest), term)
+                    .await;
+                continue;
+            }
             let (mut batch, mut failed) = self.settle_ack(&key, &mut handed).await;
             if !failed && !batch.is_empty() {
                 // The acknowledgement came: the next message of the key goes now.
@@ -393,6 +406,18 @@ impl Route {
                 // A delete the route does not publish: it only settles the key.
                 self.settle_silently(key, &n);
                 continue;
+            }
+            if let (
+                Some(c),
+                NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. },
+            ) = (&self.checkpointer, &n.kind)
+                && let Some(intent) = c.intend(key, obj)
+            {
+                // Consumers may get this message before its acknowledgement: the next resume
+                // must know the key even if this process ends before then.
+                batch.push_front(n);
+                handed.intent = Some(intent);
+                break;
             }
             match self.submit(key, &n).await {
                 Submitted::Settled => {

@@ -33,6 +33,11 @@ pub struct Entry {
     /// The resourceVersion of the newest acknowledged notification.
     #[serde(rename = "resourceVersion")]
     pub resource_version: String,
+    /// Handed over, not acknowledged yet (an intent: consumers may or may not have it). A
+    /// resume publishes the object again even at the same resourceVersion, and its delete
+    /// when it is gone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pending: bool,
 }
 
 /// A loaded checkpoint: entries by `namespace/name`.

@@ -167,6 +167,7 @@ mod tests {
             Some(Entry {
                 uid: "u".into(),
                 resource_version: rv.into(),
+                pending: false,
             })
         };
         store
