@@ -930,11 +930,7 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
     assert!(err.contains("--topic"), "{err}");
 }
 
-/// Pipelined delivery under injected produce errors (librdkafka's mock cluster): a key's
-/// notifications are handed over without awaiting each report; when reports fail, the failed
-/// notification and every later one of its key go back, in order, and are re-sent. Every
-/// notification arrives (re-sends keep their ids), and the last message of each key is its
-/// newest state.
+/// A message the broker refuses as too large (after the hand-over) goes again trimmed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
@@ -979,6 +975,10 @@ async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
     running.stop().await;
 }
 
+/// Delivery under injected produce errors (librdkafka's mock cluster): one message of a key is
+/// in flight at a time; when reports fail, the failed notification and the later ones of its
+/// key go back, in order, and are re-sent. Every notification arrives (re-sends keep their
+/// ids), and the last message of each key is its newest state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_comes_last() {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
@@ -1080,4 +1080,60 @@ async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_c
         records.len(),
         records.len() - 155
     );
+}
+
+/// A fatal error of librdkafka's idempotent producer (here an out-of-order sequence the
+/// broker reports, which the producer cannot recover from) stops it for good: `/readyz` turns
+/// 503 naming the cause, and the message stays with its route (retried, never settled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_producer_error_fails_readiness_naming_it() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
+    mock.create_topic(TOPIC, 1, 1).unwrap();
+    let brokers = mock.bootstrap_servers();
+    let api = ApiServer::start().await;
+    api.create(typed(&configmap("ns", "a", "1")));
+    let cfg = ConfigBuilder::new()
+        .grace_period("1s")
+        .configmaps()
+        .sink(kafka_sink(
+            "kafka",
+            &brokers,
+            json!({"create_topics": null}),
+        ))
+        .route("configmap", &["kafka"])
+        .build();
+    let running = RunningApp::start(cfg, &api).await;
+    running.synced().await;
+    consume_async(brokers.clone(), TOPIC, 1).await;
+    let (code, _) = support::http_get(running.admin, "/readyz").await;
+    assert_eq!(code, 200);
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER; 5],
+    );
+    api.update(typed(&configmap("ns", "a", "2")));
+    let patience = wait::Patience::of(Duration::from_secs(30)).polling(Duration::from_millis(200));
+    let mut body = String::new();
+    let failed = wait::within(patience, async || {
+        let (code, b) = support::http_get(running.admin, "/readyz").await;
+        body = b;
+        code == 503
+    })
+    .await;
+    assert!(failed, "readiness stayed green: {body}");
+    assert!(
+        body.contains("sink kafka") && body.contains("failed for good"),
+        "{body}"
+    );
+    // The update is held (retried), not settled.
+    assert!(
+        running
+            .metrics
+            .sink_published
+            .with_label_values(&["kafka", "configmap", "updated"])
+            .get()
+            == 0
+    );
+    running.stop().await;
 }

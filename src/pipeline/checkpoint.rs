@@ -176,7 +176,12 @@ impl Checkpointer {
     async fn written(&self, target: u64) {
         let mut delay = Duration::from_millis(100);
         while self.durable.load(Ordering::SeqCst) < target {
-            if let Err(err) = self.flush().await {
+            let writing = self.writing.lock().await;
+            // A write that took this intent may have ended while this one waited its turn.
+            if self.durable.load(Ordering::SeqCst) >= target {
+                return;
+            }
+            if let Err(err) = self.flush_locked(writing).await {
                 warn!(route = %self.route, error = %err, "Checkpoint write failed; messages of objects it does not know yet wait for it");
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(5));
@@ -214,7 +219,11 @@ impl Checkpointer {
     /// Writes every change recorded so far. On failure they are kept for the next attempt
     /// (unless a newer change of the same key arrived meanwhile).
     pub async fn flush(&self) -> Result<()> {
-        let _writing = self.writing.lock().await;
+        self.flush_locked(self.writing.lock().await).await
+    }
+
+    /// [`Self::flush`], holding the write lock.
+    async fn flush_locked(&self, _writing: tokio::sync::MutexGuard<'_, ()>) -> Result<()> {
         let (taken, batch_number) = {
             let mut p = self.lock();
             p.taken += 1;

@@ -32,7 +32,7 @@ use rdkafka::{
     message::{Header, OwnedHeaders},
     producer::{FutureProducer, FutureRecord, Producer},
 };
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use super::{KafkaMode, KafkaSinkConfig, is_valid_topic};
 use crate::{
@@ -58,6 +58,8 @@ pub struct KafkaSink {
     mode: KafkaMode,
     max_message_bytes: usize,
     healthy: Arc<AtomicBool>,
+    // Whether the producer's fatal error was logged (once).
+    fatal_logged: Arc<AtomicBool>,
     brokers: String,
 }
 
@@ -115,6 +117,7 @@ impl KafkaSink {
             mode: cfg.mode,
             max_message_bytes,
             healthy,
+            fatal_logged: Arc::default(),
             brokers,
         })
     }
@@ -250,6 +253,15 @@ impl KafkaSink {
 /// before its hand-over fails (and is retried through the work queue).
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(2);
 const QUEUE_FULL_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The fatal error the producer hit, if any: librdkafka's idempotent producer stops for good
+/// on one (an unrecoverable sequence gap, a fenced producer), and every later record fails.
+fn fatal(producer: &FutureProducer) -> Option<String> {
+    producer
+        .client()
+        .fatal_error()
+        .map(|(code, reason)| format!("the Kafka producer failed for good ({code:?}: {reason})"))
+}
 
 /// What a librdkafka error means for a record of `size` bytes to `topic`.
 fn classify(err: KafkaError, topic: &str, size: usize, max_message_bytes: usize) -> Error {
@@ -413,12 +425,25 @@ impl Sink for KafkaSink {
                         tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                         waited += QUEUE_FULL_PAUSE;
                     }
+                    Err((_, _)) if let Some(cause) = fatal(&self.producer) => {
+                        return Err(Error::Unavailable(cause));
+                    }
                     Err((e, _)) => return Err(classify(e, &topic, size, max)),
                 }
             };
+            let producer = self.producer.clone();
+            let (name, logged) = (self.name.clone(), self.fatal_logged.clone());
             Ok(Box::pin(async move {
                 match delivery.await {
                     Ok(Ok(_)) => Ok(()),
+                    // A fatal error stops the producer for good: the message stays with the
+                    // route (retried, never lost) and readiness names the cause.
+                    Ok(Err(_)) if let Some(cause) = fatal(&producer) => {
+                        if !logged.swap(true, Ordering::SeqCst) {
+                            error!(sink = %name, cause = %cause, "The Kafka producer failed for good; nothing is published until the process restarts (readiness says so)");
+                        }
+                        Err(Error::Unavailable(cause))
+                    }
                     Ok(Err((e, _))) => Err(classify(e, &topic, size, max)),
                     Err(_) => Err(Error::Unavailable(
                         "the producer dropped the message".into(),
@@ -441,6 +466,13 @@ impl Sink for KafkaSink {
     }
 
     fn health(&self) -> std::result::Result<(), String> {
+        if let Some(cause) = fatal(&self.producer) {
+            return Err(format!(
+                "sink {}: {cause}; it publishes nothing until the process restarts (what it \
+                 holds is published again from the checkpoint after the restart)",
+                self.name
+            ));
+        }
         if self.healthy.load(Ordering::Relaxed) {
             Ok(())
         } else {
