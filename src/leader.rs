@@ -8,6 +8,11 @@
 //!   clocks across machines.
 //! - Writes use the Lease's resourceVersion: two candidates racing for it cannot both win
 //!   (the loser gets 409 Conflict).
+//! - Publishing is guarded locally too: the [`Fence`] a leader's workers check before each
+//!   hand-over is valid until the *start* of its last successful renewal plus
+//!   `renew_deadline`, so a leader frozen past that (a stall, SIGSTOP) hands nothing over when
+//!   it wakes, before its elector even runs. (Messages handed over earlier can still be in the
+//!   producer's queue: that is not fencing by the broker.)
 //! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
 //!   once instead of waiting for expiry.
 //!
@@ -112,6 +117,37 @@ fn default_retry_period() -> Duration {
     Duration::from_secs(2)
 }
 
+/// Until when this replica may hand messages over (see the module docs); shared by the
+/// elector, which extends it with each renewal, and the routes, which check it.
+#[derive(Debug, Clone, Default)]
+pub struct Fence(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+/// The instant fence deadlines count from.
+fn fence_base() -> Instant {
+    static BASE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *BASE.get_or_init(Instant::now)
+}
+
+impl Fence {
+    /// Whether a message may be handed over now.
+    pub fn is_valid(&self) -> bool {
+        let until = self.0.load(std::sync::atomic::Ordering::SeqCst);
+        until > 0 && (Instant::now().duration_since(fence_base()).as_nanos() as u64) < until
+    }
+
+    /// Valid until `deadline`.
+    pub fn extend_to(&self, deadline: Instant) {
+        let nanos = deadline.duration_since(fence_base()).as_nanos() as u64;
+        self.0
+            .store(nanos.max(1), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Not valid from now on.
+    pub fn revoke(&self) {
+        self.0.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// One candidate for the lease. See the module docs.
 pub struct LeaderElector {
     api: Api<Lease>,
@@ -121,6 +157,7 @@ pub struct LeaderElector {
     renew_deadline: Duration,
     retry_period: Duration,
     leading: watch::Sender<bool>,
+    fence: Fence,
     gauge: IntGauge,
     // The last lease record seen and when it was first seen.
     observed: Option<(LeaseRecord, Instant)>,
@@ -136,14 +173,17 @@ enum Outcome {
 }
 
 impl LeaderElector {
-    /// A candidate for the lease described by `cfg` (namespace and identity already resolved).
+    /// A candidate for the lease described by `cfg` (namespace and identity already resolved),
+    /// extending `fence` while it leads.
     pub fn new(
         client: Client,
         cfg: &LeaderElectionConfig,
         namespace: &str,
         identity: String,
+        fence: Fence,
         gauge: IntGauge,
     ) -> Self {
+        fence.revoke();
         gauge.set(0);
         Self {
             api: Api::namespaced(client, namespace),
@@ -153,6 +193,7 @@ impl LeaderElector {
             renew_deadline: cfg.renew_deadline,
             retry_period: cfg.retry_period,
             leading: watch::channel(false).0,
+            fence,
             gauge,
             observed: None,
         }
@@ -196,17 +237,22 @@ impl LeaderElector {
             let deadline = last_renewal.map_or(Instant::now() + self.renew_deadline, |t| {
                 t + self.renew_deadline
             });
+            // A renewal counts from when its request started: the lease's new renew time is
+            // no later than that, as the others see it.
+            let started = Instant::now();
             let outcome = tokio::time::timeout_at(deadline, self.try_acquire_or_renew())
                 .await
                 .unwrap_or_else(|_| Outcome::Failed("no answer before the renew deadline".into()));
             let now = Instant::now();
             match outcome {
                 Outcome::Leading => {
-                    last_renewal = Some(now);
+                    last_renewal = Some(started);
+                    self.fence.extend_to(started + self.renew_deadline);
                     self.set_leading(true);
                 }
                 Outcome::NotLeading => {
                     last_renewal = None;
+                    self.fence.revoke();
                     self.set_leading(false);
                 }
                 Outcome::Failed(reason) => {
@@ -216,6 +262,7 @@ impl LeaderElector {
                     if last_renewal.is_some_and(|t| now.duration_since(t) >= self.renew_deadline) {
                         warn!(lease = %self.name, reason, "Could not renew the lease in time");
                         last_renewal = None;
+                        self.fence.revoke();
                         self.set_leading(false);
                     }
                 }
@@ -317,6 +364,7 @@ impl LeaderElector {
         if !*self.leading.borrow() {
             return;
         }
+        self.fence.revoke();
         self.set_leading(false);
         let Ok(Some(mut lease)) = self.api.get_opt(&self.name).await else {
             return;

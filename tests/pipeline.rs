@@ -629,3 +629,55 @@ async fn after_a_reference_the_next_update_carries_no_patch() {
         .drain(tokio::time::Instant::now() + Duration::from_secs(5))
         .await;
 }
+
+/// With leader election, a route hands messages over only while the lease is valid by this
+/// replica's clock: a leader that wakes from a freeze past its renew deadline holds its
+/// messages back (they go once the lease is renewed, or are dropped when the term ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
+    let sink = Arc::new(TestSink::named("test"));
+    let metrics = Arc::new(Metrics::new());
+    let delivery = Arc::new(Delivery {
+        sink: sink.clone(),
+        dead_letter: None,
+        publish_limit: None,
+        max_retries: Some(1),
+    });
+    let encoder = Encoder::new(
+        "test",
+        &configmaps(),
+        &MessageConfig::default(),
+        Encoding::Structured,
+    );
+    let fence = kube_event_bridge::leader::Fence::default();
+    let budget = Arc::new(Budget::new(1_000));
+    let route = RouteBuilder::new("configmap", "test", encoder, delivery, &metrics)
+        .budget(budget.clone())
+        .retry(fast_retries())
+        .fence(Some(fence.clone()))
+        .build()
+        .route;
+    let running = pipeline::start(&[(route.clone(), 2)]);
+    // Renewed, then the deadline passes (a freeze longer than the renew deadline).
+    fence.extend_to(tokio::time::Instant::now() + Duration::from_millis(50));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for i in 0..5 {
+        route.queue().push(Notification::new(NotificationKind::Add {
+            obj: object(&format!("o{i}"), i + 1, 10),
+            is_initial_list: false,
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(sink.accepted.lock().unwrap().is_empty());
+    assert_eq!(
+        budget.held(),
+        5,
+        "held back, not given up on (max_retries 1)"
+    );
+    fence.extend_to(tokio::time::Instant::now() + Duration::from_secs(30));
+    settled(&budget).await;
+    assert_eq!(sink.accepted.lock().unwrap().len(), 5);
+    running
+        .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+        .await;
+}

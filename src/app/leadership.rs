@@ -78,14 +78,22 @@ impl Resources {
 /// Follows `elector`'s changes of leadership until it stops. The elector reports changes
 /// only (renewals are silent); a change seen late may hide a lost-and-regained lease, which
 /// is a change too.
+/// Losing leadership also drops what the sinks still queue of the ended term (see
+/// [`crate::sinks::Sink::abandon_queued`]): the new leader's messages must not be followed by
+/// older ones.
 pub(super) fn follow(
     elector: &LeaderElector,
     resources: Arc<tokio::sync::Mutex<Resources>>,
+    sinks: Vec<Arc<dyn crate::sinks::Sink>>,
 ) -> JoinHandle<()> {
     let mut leading = elector.subscribe();
     tokio::spawn(async move {
         while leading.changed().await.is_ok() {
             let now = *leading.borrow_and_update();
+            if !now {
+                // Before waiting for the lock (a resume may hold it): the queue goes now.
+                sinks.iter().for_each(|s| s.abandon_queued());
+            }
             resources.lock().await.set_leading(now).await;
         }
     })

@@ -122,6 +122,10 @@ impl App {
             stores,
             deliveries,
         } = sinks::open(&config).await?;
+        let fence = config
+            .leader_election
+            .enabled
+            .then(crate::leader::Fence::default);
         let wiring = Arc::new(Wiring {
             config: config.clone(),
             client: client.clone(),
@@ -130,6 +134,7 @@ impl App {
             deliveries,
             stores,
             kafka_sinks,
+            fence: fence.clone(),
         });
         let mut resources = Resources {
             wired: Vec::new(),
@@ -190,6 +195,7 @@ impl App {
                 le,
                 &namespace,
                 identity,
+                fence.clone().expect("leader election on"),
                 metrics.leader.clone(),
             ))
         } else {
@@ -298,7 +304,7 @@ impl App {
         ));
         let elector_cancel = CancellationToken::new();
         let election = self.elector.map(|elector| {
-            let follow = leadership::follow(&elector, self.resources.clone());
+            let follow = leadership::follow(&elector, self.resources.clone(), self.sinks.clone());
             (tokio::spawn(elector.run(elector_cancel.clone())), follow)
         });
         let informers_started = {

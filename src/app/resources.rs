@@ -55,6 +55,8 @@ pub(super) struct Wiring {
     pub(super) deliveries: HashMap<String, (Arc<Delivery>, Arc<Budget>)>,
     pub(super) stores: HashMap<String, Arc<dyn CheckpointStore>>,
     pub(super) kafka_sinks: HashMap<String, Arc<KafkaSink>>,
+    /// With leader election: the lease's local validity, checked before each hand-over.
+    pub(super) fence: Option<crate::leader::Fence>,
 }
 
 /// One route of a wired resource.
@@ -300,6 +302,7 @@ impl Wiring {
                     burst: retry.burst,
                 })
                 .events(&r.events)
+                .fence(self.fence.clone())
                 .filter(rules.clone())
                 .checkpoint(self.stores.get(sink_name.as_str()).cloned())
                 .resume(

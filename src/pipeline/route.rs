@@ -45,6 +45,7 @@ pub struct RouteBuilder<'m> {
     rules: Option<Arc<Rules>>,
     store: Option<Arc<dyn CheckpointStore>>,
     resume: Option<(TypeMeta, usize)>,
+    fence: Option<crate::leader::Fence>,
 }
 
 /// A built route and what feeds it.
@@ -84,7 +85,14 @@ impl<'m> RouteBuilder<'m> {
             rules: None,
             store: None,
             resume: None,
+            fence: None,
         }
+    }
+
+    /// With leader election: hands messages over only while `fence` is valid.
+    pub fn fence(mut self, fence: Option<crate::leader::Fence>) -> Self {
+        self.fence = fence;
+        self
     }
 
     /// The route's name, `{resource}/{sink}`.
@@ -146,7 +154,8 @@ impl<'m> RouteBuilder<'m> {
                 metrics.listener_buffered.with_label_values(&labels),
                 metrics.listener_coalesced.with_label_values(&labels),
             )
-            .with_events(&self.events),
+            .with_events(&self.events)
+            .with_fence(self.fence),
         );
         let front: Arc<dyn NotificationHandler> = match self.rules {
             Some(rules) => Arc::new(RouteFilter::new(

@@ -98,6 +98,8 @@ pub struct RouteQueue {
     coalesced: IntCounter,
     // By event type: whether the route publishes it.
     publishes: [bool; 4],
+    // With leader election: the lease's local validity, checked before each hand-over.
+    fence: Option<crate::leader::Fence>,
 }
 
 #[derive(Default)]
@@ -138,6 +140,7 @@ impl RouteQueue {
             buffered,
             coalesced,
             publishes: [true; 4],
+            fence: None,
         }
     }
 
@@ -184,6 +187,21 @@ impl RouteQueue {
     /// Whether this route publishes (this replica leads, or leader election is off).
     pub fn is_active(&self) -> bool {
         self.active.load(Ordering::Relaxed)
+    }
+
+    /// Checks `fence` before each hand-over from now on (see [`Self::may_hand_over`]).
+    pub fn with_fence(mut self, fence: Option<crate::leader::Fence>) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    /// Whether a message may be handed over now: without leader election always; with it,
+    /// while the lease renewed last is valid by this replica's clock. A lapse holds messages
+    /// back (the elector then either renews or ends the term, which drops them).
+    pub fn may_hand_over(&self) -> bool {
+        self.fence
+            .as_ref()
+            .is_none_or(crate::leader::Fence::is_valid)
     }
 
     /// The current term (see the module docs).

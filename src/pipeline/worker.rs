@@ -23,6 +23,9 @@ const SIZE_MARGIN: usize = 1024;
 /// While shutting down, how long a failed key waits before its next attempt.
 const SHUTDOWN_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(200);
 
+/// How often a key held back by a lapsed lease (see `RouteQueue::may_hand_over`) looks again.
+const FENCE_RETRY_DELAY: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// At most one warning per route this often about retriable failures (an outage fails every
 /// object in flight; the line counts them).
 const FAILURE_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
@@ -189,13 +192,15 @@ struct HandedOver {
     rest: VecDeque<Notification>,
     failed: bool,
     intent: Option<futures::future::BoxFuture<'static, ()>>,
+    // Held back: this replica's lease is not valid by its clock (see `RouteQueue::may_hand_over`).
+    fenced: bool,
 }
 
 impl HandedOver {
     /// Polls the acknowledgement once; whether it is in (or there is none).
     fn all_ready(&mut self) -> bool {
         use futures::FutureExt;
-        if self.intent.is_some() {
+        if self.intent.is_some() || self.fenced {
             return false;
         }
         match &mut self.pending {
@@ -332,6 +337,14 @@ impl Route {
                     .await;
                 continue;
             }
+            if std::mem::take(&mut handed.fenced) {
+                // Not a failure of the sink: looked at again shortly, never given up on.
+                tokio::time::sleep(FENCE_RETRY_DELAY).await;
+                handed = self
+                    .hand_over(&key, std::mem::take(&mut handed.rest), term)
+                    .await;
+                continue;
+            }
             let (mut batch, mut failed) = self.settle_ack(&key, &mut handed).await;
             if !failed && !batch.is_empty() {
                 // The acknowledgement came: the next message of the key goes now.
@@ -406,6 +419,13 @@ impl Route {
                 // A delete the route does not publish: it only settles the key.
                 self.settle_silently(key, &n);
                 continue;
+            }
+            if !self.queue.may_hand_over() {
+                // The lease may have lapsed (this replica was frozen or cut off): hold back
+                // until it is renewed, or the term ends and drops this.
+                batch.push_front(n);
+                handed.fenced = true;
+                break;
             }
             if let (
                 Some(c),

@@ -174,6 +174,10 @@ pub trait Sink: Send + Sync {
     }
     /// Pushes out anything buffered; called once at shutdown.
     fn flush(&self) -> BoxFuture<'_, Result<()>>;
+    /// Drops what was handed over but not sent to the destination yet (this replica stopped
+    /// leading: a new leader publishes from now on); their acknowledgements fail. The default
+    /// drops nothing (nothing is held, or the client cannot take it back).
+    fn abandon_queued(&self) {}
     /// Why the sink cannot publish now (for `/readyz`), or `Ok`.
     fn health(&self) -> std::result::Result<(), String> {
         Ok(())

@@ -465,6 +465,13 @@ impl Sink for KafkaSink {
         .boxed()
     }
 
+    /// Purges the records still in librdkafka's local queue (`rd_kafka_purge`; those already
+    /// in a request to a broker cannot be taken back).
+    fn abandon_queued(&self) {
+        self.producer
+            .purge(rdkafka::producer::PurgeConfig::default().queue());
+    }
+
     fn health(&self) -> std::result::Result<(), String> {
         if let Some(cause) = fatal(&self.producer) {
             return Err(format!(
