@@ -1,4 +1,5 @@
-//! The admin HTTP server: `/metrics` (Prometheus text), `/healthz` (the process serves) and
+//! The admin HTTP server: `/metrics` (Prometheus text), `/healthz` (the process serves and no
+//! sink failed for good) and
 //! `/readyz` (every informer synced and the API server reachable).
 
 use std::sync::Arc;
@@ -38,10 +39,15 @@ fn default_admin_address() -> SocketAddr {
 /// it exports what it can) when ready; the reasons when not.
 pub type Readiness = Arc<dyn Fn() -> Result<Vec<String>, Vec<String>> + Send + Sync>;
 
+/// What `/healthz` answers: `Err` (503, with the reasons) when the process can never work
+/// again without a restart (a sink's producer failed for good).
+pub type Liveness = Arc<dyn Fn() -> Result<(), Vec<String>> + Send + Sync>;
+
 #[derive(Clone)]
 struct AppState {
     metrics: Arc<Metrics>,
     readiness: Readiness,
+    liveness: Liveness,
 }
 
 /// Serves on `listener` until `cancel` fires.
@@ -49,13 +55,18 @@ pub async fn serve(
     listener: TcpListener,
     metrics: Arc<Metrics>,
     readiness: Readiness,
+    liveness: Liveness,
     cancel: CancellationToken,
 ) -> std::io::Result<()> {
     let app = Router::new()
         .route("/metrics", get(render_metrics))
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(live))
         .route("/readyz", get(ready))
-        .with_state(AppState { metrics, readiness });
+        .with_state(AppState {
+            metrics,
+            readiness,
+            liveness,
+        });
     axum::serve(listener, app)
         .with_graceful_shutdown(cancel.cancelled_owned())
         .await
@@ -66,6 +77,13 @@ async fn render_metrics(State(s): State<AppState>) -> impl IntoResponse {
         [("content-type", "text/plain; version=0.0.4")],
         s.metrics.render(),
     )
+}
+
+async fn live(State(s): State<AppState>) -> impl IntoResponse {
+    match (s.liveness)() {
+        Ok(()) => (StatusCode::OK, "ok\n".to_owned()),
+        Err(reasons) => (StatusCode::SERVICE_UNAVAILABLE, reasons.join("\n") + "\n"),
+    }
 }
 
 async fn ready(State(s): State<AppState>) -> impl IntoResponse {

@@ -1083,8 +1083,8 @@ async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_c
 }
 
 /// A fatal error of librdkafka's idempotent producer (here an out-of-order sequence the
-/// broker reports, which the producer cannot recover from) stops it for good: `/readyz` turns
-/// 503 naming the cause, and the message stays with its route (retried, never settled).
+/// broker reports, which the producer cannot recover from) stops it for good: `/readyz` and
+/// `/healthz` turn 503 naming the cause, and the message stays with its route (retried).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_producer_error_fails_readiness_naming_it() {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
@@ -1126,6 +1126,11 @@ async fn a_fatal_producer_error_fails_readiness_naming_it() {
         body.contains("sink kafka") && body.contains("failed for good"),
         "{body}"
     );
+    // Liveness too: the pod is restarted (and resumes) rather than holding the lease while
+    // publishing nothing.
+    let (code, body) = support::http_get(running.admin, "/healthz").await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("failed for good"), "{body}");
     // The update is held (retried), not settled.
     assert!(
         running

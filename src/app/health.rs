@@ -20,6 +20,20 @@ use crate::{admin, informer::SharedInformerFactory, metrics::Metrics, sinks::Sin
 /// How often the API server's health is probed for `/readyz`.
 const API_PROBE_PERIOD: Duration = Duration::from_secs(5);
 
+/// What `/healthz` answers: 503 naming every sink that failed for good (liveness then
+/// restarts the pod, which resumes from its checkpoints; a leader that stays up would keep the
+/// lease and publish nothing).
+pub(super) fn liveness(sinks: Vec<Arc<dyn Sink>>) -> admin::Liveness {
+    Arc::new(move || {
+        let broken: Vec<String> = sinks.iter().filter_map(|s| s.broken()).collect();
+        if broken.is_empty() {
+            Ok(())
+        } else {
+            Err(broken)
+        }
+    })
+}
+
 /// What `/readyz` answers: not ready while an informer has not synced (a forbidden one is
 /// only noted: it is retried and must not hold the rest back), a route waits for its
 /// checkpoint, the API server is unreachable or a sink is unhealthy; `pending` notes the

@@ -90,10 +90,9 @@ pub(super) fn follow(
     tokio::spawn(async move {
         while leading.changed().await.is_ok() {
             let now = *leading.borrow_and_update();
-            if !now {
-                // Before waiting for the lock (a resume may hold it): the queue goes now.
-                sinks.iter().for_each(|s| s.abandon_queued());
-            }
+            // Every change ends a term (a loss and a regain can arrive as one change), and
+            // before waiting for the lock (a resume may hold it): the queue goes now.
+            sinks.iter().for_each(|s| s.abandon_queued());
             resources.lock().await.set_leading(now).await;
         }
     })

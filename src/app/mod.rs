@@ -262,6 +262,7 @@ impl App {
             self.admin,
             self.metrics.clone(),
             readiness,
+            health::liveness(self.sinks.clone()),
             admin_cancel.clone(),
         ));
         let probe = tokio::spawn(health::probe_api(

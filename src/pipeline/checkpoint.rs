@@ -56,6 +56,8 @@ pub struct Checkpointer {
     writing: tokio::sync::Mutex<()>,
     // The newest batch (see `Pending::taken`) written.
     durable: AtomicU64,
+    // When an intent waiter's write last failed, and the delay before the next attempt.
+    failed_at: Mutex<Option<(tokio::time::Instant, Duration)>>,
     lag: IntGauge,
     failures: IntCounter,
 }
@@ -105,6 +107,7 @@ impl Checkpointer {
             cluster: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
             durable: AtomicU64::new(0),
+            failed_at: Mutex::default(),
             lag,
             failures,
         }
@@ -174,17 +177,34 @@ impl Checkpointer {
 
     /// Returns once batch `target` (or a later one) is written, writing it if need be.
     async fn written(&self, target: u64) {
-        let mut delay = Duration::from_millis(100);
         while self.durable.load(Ordering::SeqCst) < target {
             let writing = self.writing.lock().await;
             // A write that took this intent may have ended while this one waited its turn.
             if self.durable.load(Ordering::SeqCst) >= target {
                 return;
             }
-            if let Err(err) = self.flush_locked(writing).await {
-                warn!(route = %self.route, error = %err, "Checkpoint write failed; messages of objects it does not know yet wait for it");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(5));
+            // After a failed write, one waiter tries again per delay, not each in turn.
+            let wait = self
+                .failed_at
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .map(|(at, delay)| delay.saturating_sub(at.elapsed()))
+                .unwrap_or_default();
+            if !wait.is_zero() {
+                drop(writing);
+                tokio::time::sleep(wait).await;
+                continue;
+            }
+            match self.flush_locked(writing).await {
+                Ok(()) => *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None,
+                Err(err) => {
+                    let mut failed = self.failed_at.lock().unwrap_or_else(|e| e.into_inner());
+                    let delay = failed.map_or(Duration::from_millis(100), |(_, d)| {
+                        (d * 2).min(Duration::from_secs(5))
+                    });
+                    *failed = Some((tokio::time::Instant::now(), delay));
+                    warn!(route = %self.route, error = %err, retry_in = ?delay, "Checkpoint write failed; messages of objects it does not know yet wait for it");
+                }
             }
         }
     }

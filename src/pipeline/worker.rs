@@ -329,9 +329,15 @@ impl Route {
     async fn complete(self: Arc<Self>, key: String, mut handed: HandedOver, term: u64) {
         let queue = self.queue.queue();
         loop {
-            if let Some(intent) = handed.intent.take() {
-                // The key is in the checkpoint now: its message may go.
-                intent.await;
+            if let Some(mut intent) = handed.intent.take() {
+                // Once the key is in the checkpoint its message may go; a term that ends
+                // meanwhile drops it (`hand_over` settles it) rather than waiting on.
+                while tokio::time::timeout(FENCE_RETRY_DELAY, &mut intent)
+                    .await
+                    .is_err()
+                    && self.queue.is_active()
+                    && self.queue.term() == term
+                {}
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
                     .await;
@@ -590,10 +596,10 @@ impl Route {
     /// (only for an encoder that makes patches).
     fn set_unpatched(&self, key: &str, unpatched: bool) {
         use std::sync::atomic::Ordering;
-        if !self.encoder().patches() {
+        if !unpatched && !self.has_marks.load(Ordering::Relaxed) {
             return;
         }
-        if !unpatched && !self.has_marks.load(Ordering::Relaxed) {
+        if !self.encoder().patches() {
             return;
         }
         let mut marks = self.lock_marks();

@@ -178,6 +178,11 @@ pub trait Sink: Send + Sync {
     /// leading: a new leader publishes from now on); their acknowledgements fail. The default
     /// drops nothing (nothing is held, or the client cannot take it back).
     fn abandon_queued(&self) {}
+    /// Why the sink can never publish again in this process (for `/healthz`: the pod is
+    /// restarted and resumes from its checkpoint), or `None`.
+    fn broken(&self) -> Option<String> {
+        None
+    }
     /// Why the sink cannot publish now (for `/readyz`), or `Ok`.
     fn health(&self) -> std::result::Result<(), String> {
         Ok(())

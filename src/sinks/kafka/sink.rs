@@ -472,13 +472,19 @@ impl Sink for KafkaSink {
             .purge(rdkafka::producer::PurgeConfig::default().queue());
     }
 
-    fn health(&self) -> std::result::Result<(), String> {
-        if let Some(cause) = fatal(&self.producer) {
-            return Err(format!(
+    fn broken(&self) -> Option<String> {
+        fatal(&self.producer).map(|cause| {
+            format!(
                 "sink {}: {cause}; it publishes nothing until the process restarts (what it \
                  holds is published again from the checkpoint after the restart)",
                 self.name
-            ));
+            )
+        })
+    }
+
+    fn health(&self) -> std::result::Result<(), String> {
+        if let Some(broken) = self.broken() {
+            return Err(broken);
         }
         if self.healthy.load(Ordering::Relaxed) {
             Ok(())
