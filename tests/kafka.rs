@@ -930,17 +930,24 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
     assert!(err.contains("--topic"), "{err}");
 }
 
-/// A message the broker refuses as too large (after the hand-over) goes again trimmed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
-    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+/// ConfigMap `ns/a`, created in `api`, exported to `TOPIC` on a one-broker mock cluster by the
+/// service (shutdown grace `grace`, the config adjusted by `adjust`); returns once its add is
+/// on the topic: the cluster (for injecting errors), its bootstrap servers and the service.
+async fn one_object_on_a_mock_cluster(
+    api: &ApiServer,
+    grace: &str,
+    adjust: impl FnOnce(&mut kube_event_bridge::config::Config),
+) -> (
+    rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
+    String,
+    RunningApp,
+) {
     let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
     mock.create_topic(TOPIC, 1, 1).unwrap();
     let brokers = mock.bootstrap_servers();
-    let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "a", "1")));
     let mut cfg = ConfigBuilder::new()
-        .grace_period("10s")
+        .grace_period(grace)
         .configmaps()
         .sink(kafka_sink(
             "kafka",
@@ -949,10 +956,22 @@ async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
         ))
         .route("configmap", &["kafka"])
         .build();
-    cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
-    let running = RunningApp::start(cfg, &api).await;
+    adjust(&mut cfg);
+    let running = RunningApp::start(cfg, api).await;
     running.synced().await;
     consume_async(brokers.clone(), TOPIC, 1).await;
+    (mock, brokers, running)
+}
+
+/// A message the broker refuses as too large (after the hand-over) goes again trimmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_the_broker_refuses_as_too_large_goes_again_trimmed() {
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let api = ApiServer::start().await;
+    let (mock, brokers, running) = one_object_on_a_mock_cluster(&api, "10s", |cfg| {
+        cfg.message.diff = kube_event_bridge::config::DiffMode::Patch;
+    })
+    .await;
     // The broker refuses the next two produce requests as too large (a topic whose
     // max.message.bytes is below the producer's message.max.bytes): the update goes again
     // without oldObject, then without its patch.
@@ -1088,24 +1107,9 @@ async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_c
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fatal_producer_error_fails_readiness_naming_it() {
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-    let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
-    mock.create_topic(TOPIC, 1, 1).unwrap();
-    let brokers = mock.bootstrap_servers();
     let api = ApiServer::start().await;
-    api.create(typed(&configmap("ns", "a", "1")));
-    let cfg = ConfigBuilder::new()
-        .grace_period("1s")
-        .configmaps()
-        .sink(kafka_sink(
-            "kafka",
-            &brokers,
-            json!({"create_topics": null}),
-        ))
-        .route("configmap", &["kafka"])
-        .build();
-    let running = RunningApp::start(cfg, &api).await;
-    running.synced().await;
-    consume_async(brokers.clone(), TOPIC, 1).await;
+    // A short grace period: the held update never drains.
+    let (mock, _, running) = one_object_on_a_mock_cluster(&api, "1s", |_| {}).await;
     let (code, _) = support::http_get(running.admin, "/readyz").await;
     assert_eq!(code, 200);
     mock.request_errors(

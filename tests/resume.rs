@@ -243,39 +243,68 @@ async fn a_new_leader_delivers_the_deletes_made_while_no_replica_led() {
     );
 }
 
+/// The real binary (as a pod runs it) exporting ConfigMaps from an API test server to a file
+/// sink `out`, its checkpoint beside it, written every `checkpoint_interval`.
+struct FileBridge {
+    _dir: tempfile::TempDir,
+    out: std::path::PathBuf,
+    cfg: std::path::PathBuf,
+    kubeconfig: std::path::PathBuf,
+}
+
+impl FileBridge {
+    fn new(api: &ApiServer, checkpoint_interval: &str) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("events.jsonl");
+        let kubeconfig = api.write_kubeconfig(dir.path());
+        let cfg = dir.path().join("config.yaml");
+        let config = ConfigBuilder::new()
+            .configmaps()
+            .sink(json!({"name": "out", "type": "stdout",
+                         "checkpoint_interval": checkpoint_interval, "stdout": {"path": out}}))
+            .route("configmap", &["out"])
+            .value();
+        std::fs::write(&cfg, config.to_string()).unwrap();
+        Self {
+            _dir: dir,
+            out,
+            cfg,
+            kubeconfig,
+        }
+    }
+
+    /// Starts a process (stop it with SIGKILL, or [`terminate`]).
+    fn start(&self) -> std::process::Child {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .args(["run", "--config", self.cfg.to_str().unwrap()])
+            .env("KUBECONFIG", &self.kubeconfig)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+}
+
+/// Stops `child` with SIGTERM (a graceful stop); its exit code.
+fn terminate(mut child: std::process::Child) -> Option<i32> {
+    std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    child.wait().unwrap().code()
+}
+
 /// SIGKILL under load, then a restart of the real binary: nothing is lost (every object's
 /// current state, or its delete, is the last thing published about it) and what the crash
 /// re-sends (acknowledged but not yet checkpointed) is counted and printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_under_load_then_restart_loses_nothing() {
-    use std::process::{Command, Stdio};
-    const BIN: &str = env!("CARGO_BIN_EXE_kube-event-bridge");
     let api = std::sync::Arc::new(ApiServer::start().await);
     for i in 0..500 {
         api.create(typed(&configmap("ns", &format!("cm-{i:03}"), "0")));
     }
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("events.jsonl");
-    let kubeconfig = api.write_kubeconfig(dir.path());
-    let cfg = dir.path().join("config.yaml");
-    let config = ConfigBuilder::new()
-        .configmaps()
-        .sink(
-            json!({"name": "out", "type": "stdout", "checkpoint_interval": "200ms",
-                     "stdout": {"path": out}}),
-        )
-        .route("configmap", &["out"])
-        .value();
-    std::fs::write(&cfg, config.to_string()).unwrap();
-    let start = || {
-        Command::new(BIN)
-            .args(["run", "--config", cfg.to_str().unwrap()])
-            .env("KUBECONFIG", &kubeconfig)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let bridge = FileBridge::new(&api, "200ms");
+    let (out, start) = (bridge.out.clone(), || bridge.start());
     // Changes all along: updates, deletes, creates, a few recreates.
     let stop_writing = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = tokio::spawn({
@@ -315,7 +344,7 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
     stop_writing.store(true, std::sync::atomic::Ordering::Relaxed);
     writer.await.unwrap();
 
-    let mut second = start();
+    let second = start();
     // The end state: for every key ever seen, its last message matches the API server.
     let last_by_key = || {
         let mut last: BTreeMap<String, Value> = BTreeMap::new();
@@ -353,11 +382,7 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
     let patience = Patience::of(PATIENCE).polling(Duration::from_millis(100));
     wait::within(patience, async || lost().is_empty()).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    Command::new("kill")
-        .args(["-TERM", &second.id().to_string()])
-        .status()
-        .unwrap();
-    assert_eq!(second.wait().unwrap().code(), Some(0));
+    assert_eq!(terminate(second), Some(0));
     let lost = lost();
     assert!(lost.is_empty(), "lost: {lost:#?}");
     let lines: Vec<String> = std::fs::read_to_string(&out)
@@ -390,34 +415,12 @@ async fn sigkill_under_load_then_restart_loses_nothing() {
 /// over (without that, the restart finds no checkpoint and publishes no delete).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn objects_added_just_before_a_sigkill_and_deleted_while_down_get_their_deletes() {
-    use std::process::{Command, Stdio};
-    const BIN: &str = env!("CARGO_BIN_EXE_kube-event-bridge");
     let api = ApiServer::start().await;
     for i in 0..20 {
         api.create(typed(&configmap("ns", &format!("old-{i:02}"), "0")));
     }
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("events.jsonl");
-    let kubeconfig = api.write_kubeconfig(dir.path());
-    let cfg = dir.path().join("config.yaml");
-    let config = ConfigBuilder::new()
-        .configmaps()
-        .sink(
-            json!({"name": "out", "type": "stdout", "checkpoint_interval": "1h",
-                     "stdout": {"path": out}}),
-        )
-        .route("configmap", &["out"])
-        .value();
-    std::fs::write(&cfg, config.to_string()).unwrap();
-    let start = || {
-        Command::new(BIN)
-            .args(["run", "--config", cfg.to_str().unwrap()])
-            .env("KUBECONFIG", &kubeconfig)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap()
-    };
+    let bridge = FileBridge::new(&api, "1h");
+    let (out, start) = (bridge.out.clone(), || bridge.start());
     let mut first = start();
     wait::until("the initial list published", PATIENCE, async || {
         messages(&out).len() >= 20
@@ -437,7 +440,7 @@ async fn objects_added_just_before_a_sigkill_and_deleted_while_down_get_their_de
         api.delete("v1", "ConfigMap", "ns", &format!("new-{i:02}"));
     }
     api.delete("v1", "ConfigMap", "ns", "old-00");
-    let mut second = start();
+    let second = start();
     let deleted_last = || {
         let folded = support::fold_in_order(&messages(&out));
         (0..50)
@@ -449,11 +452,7 @@ async fn objects_added_just_before_a_sigkill_and_deleted_while_down_get_their_de
     let patience = Patience::of(PATIENCE).polling(Duration::from_millis(100));
     wait::within(patience, async || deleted_last() == 51).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    Command::new("kill")
-        .args(["-TERM", &second.id().to_string()])
-        .status()
-        .unwrap();
-    assert_eq!(second.wait().unwrap().code(), Some(0));
+    assert_eq!(terminate(second), Some(0));
     let all = messages(&out);
     let after: Vec<String> = all[before..].iter().map(describe).collect();
     assert_eq!(deleted_last(), 51, "after the restart: {after:#?}");
