@@ -104,6 +104,10 @@ pub(super) async fn resume_from_checkpoints(
             .iter()
             .map(|&i| resumes[i].checkpointer.route().to_owned())
             .collect();
+        // No write of these routes lands between the read and `knows` (see there).
+        let _writes_held =
+            futures::future::join_all(group.iter().map(|&i| resumes[i].checkpointer.hold_writes()))
+                .await;
         let started = std::time::Instant::now();
         let mut loaded = match store.load_routes(&routes).await {
             Ok(loaded) => loaded,
@@ -197,6 +201,8 @@ pub(super) fn wait_for_checkpoint(
                 _ = tokio::time::sleep(delay) => {}
             }
             let store = w.checkpointer.store().clone();
+            // No write lands between the read and `knows` (see there).
+            let writes_held = w.checkpointer.hold_writes().await;
             let started = std::time::Instant::now();
             let loaded = match store.load(&w.resume_route).await {
                 Ok(cp) => check_cluster(&w.resume_route, store.as_ref(), cp, &cluster),
@@ -217,6 +223,7 @@ pub(super) fn wait_for_checkpoint(
                         .with_label_values(&[&w.resume_route])
                         .set(took);
                     w.checkpointer.knows(checkpoint.as_ref());
+                    drop(writes_held);
                     w.resumer.begin(checkpoint.clone());
                     if !cluster.is_empty() {
                         w.checkpointer.record_cluster(&cluster);

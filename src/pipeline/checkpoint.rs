@@ -76,6 +76,33 @@ struct Pending {
     taken: u64,
 }
 
+/// What a write took from [`Pending`]: put back when dropped unless written (a change of the
+/// same key recorded meanwhile wins).
+struct Taken<'a> {
+    checkpointer: &'a Checkpointer,
+    changed: Option<HashMap<String, KeyChange>>,
+    cluster: Option<String>,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let c = self.checkpointer;
+        if let Some(uid) = self.cluster.take() {
+            c.cluster
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(uid);
+        }
+        if let Some(taken) = self.changed.take().filter(|t| !t.is_empty()) {
+            let mut p = c.lock();
+            for (key, change) in taken {
+                p.changed.entry(key).or_insert(change);
+            }
+            c.lag.set(p.changed.len() as i64);
+        }
+    }
+}
+
 /// One key's change to write.
 #[derive(Clone)]
 enum KeyChange {
@@ -127,7 +154,15 @@ impl Checkpointer {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The store holds `checkpoint` (just loaded; `None`: nothing): its keys need no intent.
+    /// Holds off this checkpointer's writes while the guard lives: a checkpoint read under it
+    /// and passed to [`Self::knows`] is what the store holds (a write landing in between would
+    /// leave a deleted key known).
+    pub async fn hold_writes(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.writing.lock().await
+    }
+
+    /// The store holds `checkpoint` (just loaded under [`Self::hold_writes`]; `None`: nothing):
+    /// its keys need no intent.
     pub fn knows(&self, checkpoint: Option<&Checkpoint>) {
         let mut p = self.lock();
         p.known = checkpoint
@@ -242,23 +277,31 @@ impl Checkpointer {
         self.flush_locked(self.writing.lock().await).await
     }
 
-    /// [`Self::flush`], holding the write lock.
+    /// [`Self::flush`], holding the write lock. What it takes is put back unless written,
+    /// also when this future is dropped mid-write (a waiter whose term ended, a drain's abort).
     async fn flush_locked(&self, _writing: tokio::sync::MutexGuard<'_, ()>) -> Result<()> {
-        let (taken, batch_number) = {
+        let mut taken = Taken {
+            checkpointer: self,
+            changed: None,
+            cluster: None,
+        };
+        let batch_number = {
             let mut p = self.lock();
             p.taken += 1;
-            (std::mem::take(&mut p.changed), p.taken)
+            taken.changed = Some(std::mem::take(&mut p.changed));
+            p.taken
         };
-        let cluster = self
+        taken.cluster = self
             .cluster
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if taken.is_empty() && cluster.is_none() {
+        let changed = taken.changed.as_ref().expect("taken above");
+        if changed.is_empty() && taken.cluster.is_none() {
             self.durable.fetch_max(batch_number, Ordering::SeqCst);
             return Ok(());
         }
-        let identity = cluster.iter().map(|uid| {
+        let identity = taken.cluster.iter().map(|uid| {
             (
                 CLUSTER_KEY.to_owned(),
                 Some(Entry {
@@ -269,7 +312,7 @@ impl Checkpointer {
             )
         });
         let batch: Vec<Change> = identity
-            .chain(taken.iter().map(|(key, change)| {
+            .chain(changed.iter().map(|(key, change)| {
                 let entry = match change {
                     KeyChange::Settled(obj) => Some(Entry {
                         uid: obj.uid().unwrap_or_default().to_owned(),
@@ -290,32 +333,27 @@ impl Checkpointer {
         match self.store.write(&self.route, batch).await {
             Ok(()) => {
                 debug!(route = %self.route, keys = n, "Checkpoint written");
+                let written = taken.changed.take().expect("taken above");
+                taken.cluster = None;
                 let mut p = self.lock();
                 let Pending { changed, known, .. } = &mut *p;
-                for (key, change) in &taken {
+                for (key, change) in &written {
                     // A change recorded since decides with the next write.
-                    if !matches!(change, KeyChange::Deleted) && !changed.contains_key(key) {
-                        known.insert(key_hash(key));
+                    if !changed.contains_key(key) {
+                        match change {
+                            KeyChange::Deleted => known.remove(&key_hash(key)),
+                            _ => known.insert(key_hash(key)),
+                        };
                     }
                 }
                 self.lag.set(changed.len() as i64);
                 drop(p);
+                *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 self.durable.fetch_max(batch_number, Ordering::SeqCst);
                 Ok(())
             }
             Err(err) => {
                 self.failures.inc();
-                if let Some(uid) = cluster {
-                    self.cluster
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get_or_insert(uid);
-                }
-                let mut p = self.lock();
-                for (key, change) in taken {
-                    p.changed.entry(key).or_insert(change);
-                }
-                self.lag.set(p.changed.len() as i64);
                 Err(err)
             }
         }
@@ -480,5 +518,66 @@ mod tests {
         let cp = reread().load("configmap/out").await.unwrap().unwrap();
         assert_eq!(cp["ns/new"].resource_version, "5");
         assert!(cp["ns/new"].pending);
+    }
+
+    /// A store whose writes hang while `stall` is set.
+    struct Stalling {
+        stall: std::sync::atomic::AtomicBool,
+        inner: FileCheckpointStore,
+    }
+
+    impl CheckpointStore for Stalling {
+        fn describe(&self) -> String {
+            self.inner.describe()
+        }
+        fn load_routes<'a>(
+            &'a self,
+            routes: &'a [String],
+        ) -> futures::future::BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
+            self.inner.load_routes(routes)
+        }
+        fn write<'a>(
+            &'a self,
+            route: &'a str,
+            changes: Vec<Change>,
+        ) -> futures::future::BoxFuture<'a, Result<()>> {
+            use futures::FutureExt;
+            async move {
+                if self.stall.load(Ordering::SeqCst) {
+                    futures::future::pending::<()>().await;
+                }
+                self.inner.write(route, changes).await
+            }
+            .boxed()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_dropped_midway_puts_back_what_it_took() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let store = Arc::new(Stalling {
+            stall: true.into(),
+            inner: FileCheckpointStore::beside(&out),
+        });
+        let c = Arc::new(checkpointer(store.clone()));
+        c.record_cluster("cluster-uid");
+        let wait = c.intend("ns/a", &obj("ns", "a", "1")).expect("unknown");
+        // The waiter's write hangs; its term ends and it is dropped mid-write.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), wait)
+                .await
+                .is_err()
+        );
+        assert_eq!(c.lag.get(), 1, "the intent is pending again");
+        store.stall.store(false, Ordering::SeqCst);
+        c.flush().await.unwrap();
+        let cp = FileCheckpointStore::beside(&out)
+            .load("configmap/out")
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(cp["ns/a"].pending);
+        assert_eq!(cp[CLUSTER_KEY].uid, "cluster-uid", "the identity too");
     }
 }

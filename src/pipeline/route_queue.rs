@@ -204,6 +204,11 @@ impl RouteQueue {
             .is_none_or(crate::leader::Fence::is_valid)
     }
 
+    /// Whether this route publishes and `term` is still the current one.
+    pub fn is_current(&self, term: u64) -> bool {
+        self.is_active() && self.term() == term
+    }
+
     /// The current term (see the module docs).
     pub fn term(&self) -> u64 {
         self.term.load(Ordering::SeqCst)

@@ -335,8 +335,7 @@ impl Route {
                 while tokio::time::timeout(FENCE_RETRY_DELAY, &mut intent)
                     .await
                     .is_err()
-                    && self.queue.is_active()
-                    && self.queue.term() == term
+                    && self.queue.is_current(term)
                 {}
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
@@ -357,7 +356,10 @@ impl Route {
                 handed = self.hand_over(&key, batch, term).await;
                 continue;
             }
+            // Only within the term: a failure after it ended (a purged queue) is no delivery
+            // attempt to give up on (the retry below drops it).
             if failed
+                && self.queue.is_current(term)
                 && self
                     .delivery
                     .max_retries
@@ -414,7 +416,7 @@ impl Route {
     ) -> HandedOver {
         let mut handed = HandedOver::default();
         while let Some(n) = batch.pop_front() {
-            if !self.queue.is_active() || self.queue.term() != term {
+            if !self.queue.is_current(term) {
                 // Leadership changed since the batch was taken: a standby publishes nothing,
                 // and a new term starts from the informer's cache.
                 self.queue.settle(batch.len() + 1);
@@ -423,7 +425,7 @@ impl Route {
             }
             if !self.queue.publishes(n.event_type()) {
                 // A delete the route does not publish: it only settles the key.
-                self.settle_silently(key, &n);
+                self.settle(key, &n);
                 continue;
             }
             if !self.queue.may_hand_over() {
@@ -447,10 +449,7 @@ impl Route {
             }
             match self.submit(key, &n).await {
                 Submitted::Settled => {
-                    if let Some(c) = &self.checkpointer {
-                        c.record(key, &n);
-                    }
-                    self.queue.settle(1);
+                    self.settle(key, &n);
                 }
                 Submitted::Pending(ack) => {
                     handed.pending = Some((n, ack));
@@ -484,10 +483,7 @@ impl Route {
             self.metrics.in_flight.dec();
             match self.acknowledged(key, &n, &pending.message, result).await {
                 Outcome::Settled => {
-                    if let Some(c) = &self.checkpointer {
-                        c.record(key, &n);
-                    }
-                    self.queue.settle(1);
+                    self.settle(key, &n);
                 }
                 Outcome::Retry => {
                     rest.push_front(n);
@@ -498,9 +494,9 @@ impl Route {
         (rest, failed)
     }
 
-    /// Settles a notification the route does not publish (a delete: the checkpoint forgets
-    /// the key).
-    fn settle_silently(&self, key: &str, n: &Notification) {
+    /// Settles `n`, recording it in the checkpoint: delivered, failed for good, or a delete
+    /// the route does not publish (the checkpoint forgets the key).
+    fn settle(&self, key: &str, n: &Notification) {
         if let Some(c) = &self.checkpointer {
             c.record(key, n);
         }
