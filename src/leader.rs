@@ -11,8 +11,15 @@
 //! - Publishing is guarded locally too: the [`Fence`] a leader's workers check before each
 //!   hand-over is valid until the *start* of its last successful renewal plus
 //!   `renew_deadline`, so a leader frozen past that (a stall, SIGSTOP) hands nothing over when
-//!   it wakes, before its elector even runs. (Messages handed over earlier can still be in the
-//!   producer's queue: that is not fencing by the broker.)
+//!   it wakes, before its elector even runs; its checkpointer writes nothing then either.
+//! - A new leader that took the lease over (not one released or never held) waits
+//!   [`takeover_wait`] before its fence is valid: the longest delivery time of the sinks
+//!   (`kafka.delivery_timeout`, `nats.ack_timeout`) beyond the margin `lease_duration -
+//!   renew_deadline`. Messages the old leader handed over before its fence ended are then
+//!   delivered or failed for good before the new leader reads a checkpoint or publishes.
+//!   (This rests on timers, like the lease itself; a process frozen between a hand-over and
+//!   its producer's write to the socket can still deliver that message late: only the broker
+//!   can fence that, as Kafka transactions do.)
 //! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
 //!   once instead of waiting for expiry.
 //!
@@ -117,10 +124,18 @@ fn default_retry_period() -> Duration {
     Duration::from_secs(2)
 }
 
-/// Until when this replica may hand messages over (see the module docs); shared by the
-/// elector, which extends it with each renewal, and the routes, which check it.
+/// When this replica may hand messages over (see the module docs); shared by the elector,
+/// which extends it with each renewal, and the routes and checkpointers, which check it.
 #[derive(Debug, Clone, Default)]
-pub struct Fence(std::sync::Arc<std::sync::atomic::AtomicU64>);
+pub struct Fence(std::sync::Arc<FenceTimes>);
+
+/// Nanoseconds since [`fence_base`]: valid from `from` (a new leader's takeover wait) until
+/// `until` (0: not leading).
+#[derive(Debug, Default)]
+pub struct FenceTimes {
+    from: std::sync::atomic::AtomicU64,
+    until: std::sync::atomic::AtomicU64,
+}
 
 /// The instant fence deadlines count from.
 fn fence_base() -> Instant {
@@ -128,25 +143,69 @@ fn fence_base() -> Instant {
     *BASE.get_or_init(Instant::now)
 }
 
+fn since_base(t: Instant) -> u64 {
+    t.duration_since(fence_base()).as_nanos() as u64
+}
+
 impl Fence {
-    /// Whether a message may be handed over now.
+    /// Whether a message may be handed over (or a checkpoint written) now.
     pub fn is_valid(&self) -> bool {
-        let until = self.0.load(std::sync::atomic::Ordering::SeqCst);
-        until > 0 && (Instant::now().duration_since(fence_base()).as_nanos() as u64) < until
+        use std::sync::atomic::Ordering::SeqCst;
+        let (from, until) = (self.0.from.load(SeqCst), self.0.until.load(SeqCst));
+        let now = since_base(Instant::now());
+        until > 0 && from <= now && now < until
     }
 
     /// Valid until `deadline`.
     pub fn extend_to(&self, deadline: Instant) {
-        let nanos = deadline.duration_since(fence_base()).as_nanos() as u64;
+        self.0.until.store(
+            since_base(deadline).max(1),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    /// Not valid before `start` (a new leader's takeover wait).
+    pub fn not_before(&self, start: Instant) {
         self.0
-            .store(nanos.max(1), std::sync::atomic::Ordering::SeqCst);
+            .from
+            .store(since_base(start), std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Not valid from now on.
     pub fn revoke(&self) {
-        self.0.store(0, std::sync::atomic::Ordering::SeqCst);
+        self.0.until.store(0, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Waits out a takeover wait: `true` once valid, `false` as soon as leadership is lost.
+    pub async fn wait_valid(&self) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        loop {
+            if self.is_valid() {
+                return true;
+            }
+            let (from, until) = (self.0.from.load(SeqCst), self.0.until.load(SeqCst));
+            let now = since_base(Instant::now());
+            if until == 0 || now >= until || from <= now {
+                return false;
+            }
+            // Short steps: a loss (revoke) ends the wait within one.
+            tokio::time::sleep(Duration::from_nanos(from - now).min(Duration::from_millis(100)))
+                .await;
+        }
     }
 }
+
+/// How long a new leader waits after taking the lease over before it publishes (or reads a
+/// checkpoint): an old leader's last message may be delivered up to `longest_delivery` after
+/// it was handed over, and the old leader hands over only until `renew_deadline` after its
+/// last renewal began, which the others see at least `lease_duration` before they take over.
+pub fn takeover_wait(cfg: &LeaderElectionConfig, longest_delivery: Duration) -> Duration {
+    longest_delivery.saturating_sub(cfg.lease_duration.saturating_sub(cfg.renew_deadline))
+}
+
+/// The longest takeover wait a configuration may imply (see [`takeover_wait`]): longer, and
+/// a failover publishes nothing for minutes.
+pub const MAX_TAKEOVER_WAIT: Duration = Duration::from_secs(300);
 
 /// One candidate for the lease. See the module docs.
 pub struct LeaderElector {
@@ -158,6 +217,7 @@ pub struct LeaderElector {
     retry_period: Duration,
     leading: watch::Sender<bool>,
     fence: Fence,
+    takeover_wait: Duration,
     gauge: IntGauge,
     // The last lease record seen and when it was first seen.
     observed: Option<(LeaseRecord, Instant)>,
@@ -167,20 +227,26 @@ pub struct LeaderElector {
 type LeaseRecord = (Option<String>, Option<jiff::Timestamp>);
 
 enum Outcome {
-    Leading,
+    /// Holds the lease; `took_over` when it was another's (or an earlier run's of this
+    /// identity), not released.
+    Leading {
+        took_over: bool,
+    },
     NotLeading,
     Failed(String),
 }
 
 impl LeaderElector {
     /// A candidate for the lease described by `cfg` (namespace and identity already resolved),
-    /// extending `fence` while it leads.
+    /// extending `fence` while it leads; after taking a lease over it waits `takeover_wait`
+    /// (see [`takeover_wait`]) before the fence is valid.
     pub fn new(
         client: Client,
         cfg: &LeaderElectionConfig,
         namespace: &str,
         identity: String,
         fence: Fence,
+        takeover_wait: Duration,
         gauge: IntGauge,
     ) -> Self {
         fence.revoke();
@@ -194,6 +260,7 @@ impl LeaderElector {
             retry_period: cfg.retry_period,
             leading: watch::channel(false).0,
             fence,
+            takeover_wait,
             gauge,
             observed: None,
         }
@@ -245,7 +312,18 @@ impl LeaderElector {
                 .unwrap_or_else(|_| Outcome::Failed("no answer before the renew deadline".into()));
             let now = Instant::now();
             match outcome {
-                Outcome::Leading => {
+                Outcome::Leading { took_over } => {
+                    if last_renewal.is_none() {
+                        let wait = if took_over {
+                            self.takeover_wait
+                        } else {
+                            Duration::ZERO
+                        };
+                        if !wait.is_zero() {
+                            info!(lease = %self.name, wait = ?wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
+                        }
+                        self.fence.not_before(started + wait);
+                    }
                     last_renewal = Some(started);
                     self.fence.extend_to(started + self.renew_deadline);
                     self.set_leading(true);
@@ -290,7 +368,7 @@ impl LeaderElector {
                 spec: Some(self.spec(now, now, 0)),
             };
             return match self.api.create(&PostParams::default(), &lease).await {
-                Ok(_) => Outcome::Leading,
+                Ok(_) => Outcome::Leading { took_over: false },
                 Err(kube::Error::Api(s)) if s.code == 409 => Outcome::NotLeading,
                 Err(e) => Outcome::Failed(format!("create lease: {e}")),
             };
@@ -331,7 +409,9 @@ impl LeaderElector {
             .replace(&self.name, &PostParams::default(), &lease)
             .await
         {
-            Ok(_) => Outcome::Leading,
+            Ok(_) => Outcome::Leading {
+                took_over: holder.is_some(),
+            },
             Err(kube::Error::Api(s)) if s.code == 409 => {
                 if ours {
                     Outcome::Failed("conflict while renewing".into())
@@ -415,4 +495,47 @@ pub fn default_namespace(cfg: &LeaderElectionConfig) -> String {
                 .map(|n| n.trim().to_owned())
         })
         .unwrap_or_else(|| "default".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_takeover_wait_is_the_longest_delivery_beyond_the_lease_margin() {
+        let cfg = LeaderElectionConfig::default();
+        // 15 s lease, 10 s renew deadline: 5 s pass between the old leader's last hand-over
+        // and the takeover at the least.
+        assert_eq!(
+            takeover_wait(&cfg, Duration::from_secs(30)),
+            Duration::from_secs(25)
+        );
+        assert_eq!(takeover_wait(&cfg, Duration::from_secs(3)), Duration::ZERO);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_fence_is_valid_from_the_takeover_wait_until_the_deadline() {
+        let fence = Fence::default();
+        assert!(!fence.is_valid(), "not leading");
+        let now = Instant::now();
+        fence.extend_to(now + Duration::from_secs(10));
+        fence.not_before(now + Duration::from_secs(3));
+        assert!(!fence.is_valid(), "waiting");
+        assert!(fence.wait_valid().await);
+        assert!(now.elapsed() >= Duration::from_secs(3));
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        assert!(!fence.is_valid(), "past the deadline");
+        // A loss ends a takeover wait at once.
+        let now = Instant::now();
+        fence.extend_to(now + Duration::from_secs(10));
+        fence.not_before(now + Duration::from_secs(5));
+        let waiting = tokio::spawn({
+            let fence = fence.clone();
+            async move { fence.wait_valid().await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        fence.revoke();
+        assert!(!waiting.await.unwrap());
+        assert!(now.elapsed() < Duration::from_secs(2));
+    }
 }

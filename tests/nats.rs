@@ -752,3 +752,73 @@ async fn tail_reads_core_nats_subjects_from_now() {
     assert_eq!(names.len(), 20);
     running.stop().await;
 }
+
+/// Fencing on NATS: each leadership term publishes on a connection of its own. A publish
+/// handed over while the connection was down stays buffered in async-nats; once the term
+/// ends ([`Sink::abandon_queued`]) that connection never reconnects, so the buffered
+/// publish never lands behind what a newer leader published. The next term's connection
+/// publishes (and checkpoints) as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_terms_publishes_buffered_while_disconnected_are_never_sent() {
+    use kube::api::{ApiResource, GroupVersionKind};
+    use kube_event_bridge::message::{Encoder, Encoding, MessageConfig};
+    let mut nats = NatsServer::start();
+    let sink_cfg = nats_sink("nats", &nats.url(), json!({}));
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink_cfg)
+        .unwrap()
+        .nats
+        .unwrap();
+    let sink = NatsSink::connect("nats", &cfg).await.unwrap();
+    let configmaps = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("", "v1", "ConfigMap"),
+        "configmaps",
+    );
+    let encoder = Encoder::new(
+        "test",
+        &configmaps,
+        &MessageConfig::default(),
+        Encoding::Structured,
+    );
+    let message = |id: &str| {
+        let mut m = encoder.sample_message();
+        m.id = id.into();
+        m.key = format!("ns/{id}");
+        m.namespace = Some("ns".into());
+        m.name = id.into();
+        m.payload = format!("{{\"id\":\"{id}\"}}").into_bytes().into();
+        m
+    };
+    sink.publish(&message("before")).await.unwrap();
+    nats.stop();
+    wait::until("the sink sees the connection lost", PATIENCE, async || {
+        sink.health().is_err()
+    })
+    .await;
+    // Handed over while disconnected: buffered by async-nats.
+    let buffered = sink.submit(&message("buffered")).await.unwrap();
+    // The term ends (the lease is lost); the server comes back.
+    sink.abandon_queued();
+    nats.restart();
+    wait::until("the next term's connection is up", PATIENCE, async || {
+        sink.health().is_ok()
+    })
+    .await;
+    sink.publish(&message("after")).await.unwrap();
+    assert!(
+        buffered.await.is_err(),
+        "the ended term's publish is never acknowledged"
+    );
+    // Time for a late flush to show, were there one.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ids: Vec<String> = read_stream(&nats.url(), STREAM)
+        .await
+        .iter()
+        .map(|m| {
+            m.headers
+                .get("Nats-Msg-Id")
+                .map(|v| v.to_string())
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(ids, ["before", "after"]);
+}

@@ -15,13 +15,15 @@ use crate::leader::LeaderElector;
 
 impl Resources {
     /// Applies a change of leadership: `leading` is the new state. Every change ends a term:
-    /// listeners stop and routes drop what they hold (a worker drops what it took), so that
-    /// nothing of the old term is published after the new one's replay. Becoming leader
-    /// writes what this replica's sinks acknowledged in an earlier term to the checkpoints,
-    /// loads them, starts each route's resume, switches the routes on, and each informer's
-    /// listeners once a fresh list of it is in the cache (each object handed over once). The
-    /// listeners of an informer whose list fails stay off (nothing of it is published) until
-    /// a list succeeds or the term ends.
+    /// listeners stop, routes drop what they hold (a worker drops what it took), and
+    /// checkpointers drop what they did not write (see
+    /// [`crate::pipeline::Checkpointer::end_term`]), so that nothing of the old term is
+    /// published or written after the new one began. Becoming leader waits out the takeover
+    /// wait (see [`crate::leader::takeover_wait`]), loads the checkpoints, starts each route's
+    /// resume, switches the routes on, and each informer's listeners once a fresh list of it
+    /// is in the cache (each object handed over once). The listeners of an informer whose
+    /// list fails stay off (nothing of it is published) until a list succeeds or the term
+    /// ends.
     pub(super) async fn set_leading(&mut self, leading: bool) {
         self.leading = leading;
         // Ends the last term's pending switch-ons before anything is switched off.
@@ -36,15 +38,19 @@ impl Resources {
         let queues = self.queues();
         informers.iter().for_each(|i| i.deactivate_listeners());
         queues.iter().for_each(|q| q.set_active(false));
+        self.resumes()
+            .iter()
+            .for_each(|r| r.checkpointer.end_term());
         if !leading {
             return;
         }
-        for r in self.resumes() {
-            // What this replica's sink acknowledged in an earlier term and has not written
-            // yet belongs in the checkpoint it compares with.
-            if let Err(err) = r.checkpointer.flush().await {
-                warn!(route = %r.checkpointer.route(), error = %err, "Checkpoint write failed before resuming; those objects may be re-sent");
-            }
+        // The last leader's messages and checkpoint writes land before this one reads or
+        // publishes anything.
+        if let Some(fence) = self.fence.clone()
+            && !fence.wait_valid().await
+        {
+            warn!("Lost the lease during the takeover wait");
+            return;
         }
         // Routes whose checkpoint cannot be used wait, their listeners off (see checkpoints).
         let all: Vec<usize> = (0..self.wired.len()).collect();
@@ -179,6 +185,7 @@ mod tests {
             metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
+            fence: None,
         }
     }
 
@@ -190,7 +197,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_standby_holds_nothing_and_a_leader_resumes_from_what_it_acknowledged_before() {
+    async fn a_standby_holds_nothing_and_a_term_end_drops_what_the_checkpoint_did_not_get() {
         let dir = tempfile::tempdir().unwrap();
         let metrics = Arc::new(Metrics::new());
         let mut resources = standby(dir.path(), &metrics).await;
@@ -199,16 +206,21 @@ mod tests {
         // Standing by: what reaches the route is dropped.
         route.queue().push(add("a", "1"));
         assert_eq!(route.queue().held(), 0);
-        // Acknowledged in an earlier term, not written yet.
-        checkpointer.record("ns/a", &add("a", "1"));
         resources.set_leading(true).await;
         assert!(resources.leading && route.queue().is_active());
-        let written = FileCheckpointStore::beside(&dir.path().join("out.jsonl"))
-            .load("configmap/out")
-            .await
-            .unwrap()
-            .expect("written before the resume read it");
+        let store = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
+        // Acknowledged in this term and written: kept.
+        checkpointer.record("ns/a", &add("a", "1"));
+        checkpointer.flush().await.unwrap();
+        // Acknowledged, not written when the term ends: never written by a later term (a
+        // newer leader may have written the key since).
+        checkpointer.record("ns/b", &add("b", "2"));
+        resources.set_leading(false).await;
+        resources.set_leading(true).await;
+        checkpointer.flush().await.unwrap();
+        let written = store.load("configmap/out").await.unwrap().expect("written");
         assert_eq!(written["ns/a"].resource_version, "1");
+        assert!(!written.contains_key("ns/b"), "{written:?}");
         route.queue().push(add("b", "2"));
         assert_eq!(
             route.queue().held(),

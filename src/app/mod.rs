@@ -146,6 +146,7 @@ impl App {
             metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
+            fence: fence.clone(),
         };
         for (index, r) in config.resources.iter().enumerate() {
             let name = r.effective_name();
@@ -183,7 +184,7 @@ impl App {
         let elector = if le.enabled {
             let (namespace, identity) =
                 (leader::default_namespace(le), leader::default_identity(le));
-            info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, "Leader election on; standing by");
+            info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, takeover_wait = ?config.takeover_wait(), "Leader election on; standing by");
             // A standby holds nothing until it leads.
             factory
                 .informers()
@@ -196,6 +197,7 @@ impl App {
                 &namespace,
                 identity,
                 fence.clone().expect("leader election on"),
+                config.takeover_wait(),
                 metrics.leader.clone(),
             ))
         } else {

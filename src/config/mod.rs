@@ -201,6 +201,37 @@ impl Config {
         Ok(config)
     }
 
+    /// The longest a message handed to a sink can take to be delivered (or fail for good):
+    /// `kafka.delivery_timeout`, `nats.ack_timeout`; with the sink's index and setting.
+    fn longest_delivery_setting(&self) -> Option<(usize, &'static str)> {
+        self.sinks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match (&s.kafka, &s.nats) {
+                (Some(k), _) => Some((k.delivery_timeout, i, "kafka.delivery_timeout")),
+                (_, Some(n)) => Some((n.ack_timeout, i, "nats.ack_timeout")),
+                _ => None,
+            })
+            .max_by_key(|(d, ..)| *d)
+            .map(|(_, i, setting)| (i, setting))
+    }
+
+    /// How long a new leader waits after taking the lease over (see
+    /// [`crate::leader::takeover_wait`]).
+    pub fn takeover_wait(&self) -> std::time::Duration {
+        let longest = self
+            .sinks
+            .iter()
+            .filter_map(|s| match (&s.kafka, &s.nats) {
+                (Some(k), _) => Some(k.delivery_timeout),
+                (_, Some(n)) => Some(n.ack_timeout),
+                _ => None,
+            })
+            .max()
+            .unwrap_or_default();
+        crate::leader::takeover_wait(&self.leader_election, longest)
+    }
+
     /// Checks every section (each validates itself) and what spans sections: names,
     /// routes, dead letters. Reports every problem, not just the first.
     pub fn validate(&self) -> Result<()> {
@@ -253,6 +284,25 @@ impl Config {
                         format!("no sink is named {dlq:?}"),
                     );
                 }
+            }
+        }
+        if self.leader_election.enabled {
+            let wait = self.takeover_wait();
+            if wait > crate::leader::MAX_TAKEOVER_WAIT {
+                let (i, setting) = self
+                    .longest_delivery_setting()
+                    .expect("a wait needs a sink");
+                p.add(
+                    format!("sinks[{i}].{setting}"),
+                    format!(
+                        "with leader election a new leader waits this long, less \
+                         leader_election.lease_duration - renew_deadline, before it publishes \
+                         (the last leader's messages may be delivered until then): {:?}; at most \
+                         {:?} is allowed, shorten it",
+                        wait,
+                        crate::leader::MAX_TAKEOVER_WAIT
+                    ),
+                );
             }
         }
         if self.routes.is_empty() {
@@ -404,6 +454,27 @@ mod tests {
         assert_eq!(c.kubernetes.page_size, 500);
         assert_eq!(c.resources[0].events.len(), 4);
         assert!(c.message.strip_managed_fields && !c.message.allow_secret_data);
+    }
+
+    #[test]
+    fn a_delivery_timeout_that_would_stall_a_failover_is_refused_naming_it() {
+        let mut v = minimal();
+        v["leader_election"] = json!({"enabled": true});
+        v["sinks"] = json!([{"name": "out", "type": "kafka",
+            "kafka": {"brokers": ["b:9092"], "delivery_timeout": "10m"}}]);
+        v["routes"][0]["sinks"] = json!(["out"]);
+        let e = errors_of(v.clone());
+        assert!(
+            e.len() == 1
+                && e[0].starts_with(
+                    "sinks[0].kafka.delivery_timeout: with leader election a new leader waits"
+                ),
+            "{e:?}"
+        );
+        // The default (30 s) means a 25 s takeover wait with the default lease.
+        v["sinks"][0]["kafka"]["delivery_timeout"] = json!("30s");
+        let c = Config::from_value(v).unwrap();
+        assert_eq!(c.takeover_wait(), std::time::Duration::from_secs(25));
     }
 
     #[test]

@@ -60,6 +60,8 @@ pub struct Checkpointer {
     failed_at: Mutex<Option<(tokio::time::Instant, Duration)>>,
     lag: IntGauge,
     failures: IntCounter,
+    // With leader election: records and writes only while it is valid.
+    fence: Option<crate::leader::Fence>,
 }
 
 /// What is not written yet, and which keys the store holds.
@@ -137,7 +139,33 @@ impl Checkpointer {
             failed_at: Mutex::default(),
             lag,
             failures,
+            fence: None,
         }
+    }
+
+    /// With leader election: records acknowledgements and writes only while `fence` is
+    /// valid, so that a deposed leader's late acknowledgements never reach the store (see
+    /// [`Self::end_term`]).
+    pub fn with_fence(mut self, fence: Option<crate::leader::Fence>) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    fn fenced(&self) -> bool {
+        self.fence.as_ref().is_some_and(|f| !f.is_valid())
+    }
+
+    /// A leadership term ended: what it recorded and did not write is dropped, never written
+    /// in a later term (the store would go back behind what a newer leader wrote). That costs
+    /// duplicates only: an unwritten acknowledgement makes the next resume send its object
+    /// again, an unwritten delete makes it send the delete again, and an unwritten intent was
+    /// never handed over (hand-overs wait for their intent's write).
+    pub fn end_term(&self) {
+        let mut p = self.lock();
+        p.changed.clear();
+        self.lag.set(0);
+        drop(p);
+        *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// The route's name.
@@ -244,8 +272,12 @@ impl Checkpointer {
         }
     }
 
-    /// Remembers that the sink settled `n` (about the object at `key`).
+    /// Remembers that the sink settled `n` (about the object at `key`); nothing while fenced
+    /// (a deposed leader's late acknowledgement).
     pub fn record(&self, key: &str, n: &Notification) {
+        if self.fenced() {
+            return;
+        }
         let change = match &n.kind {
             NotificationKind::Delete { .. } => KeyChange::Deleted,
             NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. } => {
@@ -300,6 +332,10 @@ impl Checkpointer {
         if changed.is_empty() && taken.cluster.is_none() {
             self.durable.fetch_max(batch_number, Ordering::SeqCst);
             return Ok(());
+        }
+        if self.fenced() {
+            // Put back (dropped when the term's end is applied).
+            return Err(Error::NotLeading);
         }
         let identity = taken.cluster.iter().map(|uid| {
             (
@@ -387,6 +423,36 @@ mod tests {
             IntGauge::new("lag", "lag").unwrap(),
             IntCounter::new("f", "f").unwrap(),
         )
+    }
+
+    #[tokio::test]
+    async fn a_deposed_leader_records_and_writes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileCheckpointStore::beside(&dir.path().join("out.jsonl")));
+        let fence = crate::leader::Fence::default();
+        let c = checkpointer(store.clone()).with_fence(Some(fence.clone()));
+        let add = |name: &str, rv: &str| {
+            Notification::new(NotificationKind::Add {
+                obj: obj("ns", name, rv),
+                is_initial_list: false,
+            })
+        };
+        fence.extend_to(tokio::time::Instant::now() + Duration::from_secs(60));
+        c.record("ns/a", &add("a", "1"));
+        // The lease is lost before the write: nothing is written, and a late acknowledgement
+        // is not even recorded.
+        fence.revoke();
+        assert!(matches!(c.flush().await, Err(Error::NotLeading)));
+        c.record("ns/b", &add("b", "1"));
+        assert_eq!(c.lag.get(), 1);
+        assert_eq!(c.failures.get(), 0, "not a store failure");
+        // The term's end drops what it did not write; the next term writes its own.
+        c.end_term();
+        fence.extend_to(tokio::time::Instant::now() + Duration::from_secs(60));
+        c.record("ns/c", &add("c", "1"));
+        c.flush().await.unwrap();
+        let written = store.load("configmap/out").await.unwrap().unwrap();
+        assert_eq!(written.keys().collect::<Vec<_>>(), ["ns/c"]);
     }
 
     #[tokio::test]

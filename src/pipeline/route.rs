@@ -155,7 +155,7 @@ impl<'m> RouteBuilder<'m> {
                 metrics.listener_coalesced.with_label_values(&labels),
             )
             .with_events(&self.events)
-            .with_fence(self.fence),
+            .with_fence(self.fence.clone()),
         );
         let front: Arc<dyn NotificationHandler> = match self.rules {
             Some(rules) => Arc::new(RouteFilter::new(
@@ -174,14 +174,17 @@ impl<'m> RouteBuilder<'m> {
             None => queue.clone(),
         };
         let checkpointer = self.store.map(|store| {
-            Arc::new(Checkpointer::new(
-                name.clone(),
-                store,
-                metrics.checkpoint_lag.with_label_values(&[&name]),
-                metrics
-                    .checkpoint_write_failures
-                    .with_label_values(&[&name]),
-            ))
+            Arc::new(
+                Checkpointer::new(
+                    name.clone(),
+                    store,
+                    metrics.checkpoint_lag.with_label_values(&[&name]),
+                    metrics
+                        .checkpoint_write_failures
+                        .with_label_values(&[&name]),
+                )
+                .with_fence(self.fence.clone()),
+            )
         });
         let resumer = match (&checkpointer, self.resume) {
             (Some(_), Some((types, informers))) => Some(Arc::new(Resumer::new(

@@ -20,6 +20,9 @@ pub enum Error {
         /// What went wrong.
         reason: String,
     },
+    /// A replica writes checkpoints only while its lease is valid.
+    #[error("not leading: a replica writes checkpoints only while its lease is valid")]
+    NotLeading,
 }
 
 /// `Result` with this module's error.

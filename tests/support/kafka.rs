@@ -134,6 +134,25 @@ pub fn consume(brokers: &str, topic: &str, n: usize) -> Vec<Record> {
     consume_until(brokers, topic, &format!("{n} records"), |r| r.len() >= n)
 }
 
+/// Every record `topic` holds now (per partition in offset order): as many as its
+/// partitions' watermarks say.
+#[allow(dead_code)]
+pub fn consume_all(brokers: &str, topic: &str, partitions: i32) -> Vec<Record> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .unwrap();
+    let n: i64 = (0..partitions)
+        .map(|p| {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            high - low
+        })
+        .sum();
+    consume(brokers, topic, n as usize)
+}
+
 /// Reads `topic` from the beginning with a fresh consumer group until `done` says the
 /// records read so far are enough (`what` names it in the failure after 60 s).
 pub fn consume_until(

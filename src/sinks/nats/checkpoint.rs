@@ -7,13 +7,16 @@
 //! last message per subject, as many as it says are pending); writes are KV puts and
 //! deletes, acknowledged by the stream, many at once.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
 use async_nats::jetstream::{self, kv};
 use futures::{FutureExt, StreamExt, TryStreamExt, future::BoxFuture};
 use tracing::info;
 
-use super::{NatsSink, NatsSinkConfig};
+use super::{
+    NatsSink, NatsSinkConfig,
+    sink::{Conn, Conns},
+};
 use crate::{
     sinks,
     sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
@@ -25,7 +28,8 @@ const WRITES_IN_FLIGHT: usize = 256;
 /// See the module docs.
 pub struct NatsCheckpointStore {
     bucket: String,
-    kv: kv::Store,
+    /// The sink's connections: the store reads and writes on the current term's.
+    conns: Arc<Conns>,
 }
 
 /// A KV key token for `s`: `[A-Za-z0-9-/=]` as they are, everything else `_XX`.
@@ -63,10 +67,12 @@ impl NatsCheckpointStore {
         let setup = |what: String| {
             sinks::Error::Setup(format!("sink {name}: checkpoint bucket {bucket}: {what}"))
         };
-        let js: &jetstream::Context = sink
+        let conns = sink.conns();
+        let conn = conns.current();
+        let js: &jetstream::Context = conn
             .jetstream()
             .ok_or_else(|| setup("resume needs jetstream mode".into()))?;
-        let kv = match js.get_key_value(&bucket).await {
+        match js.get_key_value(&bucket).await {
             Ok(kv) => kv,
             // Any failure to open it is treated as "missing": creating it then either works
             // or fails naming both causes.
@@ -98,7 +104,18 @@ impl NatsCheckpointStore {
                 js.get_key_value(&bucket).await.map_err(|e| denied(&e))?
             }
         };
-        Ok(Self { bucket, kv })
+        Ok(Self { bucket, conns })
+    }
+
+    /// The bucket on the current term's connection.
+    async fn kv(&self) -> Result<(Arc<Conn>, kv::Store)> {
+        let conn = self.conns.current();
+        let store = conn
+            .kv(async |js| js.get_key_value(&self.bucket).await)
+            .await
+            .map_err(|e| self.error(e))?
+            .clone();
+        Ok((conn, store))
     }
 
     fn error(&self, reason: impl std::fmt::Display) -> Error {
@@ -135,6 +152,8 @@ impl CheckpointStore for NatsCheckpointStore {
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
         async move {
             let prefix = escape(route);
+            let (_conn, kv) = self.kv().await?;
+            let kv = &kv;
             futures::stream::iter(changes)
                 .map(|(key, entry)| {
                     let k = format!("{prefix}.{}", escape(&key));
@@ -142,13 +161,12 @@ impl CheckpointStore for NatsCheckpointStore {
                         match entry {
                             Some(e) => {
                                 let v = serde_json::to_vec(&e).expect("strings serialize");
-                                self.kv
-                                    .put(k, v.into())
+                                kv.put(k, v.into())
                                     .await
                                     .map(|_| ())
                                     .map_err(|e| self.error(e))
                             }
-                            None => self.kv.delete(k).await.map_err(|e| self.error(e)),
+                            None => kv.delete(k).await.map_err(|e| self.error(e)),
                         }
                     }
                 })
@@ -168,8 +186,8 @@ impl NatsCheckpointStore {
         let prefix = format!("$KV.{}.{}.", self.bucket, escape(route));
         // The newest record of every key of the route; `num_pending` says how many there
         // are, so the read knows its end (a KV watch would have to guess it from quiet).
-        let consumer = self
-            .kv
+        let (_conn, kv) = self.kv().await?;
+        let consumer = kv
             .stream
             .create_consumer(pull::Config {
                 filter_subject: format!("{prefix}>"),

@@ -12,18 +12,29 @@
 //!
 //! # Recovery
 //! async-nats reconnects by itself; meanwhile publishes time out and are retried by the
-//! pipeline. A permissions violation is reported by the server asynchronously: the subject is
+//! pipeline.
+//!
+//! # Terms
+//! Each leadership term publishes on a connection of its own ([`Sink::abandon_queued`]
+//! retires the last one). A retired connection never reconnects: what async-nats still holds
+//! for it (publishes buffered while it was disconnected) belongs to an ended term and is never
+//! sent, so it cannot land behind a newer leader's messages. Its publishes time out; the next
+//! term starts from the checkpoint. A permissions violation is reported by the server asynchronously: the subject is
 //! remembered, and a publish to it that then times out fails for good as `denied`.
 
 use std::{
     collections::HashSet,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex, RwLock,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
 };
 
 use async_nats::{
-    ConnectOptions, HeaderMap,
+    ConnectOptions, HeaderMap, ReconnectToServer,
     connection::State,
-    jetstream::{self, context::PublishErrorKind},
+    jetstream::{self, context::PublishErrorKind, kv},
 };
 use futures::{FutureExt, future::BoxFuture};
 use tracing::{info, warn};
@@ -42,8 +53,8 @@ use crate::{
 /// See the module docs.
 pub struct NatsSink {
     name: String,
-    client: async_nats::Client,
-    jetstream: Option<jetstream::Context>,
+    cfg: NatsSinkConfig,
+    conns: Arc<Conns>,
     subject: Template,
     denied: Arc<Mutex<HashSet<String>>>,
     // The server's `max_payload` at connect (read once: `server_info` clones the whole INFO).
@@ -58,40 +69,40 @@ impl NatsSink {
         let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
         let servers = cfg.servers.join(",");
         let denied: Arc<Mutex<HashSet<String>>> = Arc::default();
-        let client = connect_client(name, cfg, {
-            let denied = denied.clone();
-            let sink = name.to_owned();
-            move |event| on_event(&sink, &denied, event)
-        })
-        .await?;
         let subject = Template::parse(&cfg.subject).map_err(|e| setup(format!("subject: {e}")))?;
-        let jetstream = match cfg.mode {
-            NatsMode::Core => None,
-            NatsMode::Jetstream => {
-                let context = jetstream::ContextBuilder::new()
-                    .timeout(cfg.ack_timeout)
-                    .max_ack_inflight(cfg.max_in_flight)
-                    .backpressure_on_inflight(true)
-                    .build(client.clone());
-                check_stream(name, &context, cfg, &subject).await?;
-                Some(context)
-            }
-        };
+        let conn = Conn::open(name, cfg, &denied).await?;
+        if let Some(context) = &conn.jetstream {
+            check_stream(name, context, cfg, &subject).await?;
+        }
         info!(sink = %name, servers = %servers, mode = ?cfg.mode, "Connected to NATS");
-        let max_payload = client.server_info().max_payload;
+        let max_payload = conn.client.server_info().max_payload;
         Ok(Self {
             name: name.to_owned(),
+            cfg: cfg.clone(),
             max_payload,
-            client,
-            jetstream,
+            conns: Arc::new(Conns {
+                current: RwLock::new(Arc::new(conn)),
+                generation: AtomicU64::new(0),
+            }),
             subject,
             denied,
         })
     }
 
-    /// The JetStream context (`jetstream` mode), shared with the checkpoint store.
-    pub(super) fn jetstream(&self) -> Option<&jetstream::Context> {
-        self.jetstream.as_ref()
+    /// The connection of the current term.
+    fn conn(&self) -> Arc<Conn> {
+        self.conns.current()
+    }
+
+    /// The connections, shared with the checkpoint store (whose writes use the current
+    /// term's connection too).
+    pub(super) fn conns(&self) -> Arc<Conns> {
+        self.conns.clone()
+    }
+
+    /// Whether the sink publishes to JetStream.
+    pub(super) fn is_jetstream(&self) -> bool {
+        self.cfg.mode == NatsMode::Jetstream
     }
 
     /// The subject `message` goes to.
@@ -101,7 +112,7 @@ impl NatsSink {
 
     fn headers(&self, m: &Message) -> HeaderMap {
         let mut h = HeaderMap::new();
-        if self.jetstream.is_some() {
+        if self.is_jetstream() {
             h.insert("Nats-Msg-Id", m.id.as_str());
         }
         h.insert("content-type", m.content_type);
@@ -113,12 +124,120 @@ impl NatsSink {
 
     fn classify(
         &self,
+        client: &async_nats::Client,
         subject: &str,
         size: usize,
         kind: PublishErrorKind,
         detail: String,
     ) -> Error {
-        classify(&self.client, &self.denied, subject, size, kind, detail)
+        classify(client, &self.denied, subject, size, kind, detail)
+    }
+}
+
+/// One term's connection (see the module docs).
+pub(super) struct Conn {
+    client: async_nats::Client,
+    jetstream: Option<jetstream::Context>,
+    /// Set when its term ended: it never reconnects.
+    retired: Arc<AtomicBool>,
+    /// The checkpoint bucket, opened on this connection when first used.
+    kv: tokio::sync::OnceCell<kv::Store>,
+}
+
+impl Conn {
+    /// Connects as `cfg` says; a connection that is retired (and lost) never reconnects.
+    async fn open(
+        name: &str,
+        cfg: &NatsSinkConfig,
+        denied: &Arc<Mutex<HashSet<String>>>,
+    ) -> Result<Self> {
+        let retired = Arc::new(AtomicBool::new(false));
+        let options = options(name, cfg, {
+            let denied = denied.clone();
+            let sink = name.to_owned();
+            move |event| on_event(&sink, &denied, event)
+        })
+        .await?
+        .reconnect_to_server_callback({
+            let retired = retired.clone();
+            move |servers, _| {
+                let retired = retired.clone();
+                async move {
+                    // The server tried least lately, after async-nats' own backoff; the
+                    // check comes after the wait, right before connecting.
+                    let server = servers.iter().min_by_key(|s| s.failed_attempts)?;
+                    tokio::time::sleep(reconnect_delay(server.failed_attempts)).await;
+                    if retired.load(Ordering::SeqCst) {
+                        std::future::pending::<()>().await;
+                    }
+                    Some(ReconnectToServer {
+                        addr: server.addr.clone(),
+                        delay: Some(Duration::ZERO),
+                    })
+                }
+            }
+        });
+        let servers = cfg.servers.join(",");
+        let client = options.connect(servers.as_str()).await.map_err(|e| {
+            Error::Setup(format!(
+                "sink {name}: cannot connect to NATS at {servers}: {e}"
+            ))
+        })?;
+        let jetstream = (cfg.mode == NatsMode::Jetstream).then(|| {
+            jetstream::ContextBuilder::new()
+                .timeout(cfg.ack_timeout)
+                .max_ack_inflight(cfg.max_in_flight)
+                .backpressure_on_inflight(true)
+                .build(client.clone())
+        });
+        Ok(Self {
+            client,
+            jetstream,
+            retired,
+            kv: tokio::sync::OnceCell::new(),
+        })
+    }
+
+    /// The JetStream context (`jetstream` mode).
+    pub(super) fn jetstream(&self) -> Option<&jetstream::Context> {
+        self.jetstream.as_ref()
+    }
+
+    /// The checkpoint bucket on this connection, opened by `open` the first time.
+    pub(super) async fn kv<E>(
+        &self,
+        open: impl AsyncFnOnce(&jetstream::Context) -> std::result::Result<kv::Store, E>,
+    ) -> std::result::Result<&kv::Store, E> {
+        let js = self
+            .jetstream
+            .as_ref()
+            .expect("checkpoints need jetstream mode");
+        self.kv.get_or_try_init(|| open(js)).await
+    }
+}
+
+/// async-nats' reconnect backoff: none at first, then doubling from 2 ms up to 4 s.
+fn reconnect_delay(failed_attempts: usize) -> Duration {
+    match failed_attempts {
+        0 => Duration::ZERO,
+        n => Duration::from_millis(1 << n.min(12) as u32).min(Duration::from_secs(4)),
+    }
+}
+
+/// The connection of each term: the current one, and a count of retirements (a newer
+/// term's connection replaces it only if no later term began meanwhile).
+pub(super) struct Conns {
+    current: RwLock<Arc<Conn>>,
+    generation: AtomicU64,
+}
+
+impl Conns {
+    /// The current term's connection.
+    pub(super) fn current(&self) -> Arc<Conn> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -158,8 +277,26 @@ pub async fn connect_client(
     cfg: &NatsSinkConfig,
     events: impl Fn(async_nats::Event) + Send + Sync + 'static,
 ) -> Result<async_nats::Client> {
-    let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
     let servers = cfg.servers.join(",");
+    options(name, cfg, events)
+        .await?
+        .connect(servers.as_str())
+        .await
+        .map_err(|e| {
+            Error::Setup(format!(
+                "sink {name}: cannot connect to NATS at {servers}: {e}"
+            ))
+        })
+}
+
+/// The options of a connection to the servers of a sink: its credentials and TLS settings;
+/// `events` hears the connection's events.
+async fn options(
+    name: &str,
+    cfg: &NatsSinkConfig,
+    events: impl Fn(async_nats::Event) + Send + Sync + 'static,
+) -> Result<ConnectOptions> {
+    let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
     let events = Arc::new(events);
     let mut options = ConnectOptions::new()
         .name(format!("kube-event-bridge/{name}"))
@@ -198,10 +335,7 @@ pub async fn connect_client(
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
     }
-    options
-        .connect(servers.as_str())
-        .await
-        .map_err(|e| setup(format!("cannot connect to NATS at {servers}: {e}")))
+    Ok(options)
 }
 
 fn on_event(sink: &str, denied: &Mutex<HashSet<String>>, event: async_nats::Event) {
@@ -304,9 +438,10 @@ impl Sink for NatsSink {
             }
             let headers = self.headers(m);
             let size = m.payload.len();
-            match &self.jetstream {
+            let conn = self.conn();
+            match &conn.jetstream {
                 Some(_) => self.submit(m).await?.await,
-                None => self
+                None => conn
                     .client
                     .publish_with_headers(subject.clone(), headers, m.payload.clone())
                     .await
@@ -314,7 +449,7 @@ impl Sink for NatsSink {
                         async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
                             Error::TooLarge {
                                 size,
-                                max: self.client.server_info().max_payload,
+                                max: conn.client.server_info().max_payload,
                             }
                         }
                         _ => Error::Unavailable(e.to_string()),
@@ -329,7 +464,8 @@ impl Sink for NatsSink {
     /// Core NATS: the publish itself (there is no acknowledgement).
     fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
         async move {
-            let Some(js) = &self.jetstream else {
+            let conn = self.conn();
+            let Some(js) = &conn.jetstream else {
                 self.publish(m).await?;
                 return Ok(Box::pin(async { Ok(()) }) as Ack);
             };
@@ -344,8 +480,10 @@ impl Sink for NatsSink {
             let ack = js
                 .publish_with_headers(subject.clone(), self.headers(m), m.payload.clone())
                 .await
-                .map_err(|e| self.classify(&subject, size, e.kind(), e.to_string()))?;
-            let (client, denied) = (self.client.clone(), self.denied.clone());
+                .map_err(|e| {
+                    self.classify(&conn.client, &subject, size, e.kind(), e.to_string())
+                })?;
+            let (client, denied) = (conn.client.clone(), self.denied.clone());
             // The PubAck is awaited by a task of its own: async-nats releases the
             // `max_in_flight` permit only when the future is polled to its end, and a
             // worker may hold its acks unpolled while it hands over more messages,
@@ -366,7 +504,8 @@ impl Sink for NatsSink {
 
     fn flush(&self) -> BoxFuture<'_, Result<()>> {
         async move {
-            self.client
+            self.conn()
+                .client
                 .flush()
                 .await
                 .map_err(|e| Error::Unavailable(e.to_string()))
@@ -374,8 +513,36 @@ impl Sink for NatsSink {
         .boxed()
     }
 
+    /// Retires the term's connection and opens the next term's (retrying until it
+    /// connects); until it is up, publishes go to the retired one.
+    fn abandon_queued(&self) {
+        let conns = self.conns.clone();
+        conns.current().retired.store(true, Ordering::SeqCst);
+        let generation = conns.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let (name, cfg, denied) = (self.name.clone(), self.cfg.clone(), self.denied.clone());
+        tokio::spawn(async move {
+            let mut delay = Duration::from_millis(100);
+            while conns.generation.load(Ordering::SeqCst) == generation {
+                match Conn::open(&name, &cfg, &denied).await {
+                    Ok(conn) => {
+                        let mut current = conns.current.write().unwrap_or_else(|e| e.into_inner());
+                        if conns.generation.load(Ordering::SeqCst) == generation {
+                            *current = Arc::new(conn);
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        warn!(sink = %name, error = %e, "Cannot open the new term's NATS connection; retrying");
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(4));
+                    }
+                }
+            }
+        });
+    }
+
     fn health(&self) -> std::result::Result<(), String> {
-        match self.client.connection_state() {
+        match self.conn().client.connection_state() {
             State::Connected => Ok(()),
             state => Err(format!("sink {}: NATS connection is {state:?}", self.name)),
         }

@@ -1,0 +1,268 @@
+//! Failover of the real binary under load, checked as a consumer sees it: two replicas share
+//! a lease; the leader is frozen (SIGSTOP) while objects change at a few hundred per second
+//! and its sink is slower than the changes (it holds a backlog), the standby takes over, the
+//! old leader is thawed (SIGCONT) and the writes stop. Each destination, folded per object
+//! in the order the broker holds it, must end with exactly the API server's objects, in both
+//! consumer models ("last message wins", "deduplicate by id, then last wins"): the thawed
+//! leader publishes nothing of its backlog behind the new leader's messages.
+
+mod support;
+
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use serde_json::{Value, json};
+use support::{
+    ApiServer, Differences,
+    config::{ConfigBuilder, NATS_STREAM, kafka_sink, nats_sink},
+    differences, fold_in_order,
+    kafka::{Tansu, consume_all},
+    nats::{NatsServer, read_stream},
+    objects::{configmap, typed},
+    wait::{self, Patience},
+};
+
+const OBJECTS: usize = 300;
+const TOPIC: &str = "k8s.test.core.configmaps";
+
+/// One replica: the release binary as a pod runs it, with its own identity.
+struct Replica {
+    identity: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Replica {
+    fn start(dir: &Path, identity: &'static str, sink: &Value, kubeconfig: &Path) -> Self {
+        let config = ConfigBuilder::new()
+            .configmaps()
+            .sink(sink.clone())
+            .route("configmap", &[sink["name"].as_str().unwrap()])
+            .set(
+                "leader_election",
+                json!({
+                    "enabled": true, "identity": identity, "namespace": "kube-system",
+                    "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
+                }),
+            )
+            .set("admin", json!({"address": "127.0.0.1:0"}))
+            .value();
+        let cfg = dir.join(format!("{identity}.yaml"));
+        std::fs::write(&cfg, config.to_string()).unwrap();
+        let log = dir.join(format!("{identity}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .args(["run", "--config", cfg.to_str().unwrap()])
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Self {
+            identity,
+            child,
+            log,
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The lease's holder, as the API server has it.
+fn holder(api: &ApiServer) -> Option<String> {
+    api.get(
+        "coordination.k8s.io/v1",
+        "Lease",
+        "kube-system",
+        "kube-event-bridge",
+    )?["spec"]["holderIdentity"]
+        .as_str()
+        .map(str::to_owned)
+        .filter(|h| !h.is_empty())
+}
+
+/// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
+/// re-creates.
+async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u64 {
+    let mut changes = 0u64;
+    let mut round = 1u64;
+    let pause = Duration::from_micros(1_000_000 / per_second);
+    while !stop.load(Ordering::Relaxed) {
+        let i = (changes * 7919 % OBJECTS as u64) as usize;
+        let name = format!("cm-{i:03}");
+        let value = round.to_string();
+        match api.get("v1", "ConfigMap", "ns", &name) {
+            None => api.create(typed(&configmap("ns", &name, &value))),
+            Some(_) if (changes + round).is_multiple_of(9) => {
+                api.delete("v1", "ConfigMap", "ns", &name)
+            }
+            Some(_) => api.update(typed(&configmap("ns", &name, &value))),
+        };
+        changes += 1;
+        if changes.is_multiple_of(OBJECTS as u64) {
+            round += 1;
+        }
+        tokio::time::sleep(pause).await;
+    }
+    changes
+}
+
+/// Drops every message whose id was read before (a consumer deduplicating by id).
+fn deduplicated(events: &[Value]) -> Vec<Value> {
+    let mut seen = HashSet::new();
+    events
+        .iter()
+        .filter(|e| seen.insert(e["id"].as_str().unwrap_or_default().to_owned()))
+        .cloned()
+        .collect()
+}
+
+/// Freezes the leader under load, lets the standby take over, thaws the old one; returns
+/// what each consumer model ends with compared with the API server, once `read` (the
+/// destination's events in the order it holds them) stopped growing.
+async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> [Differences; 2] {
+    let api = Arc::new(ApiServer::start().await);
+    for i in 0..OBJECTS {
+        api.create(typed(&configmap("ns", &format!("cm-{i:03}"), "0")));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let replicas = [
+        Replica::start(dir.path(), "replica-a", &sink, &kubeconfig),
+        Replica::start(dir.path(), "replica-b", &sink, &kubeconfig),
+    ];
+    let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
+    wait::until("a leader publishing the first list", patience, async || {
+        holder(&api).is_some() && read().await.len() >= OBJECTS
+    })
+    .await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = tokio::spawn(write(api.clone(), 300, stop.clone()));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let first = holder(&api).unwrap();
+    let leader = replicas.iter().find(|r| r.identity == first).unwrap();
+    // Frozen with a backlog: the sink publishes slower than the objects change.
+    leader.signal("STOP");
+    wait::until("the standby to take over", patience, async || {
+        holder(&api).is_some_and(|h| h != first)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    leader.signal("CONT");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    let changes = writer.await.unwrap();
+    // Quiet: the destination stopped growing for 5 s.
+    let (mut last, mut since) = (0, tokio::time::Instant::now());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while since.elapsed() < Duration::from_secs(5) {
+        assert!(tokio::time::Instant::now() < deadline, "never quiet");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let n = read().await.len();
+        if n != last {
+            (last, since) = (n, tokio::time::Instant::now());
+        }
+    }
+    let events = read().await;
+    let live = api.objects("v1", "ConfigMap");
+    let found = [
+        differences(&fold_in_order(&events), &live),
+        differences(&fold_in_order(&deduplicated(&events)), &live),
+    ];
+    println!(
+        "{changes} changes, {} messages; last wins: {:?}; deduplicated by id: {:?}",
+        events.len(),
+        found[0],
+        found[1]
+    );
+    if found.iter().any(|d| !d.is_empty()) {
+        for r in &replicas {
+            let log = std::fs::read_to_string(&r.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!(
+                "--- {} (last lines, newest first)\n{}",
+                r.identity,
+                tail.join("\n")
+            );
+        }
+    }
+    found
+}
+
+fn assert_consistent(found: &[Differences; 2]) {
+    for (model, d) in ["last message wins", "deduplicate by id, then last wins"]
+        .iter()
+        .zip(found)
+    {
+        assert!(d.is_empty(), "{model}: {d:?}");
+    }
+}
+
+/// A slow sink: the leader holds a backlog when it is frozen.
+fn slow(mut sink: Value) -> Value {
+    sink["rate_limit"] = json!({"qps": 150.0, "burst": 10});
+    sink
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_kafka() {
+    let tansu = Tansu::start();
+    let brokers = tansu.brokers();
+    tansu.create_topic(TOPIC, 3);
+    // librdkafka gives up on a message after 3 s: the new leader waits 2 s of it out.
+    let sink = slow(kafka_sink(
+        "kafka",
+        &brokers,
+        json!({"delivery_timeout": "3s"}),
+    ));
+    let read = async || -> Vec<Value> {
+        let brokers = brokers.clone();
+        tokio::task::spawn_blocking(move || {
+            consume_all(&brokers, TOPIC, 3)
+                .iter()
+                .map(|r| r.json())
+                .collect()
+        })
+        .await
+        .unwrap()
+    };
+    let found = freeze_the_leader(sink, read).await;
+    assert_consistent(&found);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_jetstream() {
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let sink = slow(nats_sink("nats", &url, json!({})));
+    let read = async || -> Vec<Value> {
+        read_stream(&url, NATS_STREAM)
+            .await
+            .iter()
+            .map(|m| serde_json::from_slice(&m.payload).unwrap())
+            .collect()
+    };
+    let found = freeze_the_leader(sink, read).await;
+    assert_consistent(&found);
+}
