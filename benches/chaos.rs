@@ -6,7 +6,9 @@
 //! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]`
 //! (`-- all 1`: every scenario for one minute). Scenarios: `watch-drop`, `gone-storm`,
 //! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`,
-//! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
+//! `zombie-leader` (two replicas with leader election, a 3 s lease; every 20 s the leader is
+//! frozen with SIGSTOP for 8 s, the other takes over, and the frozen one is thawed: it must
+//! publish nothing behind the new leader), `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
 //! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
 //! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
 //! delete, and every patch applied to the object last read must give the new one), `model`
@@ -54,7 +56,7 @@ use serde_json::{Value, json};
 use wait::Patience;
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 10] = [
+const SCENARIOS: [&str; 11] = [
     "watch-drop",
     "gone-storm",
     "throttle",
@@ -64,6 +66,7 @@ const SCENARIOS: [&str; 10] = [
     "sigterm",
     "sigkill",
     "filter-churn",
+    "zombie-leader",
     "model",
 ];
 /// Namespaces the objects are spread over.
@@ -255,16 +258,32 @@ impl Service {
         }
     }
 
+    /// The metrics page; `None` when the process does not answer within a second (a
+    /// frozen process accepts connections but never answers).
     async fn metrics(&self) -> Option<String> {
         let addr: std::net::SocketAddr = format!("127.0.0.1:{}", self.admin).parse().unwrap();
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        let read = async {
+            let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+                .await
+                .ok()?;
+            let mut body = String::new();
+            s.read_to_string(&mut body).await.ok()?;
+            Some(body)
+        };
+        tokio::time::timeout(Duration::from_secs(1), read)
             .await
-            .ok()?;
-        let mut body = String::new();
-        s.read_to_string(&mut body).await.ok()?;
-        Some(body)
+            .ok()
+            .flatten()
+    }
+
+    /// Sends `signal` (STOP, CONT) without waiting.
+    fn send(&self, signal: &str) {
+        Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
     }
 
     /// Sends `signal` and waits for the exit; returns the exit code (None: killed).
@@ -280,6 +299,7 @@ impl Service {
 
 impl Drop for Service {
     fn drop(&mut self) {
+        self.send("CONT");
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -611,8 +631,17 @@ fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
         message["diff"] = json!("patch");
         message["include_old_object"] = json!(false);
     }
+    let mut builder = ConfigBuilder::new();
+    if scenario == "zombie-leader" {
+        // A 3 s lease, renewed within 2 s: with the 5 s ack timeout, a 4 s takeover wait.
+        builder = builder.set(
+            "leader_election",
+            json!({"enabled": true, "namespace": "kube-system", "lease_duration": "3s",
+                   "renew_deadline": "2s", "retry_period": "200ms"}),
+        );
+    }
     // The admin address is the one Service::start gives.
-    ConfigBuilder::new()
+    builder
         .cluster("chaos")
         .grace_period("30s")
         .kubernetes(json!({"qps": 1000, "burst": 1000}))
@@ -628,6 +657,7 @@ fn default_minutes(scenario: &str) -> f64 {
     match scenario {
         "watch-drop" => 10.0,
         "slow-sink" | "model" => 2.0,
+        "zombie-leader" => 3.0,
         "broker-down" | "kafka-broker-down" => 3.0,
         _ => 5.0,
     }
@@ -690,7 +720,37 @@ async fn run(scenario: &str, opts: &Options) -> String {
     }
     let kubeconfig = api.write_kubeconfig(dir.path());
     let config = service_config(&broker, scenario, opts.rate);
-    let mut service = Service::start(dir.path(), &config, &kubeconfig);
+    let replica = |identity: &str| {
+        let mut config = config.clone();
+        if let Some(le) = config.get_mut("leader_election") {
+            le["identity"] = json!(identity);
+        }
+        Service::start(dir.path(), &config, &kubeconfig)
+    };
+    let mut service = replica("chaos-a");
+    // `zombie-leader`: the second replica, and the one frozen now (since when).
+    let standby = if scenario == "zombie-leader" {
+        // Started once the first listens, so that the two get different admin ports.
+        wait::until(
+            "the first replica's admin port",
+            Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100)),
+            async || service.metrics().await.is_some(),
+        )
+        .await;
+        Some(replica("chaos-b"))
+    } else {
+        None
+    };
+    let mut frozen: Option<(bool, Instant)> = None;
+    let lease_holder = || {
+        api.get(
+            "coordination.k8s.io/v1",
+            "Lease",
+            "kube-system",
+            "kube-event-bridge",
+        )
+        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
+    };
     let mut peak_rss: f64 = 0.0;
     let mut exits = Vec::new();
     // The initial list goes out before the load starts.
@@ -721,9 +781,13 @@ async fn run(scenario: &str, opts: &Options) -> String {
     while started.elapsed() < duration {
         tokio::time::sleep(Duration::from_millis(250)).await;
         service.sample_rss();
-        if let Some(m) = service.metrics().await {
-            peak_held = peak_held.max(metric_sum(&m, "keb_listener_buffered_notifications"));
+        let mut held = 0.0;
+        for s in std::iter::once(&service).chain(&standby) {
+            if let Some(m) = s.metrics().await {
+                held += metric_sum(&m, "keb_listener_buffered_notifications");
+            }
         }
+        peak_held = peak_held.max(held);
         let since = last_fault.elapsed();
         match scenario {
             "watch-drop" | "filter-churn" if since >= Duration::from_secs(5) => {
@@ -745,6 +809,25 @@ async fn run(scenario: &str, opts: &Options) -> String {
                 faults.fetch_add(down.as_secs(), Ordering::Relaxed);
                 fault_done = true;
             }
+            "zombie-leader" => {
+                let standby = standby.as_ref().expect("two replicas");
+                match frozen {
+                    Some((a, at)) if at.elapsed() >= Duration::from_secs(8) => {
+                        (if a { &service } else { standby }).send("CONT");
+                        frozen = None;
+                        last_fault = Instant::now();
+                    }
+                    None if since >= Duration::from_secs(12) => {
+                        if let Some(holder) = lease_holder() {
+                            let a = holder == "chaos-a";
+                            (if a { &service } else { standby }).send("STOP");
+                            frozen = Some((a, Instant::now()));
+                            faults.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    _ => {}
+                }
+            }
             "sigterm" | "sigkill" if !fault_done && started.elapsed() >= duration / 2 => {
                 let signal = if scenario == "sigterm" {
                     "TERM"
@@ -759,11 +842,20 @@ async fn run(scenario: &str, opts: &Options) -> String {
             _ => {}
         }
     }
+    if let Some((a, _)) = frozen {
+        (if a {
+            &service
+        } else {
+            standby.as_ref().unwrap()
+        })
+        .send("CONT");
+    }
     stop.store(true, Ordering::Relaxed);
     load.await.unwrap();
     api.throttle_every(None);
     // Caught up: the service holds nothing and the stream stopped growing.
-    let caught_up = catch_up(&service, &broker, Duration::from_secs(300)).await;
+    let services: Vec<&Service> = std::iter::once(&service).chain(&standby).collect();
+    let caught_up = catch_up(&services, &broker, Duration::from_secs(300)).await;
     service.sample_rss();
     peak_rss = peak_rss.max(service.peak_rss_mib);
     let (p99, acked, suppressed) = match service.metrics().await {
@@ -809,6 +901,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
     }
     let extra = match scenario {
         "watch-drop" | "gone-storm" => format!("  faults {}", faults.load(Ordering::Relaxed)),
+        "zombie-leader" => format!("  leaders frozen {}", faults.load(Ordering::Relaxed)),
         "filter-churn" => format!(
             "  faults {}  annotation-only updates {}  filtered out (k8sfilteredout) {}  suppressed {}  patches {} (not giving the object: {})",
             faults.load(Ordering::Relaxed),
@@ -862,15 +955,18 @@ async fn stream_len(url: &str) -> Option<u64> {
 }
 
 /// Waits until the service holds no notification and the stream has not grown for 5 s.
-async fn catch_up(service: &Service, broker: &Broker, within: Duration) -> bool {
+async fn catch_up(services: &[&Service], broker: &Broker, within: Duration) -> bool {
     let deadline = Instant::now() + within;
     let (mut last, mut still_since) = (0, Instant::now());
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let held = match service.metrics().await {
-            Some(m) => metric_sum(&m, "keb_listener_buffered_notifications"),
-            None => f64::NAN,
-        };
+        let mut held = 0.0;
+        for service in services {
+            held += match service.metrics().await {
+                Some(m) => metric_sum(&m, "keb_listener_buffered_notifications"),
+                None => f64::NAN,
+            };
+        }
         let len = broker.len().await;
         if len != last || held != 0.0 {
             (last, still_since) = (len, Instant::now());

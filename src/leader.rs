@@ -151,9 +151,19 @@ impl Fence {
     /// Whether a message may be handed over (or a checkpoint written) now.
     pub fn is_valid(&self) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
-        let (from, until) = (self.0.from.load(SeqCst), self.0.until.load(SeqCst));
+        // `until` first: the elector stores `from` before `until`, so a new `until` comes
+        // with its `from`.
+        let until = self.0.until.load(SeqCst);
+        let from = self.0.from.load(SeqCst);
         let now = since_base(Instant::now());
         until > 0 && from <= now && now < until
+    }
+
+    /// Until when it is valid, if it is valid now.
+    pub fn valid_until(&self) -> Option<Instant> {
+        let until = self.0.until.load(std::sync::atomic::Ordering::SeqCst);
+        self.is_valid()
+            .then(|| fence_base() + Duration::from_nanos(until))
     }
 
     /// Valid until `deadline`.
@@ -183,13 +193,15 @@ impl Fence {
             if self.is_valid() {
                 return true;
             }
-            let (from, until) = (self.0.from.load(SeqCst), self.0.until.load(SeqCst));
+            let until = self.0.until.load(SeqCst);
+            let from = self.0.from.load(SeqCst);
             let now = since_base(Instant::now());
-            if until == 0 || now >= until || from <= now {
+            if until == 0 || now >= until {
                 return false;
             }
             // Short steps: a loss (revoke) ends the wait within one.
-            tokio::time::sleep(Duration::from_nanos(from - now).min(Duration::from_millis(100)))
+            let left = Duration::from_nanos(from.saturating_sub(now));
+            tokio::time::sleep(left.clamp(Duration::from_millis(1), Duration::from_millis(100)))
                 .await;
         }
     }
@@ -269,6 +281,11 @@ impl LeaderElector {
     /// Whether this replica leads, now and on every change.
     pub fn subscribe(&self) -> watch::Receiver<bool> {
         self.leading.subscribe()
+    }
+
+    /// The fence this candidate extends while it leads.
+    pub fn fence(&self) -> Fence {
+        self.fence.clone()
     }
 
     /// This candidate's identity.

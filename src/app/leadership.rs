@@ -18,8 +18,8 @@ impl Resources {
     /// listeners stop, routes drop what they hold (a worker drops what it took), and
     /// checkpointers drop what they did not write (see
     /// [`crate::pipeline::Checkpointer::end_term`]), so that nothing of the old term is
-    /// published or written after the new one began. Becoming leader waits out the takeover
-    /// wait (see [`crate::leader::takeover_wait`]), loads the checkpoints, starts each route's
+    /// published or written after the new one began. Becoming leader (after the takeover
+    /// wait, see [`crate::leader::takeover_wait`]) loads the checkpoints, starts each route's
     /// resume, switches the routes on, and each informer's listeners once a fresh list of it
     /// is in the cache (each object handed over once). The listeners of an informer whose
     /// list fails stay off (nothing of it is published) until a list succeeds or the term
@@ -44,14 +44,8 @@ impl Resources {
         if !leading {
             return;
         }
-        // The last leader's messages and checkpoint writes land before this one reads or
-        // publishes anything.
-        if let Some(fence) = self.fence.clone()
-            && !fence.wait_valid().await
-        {
-            warn!("Lost the lease during the takeover wait");
-            return;
-        }
+        // The takeover wait is over (see `follow`): the last leader's messages and checkpoint
+        // writes have landed before this one reads or publishes anything.
         // Routes whose checkpoint cannot be used wait, their listeners off (see checkpoints).
         let all: Vec<usize> = (0..self.wired.len()).collect();
         let (_, waiting) = self.begin_resumes(&all).await;
@@ -87,18 +81,29 @@ impl Resources {
 /// Losing leadership also drops what the sinks still queue of the ended term (see
 /// [`crate::sinks::Sink::abandon_queued`]): the new leader's messages must not be followed by
 /// older ones.
+/// Becoming leader waits the takeover wait first, without holding the resources (shutdown
+/// and discovery go on meanwhile); a loss during it is the next change.
 pub(super) fn follow(
     elector: &LeaderElector,
     resources: Arc<tokio::sync::Mutex<Resources>>,
     sinks: Vec<Arc<dyn crate::sinks::Sink>>,
 ) -> JoinHandle<()> {
     let mut leading = elector.subscribe();
+    let fence = elector.fence();
     tokio::spawn(async move {
         while leading.changed().await.is_ok() {
             let now = *leading.borrow_and_update();
             // Every change ends a term (a loss and a regain can arrive as one change), and
             // before waiting for the lock (a resume may hold it): the queue goes now.
             sinks.iter().for_each(|s| s.abandon_queued());
+            if now {
+                // The last term ends before the wait: nothing of it is published meanwhile.
+                resources.lock().await.set_leading(false).await;
+                if !fence.wait_valid().await {
+                    warn!("Lost the lease during the takeover wait");
+                    continue;
+                }
+            }
             resources.lock().await.set_leading(now).await;
         }
     })
@@ -185,7 +190,6 @@ mod tests {
             metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
-            fence: None,
         }
     }
 

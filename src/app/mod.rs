@@ -6,8 +6,9 @@
 //! become served, `leadership` switches publishing on and off, and `health` answers
 //! `/readyz`. Shutdown goes in layers: stop informers (their FIFOs drain into the route
 //! queues), drain every queue within the grace period (`shut_down_with_drain`), report what is
-//! left per route, write the checkpoints, release the lease, flush sinks, stop the admin
-//! server.
+//! left per route, write the checkpoints, flush sinks, release the lease (only if nothing
+//! was left undelivered: else it expires, and the next leader waits its takeover wait), stop
+//! the admin server.
 
 mod checkpoints;
 mod discovery;
@@ -146,7 +147,6 @@ impl App {
             metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
-            fence: fence.clone(),
         };
         for (index, r) in config.resources.iter().enumerate() {
             let name = r.effective_name();
@@ -362,15 +362,26 @@ impl App {
             }
         }
         drop(resources);
-        // Drained: now the lease can go to a standby.
-        elector_cancel.cancel();
-        if let Some((elector, follow)) = election {
-            let _ = elector.await;
-            follow.abort();
-        }
+        let mut clean = report.undelivered.is_empty();
         for sink in &self.sinks {
             if let Err(err) = sink.flush().await {
                 warn!(sink = %sink.name(), error = %err, "Flush at shutdown failed");
+                clean = false;
+            }
+        }
+        // Nothing of this process may reach a broker after the next leader's messages.
+        self.sinks.iter().for_each(|s| s.abandon_queued());
+        if let Some((elector, follow)) = election {
+            follow.abort();
+            if clean {
+                // Drained and flushed: now the lease can go to a standby at once.
+                elector_cancel.cancel();
+                let _ = elector.await;
+            } else {
+                // Something may still be on its way: the standby takes over after the lease
+                // expires and its takeover wait, not at once.
+                elector.abort();
+                warn!("Not releasing the lease: messages were left undelivered or a flush failed");
             }
         }
         admin_cancel.cancel();

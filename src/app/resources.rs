@@ -136,8 +136,6 @@ pub(super) struct Resources {
     pub(super) gone_since: HashMap<usize, tokio::time::Instant>,
     /// Set once the app runs: what is wired from then on starts at once.
     pub(super) live: Option<Live>,
-    /// With leader election: when this replica may publish.
-    pub(super) fence: Option<crate::leader::Fence>,
 }
 
 /// What runs once the app runs.

@@ -76,6 +76,9 @@ struct Pending {
     known: HashSet<u64>,
     // Batches taken for writing so far: a change recorded now goes with batch `taken + 1`.
     taken: u64,
+    // Leadership terms ended so far (see `Checkpointer::end_term`): a write taken in an
+    // earlier one puts nothing back.
+    term: u64,
 }
 
 /// What a write took from [`Pending`]: put back when dropped unless written (a change of the
@@ -84,6 +87,7 @@ struct Taken<'a> {
     checkpointer: &'a Checkpointer,
     changed: Option<HashMap<String, KeyChange>>,
     cluster: Option<String>,
+    term: u64,
 }
 
 impl Drop for Taken<'_> {
@@ -97,6 +101,10 @@ impl Drop for Taken<'_> {
         }
         if let Some(taken) = self.changed.take().filter(|t| !t.is_empty()) {
             let mut p = c.lock();
+            if p.term != self.term {
+                // Its term ended meanwhile: dropped with the rest of that term's changes.
+                return;
+            }
             for (key, change) in taken {
                 p.changed.entry(key).or_insert(change);
             }
@@ -163,6 +171,7 @@ impl Checkpointer {
     pub fn end_term(&self) {
         let mut p = self.lock();
         p.changed.clear();
+        p.term += 1;
         self.lag.set(0);
         drop(p);
         *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -316,9 +325,11 @@ impl Checkpointer {
             checkpointer: self,
             changed: None,
             cluster: None,
+            term: 0,
         };
         let batch_number = {
             let mut p = self.lock();
+            taken.term = p.term;
             p.taken += 1;
             taken.changed = Some(std::mem::take(&mut p.changed));
             p.taken
@@ -333,10 +344,15 @@ impl Checkpointer {
             self.durable.fetch_max(batch_number, Ordering::SeqCst);
             return Ok(());
         }
-        if self.fenced() {
-            // Put back (dropped when the term's end is applied).
-            return Err(Error::NotLeading);
-        }
+        // With leader election the write must end while the lease is valid: what it did not
+        // issue by then is never issued (put back, and dropped when the term's end is applied).
+        let until = match &self.fence {
+            Some(fence) => match fence.valid_until() {
+                Some(until) => Some(until),
+                None => return Err(Error::NotLeading),
+            },
+            None => None,
+        };
         let identity = taken.cluster.iter().map(|uid| {
             (
                 CLUSTER_KEY.to_owned(),
@@ -366,7 +382,14 @@ impl Checkpointer {
             }))
             .collect();
         let n = batch.len();
-        match self.store.write(&self.route, batch).await {
+        let write = self.store.write(&self.route, batch);
+        let written = match until {
+            Some(until) => tokio::time::timeout_at(until, write)
+                .await
+                .unwrap_or(Err(Error::NotLeading)),
+            None => write.await,
+        };
+        match written {
             Ok(()) => {
                 debug!(route = %self.route, keys = n, "Checkpoint written");
                 let written = taken.changed.take().expect("taken above");
@@ -388,6 +411,7 @@ impl Checkpointer {
                 self.durable.fetch_max(batch_number, Ordering::SeqCst);
                 Ok(())
             }
+            Err(Error::NotLeading) => Err(Error::NotLeading),
             Err(err) => {
                 self.failures.inc();
                 Err(err)
@@ -404,8 +428,13 @@ impl Checkpointer {
                 _ = cancel.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            if let Err(err) = self.flush().await {
-                warn!(route = %self.route, error = %err, "Checkpoint write failed; retrying with the next batch");
+            match self.flush().await {
+                Ok(()) => {}
+                // Standing by, or about to: the term's end drops what is pending.
+                Err(Error::NotLeading) => {}
+                Err(err) => {
+                    warn!(route = %self.route, error = %err, "Checkpoint write failed; retrying with the next batch")
+                }
             }
         }
     }
@@ -616,6 +645,50 @@ mod tests {
             }
             .boxed()
         }
+    }
+
+    #[tokio::test]
+    async fn a_write_of_an_ended_term_puts_nothing_back_and_a_lapsing_lease_ends_a_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let store = Arc::new(Stalling {
+            stall: true.into(),
+            inner: FileCheckpointStore::beside(&out),
+        });
+        let fence = crate::leader::Fence::default();
+        fence.extend_to(tokio::time::Instant::now() + Duration::from_millis(200));
+        let c = Arc::new(checkpointer(store.clone()).with_fence(Some(fence.clone())));
+        let add = Notification::new(NotificationKind::Add {
+            obj: obj("ns", "a", "1"),
+            is_initial_list: false,
+        });
+        c.record("ns/a", &add);
+        // The write hangs; the lease lapses under it: it ends, not leading.
+        let started = tokio::time::Instant::now();
+        assert!(matches!(c.flush().await, Err(Error::NotLeading)));
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert_eq!(c.lag.get(), 1, "put back while the term lasts");
+        // A write taken in a term that ends while it runs puts nothing back.
+        fence.extend_to(tokio::time::Instant::now() + Duration::from_secs(60));
+        let write = tokio::spawn({
+            let c = c.clone();
+            async move { c.flush().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        c.end_term();
+        write.abort();
+        let _ = write.await;
+        assert_eq!(c.lag.get(), 0);
+        store.stall.store(false, Ordering::SeqCst);
+        c.flush().await.unwrap();
+        assert!(
+            FileCheckpointStore::beside(&out)
+                .load("configmap/out")
+                .await
+                .unwrap()
+                .is_none(),
+            "the ended term's change is never written"
+        );
     }
 
     #[tokio::test]

@@ -180,6 +180,8 @@ enum Submitted {
     Pending(Pending),
     /// Not handed over; to retry.
     Retry,
+    /// Not handed over: the lease lapsed meanwhile (see `RouteQueue::may_hand_over`).
+    Fenced,
 }
 
 /// What a worker handed over of a key's batch: at most one message, whose acknowledgement is
@@ -460,6 +462,11 @@ impl Route {
                     handed.failed = true;
                     break;
                 }
+                Submitted::Fenced => {
+                    batch.push_front(n);
+                    handed.fenced = true;
+                    break;
+                }
             }
         }
         handed.rest = batch;
@@ -649,6 +656,11 @@ impl Route {
                 return Submitted::Settled;
             };
             trim = fitted;
+            // Checked again right before the hand-over: the rate limit's wait, an encoding, or
+            // a freeze may have outlasted the lease.
+            if !self.queue.may_hand_over() {
+                return Submitted::Fenced;
+            }
             let started = std::time::Instant::now();
             self.metrics.in_flight.inc();
             let err = match sink.submit(&message).await {

@@ -44,7 +44,8 @@ pub struct KafkaSinkConfig {
     #[serde(default = "default_linger", with = "humantime_serde")]
     pub linger: Duration,
     /// How long the producer retries a message before reporting it failed
-    /// (`message.timeout.ms`); the pipeline then retries it again with backoff.
+    /// (`message.timeout.ms`); the pipeline then retries it again with backoff. With leader
+    /// election, a new leader waits this long less `lease_duration - renew_deadline`.
     #[serde(default = "default_delivery_timeout", with = "humantime_serde")]
     pub delivery_timeout: Duration,
     /// Any other librdkafka producer property, passed through (`batch.size`,

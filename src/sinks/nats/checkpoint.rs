@@ -109,7 +109,7 @@ impl NatsCheckpointStore {
 
     /// The bucket on the current term's connection.
     async fn kv(&self) -> Result<(Arc<Conn>, kv::Store)> {
-        let conn = self.conns.current();
+        let conn = self.conns.open().map_err(|e| self.error(e))?;
         let store = conn
             .kv(async |js| js.get_key_value(&self.bucket).await)
             .await

@@ -89,9 +89,10 @@ impl NatsSink {
         })
     }
 
-    /// The connection of the current term.
-    fn conn(&self) -> Arc<Conn> {
-        self.conns.current()
+    /// The connection of the current term; unavailable while the next term's opens (the
+    /// retired one must not carry a newer term's messages: it may never send them).
+    fn conn(&self) -> Result<Arc<Conn>> {
+        self.conns.open()
     }
 
     /// The connections, shared with the checkpoint store (whose writes use the current
@@ -140,6 +141,8 @@ pub(super) struct Conn {
     jetstream: Option<jetstream::Context>,
     /// Set when its term ended: it never reconnects.
     retired: Arc<AtomicBool>,
+    /// Whether it carried anything (a term that published nothing need not retire it).
+    used: AtomicBool,
     /// The checkpoint bucket, opened on this connection when first used.
     kv: tokio::sync::OnceCell<kv::Store>,
 }
@@ -194,6 +197,7 @@ impl Conn {
             client,
             jetstream,
             retired,
+            used: AtomicBool::new(false),
             kv: tokio::sync::OnceCell::new(),
         })
     }
@@ -238,6 +242,19 @@ impl Conns {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    /// The current term's connection, unless it is retired (the next one still opening).
+    pub(super) fn open(&self) -> Result<Arc<Conn>> {
+        let conn = self.current();
+        if conn.retired.load(Ordering::SeqCst) {
+            return Err(Error::Unavailable(
+                "the last leadership term's NATS connection is retired; the next one is opening"
+                    .into(),
+            ));
+        }
+        conn.used.store(true, Ordering::SeqCst);
+        Ok(conn)
     }
 }
 
@@ -438,7 +455,7 @@ impl Sink for NatsSink {
             }
             let headers = self.headers(m);
             let size = m.payload.len();
-            let conn = self.conn();
+            let conn = self.conn()?;
             match &conn.jetstream {
                 Some(_) => self.submit(m).await?.await,
                 None => conn
@@ -464,7 +481,7 @@ impl Sink for NatsSink {
     /// Core NATS: the publish itself (there is no acknowledgement).
     fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
         async move {
-            let conn = self.conn();
+            let conn = self.conn()?;
             let Some(js) = &conn.jetstream else {
                 self.publish(m).await?;
                 return Ok(Box::pin(async { Ok(()) }) as Ack);
@@ -504,7 +521,7 @@ impl Sink for NatsSink {
 
     fn flush(&self) -> BoxFuture<'_, Result<()>> {
         async move {
-            self.conn()
+            self.conn()?
                 .client
                 .flush()
                 .await
@@ -517,8 +534,16 @@ impl Sink for NatsSink {
     /// connects); until it is up, publishes go to the retired one.
     fn abandon_queued(&self) {
         let conns = self.conns.clone();
-        conns.current().retired.store(true, Ordering::SeqCst);
-        let generation = conns.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let generation = {
+            // Under the lock: a connection swapped in is always the newest term's.
+            let current = conns.current.write().unwrap_or_else(|e| e.into_inner());
+            if !current.used.load(Ordering::SeqCst) && !current.retired.load(Ordering::SeqCst) {
+                // The ended term sent nothing on it (a standby's): it can serve the next.
+                return;
+            }
+            current.retired.store(true, Ordering::SeqCst);
+            conns.generation.fetch_add(1, Ordering::SeqCst) + 1
+        };
         let (name, cfg, denied) = (self.name.clone(), self.cfg.clone(), self.denied.clone());
         tokio::spawn(async move {
             let mut delay = Duration::from_millis(100);
@@ -542,7 +567,14 @@ impl Sink for NatsSink {
     }
 
     fn health(&self) -> std::result::Result<(), String> {
-        match self.conn().client.connection_state() {
+        let conn = self.conns.current();
+        if conn.retired.load(Ordering::SeqCst) {
+            return Err(format!(
+                "sink {}: the next leadership term's NATS connection is opening",
+                self.name
+            ));
+        }
+        match conn.client.connection_state() {
             State::Connected => Ok(()),
             state => Err(format!("sink {}: NATS connection is {state:?}", self.name)),
         }
