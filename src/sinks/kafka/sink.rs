@@ -18,7 +18,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
 };
@@ -61,6 +61,9 @@ pub struct KafkaSink {
     // Whether the producer's fatal error was logged (once).
     fatal_logged: Arc<AtomicBool>,
     brokers: String,
+    // Leadership terms ended so far (see `abandon_queued`): a hand-over waiting for room in
+    // librdkafka's queue gives up when its term ends.
+    terms_ended: AtomicU64,
 }
 
 /// Topic names: placeholder values as they are, an empty group as `core`, the namespace of a
@@ -119,6 +122,7 @@ impl KafkaSink {
             healthy,
             fatal_logged: Arc::default(),
             brokers,
+            terms_ended: Default::default(),
         })
     }
 
@@ -412,6 +416,7 @@ impl Sink for KafkaSink {
             let size = m.payload.len();
             let max = self.max_message_bytes;
             let mut waited = Duration::ZERO;
+            let term = self.terms_ended.load(Ordering::SeqCst);
             let delivery = loop {
                 match self.producer.send_result(record) {
                     Ok(delivery) => break delivery,
@@ -424,6 +429,12 @@ impl Sink for KafkaSink {
                         record = r;
                         tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                         waited += QUEUE_FULL_PAUSE;
+                        if self.terms_ended.load(Ordering::SeqCst) != term {
+                            return Err(Error::Unavailable(
+                                "the leadership term ended while waiting for room in the queue"
+                                    .into(),
+                            ));
+                        }
                     }
                     Err((_, _)) if let Some(cause) = fatal(&self.producer) => {
                         return Err(Error::Unavailable(cause));
@@ -468,6 +479,7 @@ impl Sink for KafkaSink {
     /// Purges the records still in librdkafka's local queue (`rd_kafka_purge`; those already
     /// in a request to a broker cannot be taken back).
     fn abandon_queued(&self) {
+        self.terms_ended.fetch_add(1, Ordering::SeqCst);
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue());
     }
