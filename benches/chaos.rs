@@ -742,15 +742,6 @@ async fn run(scenario: &str, opts: &Options) -> String {
         None
     };
     let mut frozen: Option<(bool, Instant)> = None;
-    let lease_holder = || {
-        api.get(
-            "coordination.k8s.io/v1",
-            "Lease",
-            "kube-system",
-            "kube-event-bridge",
-        )
-        .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
-    };
     let mut peak_rss: f64 = 0.0;
     let mut exits = Vec::new();
     // The initial list goes out before the load starts.
@@ -818,7 +809,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
                         last_fault = Instant::now();
                     }
                     None if since >= Duration::from_secs(12) => {
-                        if let Some(holder) = lease_holder() {
+                        if let Some(holder) = api.lease_holder() {
                             let a = holder == "chaos-a";
                             (if a { &service } else { standby }).send("STOP");
                             frozen = Some((a, Instant::now()));

@@ -89,19 +89,6 @@ impl Drop for Replica {
     }
 }
 
-/// The lease's holder, as the API server has it.
-fn holder(api: &ApiServer) -> Option<String> {
-    api.get(
-        "coordination.k8s.io/v1",
-        "Lease",
-        "kube-system",
-        "kube-event-bridge",
-    )?["spec"]["holderIdentity"]
-        .as_str()
-        .map(str::to_owned)
-        .filter(|h| !h.is_empty())
-}
-
 /// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
 /// re-creates.
 async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u64 {
@@ -126,6 +113,15 @@ async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u
         tokio::time::sleep(pause).await;
     }
     changes
+}
+
+/// The stream's events, in stream order.
+async fn jetstream_events(url: &str) -> Vec<Value> {
+    read_stream(url, NATS_STREAM)
+        .await
+        .iter()
+        .map(|m| serde_json::from_slice(&m.payload).unwrap())
+        .collect()
 }
 
 /// Drops every message whose id was read before (a consumer deduplicating by id).
@@ -154,18 +150,18 @@ async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> [
     ];
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
     wait::until("a leader publishing the first list", patience, async || {
-        holder(&api).is_some() && read().await.len() >= OBJECTS
+        api.lease_holder().is_some() && read().await.len() >= OBJECTS
     })
     .await;
     let stop = Arc::new(AtomicBool::new(false));
     let writer = tokio::spawn(write(api.clone(), 300, stop.clone()));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let first = holder(&api).unwrap();
+    let first = api.lease_holder().unwrap();
     let leader = replicas.iter().find(|r| r.identity == first).unwrap();
     // Frozen with a backlog: the sink publishes slower than the objects change.
     leader.signal("STOP");
     wait::until("the standby to take over", patience, async || {
-        holder(&api).is_some_and(|h| h != first)
+        api.lease_holder().is_some_and(|h| h != first)
     })
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -259,13 +255,7 @@ async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_jets
     let nats = NatsServer::start();
     let url = nats.url();
     let sink = slow(nats_sink("nats", &url, json!({})));
-    let read = async || -> Vec<Value> {
-        read_stream(&url, NATS_STREAM)
-            .await
-            .iter()
-            .map(|m| serde_json::from_slice(&m.payload).unwrap())
-            .collect()
-    };
+    let read = async || jetstream_events(&url).await;
     let found = freeze_the_leader(sink, read).await;
     assert_consistent(&found);
 }
@@ -285,17 +275,11 @@ async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover
     let api = ApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let read = async || -> Vec<Value> {
-        read_stream(&url, NATS_STREAM)
-            .await
-            .iter()
-            .map(|m| serde_json::from_slice(&m.payload).unwrap())
-            .collect()
-    };
+    let read = async || jetstream_events(&url).await;
     let mut a = Replica::start(dir.path(), "replica-a", &sink, &kubeconfig);
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
     wait::until("replica-a to lead", patience, async || {
-        holder(&api).as_deref() == Some("replica-a")
+        api.lease_holder().as_deref() == Some("replica-a")
     })
     .await;
     let b = Replica::start(dir.path(), "replica-b", &sink, &kubeconfig);
@@ -312,7 +296,7 @@ async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover
         read().await.len() >= 40
     })
     .await;
-    assert_eq!(holder(&api).as_deref(), Some(b.identity));
+    assert_eq!(api.lease_holder().as_deref(), Some(b.identity));
     // Nothing more.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let events = read().await;

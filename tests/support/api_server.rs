@@ -611,6 +611,20 @@ impl ApiServer {
             .cloned()
     }
 
+    /// The holder of the Lease `kube-system/kube-event-bridge` (the default leader election
+    /// lease), if it is held.
+    pub fn lease_holder(&self) -> Option<String> {
+        self.get(
+            "coordination.k8s.io/v1",
+            "Lease",
+            "kube-system",
+            "kube-event-bridge",
+        )?["spec"]["holderIdentity"]
+            .as_str()
+            .filter(|h| !h.is_empty())
+            .map(str::to_owned)
+    }
+
     /// The next `n` list requests get 429 with Retry-After.
     pub fn fail_next_lists(&self, n: u32) {
         self.shared.faults.lock().unwrap().fail_next_lists = n;

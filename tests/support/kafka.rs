@@ -136,7 +136,6 @@ pub fn consume(brokers: &str, topic: &str, n: usize) -> Vec<Record> {
 
 /// Every record `topic` holds now (per partition in offset order): as many as its
 /// partitions' watermarks say.
-#[allow(dead_code)]
 pub fn consume_all(brokers: &str, topic: &str, partitions: i32) -> Vec<Record> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
