@@ -339,7 +339,9 @@ impl LeaderElector {
                         if !wait.is_zero() {
                             info!(lease = %self.name, wait = ?wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
                         }
-                        self.fence.not_before(started + wait);
+                        // From when the lease was judged expired (after the read), not
+                        // from when the attempt began.
+                        self.fence.not_before(now + wait);
                     }
                     last_renewal = Some(started);
                     self.fence.extend_to(started + self.renew_deadline);

@@ -99,7 +99,14 @@ pub(super) fn follow(
             if now {
                 // The last term ends before the wait: nothing of it is published meanwhile.
                 resources.lock().await.set_leading(false).await;
-                if !fence.wait_valid().await {
+                // A lapse ends a wait without a change when the renewal lands just after
+                // it: wait again while the elector still says leading.
+                let mut valid = fence.wait_valid().await;
+                while !valid && *leading.borrow() && !leading.has_changed().unwrap_or(true) {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    valid = fence.wait_valid().await;
+                }
+                if !valid {
                     warn!("Lost the lease during the takeover wait");
                     continue;
                 }

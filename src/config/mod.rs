@@ -203,7 +203,7 @@ impl Config {
 
     /// The longest a message handed to a sink can take to be delivered (or fail for good):
     /// `kafka.delivery_timeout`, `nats.ack_timeout`; with the sink's index and setting.
-    fn longest_delivery_setting(&self) -> Option<(usize, &'static str)> {
+    fn longest_delivery(&self) -> Option<(std::time::Duration, usize, &'static str)> {
         self.sinks
             .iter()
             .enumerate()
@@ -213,22 +213,12 @@ impl Config {
                 _ => None,
             })
             .max_by_key(|(d, ..)| *d)
-            .map(|(_, i, setting)| (i, setting))
     }
 
     /// How long a new leader waits after taking the lease over (see
     /// [`crate::leader::takeover_wait`]).
     pub fn takeover_wait(&self) -> std::time::Duration {
-        let longest = self
-            .sinks
-            .iter()
-            .filter_map(|s| match (&s.kafka, &s.nats) {
-                (Some(k), _) => Some(k.delivery_timeout),
-                (_, Some(n)) => Some(n.ack_timeout),
-                _ => None,
-            })
-            .max()
-            .unwrap_or_default();
+        let longest = self.longest_delivery().map(|(d, ..)| d).unwrap_or_default();
         crate::leader::takeover_wait(&self.leader_election, longest)
     }
 
@@ -289,9 +279,7 @@ impl Config {
         if self.leader_election.enabled {
             let wait = self.takeover_wait();
             if wait > crate::leader::MAX_TAKEOVER_WAIT {
-                let (i, setting) = self
-                    .longest_delivery_setting()
-                    .expect("a wait needs a sink");
+                let (_, i, setting) = self.longest_delivery().expect("a wait needs a sink");
                 p.add(
                     format!("sinks[{i}].{setting}"),
                     format!(

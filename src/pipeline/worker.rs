@@ -718,7 +718,11 @@ impl Route {
                     .end_to_end
                     .observe(sent.received.elapsed().as_secs_f64());
                 self.metrics.published[sent.event_type as usize].inc();
-                self.set_unpatched(key, sent.trim == Trim::Reference);
+                // After a delete the key's next message is an add: no patch to start.
+                self.set_unpatched(
+                    key,
+                    sent.trim == Trim::Reference && sent.event_type != EventType::Deleted,
+                );
                 if let Some(step) = Degradation::of(sent.trim).filter(|_| sent.trim > sent.forced) {
                     // Counted once accepted: a trimmed message the destination refused again
                     // is counted at the step that made it fit.
@@ -799,8 +803,9 @@ impl Route {
         message: Option<(&str, usize)>,
         reason: FailureReason,
     ) {
-        // Consumers miss this state: the key's next patch would start from one they lack.
-        self.set_unpatched(key, true);
+        // Consumers miss this state: the key's next patch would start from one they lack
+        // (after a delete its next message is an add, which starts none).
+        self.set_unpatched(key, !matches!(n.kind, NotificationKind::Delete { .. }));
         let Some(dlq) = &self.delivery.dead_letter else {
             return;
         };

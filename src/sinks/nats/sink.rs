@@ -253,7 +253,10 @@ impl Conns {
                     .into(),
             ));
         }
-        conn.used.store(true, Ordering::SeqCst);
+        // Loaded first: a store on every publish would contend across workers.
+        if !conn.used.load(Ordering::Relaxed) {
+            conn.used.store(true, Ordering::SeqCst);
+        }
         Ok(conn)
     }
 }
