@@ -21,7 +21,7 @@ use support::{
     event_type,
     kafka::{Record, Tansu, consume},
     objects::{Meta, configmap, configmap_with_data, named, typed},
-    wait::{self, PATIENCE},
+    wait::{self, PATIENCE, Patience},
 };
 
 const TOPIC: &str = "k8s.test.core.configmaps";
@@ -441,9 +441,28 @@ async fn a_broker_outage_during_load_loses_nothing() {
             }
         }
     });
+    let failed = || -> u64 {
+        ["timeout", "unavailable"]
+            .iter()
+            .map(|r| {
+                running
+                    .metrics
+                    .sink_failed
+                    .with_label_values(&["kafka", "configmap", r])
+                    .get()
+            })
+            .sum()
+    };
     tokio::time::sleep(Duration::from_millis(100)).await;
     mock.broker_down(1).unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await; // longer than the delivery timeout
+    // Down until a delivery failed (on a loaded machine the first ones may come late).
+    wait::until(
+        "a delivery to fail during the outage",
+        Patience::of(Duration::from_secs(30)).polling(Duration::from_millis(100)),
+        async || failed() > 0,
+    )
+    .await;
     mock.broker_up(1).unwrap();
     writer.await.unwrap();
     // Retries may store some twice: read until 301 distinct ids are in.
@@ -459,16 +478,7 @@ async fn a_broker_outage_during_load_loses_nothing() {
     })
     .await
     .unwrap();
-    let failed: u64 = ["timeout", "unavailable"]
-        .iter()
-        .map(|r| {
-            running
-                .metrics
-                .sink_failed
-                .with_label_values(&["kafka", "configmap", r])
-                .get()
-        })
-        .sum();
+    let failed = failed();
     let report = running.stop().await;
     assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
     assert!(
