@@ -233,6 +233,8 @@ pub struct LeaderElector {
     gauge: IntGauge,
     // The last lease record seen and when it was first seen.
     observed: Option<(LeaseRecord, Instant)>,
+    // With sharding: whether to campaign for (and keep renewing) this lease now.
+    campaign: Option<watch::Receiver<bool>>,
 }
 
 /// What identifies a lease record for expiry: its holder and renew time.
@@ -275,7 +277,28 @@ impl LeaderElector {
             takeover_wait,
             gauge,
             observed: None,
+            campaign: None,
         }
+    }
+
+    /// The same candidate for Lease `name` instead of `leader_election.lease_name` (a
+    /// shard's).
+    pub fn for_lease(mut self, name: String) -> Self {
+        self.name = name;
+        self
+    }
+
+    /// Campaigns only while `campaign` says so: when it turns false a leader stops renewing
+    /// and stops publishing at once (the lease then expires for the others; it is not
+    /// released, as messages may still be on their way), and a candidate stops trying.
+    pub fn campaign_while(mut self, campaign: watch::Receiver<bool>) -> Self {
+        self.campaign = Some(campaign);
+        self
+    }
+
+    /// The Lease it campaigns for.
+    pub fn lease_name(&self) -> &str {
+        &self.name
     }
 
     /// Whether this replica leads, now and on every change.
@@ -316,6 +339,22 @@ impl LeaderElector {
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut last_renewal: Option<Instant> = None;
         loop {
+            if self
+                .campaign
+                .as_mut()
+                .is_some_and(|c| !*c.borrow_and_update())
+            {
+                if last_renewal.take().is_some() {
+                    info!(lease = %self.name, "Handing the lease on: no longer renewing it");
+                }
+                self.fence.revoke();
+                self.set_leading(false);
+                tokio::select! {
+                    _ = cancel.cancelled() => break,
+                    _ = tokio::time::sleep(self.retry_period) => {}
+                }
+                continue;
+            }
             // An attempt may take long (the client retries 5xx itself): bound it, so that a
             // leader steps down by the renew deadline whatever the API server does.
             let deadline = last_renewal.map_or(Instant::now() + self.renew_deadline, |t| {

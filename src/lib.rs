@@ -20,6 +20,7 @@
 //! metrics.rs        every Prometheus metric family
 //! problems.rs       what settings validation found, with field paths
 //! selector.rs       label selectors as kubectl takes them → kube's Selector
+//! shard.rs          shards: FNV-1a ranges of namespaces (KEP-5866), their selectors
 //! informer/         reflector, list_watch (list+watch state machine), delta_fifo, indexer,
 //!                   shared_informer, listener, factory;
 //!                   notification.rs (Notification, EventType), object.rs (CachedObject, diffs)
@@ -31,6 +32,7 @@
 //! admin.rs          /metrics, /healthz, /readyz (and its settings)
 //! cluster.rs        the Kubernetes client, its settings and rate limit
 //! leader.rs         leader election on a Lease (and its settings)
+//! membership.rs     which replicas share the shards (membership Leases), who should own which
 //! config/           the document: mod.rs (load, cross-references), resource.rs, sink.rs
 //! selection.rs      which kinds each configured resource selects, by discovery
 //! app/              mod.rs (build, run, layered shutdown), sinks.rs (opening sinks and stores),
@@ -47,11 +49,13 @@ pub mod config;
 pub mod consumer;
 pub mod informer;
 pub mod leader;
+pub mod membership;
 pub mod message;
 pub mod metrics;
 pub mod pipeline;
 pub mod problems;
 pub mod selection;
 pub mod selector;
+pub mod shard;
 pub mod sinks;
 pub mod workqueue;

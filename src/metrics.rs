@@ -70,8 +70,18 @@ pub struct Metrics {
     /// `keb_informer_watch_stalls_total{resource}`: watches restarted because they delivered
     /// neither an event nor a bookmark for `kubernetes.watch_stall_timeout`.
     pub informer_watch_stalls: IntCounterVec,
+    /// `keb_informer_shard_server_side{resource}`: for a shard's informer, 1 while the API
+    /// server applies its shard selector, 0 while the client filters (the server ignored it).
+    pub informer_shard_server_side: IntGaugeVec,
     /// `keb_leader`: 1 while this replica publishes (it leads, or leader election is off).
     pub leader: IntGauge,
+    /// `keb_shard_owned{shard}`: 1 while this replica owns (holds the Lease of) the shard.
+    pub shard_owned: IntGaugeVec,
+    /// `keb_shard_handovers_total{shard,change}`: times this replica `acquired` a shard
+    /// (began publishing it) or `stopped` (handed it on, or lost its Lease).
+    pub shard_handovers: IntCounterVec,
+    /// `keb_shard_replicas`: replicas this one sees sharing the shards (its own included).
+    pub shard_replicas: IntGauge,
     /// `keb_resume_objects_total{route,outcome}`: objects compared with a route's checkpoint
     /// when it resumed, by outcome (`unchanged`, `updated`, `deleted`, `added`, `recreated`).
     pub resume_objects: IntCounterVec,
@@ -306,6 +316,32 @@ impl Metrics {
                 "1 while the informer's list or watch is refused (403 Forbidden)",
                 &["resource"],
             ),
+            informer_shard_server_side: gauge(
+                "keb_informer_shard_server_side",
+                "For a shard's informer: 1 while the API server applies the shard selector, 0 while the client filters",
+                &["resource"],
+            ),
+            shard_owned: gauge(
+                "keb_shard_owned",
+                "1 while this replica owns the shard (holds its Lease)",
+                &["shard"],
+            ),
+            shard_handovers: counter(
+                "keb_shard_handovers_total",
+                "Times this replica acquired a shard (began publishing it) or stopped publishing it",
+                &["shard", "change"],
+            ),
+            shard_replicas: {
+                let g = IntGauge::new(
+                    "keb_shard_replicas",
+                    "Replicas sharing the shards, as this one sees them (itself included)",
+                )
+                .expect("valid metric");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("unique metric");
+                g
+            },
             informer_watch_stalls: counter(
                 "keb_informer_watch_stalls_total",
                 "Watches restarted after delivering neither an event nor a bookmark for kubernetes.watch_stall_timeout",

@@ -35,6 +35,7 @@ fn key(namespace: Option<&str>) -> InformerKey {
         namespace: namespace.map(Into::into),
         label_selector: None,
         field_selector: None,
+        shard: None,
     }
 }
 

@@ -18,12 +18,13 @@ use crate::{cluster, selection::resolve_all};
 /// that is down) stops nothing. Looks again at every change of a CRD (a watch of
 /// CustomResourceDefinitions, when the service account may), every
 /// `kubernetes.discovery_refresh`, and when a kind's grace ends.
+/// Every shard's wiring follows the same discovery: each is refreshed in turn.
 pub(super) async fn follow_discovery(
-    wiring: Arc<Wiring>,
-    resources: Arc<tokio::sync::Mutex<Resources>>,
+    shards: Vec<(Arc<Wiring>, Arc<tokio::sync::Mutex<Resources>>)>,
     notes: Arc<std::sync::Mutex<Vec<String>>>,
     cancel: CancellationToken,
 ) {
+    let wiring = shards[0].0.clone();
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
     let crds = kube::Api::<kube::api::DynamicObject>::all_with(
@@ -74,10 +75,16 @@ pub(super) async fn follow_discovery(
                 None => return,
             },
         }
-        let mut resources = resources.lock().await;
-        recheck = refresh(&wiring, &mut resources).await;
-        *notes.lock().unwrap_or_else(|e| e.into_inner()) =
-            resources.pending.values().cloned().collect();
+        recheck = None;
+        let mut pending = std::collections::BTreeSet::new();
+        for (wiring, resources) in &shards {
+            let mut resources = resources.lock().await;
+            if let Some(at) = refresh(wiring, &mut resources).await {
+                recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
+            }
+            pending.extend(resources.pending.values().cloned());
+        }
+        *notes.lock().unwrap_or_else(|e| e.into_inner()) = pending.into_iter().collect();
     }
 }
 

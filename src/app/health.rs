@@ -43,14 +43,18 @@ pub(super) fn readiness(
     api_ok: Arc<AtomicBool>,
     sinks: Vec<Arc<dyn Sink>>,
     pending: Arc<std::sync::Mutex<Vec<String>>>,
-    waiting: WaitingRoutes,
+    waiting: Vec<WaitingRoutes>,
 ) -> admin::Readiness {
     Arc::new(move || {
         let mut reasons: Vec<String> = waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .map(|(route, why)| format!("route {route} publishes nothing: {why}"))
+            .flat_map(|w| {
+                w.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                    .map(|(route, why)| format!("route {route} publishes nothing: {why}"))
+                    .collect::<Vec<_>>()
+            })
             .collect();
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
         for i in factory.informers().iter().filter(|i| !i.has_synced()) {
@@ -76,7 +80,7 @@ pub(super) fn readiness(
 
 /// client-go refreshes the unfinished-work gauges of every queue every 500 ms.
 pub(super) async fn update_unfinished_work(
-    resources: Arc<tokio::sync::Mutex<Resources>>,
+    resources: Vec<Arc<tokio::sync::Mutex<Resources>>>,
     cancel: CancellationToken,
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(500));
@@ -84,8 +88,10 @@ pub(super) async fn update_unfinished_work(
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {
-                let queues = resources.lock().await.queues();
-                queues.iter().for_each(|q| q.queue().update_unfinished_work());
+                for r in &resources {
+                    let queues = r.lock().await.queues();
+                    queues.iter().for_each(|q| q.queue().update_unfinished_work());
+                }
             }
         }
     }

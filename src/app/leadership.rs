@@ -83,16 +83,21 @@ impl Resources {
 /// older ones.
 /// Becoming leader waits the takeover wait first, without holding the resources (shutdown
 /// and discovery go on meanwhile); a loss during it is the next change.
+/// With sharding, `handovers` counts this shard's changes of owner (`acquired`, `stopped`).
 pub(super) fn follow(
     elector: &LeaderElector,
     resources: Arc<tokio::sync::Mutex<Resources>>,
     sinks: Vec<Arc<dyn crate::sinks::Sink>>,
+    handovers: Option<[prometheus::IntCounter; 2]>,
 ) -> JoinHandle<()> {
     let mut leading = elector.subscribe();
     let fence = elector.fence();
     tokio::spawn(async move {
         while leading.changed().await.is_ok() {
             let now = *leading.borrow_and_update();
+            if let Some(counters) = &handovers {
+                counters[usize::from(!now)].inc();
+            }
             // Every change ends a term (a loss and a regain can arrive as one change), and
             // before waiting for the lock (a resume may hold it): the queue goes now.
             sinks.iter().for_each(|s| s.abandon_queued());
@@ -114,6 +119,44 @@ pub(super) fn follow(
             resources.lock().await.set_leading(now).await;
         }
     })
+}
+
+/// Turns the shards assigned to this replica (see [`crate::membership`]) into what each
+/// shard's elector campaigns for, and keeps `keb_leader` at 1 while this replica owns any
+/// shard.
+pub(super) async fn campaign(
+    mut wanted: tokio::sync::watch::Receiver<std::collections::BTreeSet<u32>>,
+    campaigns: Vec<tokio::sync::watch::Sender<bool>>,
+    metrics: Arc<crate::metrics::Metrics>,
+    cancel: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    loop {
+        let mine = wanted.borrow_and_update().clone();
+        for (index, tx) in campaigns.iter().enumerate() {
+            tx.send_if_modified(|c| {
+                let want = mine.contains(&(index as u32));
+                std::mem::replace(c, want) != want
+            });
+        }
+        let owned = (0..campaigns.len()).any(|s| {
+            metrics
+                .shard_owned
+                .with_label_values(&[&crate::shard::Shard {
+                    index: s as u32,
+                    count: campaigns.len() as u32,
+                }
+                .label()])
+                .get()
+                == 1
+        });
+        metrics.leader.set(owned as i64);
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            changed = wanted.changed() => if changed.is_err() { return },
+            _ = tick.tick() => {}
+        }
+    }
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use std::{
 };
 
 use kube::Client;
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, sync::watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -33,6 +33,7 @@ use crate::{
     config::Config,
     informer::{SharedInformerFactory, factory::WatchOptions},
     leader::{self, LeaderElector},
+    membership::Membership,
     metrics::Metrics,
     pipeline::{self, Route, filter},
     selection::{self, ResolvedResource},
@@ -85,10 +86,20 @@ pub struct App {
     client: Client,
     metrics: Arc<Metrics>,
     factory: Arc<SharedInformerFactory>,
-    wiring: Arc<Wiring>,
-    resources: Arc<tokio::sync::Mutex<Resources>>,
+    /// One per shard (one without sharding).
+    parts: Vec<ShardPart>,
     sinks: Vec<Arc<dyn Sink>>,
     admin: TcpListener,
+    /// With more than one shard: this replica's membership, and what it campaigns for.
+    membership: Option<(Membership, Vec<watch::Sender<bool>>)>,
+}
+
+/// One shard's part of the service: its routes and informers, and (with leader election)
+/// the elector of its Lease. Without sharding there is one part, for the whole keyspace, on
+/// the leader election's Lease.
+struct ShardPart {
+    wiring: Arc<Wiring>,
+    resources: Arc<tokio::sync::Mutex<Resources>>,
     elector: Option<LeaderElector>,
 }
 
@@ -123,31 +134,9 @@ impl App {
             stores,
             deliveries,
         } = sinks::open(&config).await?;
-        let fence = config
-            .leader_election
-            .enabled
-            .then(crate::leader::Fence::default);
-        let wiring = Arc::new(Wiring {
-            config: config.clone(),
-            client: client.clone(),
-            metrics: metrics.clone(),
-            factory: factory.clone(),
-            deliveries,
-            stores,
-            kafka_sinks,
-            fence: fence.clone(),
-        });
-        let mut resources = Resources {
-            wired: Vec::new(),
-            pending: BTreeMap::new(),
-            leading: !config.leader_election.enabled,
-            term: CancellationToken::new(),
-            cluster: String::new(),
-            waiting: Default::default(),
-            metrics: metrics.clone(),
-            gone_since: Default::default(),
-            live: None,
-        };
+        // Which kinds each resource selects now (the same for every shard).
+        let mut resolved = Vec::new();
+        let mut pending = BTreeMap::new();
         for (index, r) in config.resources.iter().enumerate() {
             let name = r.effective_name();
             match selection::resolve_all(&client, index, r).await {
@@ -158,59 +147,137 @@ impl App {
                     } in selection.kinds
                     {
                         info!(resource = %kind_name(r, &api_resource), plural = %api_resource.plural, namespaced, "Resolved resource");
-                        let mut wired = wiring.wire(index, api_resource, namespaced).await?;
-                        wiring.add_informers(&mut wired);
-                        resources.wired.push(wired);
+                        resolved.push((index, api_resource, namespaced));
                     }
                     metrics.resource_pending.with_label_values(&[&name]).set(0);
                 }
                 Err(err @ cluster::Error::NotServed { .. })
                     if !config.kubernetes.require_all_resources =>
                 {
-                    let reason = wiring.pending_reason(index, &err.to_string());
-                    warn!(resource = %name, "{reason}; it starts when the API server serves it");
-                    resources.pending.insert(index, reason);
+                    pending.insert(index, err.to_string());
                     metrics.resource_pending.with_label_values(&[&name]).set(1);
                 }
                 Err(err) => return Err(err.into()),
             }
         }
         // Any sink with a checkpoint (kinds that appear later wire their routes then).
-        if !wiring.stores.is_empty() {
-            resources.cluster = cluster::identity(&client).await.map_err(Error::Identity)?;
-            info!(cluster = %resources.cluster, "Cluster identity (uid of namespace kube-system), recorded in checkpoints");
-        }
+        let cluster = if stores.is_empty() {
+            String::new()
+        } else {
+            let uid = cluster::identity(&client).await.map_err(Error::Identity)?;
+            info!(cluster = %uid, "Cluster identity (uid of namespace kube-system), recorded in checkpoints");
+            uid
+        };
         let le = &config.leader_election;
-        let elector = if le.enabled {
-            let (namespace, identity) =
-                (leader::default_namespace(le), leader::default_identity(le));
-            info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, takeover_wait = ?config.takeover_wait(), "Leader election on; standing by");
-            // A standby holds nothing until it leads.
-            factory
-                .informers()
-                .iter()
-                .for_each(|i| i.deactivate_listeners());
-            resources.queues().iter().for_each(|q| q.set_active(false));
-            Some(LeaderElector::new(
-                client.clone(),
-                le,
-                &namespace,
-                identity,
-                fence.clone().expect("leader election on"),
-                config.takeover_wait(),
-                metrics.leader.clone(),
-            ))
+        let shards = config.sharding.all();
+        let (namespace, identity) = (leader::default_namespace(le), leader::default_identity(le));
+        let mut parts = Vec::new();
+        let mut campaigns = Vec::new();
+        for shard in shards.iter().copied() {
+            let fence = le.enabled.then(crate::leader::Fence::default);
+            let wiring = Arc::new(Wiring {
+                config: config.clone(),
+                client: client.clone(),
+                metrics: metrics.clone(),
+                factory: factory.clone(),
+                deliveries: deliveries.clone(),
+                stores: stores.clone(),
+                kafka_sinks: kafka_sinks.clone(),
+                fence: fence.clone(),
+                shard,
+            });
+            let mut resources = Resources {
+                wired: Vec::new(),
+                pending: BTreeMap::new(),
+                leading: !le.enabled,
+                term: CancellationToken::new(),
+                cluster: cluster.clone(),
+                waiting: Default::default(),
+                metrics: metrics.clone(),
+                gone_since: Default::default(),
+                live: None,
+            };
+            for (index, api_resource, namespaced) in &resolved {
+                let mut wired = wiring
+                    .wire(*index, api_resource.clone(), *namespaced)
+                    .await?;
+                wiring.add_informers(&mut wired);
+                resources.wired.push(wired);
+            }
+            for (&index, why) in &pending {
+                resources
+                    .pending
+                    .insert(index, wiring.pending_reason(index, why));
+            }
+            let elector = fence.map(|fence| {
+                // A standby holds nothing until it leads.
+                resources.wired.iter().for_each(|w| {
+                    w.informers.iter().for_each(|i| i.deactivate_listeners());
+                });
+                resources.queues().iter().for_each(|q| q.set_active(false));
+                let gauge = if shard.is_whole() {
+                    metrics.leader.clone()
+                } else {
+                    metrics.shard_owned.with_label_values(&[&shard.label()])
+                };
+                let elector = LeaderElector::new(
+                    client.clone(),
+                    le,
+                    &namespace,
+                    identity.clone(),
+                    fence,
+                    config.takeover_wait(),
+                    gauge,
+                );
+                if shard.is_whole() {
+                    elector
+                } else {
+                    let (tx, rx) = watch::channel(false);
+                    campaigns.push(tx);
+                    elector
+                        .for_lease(format!("{}-shard-{}", le.lease_name, shard.label()))
+                        .campaign_while(rx)
+                }
+            });
+            for (&index, why) in &resources.pending {
+                if shard.index == 0 {
+                    warn!(resource = %config.resources[index].effective_name(), "{why}; it starts when the API server serves it");
+                }
+            }
+            parts.push(ShardPart {
+                wiring,
+                resources: Arc::new(tokio::sync::Mutex::new(resources)),
+                elector,
+            });
+        }
+        if le.enabled {
+            info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, shards = shards.len(), takeover_wait = ?config.takeover_wait(), "Leader election on; standing by");
         } else {
             metrics.leader.set(1);
             // This replica publishes from the start: resume before the first list. A checkpoint
             // of another cluster fails the start; one that cannot be read makes its route wait.
-            let all: Vec<usize> = (0..resources.wired.len()).collect();
-            let (refusals, _) = resources.begin_resumes(&all).await;
-            if let Some(err) = checkpoints::start_error(&refusals) {
-                return Err(err);
+            for part in &parts {
+                let mut resources = part.resources.lock().await;
+                let all: Vec<usize> = (0..resources.wired.len()).collect();
+                let (refusals, _) = resources.begin_resumes(&all).await;
+                if let Some(err) = checkpoints::start_error(&refusals) {
+                    return Err(err);
+                }
             }
-            None
-        };
+        }
+        let membership = (le.enabled && shards.len() > 1).then(|| {
+            (
+                Membership::new(
+                    client.clone(),
+                    le,
+                    &namespace,
+                    identity.clone(),
+                    shards.clone(),
+                    metrics.shard_replicas.clone(),
+                ),
+                campaigns,
+            )
+        });
         let address = config.admin.address;
         let admin = TcpListener::bind(address)
             .await
@@ -219,11 +286,10 @@ impl App {
             client,
             metrics,
             factory,
-            wiring,
-            resources: Arc::new(tokio::sync::Mutex::new(resources)),
+            parts,
             sinks: sinks.into_values().collect(),
             admin,
-            elector,
+            membership,
         })
     }
 
@@ -251,7 +317,10 @@ impl App {
         let api_ok = Arc::new(AtomicBool::new(true));
         // What `/readyz` reports of pending resources, kept beside the async lock.
         let pending_notes: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
-        let waiting = self.resources.lock().await.waiting.clone();
+        let mut waiting = Vec::new();
+        for part in &self.parts {
+            waiting.push(part.resources.lock().await.waiting.clone());
+        }
         let readiness = health::readiness(
             self.factory.clone(),
             api_ok.clone(),
@@ -274,8 +343,8 @@ impl App {
             admin_cancel.clone(),
         ));
         let checkpoints_cancel = CancellationToken::new();
-        {
-            let mut resources = self.resources.lock().await;
+        for part in &self.parts {
+            let mut resources = part.resources.lock().await;
             let routes: Vec<(Arc<Route>, usize)> = resources
                 .wired
                 .iter()
@@ -298,70 +367,124 @@ impl App {
                 informers_cancel: informers_cancel.clone(),
                 checkpoints_cancel: checkpoints_cancel.clone(),
             });
-            *pending_notes.lock().unwrap_or_else(|e| e.into_inner()) =
-                resources.pending.values().cloned().collect();
+            let mut notes = pending_notes.lock().unwrap_or_else(|e| e.into_inner());
+            if notes.is_empty() {
+                *notes = resources.pending.values().cloned().collect();
+            }
         }
+        let all_resources: Vec<_> = self.parts.iter().map(|p| p.resources.clone()).collect();
         let gauges = tokio::spawn(health::update_unfinished_work(
-            self.resources.clone(),
+            all_resources.clone(),
             admin_cancel.clone(),
         ));
         let elector_cancel = CancellationToken::new();
-        let election = self.elector.map(|elector| {
-            let follow = leadership::follow(&elector, self.resources.clone(), self.sinks.clone());
-            (tokio::spawn(elector.run(elector_cancel.clone())), follow)
+        let mut electors = Vec::new();
+        let mut follows = Vec::new();
+        for part in self.parts.iter() {
+            let Some(elector) = &part.elector else {
+                continue;
+            };
+            let shard = part.wiring.shard;
+            let handovers = (!shard.is_whole()).then(|| {
+                ["acquired", "stopped"].map(|change| {
+                    self.metrics
+                        .shard_handovers
+                        .with_label_values(&[&shard.label(), change])
+                })
+            });
+            follows.push(leadership::follow(
+                elector,
+                part.resources.clone(),
+                self.sinks.clone(),
+                handovers,
+            ));
+        }
+        let mut parts_wiring = Vec::new();
+        for part in self.parts {
+            if let Some(elector) = part.elector {
+                electors.push(tokio::spawn(elector.run(elector_cancel.clone())));
+            }
+            parts_wiring.push((part.wiring, part.resources));
+        }
+        let membership_cancel = CancellationToken::new();
+        let membership = self.membership.map(|(membership, campaigns)| {
+            let wanted = membership.subscribe();
+            let metrics = self.metrics.clone();
+            (
+                tokio::spawn(membership.run(membership_cancel.clone())),
+                tokio::spawn(leadership::campaign(
+                    wanted,
+                    campaigns,
+                    metrics,
+                    membership_cancel.clone(),
+                )),
+            )
         });
-        let informers_started = {
-            let mut resources = self.resources.lock().await;
+        let mut informers_started = 0;
+        for resources in &all_resources {
+            let mut resources = resources.lock().await;
             for i in 0..resources.wired.len() {
                 resources.start(i, false, &[]).await;
             }
-            resources
+            informers_started += resources
                 .wired
                 .iter()
                 .map(|w| w.informers.len())
-                .sum::<usize>()
-        };
+                .sum::<usize>();
+        }
         let discovery_cancel = CancellationToken::new();
+        let grace = parts_wiring[0].0.config.shutdown.grace_period;
         let discovery = tokio::spawn(discovery::follow_discovery(
-            self.wiring.clone(),
-            self.resources.clone(),
+            parts_wiring,
             pending_notes,
             discovery_cancel.clone(),
         ));
         info!(admin = %admin_addr, informers = informers_started, "Started");
 
         shutdown.await;
-        let grace = self.wiring.config.shutdown.grace_period;
         info!(grace_period = ?grace, "Shutting down: stopping informers, then draining the queues");
         // Nothing is wired or unwired from here on.
         discovery_cancel.cancel();
         let _ = discovery.await;
-        let mut resources = self.resources.lock().await;
+        let mut locked = Vec::new();
+        for resources in &all_resources {
+            locked.push(resources.lock().await);
+        }
         // Routes still waiting for their checkpoint give up.
-        resources.term.cancel();
+        locked.iter().for_each(|r| r.term.cancel());
         informers_cancel.cancel();
-        let informers: Vec<_> = resources
-            .wired
+        let informers: Vec<_> = locked
             .iter()
-            .flat_map(|w| w.informers.iter().cloned())
+            .flat_map(|r| r.wired.iter().flat_map(|w| w.informers.iter().cloned()))
             .collect();
         futures::future::join_all(informers.iter().map(|i| i.stop())).await;
-        let live = resources.live.take().expect("set at start");
-        let report = Report {
-            undelivered: live
-                .running
-                .drain(tokio::time::Instant::now() + grace)
-                .await,
-        };
+        let lives: Vec<Live> = locked
+            .iter_mut()
+            .map(|r| r.live.take().expect("set at start"))
+            .collect();
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut report = Report::default();
+        let mut checkpoint_tasks = Vec::new();
+        let drained = futures::future::join_all(lives.into_iter().map(|live| async move {
+            let undelivered = live.running.drain(deadline).await;
+            (undelivered, live.checkpoint_tasks)
+        }))
+        .await;
+        for (undelivered, tasks) in drained {
+            report.undelivered.extend(undelivered);
+            checkpoint_tasks.extend(tasks);
+        }
         // Drained: what the sinks acknowledged goes to the checkpoints, all of it.
-        live.checkpoints_cancel.cancel();
-        futures::future::join_all(live.checkpoint_tasks).await;
-        for r in resources.resumes() {
-            if let Err(err) = r.checkpointer.flush().await {
-                warn!(route = %r.checkpointer.route(), error = %err, "Final checkpoint write failed; a restart re-sends what it lacks");
+        checkpoints_cancel.cancel();
+        futures::future::join_all(checkpoint_tasks).await;
+        for resources in &locked {
+            for r in resources.resumes() {
+                if let Err(err) = r.checkpointer.flush().await {
+                    warn!(route = %r.checkpointer.route(), error = %err, "Final checkpoint write failed; a restart re-sends what it lacks");
+                }
             }
         }
-        drop(resources);
+        drop(locked);
         let mut clean = report.undelivered.is_empty();
         for sink in &self.sinks {
             if let Err(err) = sink.flush().await {
@@ -371,16 +494,21 @@ impl App {
         }
         // Nothing of this process may reach a broker after the next leader's messages.
         self.sinks.iter().for_each(|s| s.abandon_queued());
-        if let Some((elector, follow)) = election {
-            follow.abort();
+        follows.iter().for_each(|f| f.abort());
+        if let Some((membership, campaign)) = membership {
+            campaign.abort();
+            membership_cancel.cancel();
+            let _ = membership.await;
+        }
+        if !electors.is_empty() {
             if clean {
-                // Drained and flushed: now the lease can go to a standby at once.
+                // Drained and flushed: now the leases can go to a standby at once.
                 elector_cancel.cancel();
-                let _ = elector.await;
+                futures::future::join_all(electors).await;
             } else {
                 // Something may still be on its way: the standby takes over after the lease
                 // expires and its takeover wait, not at once.
-                elector.abort();
+                electors.iter().for_each(|e| e.abort());
                 warn!("Not releasing the lease: messages were left undelivered or a flush failed");
             }
         }

@@ -27,6 +27,7 @@ use crate::{
     message::{Encoder, object_transform},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteBuilder, RouteQueue, filter},
+    shard::Shard,
     sinks::{self, CheckpointStore, kafka::KafkaSink},
     workqueue::rate_limiter::RetrySettings,
 };
@@ -57,6 +58,8 @@ pub(super) struct Wiring {
     pub(super) kafka_sinks: HashMap<String, Arc<KafkaSink>>,
     /// With leader election: the lease's local validity, checked before each hand-over.
     pub(super) fence: Option<crate::leader::Fence>,
+    /// The shard these routes and informers serve ([`Shard::WHOLE`] without sharding).
+    pub(super) shard: Shard,
 }
 
 /// One route of a wired resource.
@@ -251,7 +254,7 @@ impl Wiring {
         let (config, metrics) = (&self.config, &self.metrics);
         let r = &config.resources[index];
         let entry = r.effective_name();
-        let name = kind_name(r, &api_resource);
+        let name = self.route_kind_name(r, &api_resource);
         let informers = r.namespaces.len().max(1);
         let rules = filter::Rules::new(&r.filter_settings())?.map(Arc::new);
         let mut routes = Vec::new();
@@ -357,6 +360,7 @@ impl Wiring {
                     namespace,
                     label_selector: r.label_selector.clone(),
                     field_selector: r.effective_field_selector(wired.namespaced),
+                    shard: Some(self.shard),
                 };
                 self.factory
                     .informer_for(api_resource, key, Some(transform.clone()))
@@ -376,6 +380,18 @@ impl Wiring {
                 // starts off and `start` switches it on.
                 informer.add_listener(Arc::new(listener));
             }
+        }
+    }
+
+    /// The name of a wired kind in its routes (see [`kind_name`]), with the shard when there
+    /// are several (`configmap#3-of-12`): each shard's routes have their own queue, metrics
+    /// and checkpoint.
+    pub(super) fn route_kind_name(&self, r: &ResourceConfig, api_resource: &ApiResource) -> String {
+        let name = kind_name(r, api_resource);
+        if self.shard.is_whole() {
+            name
+        } else {
+            format!("{name}#{}", self.shard.label())
         }
     }
 

@@ -23,6 +23,7 @@ pub use crate::{
     leader::LeaderElectionConfig,
     message::{DiffMode, MessageConfig},
     pipeline::filter::FilterErrorPolicy,
+    shard::ShardingConfig,
     sinks::{SecretRef, stdout::StdoutSinkConfig},
 };
 pub use resource::{ResourceConfig, ScopeSelection};
@@ -75,6 +76,10 @@ pub struct Config {
     /// Leader election among replicas (off by default).
     #[serde(default)]
     pub leader_election: LeaderElectionConfig,
+    /// Splitting every resource's objects into shards that the replicas share (one by
+    /// default: single-leader mode).
+    #[serde(default)]
+    pub sharding: ShardingConfig,
     /// The resources to watch; each one is served by a shared informer.
     pub resources: Vec<ResourceConfig>,
     /// Where notifications go.
@@ -232,6 +237,14 @@ impl Config {
         self.kubernetes.validate(&mut p.at("kubernetes"));
         self.log.validate(&mut p.at("log"));
         self.leader_election.validate(&mut p.at("leader_election"));
+        self.sharding.validate(&mut p.at("sharding"));
+        if self.sharding.shards > 1 && !self.leader_election.enabled {
+            p.add(
+                "sharding.shards",
+                "more than one shard needs leader_election.enabled: true (each shard is owned \
+                 through a Lease)",
+            );
+        }
         if self.resources.is_empty() {
             p.add("resources", "at least one resource is required");
         }

@@ -14,11 +14,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     DeltaFifo, Indexer, SharedIndexInformer,
-    list_watch::ListWatchConfig,
+    list_watch::{ListWatchConfig, ShardFilter},
     reflector::{Reflector, ReflectorMetrics, Transform},
     shared_informer::InformerMetrics,
 };
-use crate::metrics::Metrics;
+use crate::{metrics::Metrics, shard::Shard};
 
 /// What makes two informers the same: resource, namespace (`None`: all) and selectors.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -35,6 +35,8 @@ pub struct InformerKey {
     pub label_selector: Option<String>,
     /// Field selector.
     pub field_selector: Option<String>,
+    /// Only one shard's objects (`None`: all).
+    pub shard: Option<Shard>,
 }
 
 impl fmt::Display for InformerKey {
@@ -46,6 +48,9 @@ impl fmt::Display for InformerKey {
         write!(f, "{}/{}", self.version, self.plural)?;
         if let Some(ns) = &self.namespace {
             write!(f, "@{ns}")?;
+        }
+        if let Some(shard) = self.shard.filter(|s| !s.is_whole()) {
+            write!(f, "#{}", shard.label())?;
         }
         match (&self.label_selector, &self.field_selector) {
             (None, None) => Ok(()),
@@ -112,6 +117,14 @@ impl SharedInformerFactory {
             timeout: self.options.watch_timeout_seconds,
             labels: key.label_selector.clone(),
             fields: key.field_selector.clone(),
+            shard: key.shard.filter(|s| !s.is_whole()).map(|shard| {
+                ShardFilter::new(
+                    shard,
+                    self.metrics
+                        .informer_shard_server_side
+                        .with_label_values(&[&name]),
+                )
+            }),
         };
         let indexer = Arc::new(Indexer::new());
         let fifo = Arc::new(DeltaFifo::new(indexer.clone()));

@@ -38,6 +38,8 @@ use kube::{
 };
 use tokio::sync::watch;
 
+use crate::shard::Shard;
+
 /// What the list+watch asks the server for.
 #[derive(Debug, Clone, Default)]
 pub struct ListWatchConfig {
@@ -51,6 +53,120 @@ pub struct ListWatchConfig {
     pub labels: Option<String>,
     /// Field selector.
     pub fields: Option<String>,
+    /// Only this shard's objects (see [`ShardFilter`]).
+    pub shard: Option<ShardFilter>,
+}
+
+/// Lists and watches only one shard's objects: `shardSelector` is sent with every list and
+/// watch (KEP-5866), and every object is checked on the client too, so the cache holds the
+/// shard's objects only whether or not the server applied the selector. Whether it did is
+/// read from each list's `shardInfo` (a server without the `ShardedListAndWatch` gate ignores
+/// the parameter and echoes nothing) and kept in `mode`.
+#[derive(Debug, Clone)]
+pub struct ShardFilter {
+    /// The shard.
+    pub shard: Shard,
+    /// What the last list said: [`ShardMode`] as `u8`.
+    pub mode: Arc<std::sync::atomic::AtomicU8>,
+    /// 1 while the server applies the selector, 0 while the client filters.
+    pub server_side: prometheus::IntGauge,
+}
+
+/// Where a shard's objects are selected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ShardMode {
+    /// No list answered yet.
+    Unknown = 0,
+    /// The API server applied the selector (its list echoed `shardInfo`): only the shard's
+    /// objects cross the network.
+    Server = 1,
+    /// It did not: every object crosses the network and the client drops the others.
+    Client = 2,
+}
+
+impl ShardFilter {
+    /// A filter for `shard`, its mode unknown until the first list.
+    pub fn new(shard: Shard, server_side: prometheus::IntGauge) -> Self {
+        server_side.set(0);
+        Self {
+            shard,
+            mode: Arc::default(),
+            server_side,
+        }
+    }
+
+    /// What the last list said.
+    pub fn mode(&self) -> ShardMode {
+        match self.mode.load(Ordering::SeqCst) {
+            1 => ShardMode::Server,
+            2 => ShardMode::Client,
+            _ => ShardMode::Unknown,
+        }
+    }
+
+    fn holds(&self, obj: &DynamicObject) -> bool {
+        self.shard
+            .holds_namespace(obj.metadata.namespace.as_deref().unwrap_or(""))
+    }
+
+    /// `request` with the shard's `shardSelector` added to its query.
+    fn select(&self, mut request: http::Request<Vec<u8>>) -> http::Request<Vec<u8>> {
+        let uri = request.uri().to_string();
+        let sep = if uri.contains('?') { '&' } else { '?' };
+        let selector = percent_encode(&self.shard.selector());
+        *request.uri_mut() = format!("{uri}{sep}shardSelector={selector}")
+            .parse()
+            .expect("a valid URI with a percent-encoded parameter added");
+        request
+    }
+}
+
+fn log_mode(shard: &Shard, mode: ShardMode) {
+    match mode {
+        ShardMode::Server => tracing::info!(
+            %shard,
+            "The API server applies the shard selector: only this shard's objects are listed and watched"
+        ),
+        _ => tracing::warn!(
+            %shard,
+            "The API server ignored the shard selector (no shardInfo: feature gate ShardedListAndWatch off, or a server before 1.36): every object is listed and watched, and this replica keeps its shard's only"
+        ),
+    }
+}
+
+/// Percent-encodes everything but RFC 3986's unreserved characters.
+fn percent_encode(s: &str) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(s.len() * 2);
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// A list page as the API server sends it, with KEP-5866's `shardInfo`.
+#[derive(serde::Deserialize)]
+struct ListPage {
+    #[serde(default)]
+    metadata: ListPageMeta,
+    #[serde(default)]
+    items: Vec<DynamicObject>,
+}
+
+#[derive(Default, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct ListPageMeta {
+    #[serde(default)]
+    resource_version: Option<String>,
+    #[serde(default, rename = "continue")]
+    continue_: Option<String>,
+    #[serde(default)]
+    shard_info: Option<serde_json::Value>,
 }
 
 impl ListWatchConfig {
@@ -196,6 +312,49 @@ pub fn list_watch(
     )
 }
 
+/// One page of a consistent list (with the shard's selector, if any).
+async fn list_page(
+    api: &Api<DynamicObject>,
+    config: &ListWatchConfig,
+    continue_token: Option<String>,
+) -> kube::Result<ListPage> {
+    let mut request = kube::core::Request::new(api.resource_url())
+        .list(&config.list_params(continue_token))
+        .map_err(kube::Error::BuildRequest)?;
+    if let Some(filter) = &config.shard {
+        request = filter.select(request);
+    }
+    request.extensions_mut().insert("list");
+    api.clone().into_client().request::<ListPage>(request).await
+}
+
+/// A watch from `rv` (with the shard's selector, if any); `initial_events` asks for the
+/// streaming list.
+async fn watch(
+    api: &Api<DynamicObject>,
+    config: &ListWatchConfig,
+    rv: &str,
+    initial_events: bool,
+) -> kube::Result<WatchStream> {
+    let Some(filter) = &config.shard else {
+        return Ok(api
+            .watch(&config.watch_params(initial_events), rv)
+            .await?
+            .boxed());
+    };
+    let request = kube::core::Request::new(api.resource_url())
+        .watch(&config.watch_params(initial_events), rv)
+        .map_err(kube::Error::BuildRequest)?;
+    let mut request = filter.select(request);
+    request.extensions_mut().insert("watch");
+    Ok(api
+        .clone()
+        .into_client()
+        .request_events::<DynamicObject>(request)
+        .await?
+        .boxed())
+}
+
 /// The next event of a watch stream, or `None` when a relist was requested first.
 async fn next_or_relist(
     stream: &mut WatchStream,
@@ -225,13 +384,8 @@ async fn step(
     match state {
         State::Empty if config.streaming => {
             relists.list_starts();
-            match api.watch(&config.watch_params(true), "").await {
-                Ok(stream) => (
-                    Some(Ok(Event::Init)),
-                    State::InitialWatch {
-                        stream: stream.boxed(),
-                    },
-                ),
+            match watch(api, config, "", true).await {
+                Ok(stream) => (Some(Ok(Event::Init)), State::InitialWatch { stream }),
                 Err(err) => (Some(Err(Error::WatchStartFailed(err))), State::Empty),
             }
         }
@@ -266,18 +420,35 @@ async fn step(
             {
                 return (Some(Ok(Event::InitDone)), State::InitListed { rv });
             }
-            match api.list(&config.list_params(continue_token)).await {
+            let first = continue_token.is_none();
+            match list_page(api, config, continue_token).await {
                 Ok(list) => {
                     let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
                     let continue_token = list.metadata.continue_.filter(|s| !s.is_empty());
                     if last_rv.is_none() && continue_token.is_none() {
                         return (Some(Err(Error::NoResourceVersion)), State::Empty);
                     }
+                    let mut items = list.items;
+                    if let Some(filter) = &config.shard {
+                        if first {
+                            let mode = if list.metadata.shard_info.is_some() {
+                                ShardMode::Server
+                            } else {
+                                ShardMode::Client
+                            };
+                            let before = filter.mode.swap(mode as u8, Ordering::SeqCst);
+                            filter.server_side.set((mode == ShardMode::Server) as i64);
+                            if before != mode as u8 {
+                                log_mode(&filter.shard, mode);
+                            }
+                        }
+                        items.retain(|o| filter.holds(o));
+                    }
                     (
                         None,
                         State::InitPage {
                             continue_token,
-                            objects: list.items.into(),
+                            objects: items.into(),
                             last_rv,
                         },
                     )
@@ -288,10 +459,15 @@ async fn step(
         }
         State::InitialWatch { mut stream } => match next_or_relist(&mut stream, relists).await {
             None => (None, State::Empty),
-            Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => (
-                Some(Ok(Event::InitApply(obj))),
-                State::InitialWatch { stream },
-            ),
+            Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
+                if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
+                    return (None, State::InitialWatch { stream });
+                }
+                (
+                    Some(Ok(Event::InitApply(obj))),
+                    State::InitialWatch { stream },
+                )
+            }
             // The API server never sends these during the initial events.
             Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream }),
             Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
@@ -318,14 +494,8 @@ async fn step(
             Some(Some(Err(err))) => (Some(Err(Error::WatchFailed(err))), State::Empty),
             Some(None) => (None, State::Empty),
         },
-        State::InitListed { rv } => match api.watch(&config.watch_params(false), &rv).await {
-            Ok(stream) => (
-                None,
-                State::Watching {
-                    rv,
-                    stream: stream.boxed(),
-                },
-            ),
+        State::InitListed { rv } => match watch(api, config, &rv, false).await {
+            Ok(stream) => (None, State::Watching { rv, stream }),
             Err(err) => {
                 let next = if unavailable(&err) {
                     State::Empty
@@ -339,10 +509,16 @@ async fn step(
             None => (None, State::Empty),
             Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
                 let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
+                if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
+                    return (None, State::Watching { rv, stream });
+                }
                 (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
             }
             Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
                 let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
+                if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
+                    return (None, State::Watching { rv, stream });
+                }
                 (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
             }
             Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (

@@ -145,6 +145,9 @@ struct Faults {
     stale_cache: Option<Backup>,
     // The kube-system namespace's uid (one fixed value unless a test sets another).
     cluster_uid: String,
+    // Whether `shardSelector` is applied (the ShardedListAndWatch gate); on unless a test
+    // turns it off.
+    shard_selectors: bool,
 }
 
 /// The objects and resourceVersion at one moment (see [`ApiServer::backup`]).
@@ -234,6 +237,7 @@ impl ApiServer {
             faults: Mutex::new(Faults {
                 bookmark_interval: Some(Duration::from_secs(60)),
                 cluster_uid: "0b5e2f9c-test-cluster".into(),
+                shard_selectors: true,
                 ..Default::default()
             }),
             counts: Mutex::default(),
@@ -590,6 +594,12 @@ impl ApiServer {
     }
 
     /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
+    /// Turns the `ShardedListAndWatch` gate on or off (on by default): off, `shardSelector`
+    /// is ignored and lists echo no `shardInfo`, as on a server without the gate.
+    pub fn set_shard_selectors(&self, on: bool) {
+        self.shared.faults.lock().unwrap().shard_selectors = on;
+    }
+
     pub fn refuse_lease_writes_from(&self, holder: Option<&str>) {
         self.shared.faults.lock().unwrap().refuse_lease_holder = holder.map(str::to_owned);
     }
@@ -863,6 +873,50 @@ struct Filter {
     namespace: Option<String>,
     labels: Option<String>,
     fields: Option<String>,
+    /// KEP-5866's `shardRange(object.metadata.<field>, start, end)`: field, [start, end).
+    shard: Option<(String, u128, u128)>,
+}
+
+/// 64-bit FNV-1a, as KEP-5866 hashes the shard field.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
+}
+
+/// Parses a `shardRange(object.metadata.uid|namespace, '0x..', '0x..')` selector.
+fn parse_shard_selector(selector: &str) -> Result<(String, u128, u128), String> {
+    let bad = || format!("invalid shardSelector {selector:?}");
+    let inner = selector
+        .trim()
+        .strip_prefix("shardRange(")
+        .and_then(|s| s.strip_suffix(')'))
+        .ok_or_else(bad)?;
+    let parts: Vec<&str> = inner.split(',').map(str::trim).collect();
+    let [field, start, end] = parts[..] else {
+        return Err(bad());
+    };
+    let field = match field {
+        "object.metadata.uid" => "uid",
+        "object.metadata.namespace" => "namespace",
+        _ => {
+            return Err(format!(
+                "{}: only object.metadata.uid and object.metadata.namespace can be sharded on",
+                bad()
+            ));
+        }
+    };
+    let bound = |b: &str| {
+        b.strip_prefix('\'')
+            .and_then(|b| b.strip_suffix('\''))
+            .and_then(|b| b.strip_prefix("0x"))
+            .and_then(|h| u128::from_str_radix(h, 16).ok())
+            .ok_or_else(bad)
+    };
+    Ok((field.to_owned(), bound(start)?, bound(end)?))
 }
 
 impl Filter {
@@ -873,6 +927,11 @@ impl Filter {
                 .as_deref()
                 .is_none_or(|ns| obj["metadata"]["namespace"].as_str() == Some(ns))
             && selector_matches(obj, self.labels.as_ref(), self.fields.as_ref())
+            && self.shard.as_ref().is_none_or(|(field, start, end)| {
+                let value = obj["metadata"][field.as_str()].as_str().unwrap_or("");
+                let h = u128::from(fnv1a64(value.as_bytes()));
+                *start <= h && h < *end
+            })
     }
 
     /// The event a watcher with this filter sees, if any.
@@ -1079,11 +1138,27 @@ async fn handle(
             c.lists += 1
         }
     }
+    // Without the ShardedListAndWatch gate the parameter is ignored (and nothing echoed).
+    let shard = match q.get("shardSelector") {
+        Some(sel) if shared.faults.lock().unwrap().shard_selectors => {
+            match parse_shard_selector(sel) {
+                Ok(range) => Some(range),
+                Err(msg) => {
+                    return json_response(
+                        StatusCode::BAD_REQUEST,
+                        &status(400, "BadRequest", &msg),
+                    );
+                }
+            }
+        }
+        _ => None,
+    };
     let filter = Filter {
         resource: collection.resource,
         namespace: collection.namespace,
         labels: q.get("labelSelector").cloned(),
         fields: q.get("fieldSelector").cloned(),
+        shard,
     };
     if is_watch {
         watch(shared, filter, &q).await
@@ -1282,6 +1357,9 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
     let end = limit.map_or(items.len(), |l| (offset + l).min(items.len()));
     let page: Vec<Value> = items[offset.min(items.len())..end].to_vec();
     let mut metadata = json!({"resourceVersion": snapshot_rv.to_string()});
+    if filter.shard.is_some() {
+        metadata["shardInfo"] = json!({"selector": q.get("shardSelector")});
+    }
     if end < items.len() {
         let mut store = shared.store.lock().unwrap();
         let id = match cont

@@ -1,0 +1,273 @@
+//! Which replicas share the shards, and which shards each one should own: every replica
+//! renews a membership Lease (`{lease_name}-member-{identity}`, labelled
+//! [`MEMBER_LABEL`]`={lease_name}`), lists the others' and counts those it has seen renewed
+//! within `lease_duration` (judged by when this replica *saw* a renewal, never by comparing
+//! clocks, as the elector judges a lease). From the same view every replica computes the same
+//! assignment ([`assign`]): each shard goes to the member that ranks it highest (rendezvous
+//! hashing) among those holding fewer than ⌈M/N⌉, so a change of membership moves few
+//! shards. A replica campaigns for the shards assigned to it and stops renewing the others;
+//! the shard Leases (see [`crate::leader`]) decide who actually owns each one, so replicas
+//! whose views differ for a moment cannot both publish a shard.
+
+use std::{
+    collections::{BTreeSet, HashMap},
+    time::Duration,
+};
+
+use k8s_openapi::{
+    api::coordination::v1::{Lease, LeaseSpec},
+    apimachinery::pkg::apis::meta::v1::MicroTime,
+};
+use kube::{
+    Api, Client,
+    api::{ListParams, ObjectMeta, PostParams},
+};
+use prometheus::IntGauge;
+use tokio::{sync::watch, time::Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::{
+    leader::LeaderElectionConfig,
+    shard::{Shard, fnv1a64},
+};
+
+/// The label every membership Lease carries, with the shard leases' base name as its value.
+pub const MEMBER_LABEL: &str = "kube-event-bridge.io/members-of";
+
+/// The shards assigned to `me` when `members` (sorted, `me` among them) share `shards`: each
+/// shard, in order, goes to the member with the highest rendezvous weight for it among those
+/// that have fewer than ⌈M/N⌉ so far.
+pub fn assign(shards: &[Shard], members: &[String], me: &str) -> BTreeSet<u32> {
+    if members.is_empty() {
+        return shards.iter().map(|s| s.index).collect();
+    }
+    let cap = shards.len().div_ceil(members.len());
+    let mut held: HashMap<&str, usize> = HashMap::new();
+    let mut mine = BTreeSet::new();
+    for shard in shards {
+        let weight = |m: &str| fnv1a64(format!("{m}\u{0}{}", shard.index).as_bytes());
+        let owner = members
+            .iter()
+            .filter(|m| held.get(m.as_str()).copied().unwrap_or(0) < cap)
+            .max_by_key(|m| (weight(m), std::cmp::Reverse(m.as_str())))
+            .expect("the caps add up to at least the number of shards");
+        *held.entry(owner.as_str()).or_default() += 1;
+        if owner == me {
+            mine.insert(shard.index);
+        }
+    }
+    mine
+}
+
+/// One replica's membership: renews its Lease, watches the others', and publishes which
+/// shards it should own.
+pub struct Membership {
+    api: Api<Lease>,
+    group: String,
+    identity: String,
+    lease_duration: Duration,
+    retry_period: Duration,
+    shards: Vec<Shard>,
+    wanted: watch::Sender<BTreeSet<u32>>,
+    replicas: IntGauge,
+    // Per member lease name: the last record seen and when it was first seen.
+    observed: HashMap<String, (Record, Instant)>,
+}
+
+/// What identifies a membership lease's renewal: its holder and renew time.
+type Record = (Option<String>, Option<jiff::Timestamp>);
+
+impl Membership {
+    /// A member named `identity` of the replicas sharing `shards` under the leases of `cfg`
+    /// (its name, durations) in `namespace`.
+    pub fn new(
+        client: Client,
+        cfg: &LeaderElectionConfig,
+        namespace: &str,
+        identity: String,
+        shards: Vec<Shard>,
+        replicas: IntGauge,
+    ) -> Self {
+        Self {
+            api: Api::namespaced(client, namespace),
+            group: cfg.lease_name.clone(),
+            identity,
+            lease_duration: cfg.lease_duration,
+            retry_period: cfg.retry_period,
+            shards,
+            wanted: watch::channel(BTreeSet::new()).0,
+            replicas,
+            observed: HashMap::new(),
+        }
+    }
+
+    /// The shards this replica should own, now and on every change (empty until it has seen
+    /// the others for one lease period).
+    pub fn subscribe(&self) -> watch::Receiver<BTreeSet<u32>> {
+        self.wanted.subscribe()
+    }
+
+    fn lease_name(&self) -> String {
+        // A Lease name is a DNS subdomain: identities are pod names, which are.
+        format!("{}-member-{}", self.group, self.identity)
+    }
+
+    /// Renews and looks until `cancel` fires; then leaves (empties its holder, so that the
+    /// others count it out at once).
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let started = Instant::now();
+        loop {
+            if let Err(err) = self.renew().await {
+                warn!(error = %err, "Cannot renew the membership lease; retrying");
+            }
+            match self.members().await {
+                Ok(members) => {
+                    self.replicas.set(members.len() as i64);
+                    // Until the others had a lease period to be seen, a replica that just
+                    // started would count itself alone and claim every shard.
+                    if started.elapsed() >= self.lease_duration {
+                        let mine = assign(&self.shards, &members, &self.identity);
+                        self.wanted.send_if_modified(|w| {
+                            let changed = *w != mine;
+                            if changed {
+                                info!(members = ?members, shards = ?mine, "Shards assigned to this replica");
+                                *w = mine;
+                            }
+                            changed
+                        });
+                    }
+                }
+                Err(err) => debug!(error = %err, "Cannot list the membership leases"),
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = tokio::time::sleep(self.retry_period) => {}
+            }
+        }
+        self.leave().await;
+    }
+
+    async fn renew(&self) -> Result<(), kube::Error> {
+        let name = self.lease_name();
+        let spec = LeaseSpec {
+            holder_identity: Some(self.identity.clone()),
+            lease_duration_seconds: Some(self.lease_duration.as_secs().max(1) as i32),
+            renew_time: Some(MicroTime(jiff::Timestamp::now())),
+            ..Default::default()
+        };
+        match self.api.get_opt(&name).await? {
+            Some(mut lease) => {
+                lease.spec = Some(spec);
+                self.api
+                    .replace(&name, &PostParams::default(), &lease)
+                    .await?;
+            }
+            None => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(name),
+                        labels: Some([(MEMBER_LABEL.to_owned(), self.group.clone())].into()),
+                        ..Default::default()
+                    },
+                    spec: Some(spec),
+                };
+                self.api.create(&PostParams::default(), &lease).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The live members, sorted: itself, and every other whose lease names a holder and
+    /// changed within `lease_duration` of when this replica saw it change.
+    async fn members(&mut self) -> Result<Vec<String>, kube::Error> {
+        let leases = self
+            .api
+            .list(&ListParams::default().labels(&format!("{MEMBER_LABEL}={}", self.group)))
+            .await?;
+        let now = Instant::now();
+        let mut live = BTreeSet::from([self.identity.clone()]);
+        let mut seen = HashMap::new();
+        for lease in leases {
+            let Some(name) = lease.metadata.name.clone() else {
+                continue;
+            };
+            let spec = lease.spec.unwrap_or_default();
+            let record = (
+                spec.holder_identity.clone().filter(|h| !h.is_empty()),
+                spec.renew_time.map(|t| t.0),
+            );
+            let at = match self.observed.remove(&name) {
+                Some((r, at)) if r == record => at,
+                _ => now,
+            };
+            if let Some(holder) = &record.0
+                && now.duration_since(at) < self.lease_duration
+            {
+                live.insert(holder.clone());
+            }
+            seen.insert(name, (record, at));
+        }
+        self.observed = seen;
+        Ok(live.into_iter().collect())
+    }
+
+    async fn leave(&self) {
+        let name = self.lease_name();
+        let Ok(Some(mut lease)) = self.api.get_opt(&name).await else {
+            return;
+        };
+        let spec = lease.spec.get_or_insert_default();
+        spec.holder_identity = None;
+        if let Err(err) = self
+            .api
+            .replace(&name, &PostParams::default(), &lease)
+            .await
+        {
+            warn!(error = %err, "Could not leave the membership; the others count this replica out after its lease expires");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::ShardingConfig;
+
+    fn members(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("replica-{i}")).collect()
+    }
+
+    #[test]
+    fn every_shard_has_one_owner_and_none_more_than_the_ceiling() {
+        for m in [1, 5, 12, 64] {
+            let shards = ShardingConfig { shards: m }.all();
+            for n in 1..=7 {
+                let ms = members(n);
+                let mut owners = vec![0; m as usize];
+                for me in &ms {
+                    let mine = assign(&shards, &ms, me);
+                    assert!(mine.len() <= (m as usize).div_ceil(n), "{m} over {n}");
+                    mine.iter().for_each(|&s| owners[s as usize] += 1);
+                }
+                assert!(owners.iter().all(|&o| o == 1), "{m} over {n}: {owners:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_new_member_moves_few_shards() {
+        let shards = ShardingConfig { shards: 12 }.all();
+        let (three, four) = (members(3), members(4));
+        let moved: usize = three
+            .iter()
+            .map(|me| {
+                assign(&shards, &three, me)
+                    .difference(&assign(&shards, &four, me))
+                    .count()
+            })
+            .sum();
+        // The newcomer needs 3; a rebalance that moved most of them would relist them all.
+        assert!(moved <= 6, "{moved} shards moved");
+    }
+}
