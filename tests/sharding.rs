@@ -1,6 +1,8 @@
 //! Horizontal sharding with the real binary, checked as a consumer sees it: three replicas
-//! share twelve shards of ConfigMaps spread over many namespaces, publishing into one Kafka
-//! topic (tansu). Every object's first state is published once (by its shard's owner);
+//! share twelve shards of ConfigMaps spread over many namespaces, publishing into one
+//! JetStream stream (a real nats-server; tansu 0.6 answers ProducerFenced and times out when
+//! several idempotent producers write one partition at once, see the README). Every object's
+//! first state is published once (by its shard's owner);
 //! while objects change at a few hundred per second one replica is SIGKILLed, and the others
 //! take its shards over; folded per key in the order the topic holds them, the last message
 //! of every object equals the API server's (no lost or phantom deletes, no stale finals).
@@ -23,14 +25,13 @@ use std::{
 use serde_json::{Value, json};
 use support::{
     ApiServer,
-    config::{ConfigBuilder, kafka_sink},
+    config::{ConfigBuilder, NATS_STREAM, nats_sink},
     differences, fold_in_order,
-    kafka::{Tansu, consume_all},
+    nats::{NatsServer, read_stream},
     objects::{configmap, typed},
     wait::{self, Patience},
 };
 
-const TOPIC: &str = "k8s.test.core.configmaps";
 const SHARDS: u32 = 12;
 /// Namespaces as teams name them (service, then environment): 60 of them. FNV-1a's high
 /// bits, which pick the shard, hardly change with a string's last characters, so names that
@@ -95,7 +96,7 @@ impl Replica {
                 "leader_election",
                 json!({
                     "enabled": true, "identity": identity, "namespace": "kube-system",
-                    "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
+                    "lease_duration": "4s", "renew_deadline": "3s", "retry_period": "250ms",
                 }),
             )
             .set("sharding", json!({"shards": SHARDS}))
@@ -186,60 +187,31 @@ async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u
 fn dump(replicas: &[Replica]) {
     for r in replicas {
         let log = r.log();
-        if let Some(addr) = log
-            .lines()
-            .find(|l| l.contains("Started"))
-            .and_then(|l| l.split("admin").nth(1))
-            .map(|a| {
-                a.trim_start_matches(|c: char| !c.is_ascii_digit())
-                    .split(|c: char| c.is_whitespace() || c == '\u{1b}')
-                    .next()
-                    .unwrap()
-                    .to_owned()
-            })
-        {
-            let out = Command::new("curl")
-                .args(["-s", &format!("http://{addr}/metrics")])
-                .output()
-                .unwrap();
-            let text = String::from_utf8_lossy(&out.stdout);
-            for l in text.lines().filter(|l| {
-                (l.starts_with("keb_sink")
-                    || l.starts_with("keb_published")
-                    || l.starts_with("workqueue_depth")
-                    || l.starts_with("keb_listener")
-                    || l.starts_with("keb_fenced")
-                    || l.contains("failed"))
-                    && !l.ends_with(" 0")
-            }) {
-                eprintln!("{}: {l}", r.identity);
-            }
-        }
         let tail: Vec<&str> = log
             .lines()
             .rev()
-            .filter(|l| !l.contains(" INFO "))
-            .take(30)
-            .chain(log.lines().rev().take(10))
+            .filter(|l| {
+                !l.contains(" INFO ")
+                    || ["assigned", "Became", "Stopped", "Handing", "Took", "Lost"]
+                        .iter()
+                        .any(|w| l.contains(w))
+            })
+            .take(40)
+            .chain(log.lines().rev().take(5))
             .collect();
         eprintln!("--- {} (newest first)\n{}", r.identity, tail.join("\n"));
     }
 }
 
 async fn sharded(server_side: bool) {
-    let tansu = Tansu::start();
-    let brokers = tansu.brokers();
-    tansu.create_topic(TOPIC, 3);
+    let nats = NatsServer::start();
+    let url = nats.url();
     let read = async || -> Vec<Value> {
-        let brokers = brokers.clone();
-        tokio::task::spawn_blocking(move || {
-            consume_all(&brokers, TOPIC, 3)
-                .iter()
-                .map(|r| r.json())
-                .collect()
-        })
-        .await
-        .unwrap()
+        read_stream(&url, NATS_STREAM)
+            .await
+            .iter()
+            .map(|m| serde_json::from_slice(&m.payload).unwrap())
+            .collect()
     };
     let api = Arc::new(ApiServer::start().await);
     api.set_shard_selectors(server_side);
@@ -250,20 +222,18 @@ async fn sharded(server_side: bool) {
     }
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
-    // librdkafka gives up on a message after 3 s: a new owner waits 2 s of it out.
-    // One record per batch: tansu 0.6's high watermark is wrong for batches of several
-    // (see TEST-ENV.md), and the reads here go by the watermarks.
-    let sink = kafka_sink(
-        "kafka",
-        &brokers,
-        json!({"delivery_timeout": "3s", "properties": {"batch.num.messages": "1"}}),
-    );
+    let sink = nats_sink("nats", &url, json!({}));
     let mut replicas: Vec<Replica> = ["replica-a", "replica-b", "replica-c"]
         .iter()
         .map(|id| Replica::start(dir.path(), id, &sink, &kubeconfig))
         .collect();
     let patience = Patience::of(Duration::from_secs(120)).polling(Duration::from_millis(200));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    // The sinks create the stream when they open, before any replica holds a shard.
+    wait::until("a shard owned", patience, async || {
+        shard_holders(&api).iter().any(Option::is_some)
+    })
+    .await;
     while read().await.len() < n {
         if tokio::time::Instant::now() > deadline {
             dump(&replicas);

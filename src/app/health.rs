@@ -57,7 +57,12 @@ pub(super) fn readiness(
             })
             .collect();
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        for i in factory.informers().iter().filter(|i| !i.has_synced()) {
+        // An informer that does not run is a shard another replica owns (cold standby).
+        for i in factory
+            .informers()
+            .iter()
+            .filter(|i| i.is_spawned() && !i.has_synced())
+        {
             match i.problem() {
                 Some(p) if p.starts_with("forbidden") => {
                     notes.push(format!("informer {}: {p}", i.name()));

@@ -42,6 +42,8 @@ impl Resources {
             .iter()
             .for_each(|r| r.checkpointer.end_term());
         if !leading {
+            // Another replica's shard from now on: nothing of it stays cached here.
+            self.recycle_informers().await;
             return;
         }
         // The takeover wait is over (see `follow`): the last leader's messages and checkpoint
@@ -58,7 +60,7 @@ impl Resources {
             "Leading: relisting every informer before comparing with the checkpoints"
         );
         let waiting = Arc::new(waiting);
-        for informer in informers {
+        for informer in informers.iter().cloned() {
             let (term, waiting) = (self.term.clone(), waiting.clone());
             tokio::spawn(async move {
                 let not_waiting = |l: &crate::informer::ProcessorListener| {
@@ -71,6 +73,10 @@ impl Resources {
                     info!(informer = %informer.name(), objects, "Leading: relisted; handed the listed state to the routes");
                 }
             });
+        }
+        // With cold standby they did not run: their first list is the fresh one.
+        if self.cold.is_some() {
+            self.spawn_informers();
         }
     }
 }
@@ -240,6 +246,7 @@ mod tests {
             metrics: metrics.clone(),
             gone_since: Default::default(),
             live: None,
+            cold: None,
         }
     }
 

@@ -196,6 +196,7 @@ impl App {
                 metrics: metrics.clone(),
                 gone_since: Default::default(),
                 live: None,
+                cold: (!shard.is_whole()).then(|| wiring.clone()),
             };
             for (index, api_resource, namespaced) in &resolved {
                 let mut wired = wiring

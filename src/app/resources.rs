@@ -139,6 +139,11 @@ pub(super) struct Resources {
     pub(super) gone_since: HashMap<usize, tokio::time::Instant>,
     /// Set once the app runs: what is wired from then on starts at once.
     pub(super) live: Option<Live>,
+    /// With more than one shard, a replica caches only the shards it owns: its informers run
+    /// while it leads the shard, and when it stops they stop, their caches go, and this
+    /// wiring makes fresh ones (not running) for the next term. `None`: informers always run
+    /// (single-leader mode: standbys keep warm caches).
+    pub(super) cold: Option<Arc<Wiring>>,
 }
 
 /// What runs once the app runs.
@@ -492,8 +497,61 @@ impl Resources {
         let Some(live) = self.live.as_ref() else {
             return;
         };
+        if !leading && self.cold.is_some() {
+            // Not this replica's shard now: its informers start when it is.
+            return;
+        }
         for informer in &self.wired[i].informers {
             informer.spawn(&live.informers_cancel);
+        }
+    }
+
+    /// With cold standby (see [`Resources::cold`]): stops every informer, drops its cache,
+    /// and wires fresh ones that do not run yet.
+    pub(super) async fn recycle_informers(&mut self) {
+        let Some(wiring) = self.cold.clone() else {
+            return;
+        };
+        let mut informers: Vec<Arc<SharedIndexInformer>> = Vec::new();
+        for w in &self.wired {
+            for i in &w.informers {
+                if !informers.iter().any(|x| Arc::ptr_eq(x, i)) {
+                    informers.push(i.clone());
+                }
+            }
+        }
+        if informers.iter().all(|i| !i.is_spawned()) {
+            return;
+        }
+        futures::future::join_all(informers.iter().map(|i| i.stop())).await;
+        for informer in &informers {
+            wiring.factory.remove(informer);
+            self.metrics
+                .informer_cached_objects
+                .with_label_values(&[informer.name()])
+                .set(0);
+            self.metrics
+                .informer_synced
+                .with_label_values(&[informer.name()])
+                .set(0);
+        }
+        for w in self.wired.iter_mut() {
+            if !w.informers.is_empty() {
+                wiring.add_informers(w);
+                w.informers.iter().for_each(|i| i.deactivate_listeners());
+            }
+        }
+    }
+
+    /// With cold standby: starts the informers that do not run yet.
+    pub(super) fn spawn_informers(&self) {
+        let Some(live) = self.live.as_ref() else {
+            return;
+        };
+        for w in &self.wired {
+            for informer in &w.informers {
+                informer.spawn(&live.informers_cancel);
+            }
         }
     }
 
