@@ -60,7 +60,7 @@ impl Resources {
             "Leading: relisting every informer before comparing with the checkpoints"
         );
         let waiting = Arc::new(waiting);
-        for informer in informers.iter().cloned() {
+        for informer in informers {
             let (term, waiting) = (self.term.clone(), waiting.clone());
             tokio::spawn(async move {
                 let not_waiting = |l: &crate::informer::ProcessorListener| {
