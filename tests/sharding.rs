@@ -140,6 +140,17 @@ impl Replica {
     }
 }
 
+impl Replica {
+    /// SIGTERM, as a Deployment scaling down sends, and waits for the exit.
+    fn terminate(&mut self) {
+        Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Replica {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -203,7 +214,39 @@ fn dump(replicas: &[Replica]) {
     }
 }
 
-async fn sharded(server_side: bool) {
+/// What happens to the replicas while objects change.
+#[derive(Clone, Copy)]
+enum Scenario {
+    /// One of three is SIGKILLed.
+    Kill,
+    /// Two more join (3 → 5), then three leave with SIGTERM (5 → 2).
+    Scale,
+}
+
+/// Waits until every shard is held by one of `replicas` live replicas (none of `gone`), none
+/// holding more than ⌈shards / replicas⌉.
+async fn settled(api: &ApiServer, gone: &[String], replicas: usize, patience: Patience) {
+    let cap = (SHARDS as usize).div_ceil(replicas);
+    wait::until(
+        &format!("the shards spread over {replicas} replicas"),
+        patience,
+        async || {
+            let holders = shard_holders(api);
+            let mut per: HashMap<&str, usize> = HashMap::new();
+            for h in holders.iter().flatten() {
+                *per.entry(h.as_str()).or_default() += 1;
+            }
+            holders
+                .iter()
+                .all(|h| h.as_ref().is_some_and(|h| !gone.contains(h)))
+                && per.len() == replicas
+                && per.values().all(|&c| c <= cap)
+        },
+    )
+    .await;
+}
+
+async fn sharded(server_side: bool, scenario: Scenario) {
     let nats = NatsServer::start();
     let url = nats.url();
     let read = async || -> Vec<Value> {
@@ -300,25 +343,43 @@ async fn sharded(server_side: bool) {
         }
     }
 
-    // Changes under way; one replica dies.
+    // Changes under way, then the scenario.
     let stop = Arc::new(AtomicBool::new(false));
     let writer = tokio::spawn(write(api.clone(), 300, stop.clone()));
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let victim = replicas.remove(1);
-    let victim_id = victim.identity.clone();
-    let killed_at = tokio::time::Instant::now();
-    drop(victim);
-    wait::until(
-        "the dead replica's shards to be taken over",
-        patience,
-        async || {
-            let h = shard_holders(&api);
-            h.iter()
-                .all(|h| h.as_ref().is_some_and(|h| *h != victim_id))
-        },
-    )
-    .await;
-    let takeover = killed_at.elapsed();
+    let timings = match scenario {
+        Scenario::Kill => {
+            let victim = replicas.remove(1);
+            let victim_id = victim.identity.clone();
+            let killed_at = tokio::time::Instant::now();
+            drop(victim);
+            let gone = [victim_id];
+            settled(&api, &gone, 3, patience).await;
+            format!(
+                "shards of the SIGKILLed replica taken over after {:?}",
+                killed_at.elapsed()
+            )
+        }
+        Scenario::Scale => {
+            let started = tokio::time::Instant::now();
+            for id in ["replica-d", "replica-e"] {
+                replicas.push(Replica::start(dir.path(), id, &sink, &kubeconfig));
+            }
+            settled(&api, &[], 5, patience).await;
+            let up = started.elapsed();
+            let started = tokio::time::Instant::now();
+            let leaving: Vec<Replica> = replicas.drain(0..3).collect();
+            let gone: Vec<String> = leaving.iter().map(|r| r.identity.clone()).collect();
+            for mut r in leaving {
+                r.terminate();
+            }
+            settled(&api, &gone, 2, patience).await;
+            format!(
+                "3 → 5 replicas balanced after {up:?}, 5 → 2 (SIGTERM) after {:?}",
+                started.elapsed()
+            )
+        }
+    };
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, Ordering::Relaxed);
     let changes = writer.await.unwrap();
@@ -337,7 +398,7 @@ async fn sharded(server_side: bool) {
     let live = api.objects("v1", "ConfigMap");
     let found = differences(&fold_in_order(&events), &live);
     println!(
-        "{changes} changes; shards of the killed replica taken over after {takeover:?}; {} messages; last message wins: {} lost deletes, {} phantom deletes, {} stale, {} missing",
+        "{changes} changes; {timings}; {} messages; last message wins: {} lost deletes, {} phantom deletes, {} stale, {} missing",
         events.len(),
         found.lost_deletes.len(),
         found.phantom_deletes.len(),
@@ -351,11 +412,21 @@ async fn sharded(server_side: bool) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_share_twelve_shards_server_side() {
-    sharded(true).await;
+async fn a_killed_replicas_shards_are_taken_over_server_side() {
+    sharded(true, Scenario::Kill).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_replicas_share_twelve_shards_client_side() {
-    sharded(false).await;
+async fn a_killed_replicas_shards_are_taken_over_client_side() {
+    sharded(false, Scenario::Kill).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_three_to_five_to_two_rebalances_server_side() {
+    sharded(true, Scenario::Scale).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_three_to_five_to_two_rebalances_client_side() {
+    sharded(false, Scenario::Scale).await;
 }
