@@ -11,7 +11,7 @@ the Dockerfile.
 - Checks least privilege: the ClusterRole grants list+watch on exactly what the config
   watches (plus discovery), nothing else; the Lease Role exists when leader election is on.
 - Checks the Deployment's hardening (non-root, read-only root, no capabilities, seccomp,
-  probes, resources, two replicas).
+  probes, resources, two replicas; three or more when sharded, with the Lease rules sharding needs).
 - Checks that the PrometheusRule carries exactly deploy/alerts/*.rules.yml, and runs
   `promtool check rules` and `hadolint`.
 
@@ -182,13 +182,22 @@ def check_kustomization(directory):
         leases = role and all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in role[0]["rules"])
         check(f"{label}: a Role allows the Lease (and nothing else) for leader election", bool(leases))
         check(f"{label}: RoleBinding for the Lease Role", bool(find(objects, "RoleBinding", "kube-event-bridge-leader-election")))
+    sharded = config.get("sharding", {}).get("shards", 1) > 1
+    if sharded:
+        role = find(objects, "Role", "kube-event-bridge-leader-election")
+        verbs = {v for r in (role[0]["rules"] if role else []) if not r.get("resourceNames") for v in r["verbs"]}
+        check(f"{label}: sharded: the Lease Role allows create, get, update and list on Leases (shard and membership Leases)",
+              {"create", "get", "update", "list"} <= verbs, f"verbs without resourceNames: {sorted(verbs)}")
 
     # Hardening.
     deployment = find(objects, "Deployment", "kube-event-bridge")[0]
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     sc = container.get("securityContext", {})
-    check(f"{label}: two replicas", deployment["spec"]["replicas"] == 2)
+    if sharded:
+        check(f"{label}: sharded: at least three replicas", deployment["spec"]["replicas"] >= 3)
+    else:
+        check(f"{label}: two replicas", deployment["spec"]["replicas"] == 2)
     check(f"{label}: runs as non-root with seccomp RuntimeDefault",
           pod["securityContext"].get("runAsNonRoot") is True and pod["securityContext"].get("seccompProfile", {}).get("type") == "RuntimeDefault")
     check(f"{label}: read-only root, no privilege escalation, all capabilities dropped",

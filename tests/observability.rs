@@ -52,6 +52,13 @@ async fn scrape() -> String {
         )
         .stdout("out", &out)
         .route("configmap", &["out"])
+        // Sharded, so that the shard families have their series.
+        .set(
+            "leader_election",
+            json!({"enabled": true, "identity": "one", "namespace": "kube-system",
+                   "lease_duration": "1s", "renew_deadline": "800ms", "retry_period": "100ms"}),
+        )
+        .set("sharding", json!({"shards": 2}))
         .build();
     let app = App::build(config, api.client()).await.unwrap();
     let admin = app.admin_addr();

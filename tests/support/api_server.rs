@@ -176,6 +176,8 @@ struct Shared {
     faults: Mutex<Faults>,
     counts: Mutex<HashMap<String, Counts>>,
     addr: Mutex<Option<SocketAddr>>,
+    // Bytes of list and watch responses sent.
+    bytes_sent: std::sync::atomic::AtomicU64,
 }
 
 /// A running test server; stops when dropped.
@@ -242,6 +244,7 @@ impl ApiServer {
             }),
             counts: Mutex::default(),
             addr: Mutex::default(),
+            bytes_sent: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -594,6 +597,13 @@ impl ApiServer {
     }
 
     /// Lease writes naming `holder` get 503 from now on (`None` lifts it).
+    /// Bytes of list and watch responses sent so far.
+    pub fn bytes_sent(&self) -> u64 {
+        self.shared
+            .bytes_sent
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Turns the `ShardedListAndWatch` gate on or off (on by default): off, `shardSelector`
     /// is ignored and lists echo no `shardInfo`, as on a server without the gate.
     pub fn set_shard_selectors(&self, on: bool) {
@@ -1160,11 +1170,26 @@ async fn handle(
         fields: q.get("fieldSelector").cloned(),
         shard,
     };
-    if is_watch {
-        watch(shared, filter, &q).await
+    let response = if is_watch {
+        watch(shared.clone(), filter, &q).await
     } else {
-        list(shared, filter, &q).await
-    }
+        list(shared.clone(), filter, &q).await
+    };
+    counted(shared, response)
+}
+
+/// `response` with its body's bytes counted into [`ApiServer::bytes_sent`].
+fn counted(shared: Arc<Shared>, response: Response<Body>) -> Response<Body> {
+    use futures::StreamExt;
+    let (parts, body) = response.into_parts();
+    let stream = body.into_data_stream().inspect(move |chunk| {
+        if let Ok(bytes) = chunk {
+            shared
+                .bytes_sent
+                .fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+    });
+    Response::from_parts(parts, Body::from_stream(stream))
 }
 
 /// GET of one object, POST (create) on a collection, PUT (replace) of one object.

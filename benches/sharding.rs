@@ -1,0 +1,185 @@
+//! Sharding at scale: per-replica memory and the bytes the API server sends, for 1, 2 and 4
+//! replicas sharing SHARDS shards of the same OBJECTS ConfigMaps (~1 KB each, over 120
+//! namespaces), with the API server applying `shardSelector` (server-side) and ignoring it
+//! (client-side filtering). Each replica is the release binary with a stdout sink to its own
+//! file; a run ends once the replicas have published every object (each once) and hold
+//! every shard.
+//!
+//! Prints, per configuration: each replica's shards, objects published and RSS (current and
+//! peak), the mean RSS, and the list+watch bytes the API server sent (total and per replica).
+//!
+//! `cargo bench --bench sharding [-- OBJECTS SHARDS]` (defaults 30000 12)
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use serde_json::json;
+use support::{
+    ApiServer,
+    config::ConfigBuilder,
+    objects::{configmap, typed},
+};
+
+const NAMESPACES: usize = 120;
+
+struct Replica {
+    child: Child,
+    out: PathBuf,
+}
+
+impl Replica {
+    fn start(dir: &Path, identity: &str, shards: u32, kubeconfig: &Path) -> Self {
+        let out = dir.join(format!("{identity}.jsonl"));
+        let config = ConfigBuilder::new()
+            .configmaps()
+            .stdout("out", &out)
+            .route("configmap", &["out"])
+            .set(
+                "leader_election",
+                json!({
+                    "enabled": true, "identity": identity, "namespace": "kube-system",
+                    "lease_duration": "4s", "renew_deadline": "3s", "retry_period": "250ms",
+                }),
+            )
+            .set("sharding", json!({"shards": shards}))
+            .set("admin", json!({"address": "127.0.0.1:0"}))
+            .value();
+        let cfg = dir.join(format!("{identity}.yaml"));
+        std::fs::write(&cfg, config.to_string()).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .args(["run", "--config", cfg.to_str().unwrap()])
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        Self { child, out }
+    }
+
+    fn published(&self) -> usize {
+        std::fs::read(&self.out)
+            .map(|b| b.iter().filter(|&&c| c == b'\n').count())
+            .unwrap_or(0)
+    }
+
+    /// (current, peak) RSS in MiB.
+    fn rss(&self) -> (f64, f64) {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+                .map_or(0.0, |kb| kb / 1024.0)
+        };
+        (field("VmRSS:"), field("VmHWM:"))
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn holders(api: &ApiServer, shards: u32) -> Vec<Option<String>> {
+    (0..shards)
+        .map(|s| {
+            api.get(
+                "coordination.k8s.io/v1",
+                "Lease",
+                "kube-system",
+                &format!("kube-event-bridge-shard-{s}-of-{shards}"),
+            )
+            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
+            .filter(|h| !h.is_empty())
+        })
+        .collect()
+}
+
+async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool) {
+    let api = ApiServer::start().await;
+    api.set_shard_selectors(server_side);
+    let value = "x".repeat(900);
+    for i in 0..objects {
+        let ns = format!("{:03}-team", i % NAMESPACES);
+        api.create(typed(&configmap(&ns, &format!("cm-{i:06}"), &value)));
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let before = api.bytes_sent();
+    let started = Instant::now();
+    let running: Vec<Replica> = (0..replicas)
+        .map(|r| Replica::start(dir.path(), &format!("replica-{r}"), shards, &kubeconfig))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let published: usize = running.iter().map(Replica::published).sum();
+        let held = holders(&api, shards);
+        if published >= objects && held.iter().all(Option::is_some) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{published} of {objects} published"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let took = started.elapsed();
+    // Let the caches settle (a shard handed on at the start stops its informers).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let bytes = api.bytes_sent() - before;
+    let held = holders(&api, shards);
+    let mode = if server_side {
+        "server-side"
+    } else {
+        "client-side"
+    };
+    println!(
+        "{replicas} replica(s), {mode}: all {objects} published and every shard held after {took:.1?}"
+    );
+    let mut total_rss = 0.0;
+    for (r, replica) in running.iter().enumerate() {
+        let id = format!("replica-{r}");
+        let owned = held.iter().filter(|h| h.as_deref() == Some(&id)).count();
+        let (rss, peak) = replica.rss();
+        total_rss += rss;
+        println!(
+            "  {id}: {owned} shards, {} published, RSS {rss:.0} MiB (peak {peak:.0} MiB)",
+            replica.published()
+        );
+    }
+    println!(
+        "  mean RSS {:.0} MiB per replica; the API server sent {:.1} MiB of lists and watches ({:.1} MiB per replica)",
+        total_rss / replicas as f64,
+        bytes as f64 / 1048576.0,
+        bytes as f64 / 1048576.0 / replicas as f64
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let objects = args.first().and_then(|a| a.parse().ok()).unwrap_or(30_000);
+    let shards = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(12);
+    println!(
+        "sharding bench: {objects} ConfigMaps (~1 KB) over {NAMESPACES} namespaces, {shards} shards"
+    );
+    for server_side in [true, false] {
+        for replicas in [1, 2, 4] {
+            run(objects, shards, replicas, server_side).await;
+        }
+    }
+}
