@@ -36,6 +36,17 @@ enum Command {
         #[arg(long, short, default_value = "config/default.yaml")]
         config: PathBuf,
     },
+    /// Show how namespaces fall into `sharding.shards` shards (FNV-1a of the namespace, as
+    /// KEP-5866 splits them): objects of one namespace always share a shard. Namespaces come
+    /// from the arguments, or one per line on standard input
+    /// (`kubectl get ns -o name | cut -d/ -f2 | kube-event-bridge shards --shards 12`).
+    Shards {
+        /// Number of shards.
+        #[arg(long, default_value_t = 12)]
+        shards: u32,
+        /// Namespaces (none: read them from standard input).
+        namespaces: Vec<String>,
+    },
     /// Load and validate a config file, then print the effective config as JSON.
     CheckConfig {
         /// Config file (YAML).
@@ -116,6 +127,60 @@ enum Output {
     Json,
 }
 
+/// `shards`: which shard each namespace falls into, and the balance.
+fn print_shards(shards: u32, mut namespaces: Vec<String>) -> ExitCode {
+    use kube_event_bridge::shard::{MAX_SHARDS, ShardingConfig};
+    if shards == 0 || shards > MAX_SHARDS {
+        eprintln!("shards: --shards must be between 1 and {MAX_SHARDS}, not {shards}");
+        return ExitCode::from(EXIT_BAD_CONFIG);
+    }
+    if namespaces.is_empty() {
+        namespaces = std::io::stdin()
+            .lines()
+            .map_while(Result::ok)
+            .map(|l| l.trim().trim_start_matches("namespace/").to_owned())
+            .filter(|l| !l.is_empty())
+            .collect();
+    }
+    let all = ShardingConfig { shards }.all();
+    let mut per: Vec<Vec<&str>> = vec![Vec::new(); all.len()];
+    for ns in &namespaces {
+        let i = all
+            .iter()
+            .position(|s| s.holds_namespace(ns))
+            .expect("the shards cover every hash");
+        per[i].push(ns);
+    }
+    for (shard, names) in all.iter().zip(&per) {
+        let shown: Vec<&str> = names.iter().take(8).copied().collect();
+        let more = names.len().saturating_sub(shown.len());
+        let more = if more > 0 {
+            format!(" … and {more} more")
+        } else {
+            String::new()
+        };
+        println!(
+            "{}\t{}\t{}{more}",
+            shard.label(),
+            names.len(),
+            shown.join(" ")
+        );
+    }
+    let used = per.iter().filter(|n| !n.is_empty()).count();
+    let most = per.iter().map(Vec::len).max().unwrap_or(0);
+    let mean = namespaces.len() as f64 / all.len() as f64;
+    println!(
+        "{} namespaces in {used} of {shards} shards; the fullest holds {most} (mean {mean:.1}); \
+         cluster-scoped objects all fall into {}",
+        namespaces.len(),
+        all.iter()
+            .find(|s| s.holds_namespace(""))
+            .expect("covered")
+            .label()
+    );
+    ExitCode::SUCCESS
+}
+
 const EXIT_DIFFERENCES: u8 = 3;
 
 const EXIT_BAD_CONFIG: u8 = 2;
@@ -123,6 +188,7 @@ const EXIT_BAD_CONFIG: u8 = 2;
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Shards { shards, namespaces } => print_shards(shards, namespaces),
         Command::CheckConfig { file } => match Config::load(&file) {
             Ok(config) => {
                 println!("{}", config.to_pretty_json());

@@ -274,3 +274,30 @@ async fn the_binary_streams_cloudevents_to_stdout_and_stops_cleanly_on_sigterm()
     );
     assert!(Path::new(&kubeconfig).exists());
 }
+
+#[test]
+fn shards_shows_where_namespaces_fall_and_the_balance() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+        .args([
+            "shards",
+            "--shards",
+            "4",
+            "payments-prod",
+            "ns-01",
+            "ns-02",
+            "ns-03",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    // Names that differ only at the end share a shard: FNV-1a's high bits hardly move.
+    let line = text.lines().find(|l| l.contains("ns-01")).expect("listed");
+    assert!(line.contains("ns-02") && line.contains("ns-03"), "{text}");
+    assert!(text.contains("4 namespaces in 2 of 4 shards"), "{text}");
+    let bad = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+        .args(["shards", "--shards", "0", "a"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+}
