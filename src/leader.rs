@@ -181,6 +181,13 @@ impl Fence {
             .store(since_base(start), std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Whether a takeover wait is under way (leading, not valid yet).
+    pub fn in_takeover_wait(&self) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        let until = self.0.until.load(SeqCst);
+        until > 0 && since_base(Instant::now()) < self.0.from.load(SeqCst)
+    }
+
     /// Not valid from now on.
     pub fn revoke(&self) {
         self.0.until.store(0, std::sync::atomic::Ordering::SeqCst);
@@ -502,8 +509,15 @@ impl LeaderElector {
         if !*self.leading.borrow() {
             return;
         }
+        // Taken over and still waiting: the last holder's messages may still arrive, and a
+        // released lease would let the next holder publish without waiting.
+        let waiting = self.fence.in_takeover_wait();
         self.fence.revoke();
         self.set_leading(false);
+        if waiting {
+            info!(lease = %self.name, "Not releasing the lease during its takeover wait; it expires");
+            return;
+        }
         let Ok(Some(mut lease)) = self.api.get_opt(&self.name).await else {
             return;
         };

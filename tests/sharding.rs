@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 use support::{
     ApiServer,
     config::{ConfigBuilder, NATS_STREAM, nats_sink},
-    differences, fold_in_order,
+    differences, fold_in_order, http_get,
     nats::{NatsServer, read_stream},
     objects::{configmap, typed},
     wait::{self, Patience},
@@ -141,6 +141,28 @@ impl Replica {
 }
 
 impl Replica {
+    /// Its admin address, from the "Started" log line.
+    fn admin(&self) -> Option<std::net::SocketAddr> {
+        let log = self.log();
+        let line = log.lines().find(|l| l.contains(" Started "))?;
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix("admin="))?
+            .parse()
+            .ok()
+    }
+
+    /// The messages its sinks acknowledged (`keb_sink_published_total`, summed).
+    async fn published(&self) -> u64 {
+        let Some(addr) = self.admin() else {
+            return 0;
+        };
+        let (_, body) = http_get(addr, "/metrics").await;
+        body.lines()
+            .filter(|l| l.starts_with("keb_sink_published_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+
     /// SIGTERM, as a Deployment scaling down sends, and waits for the exit.
     fn terminate(&mut self) {
         Command::new("kill")
@@ -331,6 +353,14 @@ async fn sharded(server_side: bool, scenario: Scenario) {
         first.len()
     );
     assert_eq!(first.len(), n, "each object once");
+    // Each once across the replicas, as their sinks count it (the stream would drop a copy
+    // with the same id).
+    let mut published = Vec::new();
+    for r in &replicas {
+        published.push(r.published().await);
+    }
+    println!("published per replica: {published:?}");
+    assert_eq!(published.iter().sum::<u64>(), n as u64, "{published:?}");
     for r in &replicas {
         let log = r.log();
         let mode = if server_side {
@@ -354,7 +384,7 @@ async fn sharded(server_side: bool, scenario: Scenario) {
             let killed_at = tokio::time::Instant::now();
             drop(victim);
             let gone = [victim_id];
-            settled(&api, &gone, 3, patience).await;
+            settled(&api, &gone, 2, patience).await;
             format!(
                 "shards of the SIGKILLed replica taken over after {:?}",
                 killed_at.elapsed()

@@ -44,6 +44,7 @@ pub(super) fn readiness(
     sinks: Vec<Arc<dyn Sink>>,
     pending: Arc<std::sync::Mutex<Vec<String>>>,
     waiting: Vec<WaitingRoutes>,
+    sharded: bool,
 ) -> admin::Readiness {
     Arc::new(move || {
         let mut reasons: Vec<String> = waiting
@@ -57,11 +58,12 @@ pub(super) fn readiness(
             })
             .collect();
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        // An informer that does not run is a shard another replica owns (cold standby).
+        // Sharded, an informer that does not run is of a shard another replica owns (cold
+        // standby); otherwise every informer runs.
         for i in factory
             .informers()
             .iter()
-            .filter(|i| i.is_spawned() && !i.has_synced())
+            .filter(|i| (i.is_spawned() || !sharded) && !i.has_synced())
         {
             match i.problem() {
                 Some(p) if p.starts_with("forbidden") => {
@@ -70,6 +72,11 @@ pub(super) fn readiness(
                 Some(p) => reasons.push(format!("informer {} has not synced: {p}", i.name())),
                 None => reasons.push(format!("informer {} has not synced", i.name())),
             }
+        }
+        for name in factory.client_side_shards() {
+            notes.push(format!(
+                "informer {name}: the API server ignores its shard selector (no ShardedListAndWatch): every object is listed and watched, and filtered here"
+            ));
         }
         if !api_ok.load(Ordering::Relaxed) {
             reasons.push("the Kubernetes API server is unreachable".into());

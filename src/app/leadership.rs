@@ -130,12 +130,25 @@ pub(super) fn follow(
 /// Turns the shards assigned to this replica (see [`crate::membership`]) into what each
 /// shard's elector campaigns for, and keeps `keb_leader` at 1 while this replica owns any
 /// shard.
+/// When `freeze` fires (shutdown), it stops campaigning for the shards this replica does not
+/// own and follows no more changes: the owned ones drain under their leases.
 pub(super) async fn campaign(
     mut wanted: tokio::sync::watch::Receiver<std::collections::BTreeSet<u32>>,
     campaigns: Vec<tokio::sync::watch::Sender<bool>>,
     metrics: Arc<crate::metrics::Metrics>,
-    cancel: CancellationToken,
+    freeze: CancellationToken,
 ) {
+    let owned = |s: usize| {
+        metrics
+            .shard_owned
+            .with_label_values(&[&crate::shard::Shard {
+                index: s as u32,
+                count: campaigns.len() as u32,
+            }
+            .label()])
+            .get()
+            == 1
+    };
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     loop {
         let mine = wanted.borrow_and_update().clone();
@@ -145,22 +158,16 @@ pub(super) async fn campaign(
                 std::mem::replace(c, want) != want
             });
         }
-        let owned = (0..campaigns.len()).any(|s| {
-            metrics
-                .shard_owned
-                .with_label_values(&[&crate::shard::Shard {
-                    index: s as u32,
-                    count: campaigns.len() as u32,
-                }
-                .label()])
-                .get()
-                == 1
-        });
-        metrics.leader.set(owned as i64);
+        metrics.leader.set((0..campaigns.len()).any(owned) as i64);
         tokio::select! {
-            _ = cancel.cancelled() => return,
-            changed = wanted.changed() => if changed.is_err() { return },
+            _ = freeze.cancelled() => break,
+            changed = wanted.changed() => if changed.is_err() { break },
             _ = tick.tick() => {}
+        }
+    }
+    for (index, tx) in campaigns.iter().enumerate() {
+        if !owned(index) {
+            tx.send_replace(false);
         }
     }
 }

@@ -328,6 +328,7 @@ impl App {
             self.sinks.clone(),
             pending_notes.clone(),
             waiting,
+            self.membership.is_some(),
         );
         let admin_addr = self.admin_addr();
         let admin_task = tokio::spawn(admin::serve(
@@ -401,13 +402,17 @@ impl App {
             ));
         }
         let mut parts_wiring = Vec::new();
-        for part in self.parts {
+        for (index, part) in self.parts.into_iter().enumerate() {
             if let Some(elector) = part.elector {
-                electors.push(tokio::spawn(elector.run(elector_cancel.clone())));
+                // Each its own: at shutdown a shard's lease is released only if that shard
+                // left nothing undelivered.
+                let cancel = elector_cancel.child_token();
+                electors.push((index, cancel.clone(), tokio::spawn(elector.run(cancel))));
             }
             parts_wiring.push((part.wiring, part.resources));
         }
         let membership_cancel = CancellationToken::new();
+        let freeze = CancellationToken::new();
         let membership = self.membership.map(|(membership, campaigns)| {
             let wanted = membership.subscribe();
             let metrics = self.metrics.clone();
@@ -417,7 +422,7 @@ impl App {
                     wanted,
                     campaigns,
                     metrics,
-                    membership_cancel.clone(),
+                    freeze.clone(),
                 )),
             )
         });
@@ -444,6 +449,14 @@ impl App {
 
         shutdown.await;
         info!(grace_period = ?grace, "Shutting down: stopping informers, then draining the queues");
+        // No shard is taken up or handed on from here on: the owned ones drain under their
+        // leases (membership goes on renewing, so the others do not take them meanwhile).
+        freeze.cancel();
+        if let Some((_, campaign)) = &membership {
+            while !campaign.is_finished() {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+        }
         // Nothing is wired or unwired from here on.
         discovery_cancel.cancel();
         let _ = discovery.await;
@@ -471,7 +484,9 @@ impl App {
             (undelivered, live.checkpoint_tasks)
         }))
         .await;
+        let mut part_clean = Vec::new();
         for (undelivered, tasks) in drained {
+            part_clean.push(undelivered.is_empty());
             report.undelivered.extend(undelivered);
             checkpoint_tasks.extend(tasks);
         }
@@ -486,32 +501,33 @@ impl App {
             }
         }
         drop(locked);
-        let mut clean = report.undelivered.is_empty();
+        let mut flushed = true;
         for sink in &self.sinks {
             if let Err(err) = sink.flush().await {
                 warn!(sink = %sink.name(), error = %err, "Flush at shutdown failed");
-                clean = false;
+                flushed = false;
             }
         }
         // Nothing of this process may reach a broker after the next leader's messages.
         self.sinks.iter().for_each(|s| s.abandon_queued());
         follows.iter().for_each(|f| f.abort());
-        if let Some((membership, campaign)) = membership {
-            campaign.abort();
+        let mut released = Vec::new();
+        for (index, cancel, elector) in electors {
+            if flushed && part_clean[index] {
+                // Drained and flushed: now the lease can go to another replica at once.
+                cancel.cancel();
+                released.push(elector);
+            } else {
+                // Something may still be on its way: the next owner takes over after the
+                // lease expires and its takeover wait, not at once.
+                elector.abort();
+                warn!("Not releasing a lease: messages were left undelivered or a flush failed");
+            }
+        }
+        futures::future::join_all(released).await;
+        if let Some((membership, _)) = membership {
             membership_cancel.cancel();
             let _ = membership.await;
-        }
-        if !electors.is_empty() {
-            if clean {
-                // Drained and flushed: now the leases can go to a standby at once.
-                elector_cancel.cancel();
-                futures::future::join_all(electors).await;
-            } else {
-                // Something may still be on its way: the standby takes over after the lease
-                // expires and its takeover wait, not at once.
-                electors.iter().for_each(|e| e.abort());
-                warn!("Not releasing the lease: messages were left undelivered or a flush failed");
-            }
         }
         admin_cancel.cancel();
         let _ = admin_task.await;

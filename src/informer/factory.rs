@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     DeltaFifo, Indexer, SharedIndexInformer,
-    list_watch::{ListWatchConfig, ShardFilter},
+    list_watch::{ListWatchConfig, ShardFilter, ShardMode},
     reflector::{Reflector, ReflectorMetrics, Transform},
     shared_informer::InformerMetrics,
 };
@@ -81,6 +81,8 @@ pub struct SharedInformerFactory {
     options: WatchOptions,
     metrics: Arc<Metrics>,
     informers: Mutex<Vec<(InformerKey, Arc<SharedIndexInformer>)>>,
+    // The shard filters of sharded informers, by informer name.
+    shard_filters: Mutex<Vec<(String, ShardFilter)>>,
 }
 
 impl SharedInformerFactory {
@@ -91,7 +93,26 @@ impl SharedInformerFactory {
             options,
             metrics,
             informers: Mutex::new(Vec::new()),
+            shard_filters: Mutex::new(Vec::new()),
         }
+    }
+
+    /// The running sharded informers whose API server ignored the shard selector (their
+    /// last list echoed no `shardInfo`): they filter on the client.
+    pub fn client_side_shards(&self) -> Vec<String> {
+        let running: Vec<String> = self
+            .informers()
+            .iter()
+            .filter(|i| i.is_spawned())
+            .map(|i| i.name().to_owned())
+            .collect();
+        self.shard_filters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(name, f)| f.mode() == ShardMode::Client && running.contains(name))
+            .map(|(name, _)| name.clone())
+            .collect()
     }
 
     /// The informer for `key` (whose resource is `resource`), created on first request; a new
@@ -126,6 +147,11 @@ impl SharedInformerFactory {
                 )
             }),
         };
+        if let Some(filter) = &config.shard {
+            let mut filters = self.shard_filters.lock().unwrap_or_else(|e| e.into_inner());
+            filters.retain(|(n, _)| *n != name);
+            filters.push((name.clone(), filter.clone()));
+        }
         let indexer = Arc::new(Indexer::new());
         let fifo = Arc::new(DeltaFifo::new(indexer.clone()));
         let m = &self.metrics;

@@ -196,6 +196,10 @@ struct HandedOver {
     intent: Option<futures::future::BoxFuture<'static, ()>>,
     // Held back: this replica's lease is not valid by its clock (see `RouteQueue::may_hand_over`).
     fenced: bool,
+    // The sink's abandonments (see `Sink::abandoned`) when this was handed over: a failure
+    // after another term's abandonment (with sharding: another shard's handover, on the
+    // shared producer) may be that purge, not the destination's answer.
+    abandoned: u64,
 }
 
 impl HandedOver {
@@ -359,7 +363,12 @@ impl Route {
                 continue;
             }
             // Only within the term: a failure after it ended (a purged queue) is no delivery
-            // attempt to give up on (the retry below drops it).
+            // attempt to give up on (the retry below drops it). Nor is one after the sink
+            // abandoned what it queued for another term (another shard's handover): it is
+            // retried without counting.
+            if failed && self.delivery.sink.abandoned() != handed.abandoned {
+                queue.forget(&key);
+            }
             if failed
                 && self.queue.is_current(term)
                 && self
@@ -416,7 +425,10 @@ impl Route {
         mut batch: VecDeque<Notification>,
         term: u64,
     ) -> HandedOver {
-        let mut handed = HandedOver::default();
+        let mut handed = HandedOver {
+            abandoned: self.delivery.sink.abandoned(),
+            ..Default::default()
+        };
         while let Some(n) = batch.pop_front() {
             if !self.queue.is_current(term) {
                 // Leadership changed since the batch was taken: a standby publishes nothing,

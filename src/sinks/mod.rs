@@ -178,6 +178,12 @@ pub trait Sink: Send + Sync {
     /// leading: a new leader publishes from now on); their acknowledgements fail. The default
     /// drops nothing (nothing is held, or the client cannot take it back).
     fn abandon_queued(&self) {}
+    /// How many times [`abandon_queued`](Self::abandon_queued) has dropped (or may have
+    /// dropped) something so far: a failure seen after it changed may be that, not the
+    /// destination's answer.
+    fn abandoned(&self) -> u64 {
+        0
+    }
     /// Why the sink can never publish again in this process (for `/healthz`: the pod is
     /// restarted and resumes from its checkpoint), or `None`.
     fn broken(&self) -> Option<String> {

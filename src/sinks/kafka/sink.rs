@@ -478,6 +478,10 @@ impl Sink for KafkaSink {
 
     /// Purges the records still in librdkafka's local queue (`rd_kafka_purge`; those already
     /// in a request to a broker cannot be taken back).
+    fn abandoned(&self) -> u64 {
+        self.terms_ended.load(Ordering::SeqCst)
+    }
+
     fn abandon_queued(&self) {
         self.terms_ended.fetch_add(1, Ordering::SeqCst);
         self.producer

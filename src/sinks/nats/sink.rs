@@ -535,6 +535,10 @@ impl Sink for NatsSink {
 
     /// Retires the term's connection and opens the next term's (retrying until it
     /// connects); until it is up, publishes go to the retired one.
+    fn abandoned(&self) -> u64 {
+        self.conns.generation.load(Ordering::SeqCst)
+    }
+
     fn abandon_queued(&self) {
         let conns = self.conns.clone();
         let generation = {
