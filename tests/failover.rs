@@ -229,11 +229,14 @@ async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_kafk
     let tansu = Tansu::start();
     let brokers = tansu.brokers();
     tansu.create_topic(TOPIC, 3);
-    // librdkafka gives up on a message after 3 s: the new leader waits 2 s of it out.
+    // librdkafka gives up on a message after 3 s: the new leader waits 2 s of it out. One
+    // record per batch: tansu 0.6's high watermark is wrong for batches of several (see
+    // TEST-ENV.md), and `consume_all` reads up to the watermarks (a record missed at the end
+    // of a partition reads as a stale final or a phantom delete).
     let sink = slow(kafka_sink(
         "kafka",
         &brokers,
-        json!({"delivery_timeout": "3s"}),
+        json!({"delivery_timeout": "3s", "properties": {"batch.num.messages": "1"}}),
     ));
     let read = async || -> Vec<Value> {
         let brokers = brokers.clone();

@@ -7,7 +7,9 @@
 //! take its shards over; folded per key in the order the topic holds them, the last message
 //! of every object equals the API server's (no lost or phantom deletes, no stale finals).
 //! Runs with the API server applying `shardSelector` (server-side) and ignoring it
-//! (client-side filtering). `KEB_SHARDING_OBJECTS` scales it (the CI run is small).
+//! (client-side filtering). `KEB_SHARDING_OBJECTS` scales it (the CI run is small), and
+//! `KEB_SHARDING_DEFAULT_LEASES=1` runs it with the default lease timings (15 s) instead of
+//! 4 s ones.
 
 mod support;
 
@@ -72,6 +74,17 @@ fn objects() -> usize {
         .unwrap_or(1_200)
 }
 
+/// Fast leases (4 s) for CI; with `KEB_SHARDING_DEFAULT_LEASES=1`, the defaults (15 s).
+fn leader_election(identity: &str) -> Value {
+    let mut le = json!({"enabled": true, "identity": identity, "namespace": "kube-system"});
+    if std::env::var("KEB_SHARDING_DEFAULT_LEASES").is_err() {
+        le["lease_duration"] = json!("4s");
+        le["renew_deadline"] = json!("3s");
+        le["retry_period"] = json!("250ms");
+    }
+    le
+}
+
 fn name_of(i: usize) -> (String, String) {
     thread_local! {
         static NAMESPACES: Vec<String> = namespaces();
@@ -92,13 +105,7 @@ impl Replica {
             .configmaps()
             .sink(sink.clone())
             .route("configmap", &[sink["name"].as_str().unwrap()])
-            .set(
-                "leader_election",
-                json!({
-                    "enabled": true, "identity": identity, "namespace": "kube-system",
-                    "lease_duration": "4s", "renew_deadline": "3s", "retry_period": "250ms",
-                }),
-            )
+            .set("leader_election", leader_election(identity))
             .set("sharding", json!({"shards": SHARDS}))
             .set("admin", json!({"address": "127.0.0.1:0"}))
             .value();
@@ -292,8 +299,10 @@ async fn sharded(server_side: bool, scenario: Scenario) {
         .iter()
         .map(|id| Replica::start(dir.path(), id, &sink, &kubeconfig))
         .collect();
-    let patience = Patience::of(Duration::from_secs(120)).polling(Duration::from_millis(200));
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    // More objects take longer to publish (a debug build).
+    let limit = Duration::from_secs(120 + n as u64 / 150);
+    let patience = Patience::of(limit).polling(Duration::from_millis(200));
+    let deadline = tokio::time::Instant::now() + limit;
     // The sinks create the stream when they open, before any replica holds a shard.
     wait::until("a shard owned", patience, async || {
         shard_holders(&api).iter().any(Option::is_some)
@@ -415,7 +424,7 @@ async fn sharded(server_side: bool, scenario: Scenario) {
     let changes = writer.await.unwrap();
     // Quiet: nothing more arrives for a while.
     let (mut last, mut since) = (0, tokio::time::Instant::now());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let deadline = tokio::time::Instant::now() + limit;
     while since.elapsed() < Duration::from_secs(15) {
         assert!(tokio::time::Instant::now() < deadline, "never quiet");
         tokio::time::sleep(Duration::from_millis(500)).await;
