@@ -7,8 +7,9 @@
 //! take its shards over; folded per key in the order the topic holds them, the last message
 //! of every object equals the API server's (no lost or phantom deletes, no stale finals).
 //! Runs with the API server applying `shardSelector` (server-side) and ignoring it
-//! (client-side filtering). `KEB_SHARDING_OBJECTS` scales it (the CI run is small), and
-//! `KEB_SHARDING_DEFAULT_LEASES=1` runs it with the default lease timings (15 s) instead of
+//! (client-side filtering). `SHARDING_TEST_OBJECTS` (not `KEB_*`: the replicas would read
+//! that as a setting) scales it (the CI run is small), and
+//! `SHARDING_TEST_DEFAULT_LEASES=1` runs it with the default lease timings (15 s) instead of
 //! 4 s ones.
 
 mod support;
@@ -68,16 +69,16 @@ fn namespaces() -> Vec<String> {
 }
 
 fn objects() -> usize {
-    std::env::var("KEB_SHARDING_OBJECTS")
+    std::env::var("SHARDING_TEST_OBJECTS")
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(1_200)
 }
 
-/// Fast leases (4 s) for CI; with `KEB_SHARDING_DEFAULT_LEASES=1`, the defaults (15 s).
+/// Fast leases (4 s) for CI; with `SHARDING_TEST_DEFAULT_LEASES=1`, the defaults (15 s).
 fn leader_election(identity: &str) -> Value {
     let mut le = json!({"enabled": true, "identity": identity, "namespace": "kube-system"});
-    if std::env::var("KEB_SHARDING_DEFAULT_LEASES").is_err() {
+    if std::env::var("SHARDING_TEST_DEFAULT_LEASES").is_err() {
         le["lease_duration"] = json!("4s");
         le["renew_deadline"] = json!("3s");
         le["retry_period"] = json!("250ms");
