@@ -427,9 +427,14 @@ async fn shutdown_signal() {
 fn init_logging(log: &LogConfig) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&log.level));
-    // Logs go to stderr: stdout belongs to the stdout sink.
+    // Logs go to stderr: stdout belongs to the stdout sink. Colours only for a terminal
+    // (a file or a pod's log gets none), and never with NO_COLOR (no-color.org).
+    use std::io::IsTerminal;
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr);
     match log.format {
         LogFormat::Json => builder.json().init(),

@@ -301,3 +301,42 @@ fn shards_shows_where_namespaces_fall_and_the_balance() {
         .unwrap();
     assert_eq!(bad.status.code(), Some(2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_written_to_a_file_or_pipe_has_no_colour_escapes() {
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = server.write_kubeconfig(dir.path());
+    let log = dir.path().join("bridge.log");
+    let mut child = Command::new(BIN)
+        .args(["run", "--config", "config/default.yaml"])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("KEB_ADMIN__ADDRESS", "127.0.0.1:0")
+        .env("KEB_LOG__FORMAT", "pretty")
+        .env_remove("NO_COLOR")
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let first = tokio::task::spawn_blocking(move || BufReader::new(stdout).lines().next());
+    tokio::time::timeout(PATIENCE, first)
+        .await
+        .expect("a published line in time")
+        .unwrap();
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("Started"), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "escape codes in a log file:\n{text}"
+    );
+}
