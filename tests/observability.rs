@@ -1,6 +1,7 @@
 //! What operators rely on, checked against a running instance: the `/metrics` exposition
 //! passes `promtool check metrics`; every metric named in a dashboard query or an alert rule
-//! is exported; every dashboard query parses (`promtool check rules`).
+//! is exported, and every family of ours exported (`keb_*`, `workqueue_*`) is on the
+//! dashboard or in an alert; every dashboard query parses (`promtool check rules`).
 
 mod support;
 
@@ -183,6 +184,33 @@ async fn exposition_passes_promtool_and_exports_every_metric_dashboards_and_aler
         missing.is_empty(),
         "metrics used but not exported:\n{}",
         missing.join("\n")
+    );
+    // And the other way round: every family of ours is on the dashboard or in an alert.
+    let used: HashSet<String> = dashboard_exprs()
+        .into_iter()
+        .chain(alert_exprs())
+        .flat_map(|(_, expr)| metric_names(&expr))
+        .map(|name| {
+            ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| {
+                    name.strip_suffix(s)
+                        .filter(|b| histograms.contains(b))
+                        .map(str::to_owned)
+                })
+                .unwrap_or(name)
+        })
+        .collect();
+    let unused: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| n.starts_with("keb_") || n.starts_with("workqueue_"))
+        .filter(|n| !used.contains(*n))
+        .collect();
+    assert!(
+        unused.is_empty(),
+        "families exported but on no dashboard panel and in no alert:\n{}",
+        unused.join("\n")
     );
 }
 
