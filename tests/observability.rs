@@ -241,3 +241,40 @@ fn every_dashboard_query_and_alert_rule_parses() {
     let (ok, report) = promtool(&["check", "rules", alerts.to_str().unwrap()], None);
     assert!(ok, "promtool check rules (alerts):\n{report}");
 }
+
+/// Every alert links a runbook section of the README (what it means, what to check, what to
+/// do) that exists.
+#[test]
+fn every_alert_links_a_runbook_section_that_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rules =
+        std::fs::read_to_string(root.join("deploy/alerts/kube-event-bridge.rules.yml")).unwrap();
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let mut alerts: Vec<(String, Option<String>)> = Vec::new();
+    for line in rules.lines().map(str::trim) {
+        if let Some(a) = line.strip_prefix("- alert:") {
+            alerts.push((a.trim().to_owned(), None));
+        } else if let Some(url) = line.strip_prefix("runbook_url:") {
+            alerts.last_mut().expect("inside an alert").1 = Some(url.trim().to_owned());
+        }
+    }
+    assert!(alerts.len() >= 10, "alerts found");
+    for (alert, url) in alerts {
+        let url = url.unwrap_or_else(|| panic!("{alert} has no runbook_url"));
+        let anchor = url
+            .strip_prefix("README.md#")
+            .unwrap_or_else(|| panic!("{alert}: {url} is not a README section"));
+        let heading = format!("#### {alert}\n");
+        assert_eq!(anchor, alert.to_lowercase(), "{alert}");
+        let at = readme
+            .find(&heading)
+            .unwrap_or_else(|| panic!("README has no section {heading:?}"));
+        let section = &readme[at..];
+        let section = &section[..section[heading.len()..]
+            .find("\n#")
+            .map_or(section.len(), |e| e + heading.len())];
+        for part in ["What it means.", "What to check.", "What to do."] {
+            assert!(section.contains(part), "{alert}: no {part:?}");
+        }
+    }
+}
