@@ -71,8 +71,15 @@ async fn scrape() -> String {
         std::fs::read_to_string(&out).is_ok_and(|s| !s.is_empty())
     })
     .await;
-    let (code, body) = http_get(admin, "/metrics").await;
-    assert_eq!(code, 200);
+    // The liveness gauges are refreshed every 500 ms.
+    let mut body = String::new();
+    wait::until("the watch liveness gauge", PATIENCE, async || {
+        let (code, b) = http_get(admin, "/metrics").await;
+        assert_eq!(code, 200);
+        body = b;
+        body.contains("keb_informer_last_event_age_seconds{")
+    })
+    .await;
     stop.send(()).unwrap();
     run.await.unwrap();
     body
@@ -277,4 +284,57 @@ fn every_alert_links_a_runbook_section_that_exists() {
             assert!(section.contains(part), "{alert}: no {part:?}");
         }
     }
+}
+
+/// Watch liveness: while bookmarks arrive the gauge stays low; once the watch goes silent,
+/// `keb_informer_last_event_age_seconds` grows past the threshold (here the 2 s stall
+/// timeout) and `/readyz` names the informer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_watch_shows_in_the_liveness_gauge_and_readyz_names_it() {
+    use std::time::Duration;
+    let api = ApiServer::start().await;
+    api.set_bookmark_interval(Some(Duration::from_millis(300)));
+    api.create(typed(&configmap("ns", "a", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.jsonl");
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .stdout("out", &out)
+        .route("configmap", &["out"])
+        .kubernetes(json!({"watch_stall_timeout": "2s"}))
+        .build();
+    let app = App::build(config, api.client()).await.unwrap();
+    let admin = app.admin_addr();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(app.run(async move {
+        let _ = stopped.await;
+    }));
+    let age = async || -> Option<f64> {
+        let (_, body) = http_get(admin, "/metrics").await;
+        body.lines()
+            .find(|l| {
+                l.starts_with("keb_informer_last_event_age_seconds{resource=\"v1/configmaps\"}")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    wait::until("the gauge", PATIENCE, async || age().await.is_some()).await;
+    // Bookmarks every 300 ms keep it fresh.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let fresh = age().await.unwrap();
+    assert!(fresh < 1.5, "age {fresh} s while bookmarks arrive");
+    // Silent (this test's client has no read timeout, so the watch is not restarted as the
+    // binary's client restarts it after kubernetes.watch_stall_timeout).
+    api.stall_watches();
+    wait::until("the age past the stall timeout", PATIENCE, async || {
+        age().await.is_some_and(|a| a > 3.0)
+    })
+    .await;
+    let (code, body) = http_get(admin, "/readyz").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("informer v1/configmaps: nothing heard from the API server"),
+        "{body}"
+    );
+    stop.send(()).unwrap();
+    run.await.unwrap();
 }

@@ -45,6 +45,7 @@ pub(super) fn readiness(
     pending: Arc<std::sync::Mutex<Vec<String>>>,
     waiting: Vec<WaitingRoutes>,
     sharded: bool,
+    silent_after: Duration,
 ) -> admin::Readiness {
     Arc::new(move || {
         let mut reasons: Vec<String> = waiting
@@ -73,6 +74,18 @@ pub(super) fn readiness(
                 None => reasons.push(format!("informer {} has not synced", i.name())),
             }
         }
+        // A watch heard from neither by an event nor by a bookmark for this long is named
+        // (it is restarted after kubernetes.watch_stall_timeout; one that stays silent after
+        // that has a problem the restarts do not fix).
+        for i in factory.informers().iter().filter(|i| i.is_running()) {
+            if let Some(age) = i.last_heard().filter(|a| *a > silent_after) {
+                notes.push(format!(
+                    "informer {}: nothing heard from the API server (no event or bookmark) for {}s",
+                    i.name(),
+                    age.as_secs()
+                ));
+            }
+        }
         for name in factory.client_side_shards() {
             notes.push(format!(
                 "informer {name}: the API server ignores its shard selector (no ShardedListAndWatch): every object is listed and watched, and filtered here"
@@ -90,7 +103,8 @@ pub(super) fn readiness(
     })
 }
 
-/// client-go refreshes the unfinished-work gauges of every queue every 500 ms.
+/// client-go refreshes the unfinished-work gauges of every queue every 500 ms; the watch
+/// liveness gauges (`keb_informer_last_event_age_seconds`) go with them.
 pub(super) async fn update_unfinished_work(
     resources: Vec<Arc<tokio::sync::Mutex<Resources>>>,
     cancel: CancellationToken,
@@ -101,8 +115,17 @@ pub(super) async fn update_unfinished_work(
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {
                 for r in &resources {
-                    let queues = r.lock().await.queues();
-                    queues.iter().for_each(|q| q.queue().update_unfinished_work());
+                    let r = r.lock().await;
+                    r.queues().iter().for_each(|q| q.queue().update_unfinished_work());
+                    // Watch liveness: seconds since each running informer heard anything.
+                    for informer in r.wired.iter().flat_map(|w| w.informers.iter()) {
+                        if let Some(age) = informer.last_heard().filter(|_| informer.is_running()) {
+                            r.metrics
+                                .informer_last_event_age
+                                .with_label_values(&[informer.name()])
+                                .set(age.as_secs_f64());
+                        }
+                    }
                 }
             }
         }

@@ -94,6 +94,14 @@ pub struct App {
     membership: Option<(Membership, Vec<watch::Sender<bool>>)>,
 }
 
+/// `kubernetes.watch_stall_timeout` of the config the parts were built from.
+fn parts_config_stall(parts: &[ShardPart]) -> std::time::Duration {
+    parts
+        .first()
+        .map(|p| p.wiring.config.kubernetes.watch_stall_timeout)
+        .unwrap_or_default()
+}
+
 /// One shard's part of the service: its routes and informers, and (with leader election)
 /// the elector of its Lease. Without sharding there is one part, for the whole keyspace, on
 /// the leader election's Lease.
@@ -329,6 +337,16 @@ impl App {
             pending_notes.clone(),
             waiting,
             self.membership.is_some(),
+            {
+                // Two missed bookmarks (about a minute each) and some slack, or the stall
+                // timeout when it is set.
+                let stall = parts_config_stall(&self.parts);
+                if stall.is_zero() {
+                    std::time::Duration::from_secs(150)
+                } else {
+                    stall
+                }
+            },
         );
         let admin_addr = self.admin_addr();
         let admin_task = tokio::spawn(admin::serve(

@@ -138,6 +138,7 @@ impl SharedInformerFactory {
             timeout: self.options.watch_timeout_seconds,
             labels: key.label_selector.clone(),
             fields: key.field_selector.clone(),
+            activity: Default::default(),
             shard: key.shard.filter(|s| !s.is_whole()).map(|shard| {
                 ShardFilter::new(
                     shard,

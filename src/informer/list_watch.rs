@@ -55,6 +55,37 @@ pub struct ListWatchConfig {
     pub fields: Option<String>,
     /// Only this shard's objects (see [`ShardFilter`]).
     pub shard: Option<ShardFilter>,
+    /// When the API server was last heard from.
+    pub activity: Activity,
+}
+
+/// When the list+watch last heard from the API server: a list page, a watch event or a
+/// bookmark (a watch that was merely opened, or failed, does not count). Bookmarks come about
+/// every minute on an idle watch, so a kind silent well past that has a watch that stopped
+/// delivering.
+#[derive(Debug, Clone, Default)]
+pub struct Activity(Arc<AtomicU64>);
+
+fn activity_base() -> std::time::Instant {
+    static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *BASE.get_or_init(std::time::Instant::now)
+}
+
+impl Activity {
+    fn touch(&self) {
+        let ms = activity_base().elapsed().as_millis() as u64 + 1;
+        self.0.store(ms, Ordering::Relaxed);
+    }
+
+    /// How long ago the API server was last heard from (`None`: never yet).
+    pub fn age(&self) -> Option<std::time::Duration> {
+        let at = self.0.load(Ordering::Relaxed);
+        (at > 0).then(|| {
+            activity_base()
+                .elapsed()
+                .saturating_sub(std::time::Duration::from_millis(at - 1))
+        })
+    }
 }
 
 /// Lists and watches only one shard's objects: `shardSelector` is sent with every list and
@@ -359,16 +390,21 @@ async fn watch(
 async fn next_or_relist(
     stream: &mut WatchStream,
     relists: &mut Requests,
+    activity: &Activity,
 ) -> Option<Option<kube::Result<WatchEvent<DynamicObject>>>> {
-    tokio::select! {
+    let event = tokio::select! {
         biased;
         changed = relists.rx.changed() => match changed {
-            Ok(()) => None,
+            Ok(()) => return None,
             // The sender is gone (the informer is being dropped): go on watching.
-            Err(_) => Some(stream.next().await),
+            Err(_) => stream.next().await,
         },
-        event = stream.next() => Some(event),
+        event = stream.next() => event,
+    };
+    if matches!(event, Some(Ok(_))) {
+        activity.touch();
     }
+    Some(event)
 }
 
 async fn step(
@@ -423,6 +459,7 @@ async fn step(
             let first = continue_token.is_none();
             match list_page(api, config, continue_token).await {
                 Ok(list) => {
+                    config.activity.touch();
                     let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
                     let continue_token = list.metadata.continue_.filter(|s| !s.is_empty());
                     if last_rv.is_none() && continue_token.is_none() {
@@ -457,43 +494,45 @@ async fn step(
                 Err(err) => (Some(Err(Error::InitialListFailed(err))), State::Empty),
             }
         }
-        State::InitialWatch { mut stream } => match next_or_relist(&mut stream, relists).await {
-            None => (None, State::Empty),
-            Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
-                if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
-                    return (None, State::InitialWatch { stream });
-                }
-                (
-                    Some(Ok(Event::InitApply(obj))),
-                    State::InitialWatch { stream },
-                )
-            }
-            // The API server never sends these during the initial events.
-            Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream }),
-            Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
-                if bm
-                    .metadata
-                    .annotations
-                    .contains_key("k8s.io/initial-events-end")
-                {
+        State::InitialWatch { mut stream } => {
+            match next_or_relist(&mut stream, relists, &config.activity).await {
+                None => (None, State::Empty),
+                Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
+                    if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
+                        return (None, State::InitialWatch { stream });
+                    }
                     (
-                        Some(Ok(Event::InitDone)),
-                        State::Watching {
-                            rv: bm.metadata.resource_version,
-                            stream,
-                        },
+                        Some(Ok(Event::InitApply(obj))),
+                        State::InitialWatch { stream },
                     )
-                } else {
-                    (None, State::InitialWatch { stream })
                 }
+                // The API server never sends these during the initial events.
+                Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream }),
+                Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
+                    if bm
+                        .metadata
+                        .annotations
+                        .contains_key("k8s.io/initial-events-end")
+                    {
+                        (
+                            Some(Ok(Event::InitDone)),
+                            State::Watching {
+                                rv: bm.metadata.resource_version,
+                                stream,
+                            },
+                        )
+                    } else {
+                        (None, State::InitialWatch { stream })
+                    }
+                }
+                // The initial events are a whole or nothing: any error starts them over.
+                Some(Some(Ok(WatchEvent::Error(status)))) => {
+                    (Some(Err(Error::WatchError(status))), State::Empty)
+                }
+                Some(Some(Err(err))) => (Some(Err(Error::WatchFailed(err))), State::Empty),
+                Some(None) => (None, State::Empty),
             }
-            // The initial events are a whole or nothing: any error starts them over.
-            Some(Some(Ok(WatchEvent::Error(status)))) => {
-                (Some(Err(Error::WatchError(status))), State::Empty)
-            }
-            Some(Some(Err(err))) => (Some(Err(Error::WatchFailed(err))), State::Empty),
-            Some(None) => (None, State::Empty),
-        },
+        }
         State::InitListed { rv } => match watch(api, config, &rv, false).await {
             Ok(stream) => (None, State::Watching { rv, stream }),
             Err(err) => {
@@ -505,43 +544,45 @@ async fn step(
                 (Some(Err(Error::WatchStartFailed(err))), next)
             }
         },
-        State::Watching { rv, mut stream } => match next_or_relist(&mut stream, relists).await {
-            None => (None, State::Empty),
-            Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
-                let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
-                if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
-                    return (None, State::Watching { rv, stream });
+        State::Watching { rv, mut stream } => {
+            match next_or_relist(&mut stream, relists, &config.activity).await {
+                None => (None, State::Empty),
+                Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
+                    let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
+                    if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
+                        return (None, State::Watching { rv, stream });
+                    }
+                    (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
                 }
-                (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
-            }
-            Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
-                let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
-                if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
-                    return (None, State::Watching { rv, stream });
+                Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
+                    let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
+                    if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
+                        return (None, State::Watching { rv, stream });
+                    }
+                    (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
                 }
-                (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
+                Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (
+                    None,
+                    State::Watching {
+                        rv: bm.metadata.resource_version,
+                        stream,
+                    },
+                ),
+                Some(Some(Ok(WatchEvent::Error(status)))) => {
+                    let next = if is_rv_unavailable(&status) {
+                        State::Empty
+                    } else {
+                        State::Watching { rv, stream }
+                    };
+                    (Some(Err(Error::WatchError(status))), next)
+                }
+                Some(Some(Err(err))) => (
+                    Some(Err(Error::WatchFailed(err))),
+                    State::Watching { rv, stream },
+                ),
+                // A watch that ends (its timeout) is started again from where it was.
+                Some(None) => (None, State::InitListed { rv }),
             }
-            Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (
-                None,
-                State::Watching {
-                    rv: bm.metadata.resource_version,
-                    stream,
-                },
-            ),
-            Some(Some(Ok(WatchEvent::Error(status)))) => {
-                let next = if is_rv_unavailable(&status) {
-                    State::Empty
-                } else {
-                    State::Watching { rv, stream }
-                };
-                (Some(Err(Error::WatchError(status))), next)
-            }
-            Some(Some(Err(err))) => (
-                Some(Err(Error::WatchFailed(err))),
-                State::Watching { rv, stream },
-            ),
-            // A watch that ends (its timeout) is started again from where it was.
-            Some(None) => (None, State::InitListed { rv }),
-        },
+        }
     }
 }

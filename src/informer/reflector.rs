@@ -158,6 +158,12 @@ impl Reflector {
         }
     }
 
+    /// How long ago the API server was last heard from (a list page, an event, a bookmark);
+    /// `None` before the first.
+    pub fn last_heard(&self) -> Option<std::time::Duration> {
+        self.config.activity.age()
+    }
+
     /// The resourceVersion of the newest object seen (list or watch event).
     pub fn last_sync_resource_version(&self) -> String {
         self.last_sync_resource_version

@@ -118,6 +118,12 @@ impl SharedIndexInformer {
         self.reflector.last_sync_resource_version()
     }
 
+    /// How long ago its list+watch last heard from the API server (an event, a bookmark, a
+    /// list page); `None` before the first.
+    pub fn last_heard(&self) -> Option<std::time::Duration> {
+        self.reflector.last_heard()
+    }
+
     /// Registers a listener. Before `run` it receives everything from the first list on;
     /// once the informer runs it is registered switched off, under the FIFO lock, until
     /// [`activate_listeners`](Self::activate_listeners) hands it the cache.
