@@ -345,6 +345,7 @@ impl LeaderElector {
     /// Campaigns and renews until `cancel` fires; then releases the lease if it leads.
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut last_renewal: Option<Instant> = None;
+        let mut last_observed: Option<Instant> = None;
         loop {
             if self
                 .campaign
@@ -356,6 +357,13 @@ impl LeaderElector {
                 }
                 self.fence.revoke();
                 self.set_leading(false);
+                // Keeps watching the lease (a read every third of its duration), so that a
+                // later campaign judges its expiry from when a renewal was last seen, not
+                // from when the campaign began.
+                if last_observed.is_none_or(|t: Instant| t.elapsed() >= self.lease_duration / 3) {
+                    self.observe().await;
+                    last_observed = Some(Instant::now());
+                }
                 tokio::select! {
                     _ = cancel.cancelled() => break,
                     _ = tokio::time::sleep(self.retry_period) => {}
@@ -416,6 +424,22 @@ impl LeaderElector {
             }
         }
         self.release().await;
+    }
+
+    /// Reads the lease without writing and notes when its record (holder, renew time) was
+    /// first seen, as an attempt does.
+    async fn observe(&mut self) {
+        let Ok(Some(lease)) = self.api.get_opt(&self.name).await else {
+            return;
+        };
+        let spec = lease.spec.unwrap_or_default();
+        let record = (
+            spec.holder_identity.filter(|h| !h.is_empty()),
+            spec.renew_time.map(|t| t.0),
+        );
+        if self.observed.as_ref().is_none_or(|(r, _)| *r != record) {
+            self.observed = Some((record, Instant::now()));
+        }
     }
 
     async fn try_acquire_or_renew(&mut self) -> Outcome {
