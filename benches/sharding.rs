@@ -93,16 +93,7 @@ impl Drop for Replica {
 
 fn holders(api: &ApiServer, shards: u32) -> Vec<Option<String>> {
     (0..shards)
-        .map(|s| {
-            api.get(
-                "coordination.k8s.io/v1",
-                "Lease",
-                "kube-system",
-                &format!("kube-event-bridge-shard-{s}-of-{shards}"),
-            )
-            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
-            .filter(|h| !h.is_empty())
-        })
+        .map(|s| api.lease_holder_of(&format!("kube-event-bridge-shard-{s}-of-{shards}")))
         .collect()
 }
 

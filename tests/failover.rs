@@ -10,8 +10,7 @@ mod support;
 
 use std::{
     collections::HashSet,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    path::Path,
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -27,66 +26,32 @@ use support::{
     kafka::{Tansu, consume_all},
     nats::{NatsServer, read_stream},
     objects::{configmap, typed},
+    replica::Replica,
     wait::{self, Patience},
 };
 
 const OBJECTS: usize = 300;
 const TOPIC: &str = "k8s.test.core.configmaps";
 
-/// One replica: the release binary as a pod runs it, with its own identity.
-struct Replica {
-    identity: &'static str,
-    child: Child,
-    log: PathBuf,
+/// A replica's config: ConfigMaps to `sink`, leader election with fast timings.
+fn config(identity: &str, sink: &Value) -> Value {
+    ConfigBuilder::new()
+        .configmaps()
+        .sink(sink.clone())
+        .route("configmap", &[sink["name"].as_str().unwrap()])
+        .set(
+            "leader_election",
+            json!({
+                "enabled": true, "identity": identity, "namespace": "kube-system",
+                "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
+            }),
+        )
+        .set("admin", json!({"address": "127.0.0.1:0"}))
+        .value()
 }
 
-impl Replica {
-    fn start(dir: &Path, identity: &'static str, sink: &Value, kubeconfig: &Path) -> Self {
-        let config = ConfigBuilder::new()
-            .configmaps()
-            .sink(sink.clone())
-            .route("configmap", &[sink["name"].as_str().unwrap()])
-            .set(
-                "leader_election",
-                json!({
-                    "enabled": true, "identity": identity, "namespace": "kube-system",
-                    "lease_duration": "3s", "renew_deadline": "2s", "retry_period": "200ms",
-                }),
-            )
-            .set("admin", json!({"address": "127.0.0.1:0"}))
-            .value();
-        let cfg = dir.join(format!("{identity}.yaml"));
-        std::fs::write(&cfg, config.to_string()).unwrap();
-        let log = dir.join(format!("{identity}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
-            .args(["run", "--config", cfg.to_str().unwrap()])
-            .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        Self {
-            identity,
-            child,
-            log,
-        }
-    }
-
-    fn signal(&self, signal: &str) {
-        Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
-            .status()
-            .unwrap();
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        self.signal("CONT");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn start(dir: &Path, identity: &str, sink: &Value, kubeconfig: &Path) -> Replica {
+    Replica::start(dir, identity, &config(identity, sink), kubeconfig)
 }
 
 /// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
@@ -145,8 +110,8 @@ async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> [
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
     let replicas = [
-        Replica::start(dir.path(), "replica-a", &sink, &kubeconfig),
-        Replica::start(dir.path(), "replica-b", &sink, &kubeconfig),
+        start(dir.path(), "replica-a", &sink, &kubeconfig),
+        start(dir.path(), "replica-b", &sink, &kubeconfig),
     ];
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
     wait::until("a leader publishing the first list", patience, async || {
@@ -197,7 +162,7 @@ async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> [
     );
     if found.iter().any(|d| !d.is_empty()) {
         for r in &replicas {
-            let log = std::fs::read_to_string(&r.log).unwrap_or_default();
+            let log = r.log();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();
             eprintln!(
                 "--- {} (last lines, newest first)\n{}",
@@ -279,13 +244,13 @@ async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
     let read = async || jetstream_events(&url).await;
-    let mut a = Replica::start(dir.path(), "replica-a", &sink, &kubeconfig);
+    let mut a = start(dir.path(), "replica-a", &sink, &kubeconfig);
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
     wait::until("replica-a to lead", patience, async || {
         api.lease_holder().as_deref() == Some("replica-a")
     })
     .await;
-    let b = Replica::start(dir.path(), "replica-b", &sink, &kubeconfig);
+    let b = start(dir.path(), "replica-b", &sink, &kubeconfig);
     for i in 0..20 {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
@@ -299,7 +264,7 @@ async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover
         read().await.len() >= 40
     })
     .await;
-    assert_eq!(api.lease_holder().as_deref(), Some(b.identity));
+    assert_eq!(api.lease_holder(), Some(b.identity.clone()));
     // Nothing more.
     tokio::time::sleep(Duration::from_secs(1)).await;
     let events = read().await;

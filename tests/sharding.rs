@@ -16,8 +16,6 @@ mod support;
 
 use std::{
     collections::HashMap,
-    path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -29,9 +27,10 @@ use serde_json::{Value, json};
 use support::{
     ApiServer,
     config::{ConfigBuilder, NATS_STREAM, nats_sink},
-    differences, fold_in_order, http_get,
+    differences, fold_in_order,
     nats::{NatsServer, read_stream},
     objects::{configmap, typed},
+    replica::Replica,
     wait::{self, Patience},
 };
 
@@ -94,113 +93,22 @@ fn name_of(i: usize) -> (String, String) {
     (ns, format!("cm-{i:05}"))
 }
 
-struct Replica {
-    identity: String,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Replica {
-    fn start(dir: &Path, identity: &str, sink: &Value, kubeconfig: &Path) -> Self {
-        let config = ConfigBuilder::new()
-            .configmaps()
-            .sink(sink.clone())
-            .route("configmap", &[sink["name"].as_str().unwrap()])
-            .set("leader_election", leader_election(identity))
-            .set("sharding", json!({"shards": SHARDS}))
-            .set("admin", json!({"address": "127.0.0.1:0"}))
-            .value();
-        let cfg = dir.join(format!("{identity}.yaml"));
-        std::fs::write(&cfg, config.to_string()).unwrap();
-        let log = dir.join(format!("{identity}.log"));
-        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
-            .args(["run", "--config", cfg.to_str().unwrap()])
-            .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        Self {
-            identity: identity.to_owned(),
-            child,
-            log,
-        }
-    }
-
-    /// Its log, without colour escapes.
-    fn log(&self) -> String {
-        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let mut out = String::with_capacity(raw.len());
-        let mut chars = raw.chars();
-        while let Some(c) = chars.next() {
-            if c == '\u{1b}' {
-                for c in chars.by_ref() {
-                    if c == 'm' {
-                        break;
-                    }
-                }
-            } else {
-                out.push(c);
-            }
-        }
-        out
-    }
-}
-
-impl Replica {
-    /// Its admin address, from the "Started" log line.
-    fn admin(&self) -> Option<std::net::SocketAddr> {
-        let log = self.log();
-        let line = log.lines().find(|l| l.contains(" Started "))?;
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix("admin="))?
-            .parse()
-            .ok()
-    }
-
-    /// The messages its sinks acknowledged (`keb_sink_published_total`, summed).
-    async fn published(&self) -> u64 {
-        let Some(addr) = self.admin() else {
-            return 0;
-        };
-        let (_, body) = http_get(addr, "/metrics").await;
-        body.lines()
-            .filter(|l| l.starts_with("keb_sink_published_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
-    }
-
-    /// SIGTERM, as a Deployment scaling down sends, and waits for the exit.
-    fn terminate(&mut self) {
-        Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// A sharded replica's config: ConfigMaps to `sink`.
+fn config(identity: &str, sink: &Value) -> Value {
+    ConfigBuilder::new()
+        .configmaps()
+        .sink(sink.clone())
+        .route("configmap", &[sink["name"].as_str().unwrap()])
+        .set("leader_election", leader_election(identity))
+        .set("sharding", json!({"shards": SHARDS}))
+        .set("admin", json!({"address": "127.0.0.1:0"}))
+        .value()
 }
 
 /// The holder of every shard's Lease (`None` for a shard nobody holds).
 fn shard_holders(api: &ApiServer) -> Vec<Option<String>> {
     (0..SHARDS)
-        .map(|s| {
-            api.get(
-                "coordination.k8s.io/v1",
-                "Lease",
-                "kube-system",
-                &format!("kube-event-bridge-shard-{s}-of-{SHARDS}"),
-            )
-            .and_then(|l| l["spec"]["holderIdentity"].as_str().map(str::to_owned))
-            .filter(|h| !h.is_empty())
-        })
+        .map(|s| api.lease_holder_of(&format!("kube-event-bridge-shard-{s}-of-{SHARDS}")))
         .collect()
 }
 
@@ -298,7 +206,7 @@ async fn sharded(server_side: bool, scenario: Scenario) {
     let sink = nats_sink("nats", &url, json!({}));
     let mut replicas: Vec<Replica> = ["replica-a", "replica-b", "replica-c"]
         .iter()
-        .map(|id| Replica::start(dir.path(), id, &sink, &kubeconfig))
+        .map(|id| Replica::start(dir.path(), id, &config(id, &sink), &kubeconfig))
         .collect();
     // More objects take longer to publish (a debug build).
     let limit = Duration::from_secs(120 + n as u64 / 150);
@@ -403,7 +311,12 @@ async fn sharded(server_side: bool, scenario: Scenario) {
         Scenario::Scale => {
             let started = tokio::time::Instant::now();
             for id in ["replica-d", "replica-e"] {
-                replicas.push(Replica::start(dir.path(), id, &sink, &kubeconfig));
+                replicas.push(Replica::start(
+                    dir.path(),
+                    id,
+                    &config(id, &sink),
+                    &kubeconfig,
+                ));
             }
             settled(&api, &[], 5, patience).await;
             let up = started.elapsed();

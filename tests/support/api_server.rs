@@ -634,12 +634,12 @@ impl ApiServer {
     /// The holder of the Lease `kube-system/kube-event-bridge` (the default leader election
     /// lease), if it is held.
     pub fn lease_holder(&self) -> Option<String> {
-        self.get(
-            "coordination.k8s.io/v1",
-            "Lease",
-            "kube-system",
-            "kube-event-bridge",
-        )?["spec"]["holderIdentity"]
+        self.lease_holder_of("kube-event-bridge")
+    }
+
+    /// The holder of the Lease `kube-system/{name}`, if it is held.
+    pub fn lease_holder_of(&self, name: &str) -> Option<String> {
+        self.get("coordination.k8s.io/v1", "Lease", "kube-system", name)?["spec"]["holderIdentity"]
             .as_str()
             .filter(|h| !h.is_empty())
             .map(str::to_owned)

@@ -8,6 +8,7 @@ pub mod kafka;
 pub mod model;
 pub mod nats;
 pub mod objects;
+pub mod replica;
 pub mod schema;
 pub mod tools;
 pub mod wait;

@@ -1,0 +1,88 @@
+//! One replica of the service as a pod runs it: the binary with its own config file, identity
+//! and log file, stopped (and thawed, if frozen) when dropped.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+};
+
+use serde_json::Value;
+
+pub struct Replica {
+    pub identity: String,
+    pub child: Child,
+    log: PathBuf,
+}
+
+impl Replica {
+    /// Starts the binary with `config` (written to `dir/{identity}.yaml`), its log at
+    /// `dir/{identity}.log`.
+    pub fn start(dir: &Path, identity: &str, config: &Value, kubeconfig: &Path) -> Self {
+        let cfg = dir.join(format!("{identity}.yaml"));
+        std::fs::write(&cfg, config.to_string()).unwrap();
+        let log = dir.join(format!("{identity}.log"));
+        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+            .args(["run", "--config", cfg.to_str().unwrap()])
+            .env("KUBECONFIG", kubeconfig)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Self {
+            identity: identity.to_owned(),
+            child,
+            log,
+        }
+    }
+
+    /// Its log so far (a file: no colour escapes).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, `TERM`, …).
+    pub fn signal(&self, signal: &str) {
+        Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+
+    /// SIGTERM, as a Deployment scaling down sends, and waits for the exit.
+    pub fn terminate(&mut self) {
+        self.signal("TERM");
+        let _ = self.child.wait();
+    }
+
+    /// Its admin address, from the "Started" log line.
+    pub fn admin(&self) -> Option<SocketAddr> {
+        let log = self.log();
+        let line = log.lines().find(|l| l.contains(" Started "))?;
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix("admin="))?
+            .parse()
+            .ok()
+    }
+
+    /// The messages its sinks acknowledged (`keb_sink_published_total`, summed).
+    pub async fn published(&self) -> u64 {
+        let Some(addr) = self.admin() else {
+            return 0;
+        };
+        let (_, body) = super::http_get(addr, "/metrics").await;
+        body.lines()
+            .filter(|l| l.starts_with("keb_sink_published_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
