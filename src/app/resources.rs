@@ -534,6 +534,12 @@ impl Resources {
                 .informer_synced
                 .with_label_values(&[informer.name()])
                 .set(0);
+            // Not running here any more: no liveness to report (a frozen age would look
+            // healthy).
+            let _ = self
+                .metrics
+                .informer_last_event_age
+                .remove_label_values(&[informer.name()]);
         }
         for w in self.wired.iter_mut() {
             if !w.informers.is_empty() {

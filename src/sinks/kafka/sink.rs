@@ -64,6 +64,11 @@ pub struct KafkaSink {
     // Leadership terms ended so far (see `abandon_queued`): a hand-over waiting for room in
     // librdkafka's queue gives up when its term ends.
     terms_ended: AtomicU64,
+    // Held (shared) around each hand-over to librdkafka and (exclusive) around an
+    // abandonment's count and purge: a record is either purged with the count already
+    // raised, or sent after the purge (never purged by an abandonment its worker did not
+    // see counted, which would count the purge as a delivery failure).
+    abandoning: std::sync::RwLock<()>,
 }
 
 /// Topic names: placeholder values as they are, an empty group as `core`, the namespace of a
@@ -123,6 +128,7 @@ impl KafkaSink {
             fatal_logged: Arc::default(),
             brokers,
             terms_ended: Default::default(),
+            abandoning: Default::default(),
         })
     }
 
@@ -418,7 +424,11 @@ impl Sink for KafkaSink {
             let mut waited = Duration::ZERO;
             let term = self.terms_ended.load(Ordering::SeqCst);
             let delivery = loop {
-                match self.producer.send_result(record) {
+                let sent = {
+                    let _sending = self.abandoning.read().unwrap_or_else(|e| e.into_inner());
+                    self.producer.send_result(record)
+                };
+                match sent {
                     Ok(delivery) => break delivery,
                     // The local queue is full: reports are on their way; wait for room, as
                     // any producer must, but not forever.
@@ -483,6 +493,7 @@ impl Sink for KafkaSink {
     }
 
     fn abandon_queued(&self) {
+        let _abandoning = self.abandoning.write().unwrap_or_else(|e| e.into_inner());
         self.terms_ended.fetch_add(1, Ordering::SeqCst);
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue());
