@@ -34,6 +34,8 @@
 //! leader.rs         leader election on a Lease (and its settings)
 //! membership.rs     which replicas share the shards (membership Leases), who should own which
 //! config/           the document: mod.rs (load, cross-references), resource.rs, sink.rs
+//! convert/          configs from other exporters: mod.rs (notes, secrets, YAML out), otel.rs
+//!                   (OpenTelemetry k8sobjects), event_exporter.rs (kubernetes-event-exporter)
 //! selection.rs      which kinds each configured resource selects, by discovery
 //! app/              mod.rs (build, run, layered shutdown), sinks.rs (opening sinks and stores),
 //!                   resources.rs (wiring), checkpoints.rs (loading them, waiting routes),
@@ -47,6 +49,7 @@ pub mod app;
 pub mod cluster;
 pub mod config;
 pub mod consumer;
+pub mod convert;
 pub mod informer;
 pub mod leader;
 pub mod membership;

@@ -47,6 +47,19 @@ enum Command {
         /// Namespaces (none: read them from standard input).
         namespaces: Vec<String>,
     },
+    /// Write a kube-event-bridge config equivalent to another exporter's (its resources,
+    /// namespaces, selectors, filters, Kafka brokers, topic and auth where they map), with
+    /// what has no equivalent listed as comments at the top and on standard error.
+    Convert {
+        /// The other exporter's config format.
+        #[arg(long, value_enum)]
+        from: ConvertFrom,
+        /// Its config file (YAML); for the OpenTelemetry Collector, the whole Collector config.
+        file: PathBuf,
+        /// Write the config to this file instead of standard output.
+        #[arg(long, short)]
+        output: Option<PathBuf>,
+    },
     /// Load and validate a config file, then print the effective config as JSON.
     CheckConfig {
         /// Config file (YAML).
@@ -122,6 +135,56 @@ enum EventTypeArg {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
+enum ConvertFrom {
+    /// The OpenTelemetry Collector's `k8sobjects` receiver (with its Kafka, debug or file
+    /// exporters).
+    OtelK8sobjects,
+    /// kubernetes-event-exporter (resmoio, formerly Opsgenie).
+    KubernetesEventExporter,
+}
+
+/// `convert`: reads `file`, writes the config (stdout or `output`), lists the notes on stderr.
+fn convert(
+    from: ConvertFrom,
+    file: &std::path::Path,
+    output: Option<&std::path::Path>,
+) -> ExitCode {
+    use kube_event_bridge::convert::{self, Source};
+    let source = match from {
+        ConvertFrom::OtelK8sobjects => Source::OtelK8sObjects,
+        ConvertFrom::KubernetesEventExporter => Source::KubernetesEventExporter,
+    };
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(err) => {
+            eprintln!("convert: cannot read {}: {err}", file.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let conversion = match convert::convert(source, &text) {
+        Ok(c) => c,
+        Err(err) => {
+            eprintln!("convert: {}: {err}", file.display());
+            return ExitCode::from(EXIT_BAD_CONFIG);
+        }
+    };
+    let yaml = conversion.to_yaml(source, &file.display().to_string());
+    match output {
+        Some(path) => {
+            if let Err(err) = std::fs::write(path, &yaml) {
+                eprintln!("convert: cannot write {}: {err}", path.display());
+                return ExitCode::FAILURE;
+            }
+        }
+        None => print!("{yaml}"),
+    }
+    for note in &conversion.notes {
+        eprintln!("convert: not carried over exactly: {note}");
+    }
+    ExitCode::SUCCESS
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
 enum Output {
     Table,
     Json,
@@ -189,6 +252,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Shards { shards, namespaces } => print_shards(shards, namespaces),
+        Command::Convert { from, file, output } => convert(from, &file, output.as_deref()),
         Command::CheckConfig { file } => match Config::load(&file) {
             Ok(config) => {
                 println!("{}", config.to_pretty_json());
@@ -333,9 +397,14 @@ fn tool_setup(path: &std::path::Path) -> Result<(Config, tokio::runtime::Runtime
         eprintln!("{}: {err}", path.display());
         ExitCode::from(EXIT_BAD_CONFIG)
     })?;
+    // A consumer tool is run by people: its warnings read as lines unless `json` is asked for.
+    let format = match config.log.format {
+        LogFormat::Auto => LogFormat::Pretty,
+        other => other,
+    };
     init_logging(&LogConfig {
         level: "warn".into(),
-        ..config.log.clone()
+        format,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -436,8 +505,14 @@ fn init_logging(log: &LogConfig) {
         .with_env_filter(filter)
         .with_ansi(colour)
         .with_writer(std::io::stderr);
-    match log.format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Pretty => builder.init(),
+    let json = match log.format {
+        LogFormat::Json => true,
+        LogFormat::Pretty => false,
+        LogFormat::Auto => !std::io::stderr().is_terminal(),
+    };
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
     }
 }

@@ -302,23 +302,27 @@ fn shards_shows_where_namespaces_fall_and_the_balance() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_log_written_to_a_file_or_pipe_has_no_colour_escapes() {
+/// Runs the default config until its first published line, standard error to a file, with
+/// `KEB_LOG__FORMAT=format` when given; returns the log.
+async fn log_of_a_short_run(format: Option<&str>) -> String {
     let server = ApiServer::start().await;
     server.create(typed(&configmap("ns", "a", "1")));
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = server.write_kubeconfig(dir.path());
     let log = dir.path().join("bridge.log");
-    let mut child = Command::new(BIN)
+    let mut command = Command::new(BIN);
+    command
         .args(["run", "--config", "config/default.yaml"])
         .env("KUBECONFIG", &kubeconfig)
         .env("KEB_ADMIN__ADDRESS", "127.0.0.1:0")
-        .env("KEB_LOG__FORMAT", "pretty")
+        .env_remove("KEB_LOG__FORMAT")
         .env_remove("NO_COLOR")
         .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+        .stderr(std::fs::File::create(&log).unwrap());
+    if let Some(format) = format {
+        command.env("KEB_LOG__FORMAT", format);
+    }
+    let mut child = command.spawn().unwrap();
     let stdout = child.stdout.take().unwrap();
     let first = tokio::task::spawn_blocking(move || BufReader::new(stdout).lines().next());
     tokio::time::timeout(PATIENCE, first)
@@ -333,10 +337,34 @@ async fn a_log_written_to_a_file_or_pipe_has_no_colour_escapes() {
         .await
         .unwrap()
         .unwrap();
-    let text = std::fs::read_to_string(&log).unwrap();
+    std::fs::read_to_string(&log).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_written_to_a_file_or_pipe_has_no_colour_escapes() {
+    let text = log_of_a_short_run(Some("pretty")).await;
     assert!(text.contains("Started"), "{text}");
     assert!(
         !text.contains('\u{1b}'),
         "escape codes in a log file:\n{text}"
     );
+}
+
+/// With the defaults (`log.format: auto`), a log that is not a terminal is JSON lines, as a
+/// pod's log collector expects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_log_format_off_a_terminal_is_json_lines() {
+    let text = log_of_a_short_run(None).await;
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["fields"]["message"] == "Started" && l["level"] == "INFO"),
+        "{text}"
+    );
+    assert!(!text.contains('\u{1b}'), "{text}");
 }

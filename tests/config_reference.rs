@@ -1,7 +1,7 @@
-//! Keeps README.md's configuration reference in sync with the settings structs (assembled in
-//! `src/config/`, each component's beside it): every field's
-//! `///` line and default must appear in the README table, verbatim. On failure the test
-//! prints the table to paste.
+//! Keeps the book's configuration reference (`docs/src/config-reference.md`) in sync with the
+//! settings structs (assembled in `src/config/`, each component's beside it): every field's
+//! `///` line and default must appear in that table, verbatim. On failure the test prints the
+//! table to paste.
 
 use kube_event_bridge::config::Config;
 use serde_json::{Value, json};
@@ -200,7 +200,7 @@ fn fields() -> Vec<(String, String, String)> {
 
 #[test]
 fn readme_config_reference_matches_the_code() {
-    let readme = include_str!("../README.md");
+    let readme = include_str!("../docs/src/config-reference.md");
     let rows: Vec<String> = fields()
         .into_iter()
         .map(|(path, doc, default)| format!("| `{path}` | {default} | {doc} |"))
@@ -211,7 +211,7 @@ fn readme_config_reference_matches_the_code() {
         .collect();
     assert!(
         missing.is_empty(),
-        "README.md's configuration reference is out of date. Expected table:\n\n| field | default | meaning |\n|---|---|---|\n{}\n",
+        "docs/src/config-reference.md is out of date. Expected table:\n\n| field | default | meaning |\n|---|---|---|\n{}\n",
         rows.join("\n")
     );
 }

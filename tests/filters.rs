@@ -410,7 +410,7 @@ async fn an_object_updated_while_down_and_then_relabelled_out_gets_its_filtered_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_if_skips_changes_without_ever_deleting_a_member() {
-    // The README's change filter, on ConfigMaps: only changes of data.v are published.
+    // The book's change filter, on ConfigMaps: only changes of data.v are published.
     let api = ApiServer::start().await;
     for name in ["a", "b"] {
         api.create(typed(&configmap("ns", name, "1").label("team", "shop")));

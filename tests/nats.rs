@@ -581,7 +581,7 @@ async fn a_checkpoint_bucket_that_cannot_be_created_is_a_start_error_naming_it()
     );
 }
 
-/// `tail` and `state` on a JetStream sink (binary encoding), as the README shows them: the
+/// `tail` and `state` on a JetStream sink (binary encoding), as the book shows them: the
 /// tail prints exactly the stream's messages (from the beginning) or what came after it
 /// started (from now); `state` equals the informer's cache, and `--check` names an object
 /// deleted and one changed behind the bridge's back.

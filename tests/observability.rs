@@ -249,14 +249,14 @@ fn every_dashboard_query_and_alert_rule_parses() {
     assert!(ok, "promtool check rules (alerts):\n{report}");
 }
 
-/// Every alert links a runbook section of the README (what it means, what to check, what to
-/// do) that exists.
+/// Every alert links a runbook section of the book (`docs/src/runbooks.md`: what it means,
+/// what to check, what to do) that exists.
 #[test]
 fn every_alert_links_a_runbook_section_that_exists() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let rules =
         std::fs::read_to_string(root.join("deploy/alerts/kube-event-bridge.rules.yml")).unwrap();
-    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let runbooks = std::fs::read_to_string(root.join("docs/src/runbooks.md")).unwrap();
     let mut alerts: Vec<(String, Option<String>)> = Vec::new();
     for line in rules.lines().map(str::trim) {
         if let Some(a) = line.strip_prefix("- alert:") {
@@ -269,14 +269,14 @@ fn every_alert_links_a_runbook_section_that_exists() {
     for (alert, url) in alerts {
         let url = url.unwrap_or_else(|| panic!("{alert} has no runbook_url"));
         let anchor = url
-            .strip_prefix("README.md#")
-            .unwrap_or_else(|| panic!("{alert}: {url} is not a README section"));
-        let heading = format!("#### {alert}\n");
+            .strip_prefix("docs/src/runbooks.md#")
+            .unwrap_or_else(|| panic!("{alert}: {url} is not a section of docs/src/runbooks.md"));
+        let heading = format!("## {alert}\n");
         assert_eq!(anchor, alert.to_lowercase(), "{alert}");
-        let at = readme
+        let at = runbooks
             .find(&heading)
-            .unwrap_or_else(|| panic!("README has no section {heading:?}"));
-        let section = &readme[at..];
+            .unwrap_or_else(|| panic!("docs/src/runbooks.md has no section {heading:?}"));
+        let section = &runbooks[at..];
         let section = &section[..section[heading.len()..]
             .find("\n#")
             .map_or(section.len(), |e| e + heading.len())];

@@ -1,7 +1,7 @@
 //! Horizontal sharding with the real binary, checked as a consumer sees it: three replicas
 //! share twelve shards of ConfigMaps spread over many namespaces, publishing into one
 //! JetStream stream (a real nats-server; tansu 0.6 answers ProducerFenced and times out when
-//! several idempotent producers write one partition at once, see the README). Every object's
+//! several idempotent producers write one partition at once, see docs/src/sharding.md). Every object's
 //! first state is published once (by its shard's owner);
 //! while objects change at a few hundred per second one replica is SIGKILLed, and the others
 //! take its shards over; folded per key in the order the topic holds them, the last message

@@ -1,8 +1,9 @@
 //! Settings: a YAML file plus `KEB_` environment overrides, validated before anything starts.
 //!
 //! Every struct denies unknown fields and every field carries a `///` line: those lines are the
-//! README's config reference (a test keeps the two in sync). Errors name the field path
-//! (`resources[2].kind: missing field`) so that a bad config can be fixed without reading code.
+//! book's config reference, `docs/src/config-reference.md` (a test keeps the two in sync).
+//! Errors name the field path (`resources[2].kind: missing field`) so that a bad config can be
+//! fixed without reading code.
 //!
 //! Each component owns its settings and checks them ([`KubernetesConfig`] in `cluster`,
 //! [`LeaderElectionConfig`] in `leader`, [`MessageConfig`] in `message`, each sink's in its
@@ -92,7 +93,8 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LogConfig {
-    /// `pretty` for people, `json` for log collectors.
+    /// `auto`: `json` when standard error is not a terminal (a pod's log, a file, a pipe),
+    /// `pretty` on a terminal; or `pretty` for people, `json` for log collectors, always.
     #[serde(default)]
     pub format: LogFormat,
     /// A `tracing` filter such as `info` or `info,kube_event_bridge=debug`; `RUST_LOG` overrides it.
@@ -125,8 +127,10 @@ impl LogConfig {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
-    /// Human-readable lines.
+    /// `json` unless standard error is a terminal.
     #[default]
+    Auto,
+    /// Human-readable lines (coloured only on a terminal without `NO_COLOR`).
     Pretty,
     /// One JSON object per line.
     Json,

@@ -418,7 +418,7 @@ impl Route {
     /// the first message handed over (its acknowledgement pending) or at a retriable
     /// hand-over failure. What follows is handed over only once that acknowledgement came:
     /// one message of a key is in flight at a time, so a retry never re-sends an older state
-    /// after a newer one was stored (see the delivery contract in the README).
+    /// after a newer one was stored (see the delivery contract, docs/src/delivery-contract.md).
     async fn hand_over(
         &self,
         key: &str,

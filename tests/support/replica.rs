@@ -26,6 +26,8 @@ impl Replica {
             .args(["run", "--config", cfg.to_str().unwrap()])
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info")
+            // The tests read its log as lines (`admin=`, `Became leader`), not JSON.
+            .env("KEB_LOG__FORMAT", "pretty")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()

@@ -16,7 +16,7 @@ pub struct NatsSinkConfig {
     /// `core`: delivered means handed to the connection, at most once.
     #[serde(default)]
     pub mode: NatsMode,
-    /// Subject template; placeholder values are escaped into single tokens (see README).
+    /// Subject template; placeholder values are escaped into single tokens (see the NATS chapter of the book).
     #[serde(default = "default_subject")]
     pub subject: String,
     /// `structured` (one JSON CloudEvent) or `binary` (`ce-*` headers, data as the body).
