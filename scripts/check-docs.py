@@ -54,7 +54,7 @@ def heading_ids(md):
     """The ids mdbook gives a Markdown file's headings (its normalize_id)."""
     ids, fence = set(), False
     for line in md.read_text(encoding="utf-8").splitlines():
-        if line.startswith("```"):
+        if line.startswith(("```", "~~~")):
             fence = not fence
         m = None if fence else re.match(r"^#+ (.*)$", line)
         if m:
@@ -66,7 +66,7 @@ def heading_ids(md):
 def main():
     problems, externals, checked = [], 0, 0
     summary = (SRC / "SUMMARY.md").read_text(encoding="utf-8")
-    listed = set(re.findall(r"\]\(([^)#]+\.md)\)", summary))
+    listed = {l.removeprefix("./") for l in re.findall(r"\]\(([^)#]+\.md)\)", summary)}
     for md in sorted(SRC.glob("*.md")):
         if md.name != "SUMMARY.md" and md.name not in listed:
             problems.append(f"docs/src/{md.name}: not listed in SUMMARY.md")
@@ -93,7 +93,9 @@ def main():
                     problems.append(f"{where}: no id {parts.fragment!r} in {target.name}")
 
     readme = ROOT / "README.md"
-    for link in re.findall(r"\]\(([^)\s]+)\)", readme.read_text(encoding="utf-8")):
+    # Links in the README's prose (code blocks hold no links).
+    prose = re.sub(r"^```.*?^```", "", readme.read_text(encoding="utf-8"), flags=re.S | re.M)
+    for link in re.findall(r"\]\(([^)\s]+)\)", prose):
         if external(link):
             externals += 1
             continue

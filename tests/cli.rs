@@ -368,3 +368,81 @@ async fn the_default_log_format_off_a_terminal_is_json_lines() {
     );
     assert!(!text.contains('\u{1b}'), "{text}");
 }
+
+/// Credentials written in a NATS server URL (`nats://user:password@host`) connect, and never
+/// reach the log, an error, or `check-config`'s output: they read `nats://***@host`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_in_a_nats_url_never_reach_logs_errors_or_check_config() {
+    let nats = support::nats::NatsServer::with_config(
+        "authorization { user: bridge, password: url-pass-7731 }",
+    );
+    let server = ApiServer::start().await;
+    server.create(typed(&configmap("ns", "a", "1")));
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = server.write_kubeconfig(dir.path());
+    let host = nats.url().trim_start_matches("nats://").to_owned();
+    let config_with = |password: &str| {
+        let path = dir.path().join(format!("{password}.yaml"));
+        std::fs::write(
+            &path,
+            format!(
+                "admin: {{address: \"127.0.0.1:0\"}}\nresources:\n  - {{api_version: v1, kind: ConfigMap}}\n\
+                 sinks:\n  - name: bus\n    type: nats\n    nats: {{servers: [\"nats://bridge:{password}@{host}\"], mode: core}}\n\
+                 routes:\n  - {{resource: configmap, sinks: [bus]}}\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+
+    let good = config_with("url-pass-7731");
+    let checked = Command::new(BIN)
+        .arg("check-config")
+        .arg(&good)
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&checked.stdout);
+    assert!(checked.status.success(), "{printed}");
+    assert!(printed.contains(&format!("nats://***@{host}")), "{printed}");
+    assert!(!printed.contains("url-pass-7731"), "{printed}");
+
+    let log = dir.path().join("bridge.log");
+    let mut child = Command::new(BIN)
+        .args(["run", "--config"])
+        .arg(&good)
+        .env("KUBECONFIG", &kubeconfig)
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let connected = support::wait::within(PATIENCE, async || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("Connected to NATS"))
+    })
+    .await;
+    Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(connected, "{text}");
+    assert!(text.contains(&format!("nats://***@{host}")), "{text}");
+    assert!(
+        !text.contains("url-pass-7731"),
+        "a credential in the log:\n{text}"
+    );
+
+    // A wrong password fails the start; the error names the server, not the password.
+    let bad = config_with("wrong-pass-4410");
+    let out = Command::new(BIN)
+        .args(["run", "--config"])
+        .arg(&bad)
+        .env("KUBECONFIG", &kubeconfig)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains(&format!("nats://***@{host}")), "{stderr}");
+    assert!(!stderr.contains("wrong-pass-4410"), "{stderr}");
+}

@@ -2,7 +2,7 @@
 //! and example files show them, in `tests/fixtures/convert/`) become configs that
 //! `check-config` accepts; settings map as the book says; inline passwords are never copied;
 //! what has no equivalent is listed; and the kubernetes-event-exporter route trees, compiled
-//! into CEL filters, pass exactly the Events the exporter's rules would route.
+//! into CEL `publish_if` expressions, pass the Events the exporter's rules would route.
 
 use std::{path::Path, process::Command};
 
@@ -203,10 +203,10 @@ fn kubernetes_event_exporter_routes_become_one_filtered_resource_per_receiver() 
     // regular expressions (Go's regexp rejects them too), so "alert" drops nothing.
     let passes = |name: &str, event: &Value| -> bool {
         let r = resource(&c, &format!("events-to-{name}"));
-        let Some(filter) = r["filter"].as_str() else {
+        let Some(filter) = r["publish_if"].as_str() else {
             return true;
         };
-        let expr = Expr::compile_membership(filter).unwrap();
+        let expr = Expr::compile(filter).unwrap();
         let obj: DynamicObject = serde_json::from_value(event.clone()).unwrap();
         expr.eval(&CachedObject::new(&obj), None, EventType::Added)
             .unwrap_or_else(|e| panic!("{name}: {filter}: {e}"))
@@ -263,10 +263,10 @@ fn kubernetes_event_exporter_kafka_receiver_maps_tls_sasl_and_never_copies_the_p
         sink(&c, "critical-events-queue")["stdout"]["path"],
         "/var/log/critical-events.jsonl"
     );
-    let filter = resource(&c, "events-to-critical-events-queue")["filter"]
+    let filter = resource(&c, "events-to-critical-events-queue")["publish_if"]
         .as_str()
         .unwrap();
-    let expr = Expr::compile_membership(filter).unwrap();
+    let expr = Expr::compile(filter).unwrap();
     let eval = |e: Value| {
         let obj: DynamicObject = serde_json::from_value(e).unwrap();
         expr.eval(&CachedObject::new(&obj), None, EventType::Updated)
@@ -274,6 +274,90 @@ fn kubernetes_event_exporter_kafka_receiver_maps_tls_sasl_and_never_copies_the_p
     };
     assert!(eval(event("shop", "Warning", "Pod", 1)));
     assert!(!eval(event("shop", "Normal", "Pod", 1)));
+}
+
+/// `minCount`, patterns the two regex engines read alike and ones they do not, and a
+/// namespace the exporter would read from the environment.
+#[test]
+fn min_count_portable_patterns_and_environment_references() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("kee.yaml");
+    std::fs::write(
+        &src,
+        r#"
+namespace: ${POD_NAMESPACE}
+route:
+  routes:
+    - drop:
+        - type: "Normal"
+          minCount: 3
+        - reason: "\\d+"
+      match:
+        - receiver: "out"
+          reason: "^Back[Oo]ff$|Killing"
+        - receiver: "wide"
+          message: "(?i)oom"
+receivers:
+  - name: "out"
+    stdout: {}
+  - name: "wide"
+    stdout: {}
+"#,
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["convert", "--from", "kubernetes-event-exporter"])
+        .arg(&src)
+        .output()
+        .unwrap();
+    let notes = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{notes}");
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    let path = dir.path().join("out.yaml");
+    std::fs::write(&path, yaml.as_bytes()).unwrap();
+    let check = Command::new(BIN)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{yaml}");
+    let c: Value = serde_json::from_slice(&check.stdout).unwrap();
+    // The namespace is the exporter's environment's: every namespace is watched, and said so.
+    assert!(
+        resource(&c, "events-to-out")
+            .get("namespaces")
+            .is_none_or(|n| n == &json!([]))
+    );
+    assert!(notes.contains("POD_NAMESPACE"), "{notes}");
+    // `\d` is ASCII in Go and Unicode in the bridge: that drop rule is left out; `(?i)` is
+    // left out of the match rule (a superset), and both are said.
+    assert!(
+        notes.contains("drop[1].reason") && notes.contains("match[1].message"),
+        "{notes}"
+    );
+    let eval = |name: &str, e: &Value| -> bool {
+        let Some(expr) = resource(&c, name)["publish_if"].as_str() else {
+            return true;
+        };
+        let obj: DynamicObject = serde_json::from_value(e.clone()).unwrap();
+        Expr::compile(expr)
+            .unwrap()
+            .eval(&CachedObject::new(&obj), None, EventType::Added)
+            .unwrap()
+    };
+    let with = |ty: &str, reason: &str, count: i64| {
+        let mut e = event("shop", ty, "Pod", count);
+        e["reason"] = json!(reason);
+        e
+    };
+    // minCount: a Normal event is dropped from its third occurrence on.
+    assert!(eval("events-to-out", &with("Normal", "BackOff", 2)));
+    assert!(!eval("events-to-out", &with("Normal", "BackOff", 3)));
+    assert!(eval("events-to-out", &with("Warning", "Killing", 9)));
+    assert!(!eval("events-to-out", &with("Warning", "Started", 1)));
+    // "wide" keeps the drop rules and loses only its unportable pattern.
+    assert!(eval("events-to-wide", &with("Warning", "Started", 1)));
+    assert!(!eval("events-to-wide", &with("Normal", "Started", 5)));
 }
 
 #[test]

@@ -409,7 +409,14 @@ impl Config {
 
     /// The config as pretty JSON, for `check-config`.
     pub fn to_pretty_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("config serializes")
+        let mut doc = serde_json::to_value(self).expect("config serializes");
+        // Secrets are references (`SecretRef`) everywhere but in a NATS URL's user info.
+        for (i, sink) in self.sinks.iter().enumerate() {
+            if let Some(nats) = &sink.nats {
+                doc["sinks"][i]["nats"]["servers"] = serde_json::json!(nats.servers_redacted());
+            }
+        }
+        serde_json::to_string_pretty(&doc).expect("config serializes")
     }
 }
 

@@ -1,12 +1,15 @@
 //! From a kubernetes-event-exporter config (`route`, `receivers`): core `v1` Events, added
 //! and updated (the exporter ignores deletes), one resource per receiver that a route reaches,
-//! its route tree compiled into that resource's CEL `filter`.
+//! its route tree compiled into that resource's CEL `publish_if` (per event, as the exporter
+//! routes each addition and update).
 //!
 //! The route tree, as the exporter walks it (`pkg/exporter/route.go`): a route drops the event
 //! if any `drop` rule matches; otherwise each `match` rule that matches sends it to the rule's
 //! receiver; only if every `match` rule matched does it go down the sub-routes. Rule fields are
-//! Go regular expressions searched in the field (CEL's `matches` is the same RE2 search), all
-//! of a rule's fields must match, and `minCount` compares with the Event's `count`. So a
+//! Go regular expressions searched in the field (CEL's `matches` searches too, with Rust's
+//! `regex`: the syntax both share carries over; a pattern beyond it is left out where that
+//! widens what is published, see [`portable`]), all of a rule's fields must match, and
+//! `minCount` compares with the Event's `count`. So a
 //! receiver gets an event when, along some path to one of its rules, no `drop` on the way
 //! matched, every `match` of each ancestor matched, and the rule itself matched.
 //!
@@ -111,11 +114,22 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             "kind": "Event",
             "events": ["added", "updated"],
         });
-        if let Some(ns) = text(doc, "namespace") {
-            resource["namespaces"] = json!([ns]);
+        match text(doc, "namespace") {
+            // Said once, for the first resource.
+            Some(ns) if expanded_by_the_exporter(&ns) && resources.is_empty() => {
+                notes.add(format!(
+                    "namespace: {ns:?} names an environment variable (the exporter expands \
+                     it); every namespace is watched: set resources[].namespaces by hand"
+                ));
+            }
+            Some(ns) if expanded_by_the_exporter(&ns) => {}
+            Some(ns) => resource["namespaces"] = json!([ns]),
+            None => {}
         }
+        // Per event, as the exporter routes each addition and update on its own (a `filter`
+        // would make an Event that starts matching enter as `added`).
         if let Some(filter) = cel(&condition) {
-            resource["filter"] = json!(filter);
+            resource["publish_if"] = json!(filter);
         }
         resources.push(resource);
         routes.push(json!({ "resource": resource_name, "sinks": [name] }));
@@ -270,8 +284,32 @@ fn rule(r: &Value, path: &str, drop: bool, notes: &mut Notes) -> Option<Vec<Stri
         let Some(pattern) = text(r, field) else {
             continue;
         };
+        if pattern.contains('$') && expanded_by_the_exporter(&pattern) {
+            notes.add(format!(
+                "{path}.{field}: {pattern:?} names an environment variable, which the \
+                 exporter expands when it reads its file; expand it by hand"
+            ));
+        }
+        if !portable(&pattern) {
+            // Go's regexp and the bridge's (Rust's `regex`) may read it differently: leave
+            // it out where that widens what is published.
+            if drop {
+                notes.add(format!(
+                    "{path}.{field}: {pattern:?} uses escapes or flags that Go's regexp and the \
+                     bridge's read differently; this drop rule is left out (nothing it would \
+                     drop is dropped)"
+                ));
+                return None;
+            }
+            notes.add(format!(
+                "{path}.{field}: {pattern:?} uses escapes or flags that Go's regexp and the \
+                 bridge's read differently; the rule matches without it (a superset)"
+            ));
+            continue;
+        }
         if regex::Regex::new(&pattern).is_err() {
-            // Go's regexp rejects it as well: the exporter's rule never matches.
+            // A pattern of the syntax both engines share that does not compile (`*test*`:
+            // nothing to repeat) fails in Go's regexp too: the exporter never matches it.
             notes.add(format!(
                 "{path}.{field}: {pattern:?} is not a regular expression; the exporter never \
                  matches it, nor does the converted filter"
@@ -286,6 +324,36 @@ fn rule(r: &Value, path: &str, drop: bool, notes: &mut Notes) -> Option<Vec<Stri
         terms.push(format!("(has(object.count) ? object.count : 0) >= {min}"));
     }
     Some(terms)
+}
+
+/// Whether `pattern` uses only the syntax that Go's regexp and Rust's `regex` read alike:
+/// no backslash escapes but of punctuation (`\.`, `\*`, …), no `(?` groups or flags, no
+/// counted repetition (Go caps it at 1000). Perl classes (`\d`, `\w`, `\b`) are ASCII in Go and
+/// Unicode in Rust; `\Q…\E` and octal escapes exist in Go only.
+fn portable(pattern: &str) -> bool {
+    let mut chars = pattern.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some(e) if e.is_ascii_punctuation() => {}
+                _ => return false,
+            },
+            '(' if chars.peek() == Some(&'?') => return false,
+            '{' if chars.peek().is_some_and(char::is_ascii_digit) => return false,
+            _ => {}
+        }
+    }
+    true
+}
+
+/// Whether the exporter's `os.ExpandEnv` would replace part of `value` (`$NAME`, `${NAME}`).
+fn expanded_by_the_exporter(value: &str) -> bool {
+    value.match_indices('$').any(|(i, _)| {
+        value[i + 1..]
+            .chars()
+            .next()
+            .is_some_and(|c| c == '{' || c == '_' || c.is_ascii_alphabetic())
+    })
 }
 
 /// `a || b` of AND-terms, `None` when there are none (false). A conjunction holding `false`

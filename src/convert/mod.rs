@@ -31,8 +31,12 @@ pub enum Error {
     /// The file is YAML but not the format named by `--from`.
     #[error("{0}")]
     Format(String),
-    /// The converted document does not load (a bug of the converter: please report it).
-    #[error("the converted config does not load ({0}); please report this with the source file")]
+    /// The converted document does not load: the source combines settings that have no
+    /// equivalent together (two entries for one kind into one destination, say).
+    #[error(
+        "the converted config does not load, so the source has no direct equivalent; edit the \
+         source or convert parts of it: {0}"
+    )]
     Invalid(Box<crate::config::Error>),
 }
 
@@ -65,6 +69,7 @@ impl Conversion {
             Source::OtelK8sObjects => "the OpenTelemetry Collector's k8sobjects receiver",
             Source::KubernetesEventExporter => "kubernetes-event-exporter",
         };
+        let file = one_line(file);
         let mut out = format!(
             "# Converted by `kube-event-bridge convert` from {file} ({from}).\n\
              # Check it with `kube-event-bridge check-config`; the book's chapter \"Moving from\n\
@@ -75,7 +80,7 @@ impl Conversion {
         } else {
             out.push_str("#\n# Not carried over exactly:\n");
             for note in &self.notes {
-                out.push_str(&format!("# - {}\n", note.replace('\n', " ")));
+                out.push_str(&format!("# - {}\n", one_line(note)));
             }
         }
         write_yaml(&self.config, 0, &mut out);
@@ -83,13 +88,22 @@ impl Conversion {
     }
 }
 
-/// Reads `text` as `source` and converts it.
-pub fn convert(source: Source, text: &str) -> Result<Conversion> {
-    let doc: Value = config::Config::builder()
+/// `text` fit for one comment line: line breaks (which would end the comment) as spaces.
+fn one_line(text: &str) -> String {
+    text.replace(['\n', '\r', '\u{85}', '\u{2028}', '\u{2029}'], " ")
+}
+
+/// Reads `text` as YAML into a document.
+fn read_yaml(text: &str) -> Result<Value, config::ConfigError> {
+    config::Config::builder()
         .add_source(config::File::from_str(text, config::FileFormat::Yaml))
         .build()
         .and_then(|c| c.try_deserialize())
-        .map_err(|e| Error::Yaml(Box::new(e)))?;
+}
+
+/// Reads `text` as `source` and converts it.
+pub fn convert(source: Source, text: &str) -> Result<Conversion> {
+    let doc = read_yaml(text).map_err(|e| Error::Yaml(Box::new(e)))?;
     if !doc.is_object() {
         return Err(Error::Format("the file holds no YAML mapping".into()));
     }
@@ -97,7 +111,10 @@ pub fn convert(source: Source, text: &str) -> Result<Conversion> {
         Source::OtelK8sObjects => otel::convert(&doc)?,
         Source::KubernetesEventExporter => event_exporter::convert(&doc)?,
     };
-    Config::from_value(conversion.config.clone()).map_err(|e| Error::Invalid(Box::new(e)))?;
+    // What is written is what is checked: the YAML text, read back as `run` reads it.
+    let written = read_yaml(&conversion.to_yaml(source, "-"))
+        .map_err(|e| Error::Format(format!("the converted YAML does not read back: {e}")))?;
+    Config::from_value(written).map_err(|e| Error::Invalid(Box::new(e)))?;
     Ok(conversion)
 }
 
@@ -111,16 +128,26 @@ impl Notes {
     }
 }
 
-/// The secret reference for a password read from the source: `${VAR}` or `${env:VAR}` becomes
-/// `{env: VAR}`; an inline value is not copied, and `{env: fallback}` is returned with a note
-/// asking for the variable to be set.
+/// The secret reference for a password read from the source: `$VAR`, `${VAR}`, `${env:VAR}`
+/// (a `:-default` ignored) becomes `{env: VAR}`; an inline value is not copied, and
+/// `{env: fallback}` is returned with a note asking for the variable to be set. A `KEB_*`
+/// variable is not taken over: those are config overrides here.
 pub(crate) fn secret(value: &str, fallback: &str, what: &str, notes: &mut Notes) -> Value {
     let var = value
         .strip_prefix("${")
         .and_then(|v| v.strip_suffix('}'))
         .map(|v| v.strip_prefix("env:").unwrap_or(v))
+        .map(|v| v.split_once(":-").map_or(v, |(name, _)| name))
+        .or_else(|| value.strip_prefix('$'))
         .filter(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
     match var {
+        Some(var) if var.starts_with("KEB_") => {
+            notes.add(format!(
+                "{what}: the environment variable {var} starts with KEB_, which are config \
+                 overrides here; set {fallback} to the password instead"
+            ));
+            json!({ "env": fallback })
+        }
         Some(var) => json!({ "env": var }),
         None => {
             notes.add(format!(
@@ -285,7 +312,8 @@ fn inline(v: &Value) -> String {
         Value::String(s) => scalar_text(s),
         Value::Array(a) => format!("[{}]", a.iter().map(inline).collect::<Vec<_>>().join(", ")),
         Value::Object(o) if o.is_empty() => "{}".into(),
-        Value::Object(_) => unreachable!("mappings are written in block style"),
+        // A mapping inside a list inside a list: JSON is YAML's flow style.
+        Value::Object(_) => serde_json::to_string(v).expect("a value serializes"),
     }
 }
 
@@ -332,20 +360,7 @@ mod tests {
             .unwrap()
             .try_deserialize()
             .unwrap();
-        // The config crate drops empty collections; everything else reads back unchanged.
-        let mut expected = doc.clone();
-        expected.as_object_mut().unwrap().remove("e");
-        expected["resources"][0]
-            .as_object_mut()
-            .unwrap()
-            .remove("events");
-        let mut back = back;
-        back.as_object_mut().unwrap().remove("e");
-        back["resources"][0]
-            .as_object_mut()
-            .unwrap()
-            .remove("events");
-        assert_eq!(back, expected, "{text}");
+        assert_eq!(back, doc, "{text}");
         assert!(text.starts_with("cluster: prod\n"), "{text}");
     }
 

@@ -339,7 +339,12 @@ fn resource(object: &Value, path: &str, notes: &mut Notes) -> Option<Value> {
     };
     let mut r = json!({ "name": name, "api_version": api_version, "kind": kind });
     let namespaces = strings(object, "namespaces");
-    if !namespaces.is_empty() {
+    if namespaces.iter().any(|n| n.contains("${")) {
+        notes.add(format!(
+            "{path}.namespaces: {namespaces:?} names environment variables, which the \
+             Collector expands; every namespace is watched: set namespaces by hand"
+        ));
+    } else if !namespaces.is_empty() {
         r["namespaces"] = json!(namespaces);
     }
     if let Some(s) = text(object, "label_selector") {
@@ -349,6 +354,7 @@ fn resource(object: &Value, path: &str, notes: &mut Notes) -> Option<Value> {
         r["field_selector"] = json!(s);
     }
     let mut events = vec!["added", "updated", "deleted"];
+    let watch = text(object, "mode").as_deref() == Some("watch");
     match text(object, "mode").as_deref() {
         Some("watch") => {}
         None | Some("pull") => {
@@ -368,7 +374,13 @@ fn resource(object: &Value, path: &str, notes: &mut Notes) -> Option<Value> {
             ));
         }
     }
-    for excluded in strings(object, "exclude_watch_type") {
+    // The receiver applies it in watch mode only.
+    let excluded = if watch {
+        strings(object, "exclude_watch_type")
+    } else {
+        Vec::new()
+    };
+    for excluded in excluded {
         let ours = match excluded.to_ascii_uppercase().as_str() {
             "ADDED" => "added",
             "MODIFIED" => "updated",
@@ -474,6 +486,14 @@ fn sink(name: &str, exporter: &Value, notes: &mut Notes) -> Option<Value> {
         .and_then(|l| text(l, "topic"))
         .or_else(|| text(exporter, "topic"))
         .unwrap_or_else(|| "otlp_logs".into());
+    for value in brokers.iter().chain([&topic]) {
+        if value.contains("${") {
+            notes.add(format!(
+                "{path}: {value:?} names an environment variable, which the Collector expands \
+                 and the bridge does not; expand it by hand"
+            ));
+        }
+    }
     let mut kafka = json!({ "brokers": brokers, "topic": topic });
     let mut properties = serde_json::Map::new();
     if let Some(id) = text(exporter, "client_id") {

@@ -10,13 +10,17 @@ use crate::{message::Encoding, sinks::SecretRef};
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NatsSinkConfig {
-    /// Server URLs (`nats://host:4222`, `tls://host:4222`); several for a cluster.
+    /// Server URLs (`nats://host:4222`, `tls://host:4222`); several for a cluster. Credentials
+    /// in a URL (`nats://user:password@host`, `nats://token@host`) are used when `auth` is
+    /// unset (every URL that has some must have the same); logs and errors show such a URL as
+    /// `nats://***@host`. Prefer `auth`, whose secrets come from files or the environment.
     pub servers: Vec<String>,
     /// `jetstream`: delivered means the stream stored the message (PubAck), at least once.
     /// `core`: delivered means handed to the connection, at most once.
     #[serde(default)]
     pub mode: NatsMode,
-    /// Subject template; placeholder values are escaped into single tokens (see the NATS chapter of the book).
+    /// Subject template; placeholder values are escaped into single tokens (see the book's
+    /// NATS chapter).
     #[serde(default = "default_subject")]
     pub subject: String,
     /// `structured` (one JSON CloudEvent) or `binary` (`ce-*` headers, data as the body).
@@ -176,6 +180,52 @@ fn default_duplicate_window() -> Duration {
 }
 
 impl NatsSinkConfig {
+    /// The server URLs as logs and errors show them: credentials in a URL
+    /// (`nats://user:password@host`, `nats://token@host`) become `***`.
+    pub fn servers_for_logs(&self) -> String {
+        self.servers_redacted().join(",")
+    }
+
+    /// Each server URL with its credentials, if any, as `***`.
+    pub fn servers_redacted(&self) -> Vec<String> {
+        self.servers
+            .iter()
+            .map(|url| redact_userinfo(url))
+            .collect()
+    }
+
+    /// The server URLs to connect to, without their credentials (async-nats does not read
+    /// them from a URL: see [`url_credentials`](Self::url_credentials)).
+    pub fn servers_to_connect(&self) -> String {
+        self.servers
+            .iter()
+            .map(|url| split_userinfo(url).1)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The credentials written in the server URLs, if any: `(user, Some(password))` or
+    /// `(token, None)`, percent-decoded. `Err` when two URLs carry different ones.
+    pub fn url_credentials(&self) -> Result<Option<(String, Option<String>)>, String> {
+        let mut found: Option<(String, Option<String>)> = None;
+        for url in &self.servers {
+            let Some(info) = split_userinfo(url).0 else {
+                continue;
+            };
+            let creds = match info.split_once(':') {
+                Some((user, password)) => (percent_decode(user), Some(percent_decode(password))),
+                None => (percent_decode(&info), None),
+            };
+            match &found {
+                Some(f) if *f != creds => {
+                    return Err("the server URLs carry different credentials".into());
+                }
+                _ => found = Some(creds),
+            }
+        }
+        Ok(found)
+    }
+
     /// Field checks; each error is `(path below the sink, reason)`.
     pub fn validate(&self) -> Vec<(String, String)> {
         let mut errors = Vec::new();
@@ -236,6 +286,14 @@ impl NatsSinkConfig {
             a.nkey_seed.is_some(),
             a.credentials_file.is_some(),
         ];
+        match self.url_credentials() {
+            Err(reason) => err("servers", reason),
+            Ok(Some(_)) if methods.iter().any(|m| *m) => err(
+                "servers",
+                "credentials in a server URL and in `auth` both: give them once (in `auth`)".into(),
+            ),
+            Ok(_) => {}
+        }
         if methods.iter().filter(|m| **m).count() > 1 {
             err(
                 "auth",
@@ -260,5 +318,97 @@ impl NatsSinkConfig {
             err("tls", "cert_file and key_file go together".into());
         }
         errors
+    }
+}
+
+/// `scheme://user:password@host:port/…` → `scheme://***@host:port/…`; a URL without
+/// credentials is returned unchanged.
+fn redact_userinfo(url: &str) -> String {
+    match split_userinfo(url) {
+        (Some(_), bare) => match bare.split_once("://") {
+            Some((scheme, rest)) => format!("{scheme}://***@{rest}"),
+            None => format!("***@{bare}"),
+        },
+        (None, _) => url.to_owned(),
+    }
+}
+
+/// A URL's user info (`user:password`, `token`) and the URL without it.
+fn split_userinfo(url: &str) -> (Option<String>, String) {
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, r)) => (format!("{s}://"), r),
+        None => (String::new(), url),
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..authority_end].rfind('@') {
+        Some(at) => (
+            Some(rest[..at].to_owned()),
+            format!("{scheme}{}", &rest[at + 1..]),
+        ),
+        None => (None, url.to_owned()),
+    }
+}
+
+/// `%40` → `@`: user info is percent-encoded in a URL.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(b) = s
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_in_server_urls_never_reach_logs() {
+        assert_eq!(
+            redact_userinfo("nats://bridge:s3cret@nats-0:4222"),
+            "nats://***@nats-0:4222"
+        );
+        assert_eq!(
+            redact_userinfo("tls://tok3n@nats:4222/x@y"),
+            "tls://***@nats:4222/x@y"
+        );
+        assert_eq!(redact_userinfo("u:p@host:4222"), "***@host:4222");
+        assert_eq!(redact_userinfo("nats://host:4222"), "nats://host:4222");
+    }
+
+    #[test]
+    fn credentials_in_server_urls_are_read_once() {
+        let cfg = |servers: &[&str]| NatsSinkConfig {
+            servers: servers.iter().map(|s| s.to_string()).collect(),
+            ..serde_json::from_value(serde_json::json!({"servers": ["x"], "mode": "core"})).unwrap()
+        };
+        let c = cfg(&["nats://bridge:p%40ss@a:4222", "nats://b:4222"]);
+        assert_eq!(
+            c.url_credentials(),
+            Ok(Some(("bridge".into(), Some("p@ss".into()))))
+        );
+        assert_eq!(c.servers_to_connect(), "nats://a:4222,nats://b:4222");
+        assert_eq!(
+            cfg(&["nats://t0ken@a:4222"]).url_credentials(),
+            Ok(Some(("t0ken".into(), None)))
+        );
+        assert!(
+            cfg(&["nats://a:1@h", "nats://b:2@h"])
+                .url_credentials()
+                .is_err()
+        );
+        assert_eq!(cfg(&["nats://h"]).url_credentials(), Ok(None));
     }
 }

@@ -67,7 +67,7 @@ impl NatsSink {
     /// stream.
     pub async fn connect(name: &str, cfg: &NatsSinkConfig) -> Result<Self> {
         let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
-        let servers = cfg.servers.join(",");
+        let servers = cfg.servers_for_logs();
         let denied: Arc<Mutex<HashSet<String>>> = Arc::default();
         let subject = Template::parse(&cfg.subject).map_err(|e| setup(format!("subject: {e}")))?;
         let conn = Conn::open(name, cfg, &denied).await?;
@@ -180,12 +180,15 @@ impl Conn {
                 }
             }
         });
-        let servers = cfg.servers.join(",");
-        let client = options.connect(servers.as_str()).await.map_err(|e| {
-            Error::Setup(format!(
-                "sink {name}: cannot connect to NATS at {servers}: {e}"
-            ))
-        })?;
+        let client = options
+            .connect(cfg.servers_to_connect().as_str())
+            .await
+            .map_err(|e| {
+                Error::Setup(format!(
+                    "sink {name}: cannot connect to NATS at {}: {e}",
+                    cfg.servers_for_logs()
+                ))
+            })?;
         let jetstream = (cfg.mode == NatsMode::Jetstream).then(|| {
             jetstream::ContextBuilder::new()
                 .timeout(cfg.ack_timeout)
@@ -297,14 +300,14 @@ pub async fn connect_client(
     cfg: &NatsSinkConfig,
     events: impl Fn(async_nats::Event) + Send + Sync + 'static,
 ) -> Result<async_nats::Client> {
-    let servers = cfg.servers.join(",");
     options(name, cfg, events)
         .await?
-        .connect(servers.as_str())
+        .connect(cfg.servers_to_connect().as_str())
         .await
         .map_err(|e| {
             Error::Setup(format!(
-                "sink {name}: cannot connect to NATS at {servers}: {e}"
+                "sink {name}: cannot connect to NATS at {}: {e}",
+                cfg.servers_for_logs()
             ))
         })
 }
@@ -337,6 +340,13 @@ async fn options(
     }
     if let Some(seed) = &auth.nkey_seed {
         options = options.nkey(secret(seed, "auth.nkey_seed")?);
+    }
+    // Credentials written in the server URLs (validation made sure `auth` is unset then):
+    // async-nats does not read them from a URL.
+    match cfg.url_credentials() {
+        Ok(Some((user, Some(password)))) => options = options.user_and_password(user, password),
+        Ok(Some((token, None))) => options = options.token(token),
+        Ok(None) | Err(_) => {}
     }
     if let Some(creds) = &auth.credentials_file {
         options = options.credentials_file(creds).await.map_err(|e| {
