@@ -226,7 +226,7 @@ def check_kustomization(directory):
 def main():
     for directory in [ROOT / "deploy" / "base", *sorted((ROOT / "deploy" / "overlays").iterdir())]:
         check_kustomization(directory)
-    for rules in sorted((ROOT / "deploy" / "alerts").glob("*.yml")):
+    for rules in sorted((ROOT / "deploy" / "alerts").glob("*.rules.yml")):
         run = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
         check(f"promtool check rules {rules.relative_to(ROOT)}", run.returncode == 0, (run.stdout + run.stderr).strip())
     run = subprocess.run(["hadolint", str(ROOT / "Dockerfile")], capture_output=True, text=True)

@@ -249,6 +249,17 @@ fn every_dashboard_query_and_alert_rule_parses() {
     assert!(ok, "promtool check rules (alerts):\n{report}");
 }
 
+/// The alert rules' unit tests (`deploy/alerts/kube-event-bridge.rules.test.yml`): a silent
+/// watch's liveness gauge, shaped as the live test below measures it, fires
+/// `KubeEventBridgeWatchSilent` after its `for`, and a quiet kind's bookmarks keep it silent.
+#[test]
+fn the_alert_rules_fire_on_the_series_they_are_for() {
+    let tests = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy/alerts/kube-event-bridge.rules.test.yml");
+    let (ok, report) = promtool(&["test", "rules", tests.to_str().unwrap()], None);
+    assert!(ok, "promtool test rules:\n{report}");
+}
+
 /// Every alert links a runbook section of the book (`docs/src/runbooks.md`: what it means,
 /// what to check, what to do) that exists.
 #[test]
