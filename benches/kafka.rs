@@ -1,5 +1,7 @@
 //! The whole pipeline into Kafka (delivered = delivery report) against a plain rdkafka
-//! producer sending the same pre-encoded bytes, in one run, for ~1 KB and ~10 KB objects.
+//! producer with the sink's own settings sending the same pre-encoded bytes, for ~1 KB and
+//! ~10 KB objects: `BENCH_RUNS` rounds (3 by default), each running every side once in a
+//! rotating order; each run's rate, then medians and spread, are printed.
 //! Brokers: tansu (a real Kafka-protocol broker, started here) and librdkafka's in-process
 //! mock cluster.
 //!
@@ -27,12 +29,29 @@ use rdkafka::{
     producer::{FutureProducer, FutureRecord},
 };
 use support::{
-    Figures, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
+    Figures, Runs, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
     reset_peak_rss,
 };
 
 const WORKERS: usize = 1024;
 const TOPIC: &str = "bench";
+
+/// The sink config both sides use.
+fn sink_config(brokers: &str) -> SinkConfig {
+    serde_json::from_value(serde_json::json!({
+        "name": "kafka", "type": "kafka", "kafka": {"brokers": [brokers], "topic": TOPIC},
+    }))
+    .unwrap()
+}
+
+/// The librdkafka settings of the bridge's producer, which the raw producer uses as well.
+fn producer_settings(brokers: &str) -> ClientConfig {
+    kube_event_bridge::sinks::kafka::client_config(
+        "bench",
+        sink_config(brokers).kafka.as_ref().unwrap(),
+    )
+    .unwrap()
+}
 
 async fn bridge(
     brokers: &str,
@@ -42,10 +61,7 @@ async fn bridge(
     run: usize,
     resume: bool,
 ) -> Figures {
-    let cfg: SinkConfig = serde_json::from_value(serde_json::json!({
-        "name": "kafka", "type": "kafka", "kafka": {"brokers": [brokers], "topic": TOPIC},
-    }))
-    .unwrap();
+    let cfg = sink_config(brokers);
     // Built before the clock starts, as raw's messages are encoded before it starts.
     let notes: Vec<_> = notifications(events, 10_000, size).collect();
     let kafka = KafkaSink::connect("kafka", cfg.kafka.as_ref().unwrap())
@@ -69,15 +85,8 @@ async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
     let messages: Vec<Message> = notifications(events, 10_000, size)
         .map(|n| enc.encode(&n.key(), &n).unwrap())
         .collect();
-    // The sink's producer settings.
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("compression.type", "lz4")
-        .set("linger.ms", "5")
-        .create()
-        .unwrap();
+    // Exactly the sink's producer settings (the function the sink builds its producer with).
+    let producer: FutureProducer = producer_settings(brokers).create().unwrap();
     // Connected before the clock starts, as the bridge's sink is.
     producer
         .client()
@@ -130,14 +139,29 @@ fn main() {
         .collect();
     let events_1k = args.first().copied().unwrap_or(100_000);
     let events_10k = args.get(1).copied().unwrap_or(20_000);
+    let rounds = support::runs();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let metrics = Metrics::new();
+    let mut settings: Vec<(String, String)> = producer_settings("BROKERS")
+        .config_map()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    settings.sort();
     println!(
-        "kafka bench: {WORKERS} pipeline workers, idempotent producer, acks=all, lz4, linger 5 ms; 2 runtime threads"
+        "kafka bench: {WORKERS} pipeline workers; 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on) and raw once, in an order that rotates each round; medians and spread printed"
+    );
+    println!(
+        "  producer settings of both sides (kube_event_bridge::sinks::kafka::client_config): {}",
+        settings
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
     );
     let tansu = kafka::Tansu::start();
     tansu.create_topic(TOPIC, 3);
@@ -150,34 +174,39 @@ fn main() {
     ] {
         println!("{broker}:");
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
-            run += 1;
-            // Resume off and on alternate (off, on, off, on) so that neither gains from going
-            // later (warm caches, a broker's growing log); the faster run of each counts: a
-            // single run is at the mercy of the bridge's occasional 0.5 s stalls.
-            let (mut b, mut on): (Option<Figures>, Option<Figures>) = (None, None);
-            for _ in 0..2 {
-                for (resume, best) in [(false, &mut b), (true, &mut on)] {
+            // Interleaved: every round runs each side once, the order rotating, so that no
+            // side gains from going later (warm caches, a broker's growing log).
+            let (mut off, mut on, mut raw_runs) =
+                (Runs::default(), Runs::default(), Runs::default());
+            let mut lines = Vec::new();
+            for round in 0..rounds {
+                for side in (0..3).map(|k| (k + round) % 3) {
                     run += 1;
-                    let f = runtime.block_on(bridge(&brokers, events, size, &metrics, run, resume));
-                    if best.as_ref().is_none_or(|x| f.rate() > x.rate()) {
-                        *best = Some(f);
-                    }
+                    let f = match side {
+                        0 => runtime.block_on(bridge(&brokers, events, size, &metrics, run, false)),
+                        1 => runtime.block_on(bridge(&brokers, events, size, &metrics, run, true)),
+                        _ => runtime.block_on(raw(&brokers, events, size)),
+                    };
+                    lines.push(format!("{}:{:.0}", ["off", "on", "raw"][side], f.rate()));
+                    [&mut off, &mut on, &mut raw_runs][side].0.push(f);
                 }
             }
-            let (b, on) = (b.expect("two runs"), on.expect("two runs"));
-            let r = runtime.block_on(raw(&brokers, events, size));
             println!(
-                "  {events} events, objects of ~{} KB (messages with oldObject: ~{:.1} KB):",
+                "  {events} events, objects of ~{} KB (messages with oldObject: ~{:.1} KB); runs in order (events/s): {}",
                 size / 1000,
-                b.bytes as f64 / b.events as f64 / 1000.0
+                off.0[0].bytes as f64 / off.0[0].events as f64 / 1000.0,
+                lines.join(" ")
             );
-            b.print("bridge");
+            off.print("bridge");
             on.print("resume");
-            r.print("raw");
-            println!("    ratio bridge/raw: {:.2}", b.rate() / r.rate());
+            raw_runs.print("raw");
             println!(
-                "    ratio resume on/off: {:.2} (best of two runs each; checkpoint of 10,000 keys written every second, final write included)",
-                on.rate() / b.rate()
+                "    ratio bridge/raw: {:.2} (medians)",
+                off.median_rate() / raw_runs.median_rate()
+            );
+            println!(
+                "    ratio resume on/off: {:.2} (medians; checkpoint of 10,000 keys written every second, final write included)",
+                on.median_rate() / off.median_rate()
             );
         }
     }

@@ -1,6 +1,8 @@
 //! The whole pipeline into NATS JetStream (file storage, one replica) against raw async-nats
-//! JetStream publishes of the same bytes, in one run, on a nats-server started here.
-//! Prints events/s, MB/s, p50/p99 from watch event to PubAck, peak RSS, and bridge/raw.
+//! JetStream publishes of the same bytes, on a nats-server started here: `BENCH_RUNS` rounds
+//! (3 by default) of one run each, alternating which goes first. Prints each run's rate, then
+//! median events/s and spread, MB/s, p50/p99 from watch event to PubAck, peak RSS, and the
+//! ratio of the medians.
 //!
 //! `cargo bench --bench nats [-- EVENTS_1KB EVENTS_10KB]` (needs `nats-server`, which
 //! `scripts/test` installs)
@@ -17,13 +19,13 @@ use kube_event_bridge::{
     config::SinkConfig, message::Message, metrics::Metrics, sinks::nats::NatsSink,
 };
 use support::{
-    Figures, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
+    Figures, Runs, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
     reset_peak_rss,
 };
 
 const WINDOW: usize = 1024;
 
-async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Figures {
+async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics, round: usize) -> Figures {
     let cfg: SinkConfig = serde_json::from_value(serde_json::json!({
         "name": "nats", "type": "nats",
         "nats": {"servers": [url], "max_in_flight": WINDOW, "stream": {"name": "BENCH"}},
@@ -36,7 +38,15 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics) -> Fig
             .await
             .unwrap(),
     ));
-    bridge_figures(sink, notes, WINDOW, metrics, &format!("nats-{size}"), None).await
+    bridge_figures(
+        sink,
+        notes,
+        WINDOW,
+        metrics,
+        &format!("nats-{size}-{round}"),
+        None,
+    )
+    .await
 }
 
 async fn raw(url: &str, events: usize, size: usize) -> Figures {
@@ -119,18 +129,36 @@ fn main() {
             .await
             .unwrap();
         let metrics = Metrics::new();
-        println!("nats bench: nats-server {url} JetStream, file storage, 1 replica; {WINDOW} in flight; 2 runtime threads");
+        let rounds = support::runs();
+        println!(
+            "nats bench: nats-server {url} JetStream, file storage, 1 replica; {WINDOW} publishes awaiting their PubAck on both sides (bridge: nats.max_in_flight; raw: max_ack_inflight with backpressure); 2 runtime threads; {rounds} rounds, each running bridge and raw once, alternating which goes first"
+        );
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
-            let b = bridge(&url, events, size, &metrics).await;
-            let r = raw(&url, events, size).await;
+            let (mut b, mut r) = (Runs::default(), Runs::default());
+            let mut lines = Vec::new();
+            for round in 0..rounds {
+                for side in [round % 2, 1 - round % 2] {
+                    let f = if side == 0 {
+                        bridge(&url, events, size, &metrics, round).await
+                    } else {
+                        raw(&url, events, size).await
+                    };
+                    lines.push(format!("{}:{:.0}", ["bridge", "raw"][side], f.rate()));
+                    [&mut b, &mut r][side].0.push(f);
+                }
+            }
             println!(
-                "  {events} events, objects of ~{} KB (messages with oldObject: ~{:.1} KB); peak RSS includes the pre-built inputs:",
+                "  {events} events, objects of ~{} KB (messages with oldObject: ~{:.1} KB); peak RSS includes the pre-built inputs; runs in order (events/s): {}",
                 size / 1000,
-                b.bytes as f64 / b.events as f64 / 1000.0
+                b.0[0].bytes as f64 / b.0[0].events as f64 / 1000.0,
+                lines.join(" ")
             );
             b.print("bridge");
             r.print("raw");
-            println!("    ratio bridge/raw: {:.2}", b.rate() / r.rate());
+            println!(
+                "    ratio bridge/raw: {:.2} (medians)",
+                b.median_rate() / r.median_rate()
+            );
         }
     });
 }

@@ -3,7 +3,8 @@
 //! notifications/s, p50/p99 time from the informer to the sink, and peak RSS; once with the
 //! default config and once with a typical CEL filter and `message.diff: patch`.
 //!
-//! `cargo bench --bench pipeline [-- NOTIFICATIONS OBJECTS WORKERS OBJECT_BYTES]`
+//! `cargo bench --bench pipeline [-- NOTIFICATIONS OBJECTS WORKERS OBJECT_BYTES]`; `BENCH_ONLY=off`
+//! (any part of a configuration's label) runs only the matching configuration.
 
 mod support;
 
@@ -98,6 +99,10 @@ fn main() {
             rules(),
         ),
     ] {
+        // `BENCH_ONLY=off` (a part of the label) runs one configuration, e.g. under a profiler.
+        if std::env::var("BENCH_ONLY").is_ok_and(|only| !label.contains(only.as_str())) {
+            continue;
+        }
         let notes = alternating(total, objects, size);
         let sink = Arc::new(Timed::new(AckSink {
             count: AtomicU64::new(0),

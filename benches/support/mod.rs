@@ -356,3 +356,63 @@ pub async fn bridge_figures<S: Sink + 'static>(
         peak_rss: run.peak_rss,
     }
 }
+
+/// The runs of one side of a broker bench: printed one line each (a stall shows as one slow
+/// run), then summarized by the median rate and the spread (slowest and fastest).
+#[derive(Default)]
+pub struct Runs(pub Vec<Figures>);
+
+impl Runs {
+    /// The median of the runs' rates (the mean of the middle two for an even count).
+    pub fn median_rate(&self) -> f64 {
+        median(self.0.iter().map(Figures::rate).collect())
+    }
+
+    /// One line: median events/s, the spread, median MB/s, p50 and p99, the highest peak RSS.
+    pub fn print(&self, label: &str) {
+        let rates: Vec<f64> = self.0.iter().map(Figures::rate).collect();
+        let (lo, hi) = rates
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+        println!(
+            "    {label:<7} {:>9.0} events/s median of {} (spread {:.0}–{:.0}, ±{:.0}%) {:>7.1} MB/s   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
+            self.median_rate(),
+            rates.len(),
+            lo,
+            hi,
+            (hi - lo) / 2.0 / self.median_rate() * 100.0,
+            median(
+                self.0
+                    .iter()
+                    .map(|f| f.bytes as f64 / 1e6 / f.secs)
+                    .collect()
+            ),
+            median(self.0.iter().map(|f| f.p50).collect()),
+            median(self.0.iter().map(|f| f.p99).collect()),
+            self.0.iter().map(|f| f.peak_rss).fold(0.0, f64::max),
+        );
+    }
+}
+
+/// The median of `v` (0 when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// How many runs of each side a broker bench makes: `BENCH_RUNS` (at least 3, the default).
+pub fn runs() -> usize {
+    std::env::var("BENCH_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(3)
+        .max(3)
+}
