@@ -74,11 +74,6 @@ pub struct Metrics {
     /// list+watch last heard from the API server (an event, a bookmark or a list page;
     /// refreshed every 500 ms). Bookmarks arrive about every minute on an idle watch.
     pub informer_last_event_age: prometheus::GaugeVec,
-    /// `keb_informer_resource_version_lag{resource}`: how many revisions a running informer's
-    /// last heard resourceVersion is behind the newest any informer of this replica heard
-    /// (only where resourceVersions are integers, as etcd's revisions are). A quiet kind
-    /// catches up at each bookmark; a stalled watch falls behind as the cluster writes.
-    pub informer_resource_version_lag: IntGaugeVec,
     /// `keb_informer_shard_server_side{resource}`: for a shard's informer, 1 while the API
     /// server applies its shard selector, 0 while the client filters (the server ignored it).
     pub informer_shard_server_side: IntGaugeVec,
@@ -272,11 +267,6 @@ impl Metrics {
                 "keb_resume_objects_total",
                 "Objects compared with a route's checkpoint when it resumed, by outcome",
                 &["route", "outcome"],
-            ),
-            informer_resource_version_lag: gauge(
-                "keb_informer_resource_version_lag",
-                "Revisions a running informer's last heard resourceVersion is behind the newest heard by any informer of this replica",
-                &["resource"],
             ),
             informer_last_event_age: {
                 let g = prometheus::GaugeVec::new(

@@ -395,6 +395,33 @@ async fn credentials_in_a_nats_url_never_reach_logs_errors_or_check_config() {
         path
     };
 
+    // A URL written where a list belongs: the config error quotes the value, without its
+    // credentials.
+    let mistyped = dir.path().join("mistyped.yaml");
+    std::fs::write(
+        &mistyped,
+        std::fs::read_to_string(config_with("url-pass-7731"))
+            .unwrap()
+            .replace(
+                "servers: [\"nats://bridge:url-pass-7731@",
+                "servers: \"nats://bridge:url-pass-7731@",
+            )
+            .replace(&format!("{host}\"], mode"), &format!("{host}\", mode")),
+    )
+    .unwrap();
+    let checked = Command::new(BIN)
+        .arg("check-config")
+        .arg(&mistyped)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&checked.stderr);
+    assert_eq!(checked.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("servers") && err.contains("nats://***@"),
+        "{err}"
+    );
+    assert!(!err.contains("url-pass-7731"), "{err}");
+
     let good = config_with("url-pass-7731");
     let checked = Command::new(BIN)
         .arg("check-config")

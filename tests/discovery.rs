@@ -132,6 +132,19 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
     .await;
     let (code, body) = http_get(admin, "/readyz").await;
     assert_eq!((code, body.as_str()), (200, "ok\n"));
+    // The running informer reports its liveness...
+    let liveness = async || {
+        let (_, metrics) = http_get(admin, "/metrics").await;
+        metrics
+            .lines()
+            .any(|l| l.starts_with("keb_informer_last_event_age_seconds{") && l.contains("gadgets"))
+    };
+    wait::until(
+        "the gadget informer's liveness series",
+        PATIENCE,
+        async || liveness().await,
+    )
+    .await;
 
     api.delete_crd(GROUP, "gadgets");
     wait::until("every gadget's delete", PATIENCE, async || {
@@ -147,6 +160,13 @@ async fn a_kind_whose_crd_comes_later_starts_then_and_stops_when_the_crd_goes() 
             .iter()
             .all(|i| !i.name().contains("gadgets"))
     })
+    .await;
+    // ...and once discovery stopped it, none (a frozen age would look healthy).
+    wait::until(
+        "no liveness series of the stopped informer",
+        PATIENCE,
+        async || !liveness().await,
+    )
     .await;
     assert_eq!(
         app.metrics

@@ -104,8 +104,7 @@ pub(super) fn readiness(
 }
 
 /// client-go refreshes the unfinished-work gauges of every queue every 500 ms; the watch
-/// liveness gauges (`keb_informer_last_event_age_seconds`,
-/// `keb_informer_resource_version_lag`) go with them.
+/// liveness gauges (`keb_informer_last_event_age_seconds`) go with them.
 pub(super) async fn update_unfinished_work(
     resources: Vec<Arc<tokio::sync::Mutex<Resources>>>,
     cancel: CancellationToken,
@@ -115,16 +114,6 @@ pub(super) async fn update_unfinished_work(
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tick.tick() => {
-                // The newest resourceVersion any running informer heard: the lag's reference.
-                let mut newest = 0;
-                for r in &resources {
-                    let r = r.lock().await;
-                    for informer in r.wired.iter().flat_map(|w| w.informers.iter()) {
-                        if informer.is_running() {
-                            newest = newest.max(informer.last_heard_resource_version().unwrap_or(0));
-                        }
-                    }
-                }
                 for r in &resources {
                     let r = r.lock().await;
                     r.queues().iter().for_each(|q| q.queue().update_unfinished_work());
@@ -135,15 +124,6 @@ pub(super) async fn update_unfinished_work(
                                 .informer_last_event_age
                                 .with_label_values(&[informer.name()])
                                 .set(age.as_secs_f64());
-                        }
-                        if let Some(rv) = informer
-                            .last_heard_resource_version()
-                            .filter(|_| informer.is_running())
-                        {
-                            r.metrics
-                                .informer_resource_version_lag
-                                .with_label_values(&[informer.name()])
-                                .set(newest.saturating_sub(rv) as i64);
                         }
                     }
                 }

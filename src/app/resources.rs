@@ -540,10 +540,6 @@ impl Resources {
                 .metrics
                 .informer_last_event_age
                 .remove_label_values(&[informer.name()]);
-            let _ = self
-                .metrics
-                .informer_resource_version_lag
-                .remove_label_values(&[informer.name()]);
         }
         for w in self.wired.iter_mut() {
             if !w.informers.is_empty() {

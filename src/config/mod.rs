@@ -436,7 +436,12 @@ fn describe_serde_error(path: &str, message: &str) -> String {
     } else {
         path
     };
-    format!("{path}: {message}")
+    // serde quotes a wrongly typed value (`servers: nats://u:p@h` for a list): never a URL's
+    // credentials.
+    format!(
+        "{path}: {}",
+        crate::sinks::nats::scrub_url_credentials(message)
+    )
 }
 
 #[cfg(test)]

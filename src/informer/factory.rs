@@ -211,6 +211,13 @@ impl SharedInformerFactory {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .retain(|(_, i)| !Arc::ptr_eq(i, informer));
+        // Whatever stopped it (discovery, a lost shard, shutdown), it no longer runs: its
+        // liveness series goes with it (a frozen age would look healthy), and comes back if
+        // an informer of the same name runs again.
+        let _ = self
+            .metrics
+            .informer_last_event_age
+            .remove_label_values(&[informer.name()]);
     }
 
     /// Starts every informer; each stops after `cancel` fires and its FIFO is drained

@@ -62,11 +62,9 @@ pub struct ListWatchConfig {
 /// When the list+watch last heard from the API server: a list page, a watch event or a
 /// bookmark (a watch that was merely opened, or failed, does not count). Bookmarks come about
 /// every minute on an idle watch, so a kind silent well past that has a watch that stopped
-/// delivering. Also the resourceVersion it last heard, where it reads as an integer (etcd's
-/// revisions, shared by every kind of one etcd): how far behind the newest revision any kind
-/// has heard a kind is, is its lag.
+/// delivering.
 #[derive(Debug, Clone, Default)]
-pub struct Activity(Arc<[AtomicU64; 2]>);
+pub struct Activity(Arc<AtomicU64>);
 
 fn activity_base() -> std::time::Instant {
     static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
@@ -76,25 +74,12 @@ fn activity_base() -> std::time::Instant {
 impl Activity {
     fn touch(&self) {
         let ms = activity_base().elapsed().as_millis() as u64 + 1;
-        self.0[0].store(ms, Ordering::Relaxed);
-    }
-
-    /// Notes the resourceVersion of a list, an event or a bookmark, if it is an integer.
-    fn heard(&self, resource_version: Option<&str>) {
-        if let Some(rv) = resource_version.and_then(|rv| rv.parse::<u64>().ok()) {
-            self.0[1].store(rv, Ordering::Relaxed);
-        }
-    }
-
-    /// The resourceVersion last heard, when the API server's read as integers (`None`: none
-    /// yet, or opaque ones).
-    pub fn resource_version(&self) -> Option<u64> {
-        Some(self.0[1].load(Ordering::Relaxed)).filter(|rv| *rv > 0)
+        self.0.store(ms, Ordering::Relaxed);
     }
 
     /// How long ago the API server was last heard from (`None`: never yet).
     pub fn age(&self) -> Option<std::time::Duration> {
-        let at = self.0[0].load(Ordering::Relaxed);
+        let at = self.0.load(Ordering::Relaxed);
         (at > 0).then(|| {
             activity_base()
                 .elapsed()
@@ -416,15 +401,8 @@ async fn next_or_relist(
         },
         event = stream.next() => event,
     };
-    if let Some(Ok(e)) = &event {
+    if matches!(event, Some(Ok(_))) {
         activity.touch();
-        activity.heard(match e {
-            WatchEvent::Added(o) | WatchEvent::Modified(o) | WatchEvent::Deleted(o) => {
-                o.metadata.resource_version.as_deref()
-            }
-            WatchEvent::Bookmark(bm) => Some(bm.metadata.resource_version.as_str()),
-            WatchEvent::Error(_) => None,
-        });
     }
     Some(event)
 }
@@ -482,9 +460,6 @@ async fn step(
             match list_page(api, config, continue_token).await {
                 Ok(list) => {
                     config.activity.touch();
-                    config
-                        .activity
-                        .heard(list.metadata.resource_version.as_deref());
                     let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
                     let continue_token = list.metadata.continue_.filter(|s| !s.is_empty());
                     if last_rv.is_none() && continue_token.is_none() {

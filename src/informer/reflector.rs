@@ -164,11 +164,6 @@ impl Reflector {
         self.config.activity.age()
     }
 
-    /// The resourceVersion of the last list, event or bookmark heard, when it is an integer.
-    pub fn last_heard_resource_version(&self) -> Option<u64> {
-        self.config.activity.resource_version()
-    }
-
     /// The resourceVersion of the newest object seen (list or watch event).
     pub fn last_sync_resource_version(&self) -> String {
         self.last_sync_resource_version

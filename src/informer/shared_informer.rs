@@ -124,12 +124,6 @@ impl SharedIndexInformer {
         self.reflector.last_heard()
     }
 
-    /// The resourceVersion of the last list, event or bookmark its list+watch heard, when the
-    /// API server's are integers (etcd revisions).
-    pub fn last_heard_resource_version(&self) -> Option<u64> {
-        self.reflector.last_heard_resource_version()
-    }
-
     /// Registers a listener. Before `run` it receives everything from the first list on;
     /// once the informer runs it is registered switched off, under the FIFO lock, until
     /// [`activate_listeners`](Self::activate_listeners) hands it the cache.

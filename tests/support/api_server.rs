@@ -167,8 +167,7 @@ pub struct Counts {
 struct Shared {
     resources: std::sync::RwLock<Vec<ResourceDef>>,
     // Bumped to make every open watch go silent (connection kept, nothing sent).
-    // A generation, and the plural of the only resource whose watches stall (`None`: all).
-    stall: watch::Sender<(u64, Option<&'static str>)>,
+    stall: watch::Sender<u64>,
     store: Mutex<Store>,
     events: broadcast::Sender<HistoryEvent>,
     kill: watch::Sender<u64>,
@@ -228,7 +227,7 @@ impl ApiServer {
     pub async fn with_resources(resources: Vec<ResourceDef>) -> Self {
         let shared = Arc::new(Shared {
             resources: std::sync::RwLock::new(resources),
-            stall: watch::channel((0, None)).0,
+            stall: watch::channel(0).0,
             store: Mutex::new(Store {
                 rv: 100,
                 next_uid: 1,
@@ -458,19 +457,7 @@ impl ApiServer {
     /// Every open watch goes silent: the connection stays open, nothing more is sent (no
     /// event, no bookmark), as behind a proxy that lost the stream. New watches are normal.
     pub fn stall_watches(&self) {
-        self.shared.stall.send_modify(|(g, only)| {
-            *g += 1;
-            *only = None;
-        });
-    }
-
-    /// Like [`stall_watches`](Self::stall_watches), for the open watches of one resource
-    /// (`configmaps`) only.
-    pub fn stall_watches_of(&self, plural: &'static str) {
-        self.shared.stall.send_modify(|(g, only)| {
-            *g += 1;
-            *only = Some(plural);
-        });
+        self.shared.stall.send_modify(|g| *g += 1);
     }
 
     /// Installs a CRD: its kind is served from now on (discovery, list, watch, writes) and its
@@ -1549,9 +1536,6 @@ async fn watch(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>)
                 // A stall applies to everything after it, even what is already waiting.
                 biased;
                 _ = stall.changed() => {
-                    if stall.borrow_and_update().1.is_some_and(|only| only != def.plural) {
-                        continue;
-                    }
                     // Silent from here on, until the client gives up on the connection.
                     tokio::select! {
                         _ = tokio::time::sleep_until(deadline) => {}

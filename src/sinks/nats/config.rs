@@ -321,8 +321,33 @@ impl NatsSinkConfig {
     }
 }
 
-/// `scheme://user:password@host:port/…` → `scheme://***@host:port/…`; a URL without
-/// credentials is returned unchanged.
+/// `text` with the credentials of every URL in it (`scheme://…@`) as `***`: for messages
+/// that may quote a setting's value (a config error).
+pub fn scrub_url_credentials(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        // The URL runs to the next space, quote, comma or bracket.
+        let end = tail
+            .find([' ', '"', '\'', '`', ',', ']'])
+            .unwrap_or(tail.len());
+        match tail[..end].rfind('@') {
+            Some(i) => {
+                out.push_str("***");
+                out.push_str(&tail[i..end]);
+            }
+            None => out.push_str(&tail[..end]),
+        }
+        rest = &tail[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// `scheme://user:password@host:port` → `scheme://***@host:port`; a URL without credentials
+/// is returned unchanged.
 fn redact_userinfo(url: &str) -> String {
     match split_userinfo(url) {
         (Some(_), bare) => match bare.split_once("://") {
@@ -333,14 +358,16 @@ fn redact_userinfo(url: &str) -> String {
     }
 }
 
-/// A URL's user info (`user:password`, `token`) and the URL without it.
+/// A URL's user info (`user:password`, `token`) and the URL without it. The last `@` ends the
+/// user info, wherever it is: a password written without percent-encoding may hold `/`, `?`
+/// or `#`, and a NATS server URL has no path that could hold an `@` (so a URL is never shown
+/// with its credentials because they were not recognized as such).
 fn split_userinfo(url: &str) -> (Option<String>, String) {
     let (scheme, rest) = match url.split_once("://") {
         Some((s, r)) => (format!("{s}://"), r),
         None => (String::new(), url),
     };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
+    match rest.rfind('@') {
         Some(at) => (
             Some(rest[..at].to_owned()),
             format!("{scheme}{}", &rest[at + 1..]),
@@ -381,11 +408,29 @@ mod tests {
             "nats://***@nats-0:4222"
         );
         assert_eq!(
-            redact_userinfo("tls://tok3n@nats:4222/x@y"),
-            "tls://***@nats:4222/x@y"
+            redact_userinfo("tls://tok3n@nats:4222"),
+            "tls://***@nats:4222"
+        );
+        assert_eq!(
+            redact_userinfo("nats://u:pa#s/s?@nats:4222"),
+            "nats://***@nats:4222"
         );
         assert_eq!(redact_userinfo("u:p@host:4222"), "***@host:4222");
         assert_eq!(redact_userinfo("nats://host:4222"), "nats://host:4222");
+    }
+
+    #[test]
+    fn messages_quoting_a_url_lose_its_credentials() {
+        assert_eq!(
+            scrub_url_credentials(
+                "invalid type: string \"nats://u:p@h:4222\", expected a sequence"
+            ),
+            "invalid type: string \"nats://***@h:4222\", expected a sequence"
+        );
+        assert_eq!(
+            scrub_url_credentials("at nats://h:1, tls://t@h:2"),
+            "at nats://h:1, tls://***@h:2"
+        );
     }
 
     #[test]

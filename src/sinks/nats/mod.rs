@@ -7,6 +7,6 @@ mod sink;
 pub use checkpoint::NatsCheckpointStore;
 pub use config::{
     NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, NatsTlsConfig, StreamRetention,
-    StreamStorage,
+    StreamStorage, scrub_url_credentials,
 };
 pub use sink::{NatsSink, connect_client};
