@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use serde_json::{Value, json};
 
 use super::{
-    Conversion, Error, Notes, Result, compression, env_name, flag, secret, strings, text, unused,
+    Conversion, Error, Notes, Result, compression, flag, kafka_sasl, strings, text, unused,
 };
 
 /// The rule fields that are compared with the Event, and the CEL that reads each (`""` when
@@ -509,17 +509,7 @@ fn sink(name: &str, receiver: &Value, path: &str, notes: &mut Notes) -> Value {
             }
         };
         if let Some(m) = mechanism {
-            let password = secret(
-                &text(sasl, "password").unwrap_or_default(),
-                &env_name("KAFKA_PASSWORD", name),
-                &format!("{spath}.password"),
-                notes,
-            );
-            k["sasl"] = json!({
-                "mechanism": m,
-                "username": text(sasl, "username").unwrap_or_default(),
-                "password": password,
-            });
+            k["sasl"] = kafka_sasl(m, sasl, &spath, name, notes);
         }
     }
     json!({ "name": name, "type": "kafka", "kafka": k })

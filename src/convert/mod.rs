@@ -160,6 +160,28 @@ pub(crate) fn secret(value: &str, fallback: &str, what: &str, notes: &mut Notes)
     }
 }
 
+/// A `kafka.sasl` section: `mechanism` (kube-event-bridge's name), the user name, and the
+/// password as a secret reference (see [`secret`]).
+pub(crate) fn kafka_sasl(
+    mechanism: &str,
+    sasl: &Value,
+    path: &str,
+    sink: &str,
+    notes: &mut Notes,
+) -> Value {
+    let password = secret(
+        &text(sasl, "password").unwrap_or_default(),
+        &env_name("KAFKA_PASSWORD", sink),
+        &format!("{path}.password"),
+        notes,
+    );
+    json!({
+        "mechanism": mechanism,
+        "username": text(sasl, "username").unwrap_or_default(),
+        "password": password,
+    })
+}
+
 /// An environment variable name from a sink name: `KAFKA_PASSWORD_MY_SINK`. Never `KEB_*`:
 /// those are config overrides.
 pub(crate) fn env_name(prefix: &str, sink: &str) -> String {

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::{Value, json};
 
 use super::{
-    Conversion, Error, Notes, Result, compression, env_name, flag, secret, strings, text, unused,
+    Conversion, Error, Notes, Result, compression, flag, kafka_sasl, strings, text, unused,
 };
 
 /// Built-in kinds by plural name and group (the first group wins when `group` is unset, as
@@ -575,17 +575,7 @@ fn sink(name: &str, exporter: &Value, notes: &mut Notes) -> Option<Value> {
         let mechanism = text(sasl, "mechanism").unwrap_or_else(|| "PLAIN".into());
         match mechanism.to_ascii_uppercase().as_str() {
             m @ ("PLAIN" | "SCRAM-SHA-256" | "SCRAM-SHA-512") => {
-                let password = secret(
-                    &text(sasl, "password").unwrap_or_default(),
-                    &env_name("KAFKA_PASSWORD", name),
-                    &format!("{spath}.password"),
-                    notes,
-                );
-                kafka["sasl"] = json!({
-                    "mechanism": m,
-                    "username": text(sasl, "username").unwrap_or_default(),
-                    "password": password,
-                });
+                kafka["sasl"] = kafka_sasl(m, sasl, &spath, name, notes);
             }
             other => notes.add(format!(
                 "{spath}.mechanism: {other} has no equivalent (PLAIN, SCRAM-SHA-256 and \

@@ -183,12 +183,7 @@ impl Conn {
         let client = options
             .connect(cfg.servers_to_connect().as_str())
             .await
-            .map_err(|e| {
-                Error::Setup(format!(
-                    "sink {name}: cannot connect to NATS at {}: {e}",
-                    cfg.servers_for_logs()
-                ))
-            })?;
+            .map_err(|e| cannot_connect(name, cfg, e))?;
         let jetstream = (cfg.mode == NatsMode::Jetstream).then(|| {
             jetstream::ContextBuilder::new()
                 .timeout(cfg.ack_timeout)
@@ -304,12 +299,15 @@ pub async fn connect_client(
         .await?
         .connect(cfg.servers_to_connect().as_str())
         .await
-        .map_err(|e| {
-            Error::Setup(format!(
-                "sink {name}: cannot connect to NATS at {}: {e}",
-                cfg.servers_for_logs()
-            ))
-        })
+        .map_err(|e| cannot_connect(name, cfg, e))
+}
+
+/// A first connection that failed, naming the sink and its servers (credentials redacted).
+fn cannot_connect(name: &str, cfg: &NatsSinkConfig, e: impl std::fmt::Display) -> Error {
+    Error::Setup(format!(
+        "sink {name}: cannot connect to NATS at {}: {e}",
+        cfg.servers_for_logs()
+    ))
 }
 
 /// The options of a connection to the servers of a sink: its credentials and TLS settings;
