@@ -141,27 +141,25 @@ fn default_watch_stall_timeout() -> Duration {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The kubeconfig could not be read or used.
-    #[error("cannot load kubeconfig {path}: {source}")]
+    #[error("cannot load kubeconfig {path}: {cause}")]
     Kubeconfig {
         /// The file tried.
         path: String,
-        /// The cause.
-        #[source]
-        source: kube::config::KubeconfigError,
+        /// The cause (in the message, not a `source`: logs would repeat it).
+        cause: kube::config::KubeconfigError,
     },
     /// Neither a kubeconfig nor in-cluster configuration was found.
     #[error(
         "no kubeconfig found ($KUBECONFIG unset, ~/.kube/config missing) and not in a cluster: {0}"
     )]
-    NoConfig(#[source] kube::config::InClusterError),
+    NoConfig(kube::config::InClusterError),
     /// The client could not be built (bad TLS material, for example).
-    #[error("cannot build a Kubernetes client for {server}: {source}")]
+    #[error("cannot build a Kubernetes client for {server}: {cause}")]
     Client {
         /// The API server URL.
         server: String,
-        /// The cause.
-        #[source]
-        source: kube::Error,
+        /// The cause (in the message).
+        cause: kube::Error,
     },
     /// The API server did not answer.
     #[error("cannot reach the Kubernetes API server {} (kubeconfig: {}, context: {}): {reason}",
@@ -265,9 +263,9 @@ pub async fn connect(cfg: &KubernetesConfig, metrics: &Metrics) -> Result<(Clien
     let path = kubeconfig_path(cfg);
     let (config, context) = match &path {
         Some(p) => {
-            let kc_err = |source| Error::Kubeconfig {
+            let kc_err = |cause| Error::Kubeconfig {
                 path: p.display().to_string(),
-                source,
+                cause,
             };
             let kubeconfig = Kubeconfig::read_from(p).map_err(kc_err)?;
             let context = cfg
@@ -290,9 +288,9 @@ pub async fn connect(cfg: &KubernetesConfig, metrics: &Metrics) -> Result<(Clien
         context,
         server: config.cluster_url.to_string(),
     };
-    let client = client(config, cfg, metrics).map_err(|source| Error::Client {
+    let client = client(config, cfg, metrics).map_err(|cause| Error::Client {
         server: target.server.clone(),
-        source,
+        cause,
     })?;
     match tokio::time::timeout(CONNECT_TIMEOUT, client.apiserver_version()).await {
         Ok(Ok(_)) => Ok((client, target)),

@@ -472,4 +472,10 @@ async fn credentials_in_a_nats_url_never_reach_logs_errors_or_check_config() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains(&format!("nats://***@{host}")), "{stderr}");
     assert!(!stderr.contains("wrong-pass-4410"), "{stderr}");
+    // The start error says its cause once (a cause in a message is not also a `source`).
+    assert_eq!(
+        stderr.matches("cannot connect to NATS at").count(),
+        1,
+        "{stderr}"
+    );
 }

@@ -50,7 +50,7 @@ pub enum Error {
     Cluster(#[from] cluster::Error),
     /// A sink could not be opened.
     #[error("sinks: {0}")]
-    Sink(#[from] crate::sinks::Error),
+    Sink(crate::sinks::Error),
     /// A route's checkpoint could not be read.
     #[error(transparent)]
     Checkpoint(#[from] pipeline::checkpoint::Error),
@@ -62,16 +62,29 @@ pub enum Error {
     Identity(String),
     /// A resource's filter settings do not compile (the config check catches this first).
     #[error("filter: {0}")]
-    Filter(#[from] filter::Error),
+    Filter(filter::Error),
     /// The admin address could not be bound.
-    #[error("cannot listen on admin address {address}: {source}")]
+    #[error("cannot listen on admin address {address}: {cause}")]
     Admin {
         /// The configured address.
         address: SocketAddr,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
+        /// The cause (in the message).
+        cause: std::io::Error,
     },
+}
+
+// The messages above print their causes, so these are not `#[from]` sources (a log of the
+// chain would repeat each cause).
+impl From<crate::sinks::Error> for Error {
+    fn from(e: crate::sinks::Error) -> Self {
+        Self::Sink(e)
+    }
+}
+
+impl From<filter::Error> for Error {
+    fn from(e: filter::Error) -> Self {
+        Self::Filter(e)
+    }
 }
 
 /// What shutdown left behind.
@@ -290,7 +303,7 @@ impl App {
         let address = config.admin.address;
         let admin = TcpListener::bind(address)
             .await
-            .map_err(|source| Error::Admin { address, source })?;
+            .map_err(|cause| Error::Admin { address, cause })?;
         Ok(Self {
             client,
             metrics,

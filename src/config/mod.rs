@@ -36,13 +36,12 @@ use crate::problems::{Problems, Section};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The file could not be read or is not valid YAML.
-    #[error("cannot load config from {path}: {source}")]
+    #[error("cannot load config from {path}: {cause}")]
     Load {
         /// The file that was given.
         path: PathBuf,
-        /// What the `config` crate reported.
-        #[source]
-        source: config::ConfigError,
+        /// What the `config` crate reported (in the message).
+        cause: config::ConfigError,
     },
     /// One or more fields are wrong; each line names the field path and the reason.
     #[error("invalid config:\n  {}", .0.join("\n  "))]
@@ -181,9 +180,9 @@ pub const ENV_PREFIX: &str = "KEB";
 impl Config {
     /// Loads `path`, applies `KEB_*` environment overrides, deserializes and validates.
     pub fn load(path: &std::path::Path) -> Result<Self> {
-        let load_err = |source| Error::Load {
+        let load_err = |cause| Error::Load {
             path: path.to_owned(),
-            source,
+            cause,
         };
         let raw = config::Config::builder()
             .add_source(config::File::from(path).format(config::FileFormat::Yaml))

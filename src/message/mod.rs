@@ -87,13 +87,12 @@ pub enum Error {
         field: &'static str,
     },
     /// serde_json failed (an object with a non-string map key, for example).
-    #[error("cannot serialize object {key}: {source}")]
+    #[error("cannot serialize object {key}: {cause}")]
     Serialize {
         /// `namespace/name` of the object.
         key: String,
         /// The serializer's error.
-        #[source]
-        source: serde_json::Error,
+        cause: serde_json::Error,
     },
 }
 
@@ -439,9 +438,9 @@ impl Encoder {
                 Ok(())
             }
         };
-        serialized.map_err(|source| Error::Serialize {
+        serialized.map_err(|cause| Error::Serialize {
             key: key.to_owned(),
-            source,
+            cause,
         })?;
         self.size_hint.store(payload.len(), Ordering::Relaxed);
         let (attributes, content_type) = match self.encoding {

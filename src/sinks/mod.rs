@@ -21,7 +21,7 @@ use crate::message::Message;
 pub enum Error {
     /// Writing failed (a closed pipe, a full disk); worth retrying.
     #[error("write failed: {0}")]
-    Io(#[source] std::io::Error),
+    Io(std::io::Error),
     /// The destination cannot take messages now (disconnected, no stream answering, too many
     /// pending acks); worth retrying.
     #[error("destination unavailable: {0}")]
@@ -50,13 +50,12 @@ pub enum Error {
     #[error("denied: {0}")]
     Denied(String),
     /// The sink could not be set up at start.
-    #[error("cannot open {what}: {source}")]
+    #[error("cannot open {what}: {cause}")]
     Open {
         /// What was being opened.
         what: String,
-        /// The cause.
-        #[source]
-        source: std::io::Error,
+        /// The cause (in the message).
+        cause: std::io::Error,
     },
     /// The sink could not connect or check its destination at start.
     #[error("{0}")]

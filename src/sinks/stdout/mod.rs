@@ -32,9 +32,9 @@ impl StdoutSink {
         let out: Box<dyn AsyncWrite + Send + Unpin> = match path {
             None => Box::new(tokio::io::stdout()),
             Some(path) => {
-                let open_error = |source| Error::Open {
+                let open_error = |cause| Error::Open {
                     what: path.display().to_string(),
-                    source,
+                    cause,
                 };
                 let mut file = tokio::fs::OpenOptions::new()
                     .create(true)
