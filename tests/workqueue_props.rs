@@ -25,12 +25,12 @@ const WORKERS: usize = 4;
 
 /// Retries at once, so that the properties need no clock.
 struct NoDelay;
-impl RateLimiter<String> for NoDelay {
-    fn when(&self, _: &String) -> Duration {
+impl<T> RateLimiter<T> for NoDelay {
+    fn when(&self, _: &T) -> Duration {
         Duration::ZERO
     }
-    fn forget(&self, _: &String) {}
-    fn num_requeues(&self, _: &String) -> u32 {
+    fn forget(&self, _: &T) {}
+    fn num_requeues(&self, _: &T) -> u32 {
         0
     }
 }
@@ -124,7 +124,7 @@ fn update(key: u8, rv: u64) -> Notification {
 }
 
 struct Worker {
-    key: String,
+    key: kube_event_bridge::pipeline::route_queue::Key,
     batch: VecDeque<Notification>,
     term: u64,
 }
@@ -148,7 +148,7 @@ fn turn(
             break;
         };
         delivered
-            .entry(w.key.clone())
+            .entry(w.key.to_string())
             .or_default()
             .push(resource_version(note.object()).parse().unwrap());
         q.settle(1);
@@ -193,8 +193,8 @@ proptest! {
                 }
                 RouteOp::Turn { worker, n, fail } => {
                     turn(&q, &mut slots[worker], n, fail, &mut delivered)?;
-                    let held: Vec<&String> = slots.iter().flatten().map(|w| &w.key).collect();
-                    let distinct: HashSet<&&String> = held.iter().collect();
+                    let held: Vec<&str> = slots.iter().flatten().map(|w| &*w.key).collect();
+                    let distinct: HashSet<&&str> = held.iter().collect();
                     prop_assert_eq!(held.len(), distinct.len(), "a key held by two workers");
                 }
             }

@@ -83,6 +83,11 @@ impl Budget {
     }
 }
 
+/// An object's key (`namespace/name`) in a route: made once per notification and shared by
+/// the route queue's maps and the work queue's, so that handing it on copies a pointer, not
+/// the text.
+pub type Key = Arc<str>;
+
 /// See the module docs for the contract.
 pub struct RouteQueue {
     name: String,
@@ -90,7 +95,7 @@ pub struct RouteQueue {
     active: std::sync::atomic::AtomicBool,
     // Incremented by every `set_active`; see the module docs.
     term: std::sync::atomic::AtomicU64,
-    queue: RateLimitingQueue<String>,
+    queue: RateLimitingQueue<Key>,
     state: Mutex<Pending>,
     budget: Arc<Budget>,
     held: AtomicUsize,
@@ -104,9 +109,9 @@ pub struct RouteQueue {
 
 #[derive(Default)]
 struct Pending {
-    by_key: HashMap<String, VecDeque<Notification>, foldhash::fast::RandomState>,
+    by_key: HashMap<Key, VecDeque<Notification>, foldhash::fast::RandomState>,
     // Keys held by a worker or waiting for a retry delay: new notifications do not queue them.
-    parked: HashSet<String, foldhash::fast::RandomState>,
+    parked: HashSet<Key, foldhash::fast::RandomState>,
 }
 
 impl std::fmt::Debug for RouteQueue {
@@ -123,7 +128,7 @@ impl RouteQueue {
     /// `budget` with the other routes of its sink.
     pub fn new(
         name: String,
-        limiter: Box<dyn RateLimiter<String>>,
+        limiter: Box<dyn RateLimiter<Key>>,
         queue_metrics: QueueMetrics,
         budget: Arc<Budget>,
         buffered: IntGauge,
@@ -166,7 +171,7 @@ impl RouteQueue {
     }
 
     /// The work queue of keys.
-    pub fn queue(&self) -> &RateLimitingQueue<String> {
+    pub fn queue(&self) -> &RateLimitingQueue<Key> {
         &self.queue
     }
 
@@ -236,7 +241,7 @@ impl RouteQueue {
         if !self.publishes(ty) && ty != EventType::Deleted {
             return;
         }
-        let key = n.key();
+        let key: Key = n.key().into();
         let mut p = self.lock();
         // Checked under the lock: `set_active` switches and clears under it too.
         if !self.is_active() {
@@ -268,9 +273,9 @@ impl RouteQueue {
     /// Takes every pending notification of `key`, oldest first, and parks the key; also
     /// returns the term they belong to. The caller holds `key` from the work queue and must
     /// end with `finish` or `retry`.
-    pub fn take(&self, key: &str) -> (VecDeque<Notification>, u64) {
+    pub fn take(&self, key: &Key) -> (VecDeque<Notification>, u64) {
         let mut p = self.lock();
-        p.parked.insert(key.to_owned());
+        p.parked.insert(key.clone());
         (p.by_key.remove(key).unwrap_or_default(), self.term())
     }
 
@@ -278,7 +283,7 @@ impl RouteQueue {
     /// arrived meanwhile. While the queue shuts down, `add` is ignored, so instead the
     /// notifications that arrived are returned for the caller to deliver in the same turn
     /// (the key stays parked); otherwise `None`.
-    pub fn finish(&self, key: &str) -> Option<VecDeque<Notification>> {
+    pub fn finish(&self, key: &Key) -> Option<VecDeque<Notification>> {
         let mut p = self.lock();
         if !p.by_key.contains_key(key) {
             p.parked.remove(key);
@@ -289,7 +294,7 @@ impl RouteQueue {
         }
         p.parked.remove(key);
         drop(p);
-        self.queue.add(key.to_owned());
+        self.queue.add(key.clone());
         None
     }
 
@@ -297,7 +302,7 @@ impl RouteQueue {
     /// schedules `key` after the rate limiter's delay. Notifications of an earlier `term`
     /// are dropped (settled) instead, since the route changed hands meanwhile, and what is
     /// pending is queued at once.
-    pub fn retry(&self, key: &str, mut undelivered: VecDeque<Notification>, term: u64) {
+    pub fn retry(&self, key: &Key, mut undelivered: VecDeque<Notification>, term: u64) {
         let mut p = self.lock();
         let mut released = 0;
         let stale = term != self.term();
@@ -306,7 +311,7 @@ impl RouteQueue {
             undelivered.clear();
         }
         let full = self.budget.full();
-        let pending = p.by_key.entry(key.to_owned()).or_default();
+        let pending = p.by_key.entry(key.clone()).or_default();
         let mut newer = std::mem::replace(pending, undelivered);
         // At the cap the seam is coalesced like any arrival, so the bound holds.
         while full && let Some(next) = newer.front() {
@@ -516,7 +521,7 @@ mod tests {
         q.settle(batch.len());
         assert!(q.finish(&key).is_none());
         q.queue().done(&key);
-        (key, batch.iter().map(describe).collect())
+        (key.to_string(), batch.iter().map(describe).collect())
     }
 
     #[test]
@@ -771,7 +776,7 @@ mod tests {
         }
 
         struct Hand {
-            key: String,
+            key: Key,
             batch: VecDeque<Notification>,
             term: u64,
         }
@@ -822,7 +827,7 @@ mod tests {
                             break;
                         };
                         delivered
-                            .entry(hand.key.clone())
+                            .entry(hand.key.to_string())
                             .or_default()
                             .push(fact(&note));
                         q.settle(1);

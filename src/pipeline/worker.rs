@@ -7,7 +7,7 @@ use serde_json::json;
 use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
-use super::RouteQueue;
+use super::{RouteQueue, route_queue::Key};
 use crate::{
     informer::{EventType, Notification, NotificationKind},
     message::{Encoder, Message, Trim},
@@ -332,7 +332,7 @@ impl Route {
     /// Awaits what was handed over for `key`, settles it or retries, hands over the key's next
     /// notification (one message of a key in flight at a time), goes on with what arrived
     /// meanwhile when shutting down, and releases the key.
-    async fn complete(self: Arc<Self>, key: String, mut handed: HandedOver, term: u64) {
+    async fn complete(self: Arc<Self>, key: Key, mut handed: HandedOver, term: u64) {
         let queue = self.queue.queue();
         loop {
             if let Some(mut intent) = handed.intent.take() {
@@ -531,11 +531,11 @@ impl Route {
         }
         self.failed(FailureReason::MaxRetries);
         error!(sink = %self.delivery.sink.name(), resource = %self.resource, key,
-               retries = queue.num_requeues(&key.to_owned()), "Giving up on a notification after max_retries");
+               retries = queue.num_requeues(&Key::from(key)), "Giving up on a notification after max_retries");
         self.dead_letter(key, &n, None, FailureReason::MaxRetries)
             .await;
         self.queue.settle(1);
-        queue.forget(&key.to_owned());
+        queue.forget(&Key::from(key));
     }
 
     /// Encodes `n` so that it fits the sink's size limit, trimming it step by step (see
@@ -770,7 +770,7 @@ impl Route {
                 self.failed(err.reason());
                 self.failing
                     .store(true, std::sync::atomic::Ordering::SeqCst);
-                let attempt = self.queue.queue().num_requeues(&key.to_owned());
+                let attempt = self.queue.queue().num_requeues(&Key::from(key));
                 let mut log = self.failure_log.lock().unwrap_or_else(|e| e.into_inner());
                 log.1 += 1;
                 if log.0.is_none_or(|at| at.elapsed() >= FAILURE_LOG_EVERY) {
