@@ -1,6 +1,7 @@
 //! Notification → message: the CloudEvents 1.0 envelope and its settings.
 //!
-//! The envelope is the product's public interface; docs/src/message-format.md documents it field by field.
+//! The envelope is the product's public interface; docs/src/message-format.md documents it
+//! field by field.
 //! [`trim`] leaves parts out of messages too large for their destination; [`transform`] is
 //! what informers apply to objects before caching them (managedFields stripped, Secret data
 //! redacted).

@@ -686,7 +686,8 @@ mod tests {
 
     #[test]
     fn publish_if_never_removes_objects_and_what_it_skips_leads_to_the_next_update() {
-        // The book's change filter (docs/src/filters.md): only phase changes of updates are published.
+        // The book's change filter (docs/src/filters.md): only phase changes of updates are
+        // published.
         let (f, q, filtered) = stage(
             r#"{"filter": "object.metadata.labels.team == 'shop'",
                 "publish_if": "type != 'updated' || object.status.phase != oldObject.status.phase"}"#,

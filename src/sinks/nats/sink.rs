@@ -341,10 +341,13 @@ async fn options(
     }
     // Credentials written in the server URLs (validation made sure `auth` is unset then):
     // async-nats does not read them from a URL.
-    match cfg.url_credentials() {
-        Ok(Some((user, Some(password)))) => options = options.user_and_password(user, password),
-        Ok(Some((token, None))) => options = options.token(token),
-        Ok(None) | Err(_) => {}
+    match cfg
+        .url_credentials()
+        .map_err(|e| setup(format!("servers: {e}")))?
+    {
+        Some((user, Some(password))) => options = options.user_and_password(user, password),
+        Some((token, None)) => options = options.token(token),
+        None => {}
     }
     if let Some(creds) = &auth.credentials_file {
         options = options.credentials_file(creds).await.map_err(|e| {
