@@ -360,6 +360,113 @@ receivers:
     assert!(!eval("events-to-wide", &with("Normal", "Started", 5)));
 }
 
+/// Runs `convert --from from` on `yaml`, checks the result with `check-config`; returns the
+/// effective config and the notes.
+fn convert_text(from: &str, yaml: &str) -> (Value, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("source.yaml");
+    std::fs::write(&src, yaml).unwrap();
+    let out_path = dir.path().join("out.yaml");
+    let out = Command::new(BIN)
+        .args(["convert", "--from", from])
+        .arg(&src)
+        .arg("-o")
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    let notes = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{notes}");
+    let check = Command::new(BIN)
+        .arg("check-config")
+        .arg(&out_path)
+        .output()
+        .unwrap();
+    assert!(
+        check.status.success(),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    (serde_json::from_slice(&check.stdout).unwrap(), notes)
+}
+
+/// Drop rules read with less than they say are left out, never widened into dropping more:
+/// a YAML merge key (which the exporter's reader applies), a pattern written as a number. Two
+/// receivers on one topic are said to have no order between them.
+#[test]
+fn drop_rules_read_incompletely_drop_nothing_and_shared_topics_are_noted() {
+    let (c, notes) = convert_text(
+        "kubernetes-event-exporter",
+        r#"
+noisy: &noisy
+  type: "Normal"
+route:
+  routes:
+    - drop:
+        - <<: *noisy
+        - reason: 1.10
+      match:
+        - receiver: "a"
+        - receiver: "b"
+receivers:
+  - name: "a"
+    kafka: {topic: "events", brokers: ["k:9092"]}
+  - name: "b"
+    kafka: {topic: "events", brokers: ["k:9092"]}
+"#,
+    );
+    for name in ["events-to-a", "events-to-b"] {
+        assert!(
+            resource(&c, name)
+                .get("publish_if")
+                .is_none_or(Value::is_null),
+            "{name} drops nothing: {c:#}"
+        );
+    }
+    assert!(
+        notes.contains("drop[0]: holds keys the bridge does not read"),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("drop[1]: holds keys the bridge does not read"),
+        "{notes}"
+    );
+    assert!(
+        notes.contains("sinks a and b write the same topic"),
+        "{notes}"
+    );
+}
+
+/// A Collector whose k8sobjects receiver reaches Kafka through a `forward` connector.
+#[test]
+fn collector_connectors_are_followed_to_their_exporters() {
+    let (c, notes) = convert_text(
+        "otel-k8sobjects",
+        r#"
+receivers:
+  k8sobjects:
+    objects:
+      - {name: pods, mode: watch}
+connectors:
+  forward: {}
+exporters:
+  kafka:
+    brokers: [k:9092]
+    topic: objects
+service:
+  pipelines:
+    logs/in:
+      receivers: [k8sobjects]
+      exporters: [forward]
+    logs/out:
+      receivers: [forward]
+      exporters: [kafka]
+"#,
+    );
+    assert_eq!(routes_of(&c, "pods"), ["kafka"]);
+    assert_eq!(sink(&c, "kafka")["kafka"]["topic"], "objects");
+    assert!(notes.contains("connectors.forward: followed"), "{notes}");
+}
+
 #[test]
 fn bad_input_is_named() {
     let dir = tempfile::tempdir().unwrap();

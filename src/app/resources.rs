@@ -534,12 +534,7 @@ impl Resources {
                 .informer_synced
                 .with_label_values(&[informer.name()])
                 .set(0);
-            // Not running here any more: no liveness to report (a frozen age would look
-            // healthy).
-            let _ = self
-                .metrics
-                .informer_last_event_age
-                .remove_label_values(&[informer.name()]);
+            // Its liveness series went with `factory.remove` (a frozen age would look healthy).
         }
         for w in self.wired.iter_mut() {
             if !w.informers.is_empty() {

@@ -261,6 +261,23 @@ fn rule(r: &Value, path: &str, drop: bool, notes: &mut Notes) -> Option<Vec<Stri
     let mut known: Vec<&str> = FIELDS.iter().map(|(f, _)| *f).collect();
     known.extend(["minCount", "receiver", "labels", "annotations"]);
     unused(r, &known, path, notes);
+    // A drop rule read with less than it says (a YAML merge key `<<` the exporter's reader
+    // applies and ours does not, a field we do not know) would drop more: leave it out.
+    let unknown = r
+        .as_object()
+        .is_some_and(|m| m.keys().any(|k| !known.contains(&k.as_str())));
+    // A pattern written as a number or boolean (`reason: 1.10`) is re-rendered from the
+    // parsed value (`1.1`), not the source text: as a drop condition it would drop more.
+    let unquoted = FIELDS
+        .iter()
+        .any(|(f, _)| r.get(*f).is_some_and(|v| !v.is_string() && !v.is_null()));
+    if drop && (unknown || unquoted) {
+        notes.add(format!(
+            "{path}: holds keys the bridge does not read or patterns that are not strings; \
+             this drop rule is left out (nothing it would drop is dropped)"
+        ));
+        return None;
+    }
     for key in ["labels", "annotations"] {
         if r.get(key)
             .and_then(Value::as_object)

@@ -107,15 +107,39 @@ pub fn convert(source: Source, text: &str) -> Result<Conversion> {
     if !doc.is_object() {
         return Err(Error::Format("the file holds no YAML mapping".into()));
     }
-    let conversion = match source {
+    let mut conversion = match source {
         Source::OtelK8sObjects => otel::convert(&doc)?,
         Source::KubernetesEventExporter => event_exporter::convert(&doc)?,
     };
+    same_topic_notes(&mut conversion);
     // What is written is what is checked: the YAML text, read back as `run` reads it.
     let written = read_yaml(&conversion.to_yaml(source, "-"))
         .map_err(|e| Error::Format(format!("the converted YAML does not read back: {e}")))?;
     Config::from_value(written).map_err(|e| Error::Invalid(Box::new(e)))?;
     Ok(conversion)
+}
+
+/// Kafka sinks with the same brokers and topic: their routes have independent queues, so
+/// messages of one object through two of them have no order between them in the topic.
+fn same_topic_notes(conversion: &mut Conversion) {
+    let kafka: Vec<(&str, &Value)> = conversion.config["sinks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| Some((s["name"].as_str()?, s.get("kafka")?)))
+        .collect();
+    let mut notes = Vec::new();
+    for (i, (a, ka)) in kafka.iter().enumerate() {
+        for (b, kb) in &kafka[i + 1..] {
+            if ka["brokers"] == kb["brokers"] && ka["topic"] == kb["topic"] {
+                notes.push(format!(
+                    "sinks {a} and {b} write the same topic: an object's messages through the \
+                     two have no order between them; make it one sink (one route per resource)"
+                ));
+            }
+        }
+    }
+    conversion.notes.extend(notes);
 }
 
 /// Collects notes and hands out names that do not collide.
@@ -124,7 +148,10 @@ pub(crate) struct Notes(pub Vec<String>);
 
 impl Notes {
     pub(crate) fn add(&mut self, note: impl Into<String>) {
-        self.0.push(note.into());
+        let note = note.into();
+        if !self.0.contains(&note) {
+            self.0.push(note);
+        }
     }
 }
 
@@ -229,6 +256,7 @@ pub(crate) fn strings(v: &Value, key: &str) -> Vec<String> {
             .filter_map(|x| match x {
                 Value::String(s) => Some(s.clone()),
                 Value::Number(n) => Some(n.to_string()),
+                Value::Bool(b) => Some(b.to_string()),
                 _ => None,
             })
             .collect(),
@@ -251,7 +279,12 @@ pub(crate) fn unused(v: &Value, used: &[&str], path: &str, notes: &mut Notes) {
     if let Value::Object(m) = v {
         for key in m.keys().filter(|k| !used.contains(&k.as_str())) {
             if !m[key].is_null() {
-                notes.add(format!("{path}.{key}: no equivalent"));
+                let at = if path.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{path}.{key}")
+                };
+                notes.add(format!("{at}: no equivalent"));
             }
         }
     }

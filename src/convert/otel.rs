@@ -153,6 +153,33 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             feeds.entry(r).or_default().extend(strings(p, "exporters"));
         }
     }
+    // Connectors (`connectors:`, e.g. `forward`) are an exporter of one pipeline and a
+    // receiver of others: follow them to the exporters those pipelines feed.
+    let connectors = doc.get("connectors").and_then(Value::as_object);
+    let is_connector = |name: &str| connectors.is_some_and(|c| c.contains_key(name));
+    for targets in feeds.values_mut() {
+        let mut seen = BTreeSet::new();
+        while let Some(c) = targets
+            .iter()
+            .find(|t| is_connector(t) && !seen.contains(*t))
+            .cloned()
+        {
+            seen.insert(c.clone());
+            targets.remove(&c);
+            for p in pipelines.into_iter().flat_map(|p| p.values()) {
+                if strings(p, "receivers").contains(&c) {
+                    targets.extend(strings(p, "exporters"));
+                }
+            }
+        }
+        targets.retain(|t| !seen.contains(t));
+        for c in &seen {
+            notes.add(format!(
+                "connectors.{c}: followed to the pipelines it feeds; its own settings (routing \
+                 conditions, for one) are not applied"
+            ));
+        }
+    }
 
     // Sinks from the exporters that are fed.
     let exporters = doc.get("exporters").and_then(Value::as_object);

@@ -324,23 +324,22 @@ impl NatsSinkConfig {
 /// `text` with the credentials of every URL in it (`scheme://…@`) as `***`: for messages
 /// that may quote a setting's value (a config error).
 pub fn scrub_url_credentials(text: &str) -> String {
+    // Everything from a `://` to the last `@` before the next URL is user info: a password may
+    // hold spaces or quotes (quoted Debug-escaped by serde), so the URL's end cannot be
+    // guessed; redacting too much of a message is harmless, too little is not.
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(at) = rest.find("://") {
         let (head, tail) = rest.split_at(at + 3);
         out.push_str(head);
-        // The URL runs to the next space, quote, comma or bracket.
-        let end = tail
-            .find([' ', '"', '\'', '`', ',', ']'])
-            .unwrap_or(tail.len());
-        match tail[..end].rfind('@') {
+        let next = tail.find("://").unwrap_or(tail.len());
+        match tail[..next].rfind('@') {
             Some(i) => {
                 out.push_str("***");
-                out.push_str(&tail[i..end]);
+                rest = &tail[i..];
             }
-            None => out.push_str(&tail[..end]),
+            None => rest = tail,
         }
-        rest = &tail[end..];
     }
     out.push_str(rest);
     out
@@ -416,6 +415,11 @@ mod tests {
         assert_eq!(
             scrub_url_credentials("at nats://h:1, tls://t@h:2"),
             "at nats://h:1, tls://***@h:2"
+        );
+        // A password with a space or a quote (Debug-escaped) loses all of itself.
+        assert_eq!(
+            scrub_url_credentials(r#"string "nats://u:pa ss\"x@h:4222", expected"#),
+            r#"string "nats://***@h:4222", expected"#
         );
     }
 
