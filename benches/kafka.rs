@@ -83,7 +83,7 @@ async fn bridge(
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
     let enc = encoder();
     let messages: Vec<Message> = notifications(events, 10_000, size)
-        .map(|n| enc.encode(&n.key(), &n).unwrap())
+        .map(|n| enc.encode(n.key(), &n).unwrap())
         .collect();
     // Exactly the sink's producer settings (the function the sink builds its producer with).
     let producer: FutureProducer = producer_settings(brokers).create().unwrap();

@@ -14,15 +14,13 @@ mod objects;
 
 use std::sync::Arc;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{FieldsV1, ManagedFieldsEntry, Time};
 use kube::api::DynamicObject;
 use kube_event_bridge::{
     config::MessageConfig,
     informer::{CachedObject, Indexer},
     message::object_transform,
 };
-use objects::{Meta, configmap_with_data, configmaps, typed};
-use serde_json::json;
+use objects::{configmaps, realistic_configmap, typed};
 
 fn resident_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
@@ -32,46 +30,7 @@ fn resident_bytes() -> u64 {
 
 /// The JSON text of ConfigMap `i`, as the API server sends it.
 fn configmap_json(i: usize) -> String {
-    let team = format!("team-{}", i % 40);
-    let created = Time("2026-11-01T08:30:00Z".parse().unwrap());
-    let config = format!(
-        "server:\n  port: 8080\n  replicas: {}\ncache:\n  ttl: 300s\n  size: 512Mi\ndatabase:\n  host: db-{}.internal\n  pool: 20\n",
-        i % 7,
-        i % 13
-    );
-    let cm = configmap_with_data(
-        &team,
-        &format!("app-config-{i:06}"),
-        [
-            ("LOG_LEVEL", "info".to_owned()),
-            ("FEATURE_FLAGS", "checkout-v2,search-beta".to_owned()),
-            ("config.yaml", config),
-        ],
-    )
-    .uid(format!("5f0c2b1e-9d7a-4c1b-8e2f-{i:012}"))
-    .resource_version(1_000_000 + i)
-    .labels([
-        ("app.kubernetes.io/name", "shop"),
-        ("app.kubernetes.io/part-of", "platform"),
-        ("team", team.as_str()),
-    ])
-    .annotation("meta.helm.sh/release-name", "shop")
-    .annotation("meta.helm.sh/release-namespace", &team)
-    .meta(|m| {
-        m.creation_timestamp = Some(created.clone());
-        m.managed_fields = Some(vec![ManagedFieldsEntry {
-            manager: Some("helm".into()),
-            operation: Some("Update".into()),
-            api_version: Some("v1".into()),
-            time: Some(created),
-            fields_type: Some("FieldsV1".into()),
-            fields_v1: Some(FieldsV1(
-                json!({"f:data": {"f:config.yaml": {}, "f:LOG_LEVEL": {}}}),
-            )),
-            ..Default::default()
-        }]);
-    });
-    typed(&cm).to_string()
+    typed(&realistic_configmap(i)).to_string()
 }
 
 fn main() {
@@ -120,7 +79,7 @@ fn measure(mode: &str, objects: usize) {
                 let cached = CachedObject::new(&obj);
                 json_bytes += cached.json().get().len();
                 let key = kube_event_bridge::informer::meta_namespace_key(&cached);
-                indexer.upsert(key, Arc::new(cached));
+                indexer.upsert(&key, Arc::new(cached));
             }
             (Some(indexer), None)
         }

@@ -53,7 +53,7 @@ async fn raw(url: &str, events: usize, size: usize) -> Figures {
     // The same bytes the bridge publishes, encoded before the clock starts.
     let enc = encoder();
     let messages: Vec<Message> = notifications(events, 10_000, size)
-        .map(|n| enc.encode(&n.key(), &n).unwrap())
+        .map(|n| enc.encode(n.key(), &n).unwrap())
         .collect();
     let client = async_nats::connect(url).await.unwrap();
     let js = async_nats::jetstream::ContextBuilder::new()

@@ -78,7 +78,7 @@ async fn publish(sink: &dyn Sink, encoder: &Encoder, notes: &[Notification]) -> 
     let started = Instant::now();
     futures::stream::iter(notes)
         .map(|n| async move {
-            let m = encoder.encode(&n.key(), n).unwrap();
+            let m = encoder.encode(n.key(), n).unwrap();
             loop {
                 match sink.publish(&m).await {
                     Ok(()) => break,

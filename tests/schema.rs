@@ -32,11 +32,9 @@ fn encode(kind: NotificationKind, resumed: bool) -> Value {
         &MessageConfig::default(),
         Encoding::Structured,
     );
-    let n = Notification {
-        resumed,
-        ..Notification::new(kind)
-    };
-    let m = encoder.encode(&n.key(), &n).unwrap();
+    let mut n = Notification::new(kind);
+    n.resumed = resumed;
+    let m = encoder.encode(n.key(), &n).unwrap();
     serde_json::from_slice(&m.payload).unwrap()
 }
 
@@ -193,9 +191,10 @@ fn filtered_out_truncated_and_patched_messages_match_the_schema() {
         ..Default::default()
     };
     let encoder = Encoder::new("prod", &configmaps(), &options, Encoding::Structured);
-    let note = |kind, filtered_out| Notification {
-        filtered_out,
-        ..Notification::new(kind)
+    let note = |kind, filtered_out| {
+        let mut n = Notification::new(kind);
+        n.filtered_out = filtered_out;
+        n
     };
     let update = note(
         NotificationKind::Update {

@@ -446,7 +446,7 @@ async fn hand_over(
             for obj in objects {
                 informer
                     .indexer()
-                    .upsert(crate::informer::meta_namespace_key(&obj), obj);
+                    .upsert(&crate::informer::meta_namespace_key(&obj), obj);
             }
             continue;
         }

@@ -387,7 +387,7 @@ mod tests {
     #[test]
     fn consecutive_deletes_collapse() {
         let (f, known) = fifo();
-        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        known.upsert("ns/a", obj("ns", "a", "1"));
         f.delete(obj("ns", "a", "2"));
         f.delete(obj("ns", "a", "3"));
         assert_eq!(
@@ -400,7 +400,7 @@ mod tests {
     #[test]
     fn real_delete_replaces_a_preceding_tombstone() {
         let (f, known) = fifo();
-        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        known.upsert("ns/a", obj("ns", "a", "1"));
         f.replace(vec![]);
         f.delete(obj("ns", "a", "5"));
         assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "5".into(), false)]);
@@ -416,8 +416,8 @@ mod tests {
     #[test]
     fn replace_makes_deletions_for_known_and_queued_objects() {
         let (f, known) = fifo();
-        known.upsert("ns/cached".into(), obj("ns", "cached", "1"));
-        known.upsert("ns/kept".into(), obj("ns", "kept", "1"));
+        known.upsert("ns/cached", obj("ns", "cached", "1"));
+        known.upsert("ns/kept", obj("ns", "kept", "1"));
         f.add(obj("ns", "queued", "2"));
         f.update(obj("ns", "queued", "3"));
         f.replace(vec![obj("ns", "kept", "1")]);
@@ -441,7 +441,7 @@ mod tests {
     #[test]
     fn replace_does_not_tombstone_a_queued_real_delete_twice() {
         let (f, known) = fifo();
-        known.upsert("ns/a".into(), obj("ns", "a", "1"));
+        known.upsert("ns/a", obj("ns", "a", "1"));
         f.delete(obj("ns", "a", "2"));
         f.replace(vec![]);
         assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "2".into(), false)]);
@@ -450,8 +450,8 @@ mod tests {
     #[test]
     fn resync_skips_keys_with_queued_deltas() {
         let (f, known) = fifo();
-        known.upsert("ns/a".into(), obj("ns", "a", "1"));
-        known.upsert("ns/b".into(), obj("ns", "b", "1"));
+        known.upsert("ns/a", obj("ns", "a", "1"));
+        known.upsert("ns/b", obj("ns", "b", "1"));
         f.update(obj("ns", "a", "2"));
         f.resync();
         let out = pop_all(&f);
@@ -476,7 +476,7 @@ mod tests {
     #[test]
     fn has_synced_counts_first_replace_including_deletions() {
         let (f, known) = fifo();
-        known.upsert("ns/gone".into(), obj("ns", "gone", "1"));
+        known.upsert("ns/gone", obj("ns", "gone", "1"));
         assert!(!f.has_synced());
         f.replace(vec![obj("ns", "a", "1"), obj("ns", "b", "1")]);
         assert!(!f.has_synced());

@@ -106,10 +106,14 @@ impl Indexer {
     }
 
     /// Inserts or replaces `key`; returns the previous object.
-    pub fn upsert(&self, key: String, obj: ObjectRef) -> Option<ObjectRef> {
+    pub fn upsert(&self, key: &str, obj: ObjectRef) -> Option<ObjectRef> {
         let mut inner = self.write();
-        let old = inner.items.insert(key.clone(), obj.clone());
-        inner.update_indices(old.as_deref(), Some(&obj), &key);
+        // An update (the common case) keeps the stored key: no allocation.
+        let old = match inner.items.get_mut(key) {
+            Some(slot) => Some(std::mem::replace(slot, obj.clone())),
+            None => inner.items.insert(key.to_owned(), obj.clone()),
+        };
+        inner.update_indices(old.as_deref(), Some(&obj), key);
         old
     }
 
@@ -305,8 +309,8 @@ mod tests {
     #[test]
     fn upsert_get_delete() {
         let idx = Indexer::new();
-        assert!(idx.upsert("a/x".into(), obj("a", "x", "1")).is_none());
-        let old = idx.upsert("a/x".into(), obj("a", "x", "2")).unwrap();
+        assert!(idx.upsert("a/x", obj("a", "x", "1")).is_none());
+        let old = idx.upsert("a/x", obj("a", "x", "2")).unwrap();
         assert_eq!(old.resource_version(), Some("1"));
         assert_eq!(idx.get("a/x").unwrap().resource_version(), Some("2"));
         assert!(idx.delete("a/x").is_some());
@@ -320,10 +324,10 @@ mod tests {
     #[test]
     fn namespace_index_tracks_moves_and_removes_empty_sets() {
         let idx = Indexer::new();
-        idx.upsert("a/x".into(), obj("a", "x", "1"));
-        idx.upsert("a/y".into(), obj("a", "y", "1"));
-        idx.upsert("b/z".into(), obj("b", "z", "1"));
-        idx.upsert("n".into(), obj("", "n", "1"));
+        idx.upsert("a/x", obj("a", "x", "1"));
+        idx.upsert("a/y", obj("a", "y", "1"));
+        idx.upsert("b/z", obj("b", "z", "1"));
+        idx.upsert("n", obj("", "n", "1"));
         assert_eq!(
             idx.index_keys(NAMESPACE_INDEX, "a").unwrap(),
             ["a/x", "a/y"]
@@ -346,10 +350,10 @@ mod tests {
         let idx = Indexer::new();
         idx.add_indexer("labels", Arc::new(labels_index)).unwrap();
         idx.upsert(
-            "a/x".into(),
+            "a/x",
             with_labels("a", "x", &[("app", "web"), ("tier", "front")]),
         );
-        idx.upsert("a/y".into(), with_labels("a", "y", &[("app", "web")]));
+        idx.upsert("a/y", with_labels("a", "y", &[("app", "web")]));
         assert_eq!(idx.index_keys("labels", "app=web").unwrap(), ["a/x", "a/y"]);
         assert_eq!(idx.index_keys("labels", "tier=front").unwrap(), ["a/x"]);
         // x shares app=web with y and tier=front with itself: two distinct objects.
@@ -362,7 +366,7 @@ mod tests {
             .len(),
             2
         );
-        idx.upsert("a/x".into(), with_labels("a", "x", &[("app", "db")]));
+        idx.upsert("a/x", with_labels("a", "x", &[("app", "db")]));
         assert_eq!(
             idx.index_keys("labels", "tier=front").unwrap(),
             Vec::<String>::new()
@@ -373,7 +377,7 @@ mod tests {
     #[test]
     fn indexers_added_late_index_existing_items_and_names_are_unique() {
         let idx = Indexer::new();
-        idx.upsert("a/x".into(), with_labels("a", "x", &[("app", "web")]));
+        idx.upsert("a/x", with_labels("a", "x", &[("app", "web")]));
         idx.add_indexer("labels", Arc::new(labels_index)).unwrap();
         assert_eq!(idx.index_keys("labels", "app=web").unwrap(), ["a/x"]);
         assert_eq!(
@@ -389,7 +393,7 @@ mod tests {
     #[test]
     fn replace_rebuilds_indices() {
         let idx = Indexer::new();
-        idx.upsert("a/x".into(), obj("a", "x", "1"));
+        idx.upsert("a/x", obj("a", "x", "1"));
         idx.replace([("b/y".to_string(), obj("b", "y", "2"))]);
         assert!(idx.get("a/x").is_none());
         assert!(idx.index_keys(NAMESPACE_INDEX, "a").unwrap().is_empty());

@@ -291,6 +291,9 @@ enum State {
         continue_token: Option<String>,
         objects: VecDeque<DynamicObject>,
         last_rv: Option<String>,
+        /// The page after `objects`, fetched and decoded on a task of its own while they are
+        /// handed on (dropping the state cancels it).
+        next: Option<NextPage>,
     },
     InitialWatch {
         stream: WatchStream,
@@ -341,6 +344,21 @@ pub fn list_watch(
             }
         },
     )
+}
+
+/// A page being fetched.
+type NextPage = tokio_util::task::AbortOnDropHandle<kube::Result<ListPage>>;
+
+/// Starts fetching the page at `continue_token` on a task of its own.
+fn prefetch(
+    api: &Api<DynamicObject>,
+    config: &ListWatchConfig,
+    continue_token: String,
+) -> NextPage {
+    let (api, config) = (api.clone(), config.clone());
+    tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
+        list_page(&api, &config, Some(continue_token)).await
+    }))
 }
 
 /// One page of a consistent list (with the shard's selector, if any).
@@ -433,6 +451,7 @@ async fn step(
                     continue_token: None,
                     objects: VecDeque::new(),
                     last_rv: None,
+                    next: None,
                 },
             )
         }
@@ -440,14 +459,16 @@ async fn step(
             continue_token,
             mut objects,
             last_rv,
+            next,
         } => {
-            if let Some(next) = objects.pop_front() {
+            if let Some(object) = objects.pop_front() {
                 return (
-                    Some(Ok(Event::InitApply(next))),
+                    Some(Ok(Event::InitApply(object))),
                     State::InitPage {
                         continue_token,
                         objects,
                         last_rv,
+                        next,
                     },
                 );
             }
@@ -457,7 +478,18 @@ async fn step(
                 return (Some(Ok(Event::InitDone)), State::InitListed { rv });
             }
             let first = continue_token.is_none();
-            match list_page(api, config, continue_token).await {
+            let page = match next {
+                Some(next) => match next.await {
+                    Ok(page) => page,
+                    Err(failed) if failed.is_panic() => {
+                        std::panic::resume_unwind(failed.into_panic())
+                    }
+                    // Cancelled (the runtime shuts down): the list starts over, if ever.
+                    Err(_) => return (None, State::Empty),
+                },
+                None => list_page(api, config, continue_token).await,
+            };
+            match page {
                 Ok(list) => {
                     config.activity.touch();
                     let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
@@ -481,12 +513,17 @@ async fn step(
                         }
                         items.retain(|o| filter.holds(o));
                     }
+                    // The next page is fetched and decoded while this one is handed on.
+                    let next = continue_token
+                        .clone()
+                        .map(|token| prefetch(api, config, token));
                     (
                         None,
                         State::InitPage {
                             continue_token,
                             objects: items.into(),
                             last_rv,
+                            next,
                         },
                     )
                 }

@@ -26,7 +26,7 @@ pub use delta_fifo::{Delta, DeltaFifo, DeltaType};
 pub use factory::{InformerKey, SharedInformerFactory};
 pub use indexer::Indexer;
 pub use listener::{NotificationHandler, ProcessorListener};
-pub use notification::{EventType, Notification, NotificationKind};
+pub use notification::{EventType, Key, Notification, NotificationKind};
 pub use object::{CachedObject, ObjectMetaRef};
 pub use shared_informer::SharedIndexInformer;
 

@@ -7,12 +7,24 @@ use serde::{Deserialize, Serialize};
 
 use super::{ObjectRef, meta_namespace_key, resource_version};
 
+/// An object's key (`namespace/name`): made once when the informer builds a notification and
+/// shared by every listener's copy, and by the route queue's and work queue's maps, so that
+/// handing it on copies a pointer, not the text.
+pub type Key = Arc<str>;
+
 /// What a listener receives: client-go's `addNotification`, `updateNotification` and
 /// `deleteNotification`, stamped with when the reflector received the change.
+///
+/// The key and event type are worked out once, when it is built, and kept beside `kind`:
+/// that is why `kind` is private and changed only through [`Notification::set_kind`].
 #[derive(Debug, Clone)]
 pub struct Notification {
     /// What happened.
-    pub kind: NotificationKind,
+    kind: NotificationKind,
+    /// `kind`'s event type (see [`Notification::event_type`]).
+    event_type: EventType,
+    /// The object's `namespace/name`.
+    key: Key,
     /// When the watch event (or list) that caused it was received; for end-to-end latency.
     pub received: Instant,
     /// Wall-clock time of the same moment; the message's `time`.
@@ -57,41 +69,95 @@ pub enum NotificationKind {
 impl Notification {
     /// A notification of `kind` received now (not resumed, not a filter's).
     pub fn new(kind: NotificationKind) -> Self {
+        Self::at(kind, Instant::now(), jiff::Timestamp::now())
+    }
+
+    /// A notification of `kind` received at `received` (wall clock `observed`), not resumed
+    /// and not a filter's.
+    pub fn at(kind: NotificationKind, received: Instant, observed: jiff::Timestamp) -> Self {
+        let key = meta_namespace_key(object_of(&kind)).into();
+        Self::keyed(kind, key, received, observed)
+    }
+
+    /// As [`Notification::at`], with the object's key already made (it must be `kind`'s
+    /// object's `namespace/name`).
+    pub fn keyed(
+        kind: NotificationKind,
+        key: Key,
+        received: Instant,
+        observed: jiff::Timestamp,
+    ) -> Self {
+        debug_assert_eq!(*key, meta_namespace_key(object_of(&kind)));
         Self {
+            event_type: event_type_of(&kind),
             kind,
-            received: Instant::now(),
-            observed: jiff::Timestamp::now(),
+            key,
+            received,
+            observed,
             resumed: false,
             filtered_out: false,
         }
     }
 
+    /// Marks it derived by a resume (see `resumed`).
+    pub fn into_resumed(mut self) -> Self {
+        self.resumed = true;
+        self
+    }
+
+    /// Marks it a filter's delete (see `filtered_out`).
+    pub fn into_filtered_out(mut self) -> Self {
+        self.filtered_out = true;
+        self
+    }
+
+    /// What happened.
+    pub fn kind(&self) -> &NotificationKind {
+        &self.kind
+    }
+
+    /// Replaces what happened, about the same object (coalescing, a filter's rewrite); the
+    /// event type follows.
+    pub fn set_kind(&mut self, kind: NotificationKind) {
+        debug_assert_eq!(*self.key, meta_namespace_key(object_of(&kind)));
+        self.event_type = event_type_of(&kind);
+        self.kind = kind;
+    }
+
     /// The object the notification is about (the newest state).
     pub fn object(&self) -> &ObjectRef {
-        match &self.kind {
-            NotificationKind::Add { obj, .. } | NotificationKind::Delete { obj, .. } => obj,
-            NotificationKind::Update { new, .. } => new,
-        }
+        object_of(&self.kind)
     }
 
     /// `namespace/name` of the object.
-    pub fn key(&self) -> String {
-        meta_namespace_key(self.object())
+    pub fn key(&self) -> &Key {
+        &self.key
     }
 
     /// The event type a message reports: an update that did not change the
     /// resourceVersion is a resync.
     pub fn event_type(&self) -> EventType {
-        match &self.kind {
-            NotificationKind::Add { .. } => EventType::Added,
-            NotificationKind::Update { old, new }
-                if Arc::ptr_eq(old, new) || resource_version(old) == resource_version(new) =>
-            {
-                EventType::Synced
-            }
-            NotificationKind::Update { .. } => EventType::Updated,
-            NotificationKind::Delete { .. } => EventType::Deleted,
+        self.event_type
+    }
+}
+
+fn object_of(kind: &NotificationKind) -> &ObjectRef {
+    match kind {
+        NotificationKind::Add { obj, .. } | NotificationKind::Delete { obj, .. } => obj,
+        NotificationKind::Update { new, .. } => new,
+    }
+}
+
+fn event_type_of(kind: &NotificationKind) -> EventType {
+    match kind {
+        NotificationKind::Add { .. } => EventType::Added,
+        NotificationKind::Update { old, new }
+            if Arc::ptr_eq(old, new) || resource_version(old) == resource_version(new) =>
+        {
+            EventType::Synced
         }
+        NotificationKind::Update { .. } => EventType::Updated,
+        NotificationKind::Delete { .. } => EventType::Deleted,
     }
 }
 

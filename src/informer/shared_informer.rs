@@ -29,8 +29,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::{
-    DeltaFifo, DeltaType, Indexer, Notification, NotificationKind, ObjectRef, ProcessorListener,
-    delta_fifo::Deltas, meta_namespace_key, reflector::Reflector, resource_version,
+    DeltaFifo, DeltaType, EventType, Indexer, Key, Notification, NotificationKind, ObjectRef,
+    ProcessorListener, delta_fifo::Deltas, meta_namespace_key, reflector::Reflector,
+    resource_version,
 };
 
 /// Gauges and counters one informer keeps.
@@ -481,13 +482,7 @@ impl SharedIndexInformer {
     ) {
         let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
         for kind in kinds {
-            let n = Notification {
-                kind,
-                received,
-                observed,
-                resumed: false,
-                filtered_out: false,
-            };
+            let n = Notification::at(kind, received, observed);
             self.metrics.notifications[n.event_type() as usize].inc();
             for l in listeners {
                 l.add(n.clone());
@@ -509,25 +504,25 @@ impl SharedIndexInformer {
     /// client-go's `HandleDeltas` (`processDeltas`): apply to the cache, then distribute.
     fn handle_deltas(&self, deltas: Deltas, is_initial_list: bool) {
         for delta in deltas {
-            let key = meta_namespace_key(&delta.object);
+            let key: Key = meta_namespace_key(&delta.object).into();
             let kind = match delta.kind {
                 DeltaType::Added | DeltaType::Updated | DeltaType::Replaced | DeltaType::Sync => {
-                    match self.indexer.upsert(key, delta.object.clone()) {
+                    match self.indexer.upsert(&key, delta.object.clone()) {
                         // Another incarnation under the same key (deleted and recreated while
                         // the watch was down, found by a relist): client-go reports an update;
                         // here the old one is deleted and the new one added, as a resume does,
                         // so that consumers keyed by uid see every incarnation end.
                         Some(old) if old.uid() != delta.object.uid() => {
-                            self.distribute(Notification {
-                                kind: NotificationKind::Delete {
-                                    obj: old,
-                                    final_state_unknown: true,
-                                },
-                                received: delta.received,
-                                observed: delta.observed,
-                                resumed: false,
-                                filtered_out: false,
-                            });
+                            let kind = NotificationKind::Delete {
+                                obj: old,
+                                final_state_unknown: true,
+                            };
+                            self.distribute(Notification::keyed(
+                                kind,
+                                key.clone(),
+                                delta.received,
+                                delta.observed,
+                            ));
                             NotificationKind::Add {
                                 obj: delta.object,
                                 is_initial_list,
@@ -551,18 +546,17 @@ impl SharedIndexInformer {
                     }
                 }
             };
-            self.distribute(Notification {
+            self.distribute(Notification::keyed(
                 kind,
-                received: delta.received,
-                observed: delta.observed,
-                resumed: false,
-                filtered_out: false,
-            });
+                key,
+                delta.received,
+                delta.observed,
+            ));
         }
     }
 
     fn distribute(&self, n: Notification) {
-        let is_sync = matches!(&n.kind, NotificationKind::Update { old, new } if resource_version(old) == resource_version(new));
+        let is_sync = n.event_type() == EventType::Synced;
         self.metrics.notifications[n.event_type() as usize].inc();
         for l in self
             .listeners

@@ -361,7 +361,7 @@ impl Encoder {
         let name = meta.name().ok_or_else(|| missing("name"))?;
         let namespace = meta.namespace().filter(|ns| !ns.is_empty());
         let id = message_id(uid, rv, event_type);
-        let (initial, final_state_unknown, old) = match &n.kind {
+        let (initial, final_state_unknown, old) = match n.kind() {
             NotificationKind::Add {
                 is_initial_list, ..
             } => (*is_initial_list, false, None),
@@ -520,13 +520,11 @@ mod tests {
     }
 
     fn note(kind: NotificationKind) -> Notification {
-        Notification {
+        Notification::at(
             kind,
-            received: std::time::Instant::now(),
-            observed: "2026-01-02T03:04:05Z".parse().unwrap(),
-            resumed: false,
-            filtered_out: false,
-        }
+            std::time::Instant::now(),
+            "2026-01-02T03:04:05Z".parse().unwrap(),
+        )
     }
 
     fn decode(m: &Message) -> serde_json::Value {

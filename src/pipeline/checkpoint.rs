@@ -287,7 +287,7 @@ impl Checkpointer {
         if self.fenced() {
             return;
         }
-        let change = match &n.kind {
+        let change = match n.kind() {
             NotificationKind::Delete { .. } => KeyChange::Deleted,
             NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. } => {
                 KeyChange::Settled(obj.clone())

@@ -176,16 +176,11 @@ impl Resumer {
         let deleted = vanished.len();
         for (key, entry) in vanished {
             self.count(Outcome::Deleted);
-            self.forward(Notification {
-                kind: NotificationKind::Delete {
-                    obj: self.stub(&key, &entry),
-                    final_state_unknown: true,
-                },
-                received,
-                observed,
-                resumed: true,
-                filtered_out: false,
-            });
+            let kind = NotificationKind::Delete {
+                obj: self.stub(&key, &entry),
+                final_state_unknown: true,
+            };
+            self.forward(Notification::keyed(kind, key.into(), received, observed).into_resumed());
         }
         deleted
     }
@@ -239,13 +234,7 @@ impl Resumer {
     }
 
     fn derived(&self, like: &Notification, kind: NotificationKind) -> Notification {
-        Notification {
-            kind,
-            received: like.received,
-            observed: like.observed,
-            resumed: true,
-            filtered_out: false,
-        }
+        Notification::keyed(kind, like.key().clone(), like.received, like.observed).into_resumed()
     }
 
     /// Deletes the incarnation the checkpoint knows at `key` (final state unknown, a stub).
@@ -274,21 +263,21 @@ impl NotificationHandler for Resumer {
             drop(state);
             return self.forward(n);
         };
-        let key = n.key();
-        let mut entry = remaining.remove(&key);
+        let key: &str = n.key();
+        let mut entry = remaining.remove(key);
         let mut known_here = entry.is_some();
         if let State::Resuming {
             passed, replayed, ..
         } = &mut *state
         {
-            if let Some(e) = replayed.remove(&key) {
+            if let Some(e) = replayed.remove(key) {
                 known_here = false;
                 entry = Some(e);
             }
-            match &n.kind {
-                NotificationKind::Delete { .. } => passed.remove(&key),
+            match n.kind() {
+                NotificationKind::Delete { .. } => passed.remove(key),
                 _ => passed.insert(
-                    key.clone(),
+                    key.to_owned(),
                     Entry {
                         uid: n.object().uid().unwrap_or_default().to_owned(),
                         resource_version: crate::informer::resource_version(n.object()).to_owned(),
@@ -299,7 +288,7 @@ impl NotificationHandler for Resumer {
         }
         drop(state);
         let uid = n.object().uid().unwrap_or_default().to_owned();
-        match (n.kind.clone(), entry) {
+        match (n.kind().clone(), entry) {
             (
                 NotificationKind::Add {
                     obj,
@@ -324,17 +313,17 @@ impl NotificationHandler for Resumer {
                 {
                     self.count(Outcome::Unchanged);
                     if known_here {
-                        self.next.on_known(&key, Some(&obj));
+                        self.next.on_known(key, Some(&obj));
                     }
                 }
                 Some(e) if e.uid == uid => {
                     self.count(Outcome::Updated);
-                    let old = self.stub(&key, &e);
+                    let old = self.stub(key, &e);
                     self.forward(self.derived(&n, NotificationKind::Update { old, new: obj }));
                 }
                 Some(e) => {
                     self.count(Outcome::Recreated);
-                    self.forward_gone(&n, &key, &e);
+                    self.forward_gone(&n, key, &e);
                     self.forward(self.derived(
                         &n,
                         NotificationKind::Add {
@@ -348,12 +337,12 @@ impl NotificationHandler for Resumer {
             // an older incarnation the checkpoint knows is deleted first.
             (_, Some(e)) if e.uid != uid => {
                 self.count(Outcome::Deleted);
-                self.forward_gone(&n, &key, &e);
+                self.forward_gone(&n, key, &e);
                 self.forward(n);
             }
             (_, entry) => {
                 if entry.is_some() && known_here {
-                    self.next.on_known(&key, None);
+                    self.next.on_known(key, None);
                 }
                 self.forward(n)
             }

@@ -83,10 +83,7 @@ impl Budget {
     }
 }
 
-/// An object's key (`namespace/name`) in a route: made once per notification and shared by
-/// the route queue's maps and the work queue's, so that handing it on copies a pointer, not
-/// the text.
-pub type Key = Arc<str>;
+pub use crate::informer::Key;
 
 /// See the module docs for the contract.
 pub struct RouteQueue {
@@ -241,7 +238,7 @@ impl RouteQueue {
         if !self.publishes(ty) && ty != EventType::Deleted {
             return;
         }
-        let key: Key = n.key().into();
+        let key = n.key().clone();
         let mut p = self.lock();
         // Checked under the lock: `set_active` switches and clears under it too.
         if !self.is_active() {
@@ -378,7 +375,7 @@ fn coalesce_into(pending: &mut VecDeque<Notification>, incoming: &Notification) 
 }
 
 fn is_delete(n: &Notification) -> bool {
-    matches!(n.kind, NotificationKind::Delete { .. })
+    matches!(n.kind(), NotificationKind::Delete { .. })
 }
 
 /// Merges `incoming` into `pending` (the newest pending notification of the same key) when
@@ -386,7 +383,7 @@ fn is_delete(n: &Notification) -> bool {
 /// `incoming` must be kept on its own (anything after a pending delete but another delete).
 fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
     use NotificationKind::*;
-    let merged = match (&pending.kind, &incoming.kind) {
+    let merged = match (pending.kind(), incoming.kind()) {
         (
             Delete {
                 obj: pending_obj,
@@ -419,7 +416,7 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
         (Add { .. } | Update { .. }, Delete { .. }) => {
             pending.filtered_out = incoming.filtered_out;
             pending.resumed = incoming.resumed;
-            incoming.kind.clone()
+            incoming.kind().clone()
         }
         (
             Add {
@@ -453,7 +450,7 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
             }
         }
     };
-    pending.kind = merged;
+    pending.set_kind(merged);
     pending.observed = incoming.observed;
     // `received` stays the oldest: end-to-end latency counts from the first change.
     true
@@ -505,7 +502,7 @@ mod tests {
         })
     }
     fn describe(n: &Notification) -> String {
-        match &n.kind {
+        match n.kind() {
             NotificationKind::Add { obj, .. } => format!("add {}", resource_version(obj)),
             NotificationKind::Update { old, new } => format!(
                 "update {}->{}",
@@ -750,7 +747,7 @@ mod tests {
         fn incarnations<'a>(ns: impl IntoIterator<Item = &'a Notification>) -> usize {
             let (mut deleted, mut last_delete) = (std::collections::HashSet::new(), true);
             for n in ns {
-                last_delete = matches!(n.kind, NotificationKind::Delete { .. });
+                last_delete = matches!(n.kind(), NotificationKind::Delete { .. });
                 if last_delete {
                     deleted.insert(n.object().uid().map(str::to_owned));
                 }

@@ -452,7 +452,7 @@ impl Route {
             if let (
                 Some(c),
                 NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. },
-            ) = (&self.checkpointer, &n.kind)
+            ) = (&self.checkpointer, n.kind())
                 && let Some(intent) = c.intend(key, obj)
             {
                 // Consumers may get this message before its acknowledgement: the next resume
@@ -723,12 +723,14 @@ impl Route {
         let sink = &self.delivery.sink;
         match result {
             Ok(()) => {
+                // One clock read for both.
+                let now = std::time::Instant::now();
                 self.metrics
                     .publish_duration
-                    .observe(sent.started.elapsed().as_secs_f64());
+                    .observe((now - sent.started).as_secs_f64());
                 self.metrics
                     .end_to_end
-                    .observe(sent.received.elapsed().as_secs_f64());
+                    .observe(now.saturating_duration_since(sent.received).as_secs_f64());
                 self.metrics.published[sent.event_type as usize].inc();
                 // After a delete the key's next message is an add: no patch to start.
                 self.set_unpatched(
@@ -817,7 +819,7 @@ impl Route {
     ) {
         // Consumers miss this state: the key's next patch would start from one they lack
         // (after a delete its next message is an add, which starts none).
-        self.set_unpatched(key, !matches!(n.kind, NotificationKind::Delete { .. }));
+        self.set_unpatched(key, !matches!(n.kind(), NotificationKind::Delete { .. }));
         let Some(dlq) = &self.delivery.dead_letter else {
             return;
         };

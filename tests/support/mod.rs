@@ -34,7 +34,7 @@ pub fn describe(n: &Notification) -> String {
             .unwrap_or("-")
             .to_owned()
     };
-    match &n.kind {
+    match n.kind() {
         NotificationKind::Add {
             obj,
             is_initial_list,

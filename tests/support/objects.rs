@@ -15,11 +15,58 @@ use k8s_openapi::{
             ConfigMap, Container, ContainerPort, Namespace, PodSpec, PodTemplateSpec, Secret,
         },
     },
-    apimachinery::pkg::apis::meta::v1::{LabelSelector, ManagedFieldsEntry, ObjectMeta},
+    apimachinery::pkg::apis::meta::v1::{
+        FieldsV1, LabelSelector, ManagedFieldsEntry, ObjectMeta, Time,
+    },
 };
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, TypeMeta};
 use kube_event_bridge::informer::{CachedObject, ObjectRef};
 use serde_json::{Value, json};
+
+/// ConfigMap `i` of a realistic cluster: about 960 bytes of JSON with labels, annotations,
+/// managedFields and a few data keys, in one of 40 namespaces (`team-N`). Memory and sync
+/// benches use it.
+pub fn realistic_configmap(i: usize) -> ConfigMap {
+    let team = format!("team-{}", i % 40);
+    let created = Time("2026-11-01T08:30:00Z".parse().unwrap());
+    let config = format!(
+        "server:\n  port: 8080\n  replicas: {}\ncache:\n  ttl: 300s\n  size: 512Mi\ndatabase:\n  host: db-{}.internal\n  pool: 20\n",
+        i % 7,
+        i % 13
+    );
+    configmap_with_data(
+        &team,
+        &format!("app-config-{i:06}"),
+        [
+            ("LOG_LEVEL", "info".to_owned()),
+            ("FEATURE_FLAGS", "checkout-v2,search-beta".to_owned()),
+            ("config.yaml", config),
+        ],
+    )
+    .uid(format!("5f0c2b1e-9d7a-4c1b-8e2f-{i:012}"))
+    .resource_version(1_000_000 + i)
+    .labels([
+        ("app.kubernetes.io/name", "shop"),
+        ("app.kubernetes.io/part-of", "platform"),
+        ("team", team.as_str()),
+    ])
+    .annotation("meta.helm.sh/release-name", "shop")
+    .annotation("meta.helm.sh/release-namespace", &team)
+    .meta(|m| {
+        m.creation_timestamp = Some(created.clone());
+        m.managed_fields = Some(vec![ManagedFieldsEntry {
+            manager: Some("helm".into()),
+            operation: Some("Update".into()),
+            api_version: Some("v1".into()),
+            time: Some(created),
+            fields_type: Some("FieldsV1".into()),
+            fields_v1: Some(FieldsV1(
+                json!({"f:data": {"f:config.yaml": {}, "f:LOG_LEVEL": {}}}),
+            )),
+            ..Default::default()
+        }]);
+    })
+}
 
 /// The ConfigMap resource (`v1`, `configmaps`).
 pub fn configmaps() -> ApiResource {

@@ -53,8 +53,8 @@ pub use expr::{Expr, VARIABLES};
 use super::RouteQueue;
 use crate::{
     informer::{
-        CachedObject, EventType, Notification, NotificationHandler, NotificationKind, ObjectRef,
-        object::differing_fields,
+        CachedObject, EventType, Key, Notification, NotificationHandler, NotificationKind,
+        ObjectRef, object::differing_fields,
     },
     problems::Section,
 };
@@ -295,12 +295,12 @@ pub struct RouteFilter {
 struct State {
     term: u64,
     // Keys whose consumers have the object (only kept with a `filter` or `publish_if`).
-    published: HashSet<String>,
+    published: HashSet<Key>,
     // Per published key with changes not published: the old state of the first one, the last
     // published.
-    bases: HashMap<String, ObjectRef>,
+    bases: HashMap<Key, ObjectRef>,
     // Keys whose evaluation error was logged.
-    logged: HashSet<String>,
+    logged: HashSet<Key>,
 }
 
 impl RouteFilter {
@@ -349,7 +349,7 @@ impl RouteFilter {
         };
         expr.eval(object, old, ty).or_else(|err| {
             self.metrics.errors.inc();
-            if st.logged.insert(key.to_owned()) {
+            if st.logged.insert(key.into()) {
                 warn!(route = %self.route, key, error = %err, policy = ?self.rules.on_error,
                       "Cannot evaluate the filter on this object (logged once per object)");
             }
@@ -396,16 +396,12 @@ impl RouteFilter {
 
     /// Publishes the `k8sfilteredout` delete of `obj`, received at `at`.
     fn filtered_out(&self, obj: ObjectRef, at: (std::time::Instant, jiff::Timestamp)) {
-        self.queue.push(Notification {
-            kind: NotificationKind::Delete {
-                obj,
-                final_state_unknown: false,
-            },
-            received: at.0,
-            observed: at.1,
-            resumed: false,
-            filtered_out: true,
-        });
+        let kind = NotificationKind::Delete {
+            obj,
+            final_state_unknown: false,
+        };
+        self.queue
+            .push(Notification::at(kind, at.0, at.1).into_filtered_out());
     }
 }
 
@@ -414,11 +410,11 @@ impl NotificationHandler for RouteFilter {
         if !self.queue.is_active() {
             return;
         }
-        let key = n.key();
+        let key = n.key().clone();
         let ty = n.event_type();
         let tracks = self.rules.tracks();
         let mut st = self.lock();
-        match n.kind.clone() {
+        match n.kind().clone() {
             NotificationKind::Delete { obj, .. } => {
                 // A delete always settles what the route knows of the key.
                 st.bases.remove(&key);
@@ -477,10 +473,10 @@ impl NotificationHandler for RouteFilter {
                     st.published.insert(key.clone());
                     st.bases.remove(&key);
                     if as_added {
-                        n.kind = NotificationKind::Add {
+                        n.set_kind(NotificationKind::Add {
                             obj: new,
                             is_initial_list: false,
-                        };
+                        });
                     }
                     drop(st);
                     return self.queue.push(n);
@@ -514,7 +510,7 @@ impl NotificationHandler for RouteFilter {
                     && let Some(base) = st.bases.remove(&key)
                     && updated
                 {
-                    n.kind = NotificationKind::Update { old: base, new };
+                    n.set_kind(NotificationKind::Update { old: base, new });
                 }
             }
         }
@@ -536,7 +532,7 @@ impl NotificationHandler for RouteFilter {
                 self.filtered_out(obj.clone(), now);
             }
             _ => {
-                st.published.insert(key.to_owned());
+                st.published.insert(key.into());
             }
         }
     }
@@ -633,7 +629,7 @@ mod tests {
                     n.event_type().as_str(),
                     n.object().resource_version().unwrap_or_default()
                 );
-                if let NotificationKind::Update { old, .. } = &n.kind {
+                if let NotificationKind::Update { old, .. } = n.kind() {
                     s += &format!(" from {}", old.resource_version().unwrap_or_default());
                 }
                 if n.filtered_out {
