@@ -53,7 +53,8 @@ pub struct KubernetesConfig {
     #[serde(default = "default_discovery_grace", with = "humantime_serde")]
     pub discovery_grace: Duration,
     /// Requests per second to the API server, over every list, watch, discovery and lease
-    /// request (client-side rate limit, as client-go's QPS).
+    /// request (client-side rate limit, as client-go's QPS); a paged list counts once, its
+    /// later pages follow at the server's pace.
     #[serde(default = "default_qps")]
     pub qps: f64,
     /// Requests the rate limit lets through at once.
@@ -380,6 +381,15 @@ impl<Res>
     }
 }
 
+/// Whether `req` asks for a later page of a list (a GET with a `continue` token).
+fn continues_list<B>(req: &http::Request<B>) -> bool {
+    req.method() == http::Method::GET
+        && req.uri().query().is_some_and(|q| {
+            q.split('&')
+                .any(|p| p.strip_prefix("continue=").is_some_and(|v| !v.is_empty()))
+        })
+}
+
 #[derive(Clone)]
 struct ApiMetrics {
     requests: prometheus::IntCounter,
@@ -427,9 +437,9 @@ pub struct ApiLimit<S> {
     layer: ApiLimitLayer,
 }
 
-impl<S, Req, B> tower::Service<Req> for ApiLimit<S>
+impl<S, ReqB, B> tower::Service<http::Request<ReqB>> for ApiLimit<S>
 where
-    S: tower::Service<Req, Response = http::Response<B>>,
+    S: tower::Service<http::Request<ReqB>, Response = http::Response<B>>,
     S::Future: Send + 'static,
 {
     type Response = S::Response;
@@ -443,8 +453,15 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Req) -> Self::Future {
-        let wait = self.layer.bucket.reserve();
+    fn call(&mut self, req: http::Request<ReqB>) -> Self::Future {
+        // A paged list took its token with its first page; the later pages follow at the
+        // pace the server answers them (throttled, a list of 100,000 objects at 500 a page
+        // would spend two seconds waiting for tokens at 50 per second).
+        let wait = if continues_list(&req) {
+            Duration::ZERO
+        } else {
+            self.layer.bucket.reserve()
+        };
         // The inner future sends the request when first polled, after the wait.
         let sent = self.inner.call(req);
         let m = self.layer.metrics.clone();
@@ -488,7 +505,7 @@ mod tests {
         sent: Arc<Mutex<Vec<tokio::time::Instant>>>,
     }
 
-    impl Service<u32> for Server {
+    impl Service<http::Request<u32>> for Server {
         type Response = http::Response<()>;
         type Error = std::convert::Infallible;
         type Future = futures::future::BoxFuture<'static, Result<Self::Response, Self::Error>>;
@@ -497,7 +514,8 @@ mod tests {
             Poll::Ready(Ok(()))
         }
 
-        fn call(&mut self, n: u32) -> Self::Future {
+        fn call(&mut self, req: http::Request<u32>) -> Self::Future {
+            let n = *req.body();
             let sent = self.sent.clone();
             Box::pin(async move {
                 sent.lock().unwrap().push(tokio::time::Instant::now());
@@ -522,7 +540,10 @@ mod tests {
         let server = Server::default();
         let mut service = layer.layer(server.clone());
         let start = tokio::time::Instant::now();
-        let calls: Vec<_> = (0..12).map(|n| service.call(n)).collect();
+        let request = |n: u32, uri: &str| http::Request::get(uri).body(n).unwrap();
+        let calls: Vec<_> = (0..12)
+            .map(|n| service.call(request(n, "/api/v1/configmaps?limit=500")))
+            .collect();
         futures::future::join_all(calls).await;
         let mut offsets: Vec<u128> = server
             .sent
@@ -543,5 +564,37 @@ mod tests {
         assert_eq!(metrics.api_retry_after_seconds.get(), 18);
         // Waits: 100 + 200 + … + 1000 ms.
         assert!((metrics.api_client_wait_seconds.get() - 5.5).abs() < 1e-6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn later_pages_of_a_list_take_no_token() {
+        let metrics = Metrics::new();
+        let cfg = KubernetesConfig {
+            qps: 10.0,
+            burst: 1,
+            ..Default::default()
+        };
+        let layer = ApiLimitLayer::new(&cfg, &metrics);
+        let server = Server::default();
+        let mut service = layer.layer(server.clone());
+        let start = tokio::time::Instant::now();
+        let request = |uri: &str| http::Request::get(uri).body(0).unwrap();
+        // The first page takes the only token; its later pages go at once; the next list
+        // (and an empty token, which starts a list) waits for a token.
+        service
+            .call(request("/api/v1/configmaps?limit=500"))
+            .await
+            .unwrap();
+        for page in 0..5 {
+            let uri = format!("/api/v1/configmaps?limit=500&continue=tok{page}");
+            service.call(request(&uri)).await.unwrap();
+        }
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        service
+            .call(request("/api/v1/configmaps?limit=500&continue="))
+            .await
+            .unwrap();
+        assert_eq!(start.elapsed(), Duration::from_millis(100));
+        assert_eq!(metrics.api_requests.get(), 7);
     }
 }
