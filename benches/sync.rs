@@ -7,6 +7,8 @@
 //! - `read paged`: GET the list in pages of PAGE_SIZE (the bridge's default, 500), following
 //!   `continue`, reading only the bytes (the token is found by a text search, nothing parsed);
 //! - `read whole`: one GET of the whole list;
+//! - `read streaming`: a streaming watch-list (`sendInitialEvents`), read until the bookmark
+//!   that ends the initial events;
 //! - `bridge paged`: the bridge's informer (its API client, page size, transform) with one
 //!   listener counting initial adds;
 //! - `bridge streaming`: the same with `streaming_list` (a watch with `sendInitialEvents`).
@@ -49,9 +51,10 @@ use support::{
 };
 use tokio_util::sync::CancellationToken;
 
-const SIDES: [&str; 4] = [
+const SIDES: [&str; 5] = [
     "read paged",
     "read whole",
+    "read streaming",
     "bridge paged",
     "bridge streaming",
 ];
@@ -104,6 +107,7 @@ fn main() {
                 match sides[side].0 {
                     "read paged" => read(&url, Some(page_size)).await.1,
                     "read whole" => read(&url, None).await.1,
+                    "read streaming" => read_streaming(&url).await,
                     "bridge paged" => sync(&server, objects, page_size, false).await,
                     _ => sync(&server, objects, page_size, true).await,
                 }
@@ -131,8 +135,8 @@ fn main() {
         median("bridge paged") / median("read paged")
     );
     println!(
-        "ratio bridge streaming / read paged    {:.2}",
-        median("bridge streaming") / median("read paged")
+        "ratio bridge streaming / read streaming {:.2}",
+        median("bridge streaming") / median("read streaming")
     );
     drop(server_rt);
 }
@@ -180,6 +184,33 @@ async fn read(url: &str, limit: Option<usize>) -> (usize, f64) {
             return (bytes, started.elapsed().as_secs_f64());
         }
     }
+}
+
+/// Reads a streaming watch-list until the bookmark that ends its initial events; returns the
+/// seconds.
+async fn read_streaming(url: &str) -> f64 {
+    let client = kube::Client::try_from(kube::Config::new(url.parse().unwrap())).unwrap();
+    let started = Instant::now();
+    let path = "/api/v1/configmaps?watch=true&sendInitialEvents=true&allowWatchBookmarks=true\
+                &resourceVersionMatch=NotOlderThan&timeoutSeconds=600";
+    let request = http::Request::get(path).body(Vec::new()).unwrap();
+    let response = client.send(request.map(Into::into)).await.unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    let mut body = response.into_body();
+    let end = b"initial-events-end";
+    let mut tail: Vec<u8> = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            // The bookmark is a line of its own: search the new bytes and a few before them.
+            tail.extend_from_slice(&data);
+            if tail.windows(end.len()).any(|w| w == end) {
+                return started.elapsed().as_secs_f64();
+            }
+            let cut = tail.len().saturating_sub(end.len());
+            tail.drain(..cut);
+        }
+    }
+    panic!("the watch ended before its initial events did");
 }
 
 /// `metadata.continue` of a list's last bytes, found by text search.
