@@ -157,8 +157,11 @@ pub trait Sink: Send + Sync {
     /// Hands one message over and resolves to the future of its acknowledgement. Messages
     /// one caller hands over one after another reach the destination in that order (Kafka:
     /// librdkafka keeps per-partition order with idempotence; JetStream: one connection), so
-    /// a caller may hand over several before awaiting any acknowledgement. The default
-    /// publishes to completion first (no pipelining).
+    /// a caller may hand over several before awaiting any acknowledgement. An acknowledgement
+    /// may hold a slot of the sink's in-flight window (JetStream's `max_in_flight`) until it
+    /// is polled to its end or dropped, so a caller polls what it holds rather than keeping
+    /// more than that window unpolled. The default publishes to completion first (no
+    /// pipelining).
     fn submit<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<Ack>> {
         async move {
             self.publish(message).await?;

@@ -515,18 +515,14 @@ impl Sink for NatsSink {
                     self.classify(&conn.client, &subject, size, e.kind(), e.to_string())
                 })?;
             let (client, denied) = (conn.client.clone(), self.denied.clone());
-            // The PubAck is awaited by a task of its own: async-nats releases the
-            // `max_in_flight` permit only when the future is polled to its end, and a
-            // worker may hold its acks unpolled while it hands over more messages,
-            // which would wait for permits forever.
-            let acked = tokio::spawn(async move {
+            // Polled by the caller, no task of its own: async-nats releases the
+            // `max_in_flight` permit only when this future ends (or is dropped), so a caller
+            // must not hold many of these unpolled while it submits more; the route's
+            // workers keep one message of a key in flight and await its PubAck on the key's
+            // own task (see `pipeline::worker`).
+            Ok(Box::pin(async move {
                 ack.await.map(|_| ()).map_err(|e| {
                     classify(&client, &denied, &subject, size, e.kind(), e.to_string())
-                })
-            });
-            Ok(Box::pin(async move {
-                acked.await.unwrap_or_else(|e| {
-                    Err(Error::Unavailable(format!("acknowledgement task: {e}")))
                 })
             }) as Ack)
         }
