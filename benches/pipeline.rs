@@ -1,7 +1,10 @@
 //! Throughput of the delivery pipeline with a sink that acknowledges at once: synthetic
 //! informer → ProcessorListener → RouteQueue → workers → CloudEvents encoder → sink. Prints
-//! notifications/s, p50/p99 time from the informer to the sink, and peak RSS; once with the
-//! default config and once with a typical CEL filter and `message.diff: patch`.
+//! notifications/s, p50/p99 time from the informer to the sink, and peak RSS, for four
+//! configurations: the default, a typical CEL filter, `message.diff: patch`, and both.
+//! `BENCH_RUNS` rounds (at least 3, the default) run every configuration once each, in an order
+//! rotating from round to round; each configuration's figures are those of its median run, with
+//! the spread and every run's rate.
 //!
 //! `cargo bench --bench pipeline [-- NOTIFICATIONS OBJECTS WORKERS OBJECT_BYTES]`; `BENCH_ONLY=off`
 //! (any part of a configuration's label) runs only the matching configuration.
@@ -88,52 +91,120 @@ fn main() {
             .unwrap()
             .map(Arc::new)
     };
-    for (label, name, encoder, rules) in [
-        ("filter and diff off", "ack", support::encoder(), None),
-        ("filter on", "ack-filter", support::encoder(), rules()),
-        ("diff: patch on", "ack-patch", patch_encoder(), None),
-        (
-            "filter and diff: patch on",
-            "ack-both",
-            patch_encoder(),
-            rules(),
-        ),
-    ] {
-        // `BENCH_ONLY=off` (a part of the label) runs one configuration, e.g. under a profiler.
-        if std::env::var("BENCH_ONLY").is_ok_and(|only| !label.contains(only.as_str())) {
-            continue;
+    let configs = [
+        ("filter and diff off", "ack", false, false),
+        ("filter on", "ack-filter", true, false),
+        ("diff: patch on", "ack-patch", false, true),
+        ("filter and diff: patch on", "ack-both", true, true),
+    ];
+    // `BENCH_ONLY=off` (a part of the label) runs one configuration, e.g. under a profiler.
+    let only = std::env::var("BENCH_ONLY").ok();
+    let chosen: Vec<_> = configs
+        .iter()
+        .filter(|c| only.as_deref().is_none_or(|o| c.0.contains(o)))
+        .collect();
+    let rounds = support::runs();
+    println!(
+        "  {rounds} rounds (BENCH_RUNS), each running every configuration once, the order rotating from round to round"
+    );
+    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); chosen.len()];
+    for round in 0..rounds {
+        for i in 0..chosen.len() {
+            let at = (i + round) % chosen.len();
+            let (_, name, filter, patch) = *chosen[at];
+            let encoder = if patch {
+                patch_encoder()
+            } else {
+                support::encoder()
+            };
+            let rules = if filter { rules() } else { None };
+            let notes = alternating(total, objects, size);
+            let sink = Arc::new(Timed::new(AckSink {
+                count: AtomicU64::new(0),
+            }));
+            let run = runtime.block_on(run_bridge(
+                sink.clone(),
+                notes,
+                RouteSpec {
+                    encoder,
+                    rules,
+                    ..RouteSpec::new(&metrics, name, workers, backlog)
+                },
+            ));
+            let delivered = sink.inner.count.load(Ordering::Relaxed);
+            let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
+            runs[at].push(Measured {
+                delivered,
+                coalesced: run.coalesced,
+                secs: run.elapsed.as_secs_f64(),
+                bytes: run.delivered_bytes,
+                p50,
+                p99,
+                peak_rss: run.peak_rss,
+            });
         }
-        let notes = alternating(total, objects, size);
-        let sink = Arc::new(Timed::new(AckSink {
-            count: AtomicU64::new(0),
-        }));
-        let run = runtime.block_on(run_bridge(
-            sink.clone(),
-            notes,
-            RouteSpec {
-                encoder,
-                rules,
-                ..RouteSpec::new(&metrics, name, workers, backlog)
-            },
-        ));
-        let delivered = sink.inner.count.load(Ordering::Relaxed);
-        let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
-        let secs = run.elapsed.as_secs_f64();
-        println!("  {label}");
+    }
+    for (config, runs) in chosen.iter().zip(&runs) {
+        let rates: Vec<f64> = runs.iter().map(Measured::rate).collect();
+        let middle = &runs[median_index(&rates)];
+        let (lo, hi) = rates
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+        let secs = middle.secs;
+        println!("  {}", config.0);
         println!(
-            "    delivered          {delivered:>10}   (coalesced {})",
-            run.coalesced
+            "    delivered          {:>10}   (coalesced {})",
+            middle.delivered, middle.coalesced
         );
         println!(
-            "    throughput         {:>10.0} notifications/s",
-            delivered as f64 / secs
+            "    throughput         {:>10.0} notifications/s, median of {} (spread {lo:.0}–{hi:.0}, ±{:.0}%; runs in order: {})",
+            middle.rate(),
+            rates.len(),
+            (hi - lo) / 2.0 / middle.rate() * 100.0,
+            rates
+                .iter()
+                .map(|r| format!("{r:.0}"))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
         println!(
             "    payload            {:>10.1} MB/s ({:.2} KB per message)",
-            run.delivered_bytes as f64 / 1e6 / secs,
-            run.delivered_bytes as f64 / delivered as f64 / 1e3
+            middle.bytes as f64 / 1e6 / secs,
+            middle.bytes as f64 / middle.delivered as f64 / 1e3
         );
-        println!("    informer → sink    p50 {p50:.3} ms, p99 {p99:.3} ms");
-        println!("    peak RSS           {:>10.1} MiB ", run.peak_rss);
+        println!(
+            "    informer → sink    p50 {:.3} ms, p99 {:.3} ms",
+            middle.p50, middle.p99
+        );
+        println!(
+            "    peak RSS           {:>10.1} MiB ",
+            runs.iter().map(|r| r.peak_rss).fold(0f64, f64::max)
+        );
     }
+}
+
+/// One run of one configuration.
+#[derive(Clone)]
+struct Measured {
+    delivered: u64,
+    coalesced: u64,
+    secs: f64,
+    bytes: u64,
+    p50: f64,
+    p99: f64,
+    peak_rss: f64,
+}
+
+impl Measured {
+    fn rate(&self) -> f64 {
+        self.delivered as f64 / self.secs
+    }
+}
+
+/// The index of the median of `rates` (the lower middle one for an even count), so that the
+/// run printed is one that happened.
+fn median_index(rates: &[f64]) -> usize {
+    let mut order: Vec<usize> = (0..rates.len()).collect();
+    order.sort_by(|&a, &b| rates[a].total_cmp(&rates[b]));
+    order[(rates.len() - 1) / 2]
 }

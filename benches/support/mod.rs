@@ -253,6 +253,13 @@ pub async fn run_bridge(
             .get()
     };
     let bytes_before = bytes();
+    let coalesced = || {
+        metrics
+            .listener_coalesced
+            .with_label_values(&["configmap", name])
+            .get()
+    };
+    let coalesced_before = coalesced();
     reset_peak_rss();
     let running = pipeline::start(&[(built.route, workers)]);
     let start = Instant::now();
@@ -278,10 +285,7 @@ pub async fn run_bridge(
     Run {
         elapsed,
         delivered_bytes: bytes() - bytes_before,
-        coalesced: metrics
-            .listener_coalesced
-            .with_label_values(&["configmap", name])
-            .get(),
+        coalesced: coalesced() - coalesced_before,
         peak_rss: peak_rss_mib(),
     }
 }
