@@ -1,21 +1,25 @@
 //! JSON read straight into CEL values that borrow its strings (cel's own `Value` conversion
-//! deep-copies every map), skipping top-level fields an expression does not read.
+//! deep-copies every map), skipping the fields an expression does not read.
 
-use std::{collections::HashMap, collections::HashSet};
+use std::collections::HashMap;
 
 use cel::common::{types, value::Val};
 use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
+
+use super::expr::{Fields, Usage};
 
 /// CEL's `null`.
 pub(super) fn null<'v>() -> Box<dyn Val + 'v> {
     Box::new(types::CelNull)
 }
 
-/// Parses JSON straight into a CEL value borrowing its strings; at the top level only the
-/// fields in `keep` (all when `None`).
+/// Parses JSON straight into a CEL value borrowing its strings; of a map, only the fields in
+/// `keep` (all when `None`), and of those, what their own [`Usage`] says. A value that is not
+/// a map where `keep` names fields is read whole (selecting a field of it is an error either
+/// way).
 pub(super) fn to_val<'a>(
     json: &'a str,
-    keep: Option<&HashSet<String>>,
+    keep: Option<&Fields>,
 ) -> Result<Box<dyn Val + 'a>, String> {
     let mut de = serde_json::Deserializer::from_str(json);
     de.deserialize_any(ValVisitor { keep })
@@ -23,7 +27,7 @@ pub(super) fn to_val<'a>(
 }
 
 struct ValVisitor<'k> {
-    keep: Option<&'k HashSet<String>>,
+    keep: Option<&'k Fields>,
 }
 
 impl<'de> Visitor<'de> for ValVisitor<'_> {
@@ -61,7 +65,7 @@ impl<'de> Visitor<'de> for ValVisitor<'_> {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut items: Vec<Box<dyn Val + 'de>> = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-        while let Some(v) = seq.next_element_seed(ValSeed)? {
+        while let Some(v) = seq.next_element_seed(ValSeed { keep: None })? {
             items.push(v);
         }
         Ok(Box::new(types::CelList::from(items)))
@@ -69,13 +73,16 @@ impl<'de> Visitor<'de> for ValVisitor<'_> {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut entries: HashMap<types::CelMapKey<'de>, Box<dyn Val + 'de>> = HashMap::new();
         while let Some(k) = map.next_key_seed(KeySeed)? {
-            if let Some(keep) = self.keep
-                && !keep.contains(k.as_ref())
-            {
-                map.next_value::<serde::de::IgnoredAny>()?;
-                continue;
-            }
-            let v = map.next_value_seed(ValSeed)?;
+            let below = match self.keep.map(|keep| keep.get(k.as_ref())) {
+                None => None,
+                Some(Some(Usage::Fields(below))) => Some(below),
+                Some(Some(_)) => None,
+                Some(None) => {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    continue;
+                }
+            };
+            let v = map.next_value_seed(ValSeed { keep: below })?;
             let key = match k {
                 std::borrow::Cow::Borrowed(k) => types::CelMapKey::from(k),
                 std::borrow::Cow::Owned(k) => types::CelMapKey::from(k),
@@ -86,12 +93,15 @@ impl<'de> Visitor<'de> for ValVisitor<'_> {
     }
 }
 
-struct ValSeed;
+/// A value, of which (if it is a map) only the fields in `keep` are read.
+struct ValSeed<'k> {
+    keep: Option<&'k Fields>,
+}
 
-impl<'de> serde::de::DeserializeSeed<'de> for ValSeed {
+impl<'de> serde::de::DeserializeSeed<'de> for ValSeed<'_> {
     type Value = Box<dyn Val + 'de>;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_any(ValVisitor { keep: None })
+        d.deserialize_any(ValVisitor { keep: self.keep })
     }
 }
 

@@ -2,7 +2,7 @@
 //! `object`, `oldObject` and `type`. What the expression reads is taken from CEL's own
 //! syntax tree, so that fields it never reads are not even parsed from the object's JSON.
 
-use std::{collections::HashSet, sync::Arc};
+use std::{collections::HashMap, sync::Arc};
 
 use cel::{IdedExpr, common::ast::Expr as Node, common::value::Val};
 
@@ -170,30 +170,37 @@ impl Expr {
 pub(super) enum Usage {
     /// Nothing: the variable is not parsed at all.
     Unused,
-    /// Only these top-level fields (`object.metadata…`, `has(object.spec)`).
-    Fields(HashSet<String>),
+    /// Only these fields, each read whole or only in some of its own fields
+    /// (`object.metadata.labels…` reads `labels` of `metadata`, nothing else of either).
+    Fields(Fields),
     /// Anything (`size(object)`, `object["spec"]`, a macro variable of the same name).
     Whole,
 }
 
+/// The fields read of a map, by name: each [`Usage::Whole`] or [`Usage::Fields`].
+pub(super) type Fields = HashMap<String, Usage>;
+
 /// What the expression rooted at `root` reads of the variable `var`, from CEL's syntax tree
-/// (macros expanded): top-level fields when every use of `var` selects a field of it.
+/// (macros expanded): when every use of `var` is a chain of field selections
+/// (`object.metadata.labels`), the fields along those chains, each chain's last field whole;
+/// anything else (`size(object)`, `object["spec"]`) reads the whole variable. A chain's result
+/// may be used in any way (indexed, compared, iterated): it is kept whole.
 pub(super) fn usage(root: &IdedExpr, var: &str) -> Usage {
-    fn walk(e: &IdedExpr, var: &str, fields: &mut HashSet<String>) -> bool {
+    fn walk(e: &IdedExpr, var: &str, fields: &mut Fields) -> bool {
         fn all<'e>(
             es: impl IntoIterator<Item = &'e IdedExpr>,
             var: &str,
-            fields: &mut HashSet<String>,
+            fields: &mut Fields,
         ) -> bool {
             es.into_iter().all(|e| walk(e, var, fields))
         }
         match &e.expr {
-            Node::Select(s) => match &s.operand.expr {
-                Node::Ident(name) if is(name, var) => {
-                    fields.insert(s.field.clone());
+            Node::Select(s) => match chain(e, var) {
+                Some(path) => {
+                    read(fields, &path);
                     true
                 }
-                _ => walk(&s.operand, var, fields),
+                None => walk(&s.operand, var, fields),
             },
             Node::Ident(name) => !is(name, var),
             Node::Call(c) => all(c.target.iter().map(|t| &**t).chain(&c.args), var, fields),
@@ -230,7 +237,42 @@ pub(super) fn usage(root: &IdedExpr, var: &str) -> Usage {
             Node::Literal(_) | Node::Unspecified => true,
         }
     }
-    let mut fields = HashSet::new();
+    /// The fields `e` selects of `var` (outermost last), if `e` is a chain of selections
+    /// rooted at `var`.
+    fn chain<'e>(mut e: &'e IdedExpr, var: &str) -> Option<Vec<&'e str>> {
+        let mut path = Vec::new();
+        loop {
+            match &e.expr {
+                Node::Select(s) => {
+                    path.push(s.field.as_str());
+                    e = &s.operand;
+                }
+                Node::Ident(name) if is(name, var) => {
+                    path.reverse();
+                    return Some(path);
+                }
+                _ => return None,
+            }
+        }
+    }
+    /// Records that the field at `path` is read whole (and the fields on the way to it, in
+    /// part), unless a field on the way is read whole already.
+    fn read(fields: &mut Fields, path: &[&str]) {
+        let Some((first, rest)) = path.split_first() else {
+            return;
+        };
+        if rest.is_empty() {
+            fields.insert((*first).to_owned(), Usage::Whole);
+            return;
+        }
+        let at = fields
+            .entry((*first).to_owned())
+            .or_insert_with(|| Usage::Fields(Fields::new()));
+        if let Usage::Fields(below) = at {
+            read(below, rest);
+        }
+    }
+    let mut fields = Fields::new();
     if !walk(root, var, &mut fields) {
         Usage::Whole
     } else if fields.is_empty() && !mentions(root, var) {
@@ -400,8 +442,29 @@ mod tests {
     }
 
     #[test]
-    fn only_the_top_level_fields_read_are_parsed() {
-        let set = |s: &[&str]| Usage::Fields(s.iter().map(|s| s.to_string()).collect());
+    fn only_the_fields_read_are_parsed() {
+        // `fields(&["metadata.labels"])`: the fields along those paths, each path's last whole.
+        let fields = |paths: &[&str]| {
+            let mut top = Fields::new();
+            for path in paths {
+                let mut at = &mut top;
+                let steps: Vec<&str> = path.split('.').collect();
+                for (i, step) in steps.iter().enumerate() {
+                    if i + 1 == steps.len() {
+                        at.insert(step.to_string(), Usage::Whole);
+                    } else {
+                        let next = at
+                            .entry(step.to_string())
+                            .or_insert_with(|| Usage::Fields(Fields::new()));
+                        let Usage::Fields(next) = next else {
+                            unreachable!()
+                        };
+                        at = next;
+                    }
+                }
+            }
+            Usage::Fields(top)
+        };
         let fields_read = |source: &str, var: &str| {
             usage(
                 cel::Env::stdlib().compile(source).unwrap().expression(),
@@ -413,11 +476,11 @@ mod tests {
                 "object.metadata.name == 'a' && object . spec.x > oldObject.status.y",
                 "object"
             ),
-            set(&["metadata", "spec"])
+            fields(&["metadata.name", "spec.x"])
         );
         assert_eq!(
             fields_read("oldObject.status.y == 1", "oldObject"),
-            set(&["status"])
+            fields(&["status.y"])
         );
         assert_eq!(
             fields_read("oldObject.status.y == 1", "object"),
@@ -428,11 +491,26 @@ mod tests {
         // The syntax tree tells a string from a name (the old text scan could not).
         assert_eq!(
             fields_read("object.spec.x == 'the object'", "object"),
-            set(&["spec"])
+            fields(&["spec.x"])
         );
+        // What a chain ends at is read whole, however it is used.
         assert_eq!(
             fields_read("object.metadata.labels.exists(k, k == 'a')", "object"),
-            set(&["metadata"])
+            fields(&["metadata.labels"])
+        );
+        assert_eq!(
+            fields_read(
+                "object.metadata.labels['app'] == 'x' && size(object.metadata) > 1",
+                "object"
+            ),
+            fields(&["metadata"])
+        );
+        assert_eq!(
+            fields_read(
+                "object.spec.containers[0].image == 'x' && has(object.status.phase)",
+                "object"
+            ),
+            fields(&["spec.containers", "status.phase"])
         );
         assert_eq!(
             fields_read("[1].exists(object, object > 0)", "object"),
@@ -444,18 +522,36 @@ mod tests {
                 "object.metadata.name == 'a' && .object.spec.x == 1",
                 "object"
             ),
-            set(&["metadata", "spec"])
+            fields(&["metadata.name", "spec.x"])
         );
-        // Pruned or not, the verdict is the same.
-        let o = object("a", "1", "shop", "x");
+        // Pruned or not, the verdict is the same: passes, fails, and errors alike.
+        let (o, old) = (object("a", "2", "shop", "x"), object("a", "1", "shop", "y"));
         for e in [
             "object.status.phase == 'x'",
+            "object.status.phase == 'y'",
             "has(object.data) && object.metadata.labels.team == 'shop'",
+            "has(object.metadata.annotations)",
+            "has(object.status.phase) && !has(object.status.reason)",
+            "object.metadata.labels.nope == 'x'",
+            "object.spec.x == 1",
+            "object.data.k.x == 'v'",
+            "object.metadata.labels == {'team': 'shop'}",
+            "size(object.metadata.labels) == 1 && 'team' in object.metadata.labels",
+            "object.metadata.all(k, k != 'generation')",
+            "object.metadata.labels.team.startsWith('sh') && object.data.k == 'v'",
+            "oldObject.status.phase != object.status.phase",
+            "oldObject.metadata.labels.team == object.metadata.labels.team",
+            "object.metadata.namespace + '/' + object.metadata.name == 'ns/a'",
         ] {
             let pruned = Expr::compile(e).unwrap();
-            let whole = Expr::compile(&format!("{e} && size(object) > 0")).unwrap();
-            assert_eq!(pruned.eval(&o, None, EventType::Added), Ok(true), "{e}");
-            assert_eq!(whole.eval(&o, None, EventType::Added), Ok(true), "{e}");
+            let mut whole = Expr::compile(e).unwrap();
+            (whole.object_fields, whole.old_fields) = (Usage::Whole, Usage::Whole);
+            assert_ne!(pruned.object_fields, Usage::Whole, "{e}");
+            assert_eq!(
+                pruned.eval(&o, Some(&old), EventType::Updated),
+                whole.eval(&o, Some(&old), EventType::Updated),
+                "{e}"
+            );
         }
     }
 }
