@@ -191,6 +191,64 @@ pub struct Encoder {
     // Size of the last payload: the next buffer starts that large, so serializing rarely
     // reallocates.
     size_hint: AtomicUsize,
+    // The structured envelope's parts that are the same for every message, as JSON (see
+    // `Constants`).
+    constants: Arc<Constants>,
+}
+
+/// The parts of a structured envelope that do not depend on the object, escaped once: the
+/// JSON is written around them in the order and form `serde_json` gives [`Envelope`] (tested
+/// byte for byte).
+#[derive(Debug)]
+struct Constants {
+    // `"<source prefix>`: the source's opening quote and prefix.
+    source_prefix: String,
+    // `/<plural>","type":`: the end of the source and the next member's name.
+    source_end: String,
+    // `"<type>"` per event type.
+    types: [String; 4],
+    // `,"datacontenttype":…,"k8sresource":"…"`.
+    resource: String,
+}
+
+impl Constants {
+    fn new(resource: &ResourceInfo, source_prefix: &str, types: &[String; 4]) -> Self {
+        let json = |s: &str| serde_json::to_string(s).expect("a string serializes");
+        let inner = |s: &str| {
+            let j = json(s);
+            j[1..j.len() - 1].to_owned()
+        };
+        let mut members = String::new();
+        for (name, value) in [
+            ("datacontenttype", DATA_CONTENT_TYPE),
+            ("k8scluster", &resource.cluster),
+            ("k8sgroup", &resource.group),
+            ("k8sversion", &resource.version),
+            ("k8skind", &resource.kind),
+            ("k8sresource", &resource.plural),
+        ] {
+            members.push_str(&format!(",\"{name}\":{}", json(value)));
+        }
+        Self {
+            source_prefix: format!("\"{}", inner(source_prefix)),
+            source_end: format!("/{}\",\"type\":", inner(&resource.plural)),
+            types: types.each_ref().map(|t| json(t)),
+            resource: members,
+        }
+    }
+}
+
+/// Writes `s` as a JSON string: as it is when nothing in it needs escaping (keys, names,
+/// uids and versions never do), else escaped by `serde_json`.
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    if s.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.reserve(s.len() + 2);
+        out.push(b'"');
+        out.extend_from_slice(s.as_bytes());
+        out.push(b'"');
+    } else {
+        serde_json::to_writer(&mut *out, s).expect("writing to a Vec");
+    }
 }
 
 impl Clone for Encoder {
@@ -203,6 +261,7 @@ impl Clone for Encoder {
             diff: self.diff,
             encoding: self.encoding,
             size_hint: AtomicUsize::new(self.size_hint.load(Ordering::Relaxed)),
+            constants: self.constants.clone(),
         }
     }
 }
@@ -300,20 +359,23 @@ impl Encoder {
             EventType::Synced,
         ]
         .map(|t| format!("{TYPE_PREFIX}.{}", t.as_str()));
+        let resource = ResourceInfo {
+            cluster: cluster.to_owned(),
+            group: resource.group.clone(),
+            version: resource.version.clone(),
+            kind: resource.kind.clone(),
+            plural: resource.plural.clone(),
+        };
+        let constants = Arc::new(Constants::new(&resource, &source_prefix, &types));
         Self {
-            resource: Arc::new(ResourceInfo {
-                cluster: cluster.to_owned(),
-                group: resource.group.clone(),
-                version: resource.version.clone(),
-                kind: resource.kind.clone(),
-                plural: resource.plural.clone(),
-            }),
+            resource: Arc::new(resource),
             source_prefix,
             types,
             include_old_object: options.include_old_object,
             diff: options.diff,
             encoding,
             size_hint: AtomicUsize::new(1024),
+            constants,
         }
     }
 
@@ -430,7 +492,7 @@ impl Encoder {
         };
         let mut payload = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed) + 256);
         let serialized = match self.encoding {
-            Encoding::Structured => serde_json::to_writer(&mut payload, &envelope),
+            Encoding::Structured => self.write_structured(&mut payload, &envelope, event_type),
             Encoding::Binary => serde_json::to_writer(&mut payload, &envelope.data),
             Encoding::State if event_type == EventType::Deleted => Ok(()),
             // The cached JSON is the payload.
@@ -460,6 +522,63 @@ impl Encoder {
             name: name.to_owned(),
             received: n.received,
         })
+    }
+}
+
+impl Encoder {
+    /// Writes `e` as `serde_json::to_writer` does (the same members in the same order, the
+    /// same escaping), with the parts that are the same for every message written once
+    /// ([`Constants`]).
+    fn write_structured(
+        &self,
+        out: &mut Vec<u8>,
+        e: &Envelope<'_>,
+        event_type: EventType,
+    ) -> serde_json::Result<()> {
+        use std::io::Write as _;
+        let c = &*self.constants;
+        out.extend_from_slice(br#"{"specversion":"1.0","id":"#);
+        write_str(out, e.id);
+        out.extend_from_slice(br#","source":"#);
+        out.extend_from_slice(c.source_prefix.as_bytes());
+        if let Some(ns) = e.source.namespace {
+            // The namespace within the source string: escaped as a part of it.
+            let mut quoted = Vec::with_capacity(ns.len() + 2);
+            write_str(&mut quoted, ns);
+            out.extend_from_slice(b"/namespaces/");
+            out.extend_from_slice(&quoted[1..quoted.len() - 1]);
+        }
+        out.extend_from_slice(c.source_end.as_bytes());
+        out.extend_from_slice(c.types[event_type as usize].as_bytes());
+        out.extend_from_slice(br#","subject":"#);
+        write_str(out, e.subject);
+        write!(out, r#","time":"{}""#, e.time).expect("writing to a Vec");
+        out.extend_from_slice(c.resource.as_bytes());
+        if let Some(ns) = e.k8snamespace {
+            out.extend_from_slice(br#","k8snamespace":"#);
+            write_str(out, ns);
+        }
+        out.extend_from_slice(br#","k8sname":"#);
+        write_str(out, e.k8sname);
+        out.extend_from_slice(br#","k8suid":"#);
+        write_str(out, e.k8suid);
+        out.extend_from_slice(br#","k8sresourceversion":"#);
+        write_str(out, e.k8sresourceversion);
+        for (set, member) in [
+            (e.k8sinitial, &br#","k8sinitial":true"#[..]),
+            (e.k8sfinalstateunknown, br#","k8sfinalstateunknown":true"#),
+            (e.k8sresumed, br#","k8sresumed":true"#),
+            (e.k8sfilteredout, br#","k8sfilteredout":true"#),
+            (e.k8struncated, br#","k8struncated":true"#),
+        ] {
+            if set {
+                out.extend_from_slice(member);
+            }
+        }
+        out.extend_from_slice(br#","data":"#);
+        serde_json::to_writer(&mut *out, &e.data)?;
+        out.push(b'}');
+        Ok(())
     }
 }
 
@@ -529,6 +648,89 @@ mod tests {
 
     fn decode(m: &Message) -> serde_json::Value {
         serde_json::from_slice(&m.payload).unwrap()
+    }
+
+    #[test]
+    fn the_structured_writer_matches_serde_byte_for_byte() {
+        // Strings that need escaping, in every member that can hold one.
+        let nasty = [
+            "plain",
+            "",
+            "quote\"d",
+            "back\\slash",
+            "new\nline\u{1}ctl",
+            "ünïcødé ☃",
+            "slash/and\u{7f}del",
+        ];
+        let (old, new) = (obj("ns", "a", "1"), obj("ns", "a", "2"));
+        let patch = patch_between(&old, &new).unwrap();
+        let reference = reference_of(&new);
+        let mut checked = 0;
+        for (i, weird) in nasty.iter().enumerate() {
+            let group = if i % 2 == 0 { "" } else { *weird };
+            let resource = ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk(group, weird, weird),
+                weird,
+            );
+            let enc = Encoder::new(
+                weird,
+                &resource,
+                &MessageConfig::default(),
+                Encoding::Structured,
+            );
+            for ty in EventType::ALL {
+                for flags in 0..32u8 {
+                    let namespace = (flags % 3 != 0).then_some(nasty[(i + 1) % nasty.len()]);
+                    let data = Data {
+                        object: if flags & 16 != 0 {
+                            &reference
+                        } else {
+                            new.json()
+                        },
+                        old_object: (flags & 4 != 0).then(|| old.json()),
+                        patch: (flags & 8 != 0).then_some(&patch),
+                    };
+                    let r = &*enc.resource;
+                    let envelope = Envelope {
+                        specversion: "1.0",
+                        id: nasty[(i + 2) % nasty.len()],
+                        source: Source {
+                            prefix: &enc.source_prefix,
+                            namespace,
+                            plural: &r.plural,
+                        },
+                        ty: &enc.types[ty as usize],
+                        subject: nasty[(i + 3) % nasty.len()],
+                        time: "2026-01-02T03:04:05.123456789Z".parse().unwrap(),
+                        datacontenttype: DATA_CONTENT_TYPE,
+                        k8scluster: &r.cluster,
+                        k8sgroup: &r.group,
+                        k8sversion: &r.version,
+                        k8skind: &r.kind,
+                        k8sresource: &r.plural,
+                        k8snamespace: namespace,
+                        k8sname: nasty[(i + 4) % nasty.len()],
+                        k8suid: nasty[(i + 5) % nasty.len()],
+                        k8sresourceversion: nasty[(i + 6) % nasty.len()],
+                        k8sinitial: flags & 1 != 0,
+                        k8sfinalstateunknown: flags & 2 != 0,
+                        k8sresumed: flags & 4 != 0,
+                        k8sfilteredout: flags & 8 != 0,
+                        k8struncated: flags & 16 != 0,
+                        data,
+                    };
+                    let mut written = Vec::new();
+                    enc.write_structured(&mut written, &envelope, ty).unwrap();
+                    let expected = serde_json::to_vec(&envelope).unwrap();
+                    assert_eq!(
+                        String::from_utf8_lossy(&written),
+                        String::from_utf8_lossy(&expected)
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, nasty.len() * 4 * 32);
     }
 
     #[test]

@@ -168,8 +168,8 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
             notified.as_mut().enable();
             let next_ready = {
                 let mut s = self.lock();
-                let next_ready = if s.shutting_down {
-                    None
+                let next_ready = if s.shutting_down || s.heap.is_empty() {
+                    None // (no clock read when nothing waits)
                 } else {
                     self.promote_due(&mut s, Instant::now())
                 };
@@ -201,7 +201,7 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
     /// `get` without waiting: `None` when nothing is ready now.
     pub fn try_get(&self) -> Option<T> {
         let mut s = self.lock();
-        if !s.shutting_down {
+        if !s.shutting_down && !s.heap.is_empty() {
             self.promote_due(&mut s, Instant::now());
         }
         self.pop_locked(&mut s)
