@@ -256,13 +256,16 @@ impl RouteQueue {
                 return;
             }
         }
+        // A key with notifications pending already is queued or parked already (`finish`
+        // and `retry` queue what they leave pending): no second trip to the work queue.
+        let first = pending.is_empty();
         pending.push_back(n);
         self.budget.held.fetch_add(1, Ordering::Relaxed);
         let held = self.held.fetch_add(1, Ordering::Relaxed) + 1;
         self.buffered.set(held as i64);
-        let parked = p.parked.contains(&key);
+        let queue = first && !p.parked.contains(&key);
         drop(p);
-        if !parked {
+        if queue {
             self.queue.add(key);
         }
     }

@@ -18,7 +18,7 @@
 
 use std::{
     cmp::Reverse,
-    collections::{BinaryHeap, HashMap, HashSet, VecDeque},
+    collections::{BinaryHeap, HashMap, VecDeque},
     hash::Hash,
     sync::Mutex,
     time::Duration,
@@ -44,11 +44,11 @@ pub struct Queue<T> {
 
 struct State<T> {
     queue: VecDeque<T>,
-    dirty: HashSet<T, FastHash>,
+    // Item → when it was first added since it was last handed out (for the queue-duration
+    // histogram).
+    dirty: HashMap<T, Instant, FastHash>,
     // Item → when it was handed out.
     processing: HashMap<T, Instant, FastHash>,
-    // Item → when it was first added (for the queue-duration histogram).
-    added: HashMap<T, Instant, FastHash>,
     // Delayed items: the heap may hold stale entries; `waiting` has the true ready time.
     heap: BinaryHeap<Reverse<(Instant, u64, T)>>,
     waiting: HashMap<T, Instant, FastHash>,
@@ -69,9 +69,8 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
         Self {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
-                dirty: HashSet::default(),
+                dirty: HashMap::default(),
                 processing: HashMap::default(),
-                added: HashMap::default(),
                 heap: BinaryHeap::new(),
                 waiting: HashMap::default(),
                 seq: 0,
@@ -102,13 +101,13 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
 
     // Returns whether an item was pushed to the queue (a worker should wake).
     fn add_locked(&self, s: &mut State<T>, x: T) -> bool {
-        if s.dirty.contains(&x) {
+        let std::collections::hash_map::Entry::Vacant(v) = s.dirty.entry(x) else {
             return false;
-        }
+        };
+        let x = v.key().clone();
+        v.insert(Instant::now());
         self.metrics.adds.inc();
         self.metrics.depth.inc();
-        s.added.entry(x.clone()).or_insert_with(Instant::now);
-        s.dirty.insert(x.clone());
         if s.processing.contains_key(&x) {
             return false;
         }
@@ -211,13 +210,12 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
         let x = s.queue.pop_front()?;
         let now = Instant::now();
         self.metrics.depth.dec();
-        if let Some(added) = s.added.remove(&x) {
+        if let Some(added) = s.dirty.remove(&x) {
             self.metrics
                 .queue_duration
                 .observe(now.duration_since(added).as_secs_f64());
         }
         s.processing.insert(x.clone(), now);
-        s.dirty.remove(&x);
         Some(x)
     }
 
@@ -229,7 +227,7 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
                 .work_duration
                 .observe(started.elapsed().as_secs_f64());
         }
-        let requeued = s.dirty.contains(x);
+        let requeued = s.dirty.contains_key(x);
         if requeued {
             s.queue.push_back(x.clone());
         }

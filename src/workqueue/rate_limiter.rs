@@ -29,6 +29,9 @@ pub struct ItemExponentialFailureRateLimiter<T> {
     base: Duration,
     max: Duration,
     failures: Mutex<HashMap<T, u32, super::queue::FastHash>>,
+    // How many items `failures` holds: `forget` of an item that never failed (nearly every
+    // call) takes no lock when none has.
+    tracked: std::sync::atomic::AtomicUsize,
 }
 
 impl<T> ItemExponentialFailureRateLimiter<T> {
@@ -38,6 +41,7 @@ impl<T> ItemExponentialFailureRateLimiter<T> {
             base,
             max,
             failures: Mutex::new(HashMap::default()),
+            tracked: std::sync::atomic::AtomicUsize::new(0),
         }
     }
 }
@@ -48,6 +52,8 @@ impl<T: Clone + Eq + Hash + Send + Sync> RateLimiter<T> for ItemExponentialFailu
         let n = failures.entry(item.clone()).or_insert(0);
         let exp = *n;
         *n = n.saturating_add(1);
+        self.tracked
+            .store(failures.len(), std::sync::atomic::Ordering::Release);
         // Overflow (2^exp beyond u32, or the product beyond Duration) means "max".
         2u32.checked_pow(exp)
             .and_then(|f| self.base.checked_mul(f))
@@ -55,10 +61,15 @@ impl<T: Clone + Eq + Hash + Send + Sync> RateLimiter<T> for ItemExponentialFailu
     }
 
     fn forget(&self, item: &T) {
-        self.failures
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(item);
+        // An item's `when` and `forget` come from the worker that holds it, one after the
+        // other (the work queue's lock orders them), so a count of 0 seen here includes it.
+        if self.tracked.load(std::sync::atomic::Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+        failures.remove(item);
+        self.tracked
+            .store(failures.len(), std::sync::atomic::Ordering::Release);
     }
 
     fn num_requeues(&self, item: &T) -> u32 {
