@@ -33,7 +33,6 @@ use support::{
     reset_peak_rss,
 };
 
-const WORKERS: usize = 1024;
 const TOPIC: &str = "bench";
 
 /// The sink config both sides use.
@@ -77,7 +76,7 @@ async fn bridge(
         None
     };
     let sink = Arc::new(Timed::new(kafka));
-    bridge_figures(sink, notes, WORKERS, metrics, &name, store).await
+    bridge_figures(sink, notes, support::workers(), metrics, &name, store).await
 }
 
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
@@ -153,7 +152,8 @@ fn main() {
         .collect();
     settings.sort();
     println!(
-        "kafka bench: {WORKERS} pipeline workers; 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on) and raw once, in an order that rotates each round; medians and spread printed"
+        "kafka bench: {} pipeline workers (BENCH_WORKERS); 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on) and raw once, in an order that rotates each round; medians and spread printed",
+        support::workers()
     );
     println!(
         "  producer settings of both sides (kube_event_bridge::sinks::kafka::client_config): {}",

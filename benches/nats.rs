@@ -41,7 +41,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics, round:
     bridge_figures(
         sink,
         notes,
-        WINDOW,
+        support::workers(),
         metrics,
         &format!("nats-{size}-{round}"),
         None,
@@ -131,7 +131,8 @@ fn main() {
         let metrics = Metrics::new();
         let rounds = support::runs();
         println!(
-            "nats bench: nats-server {url} JetStream, file storage, 1 replica; {WINDOW} publishes awaiting their PubAck on both sides (bridge: nats.max_in_flight; raw: max_ack_inflight with backpressure); 2 runtime threads; {rounds} rounds, each running bridge and raw once, alternating which goes first"
+            "nats bench: nats-server {url} JetStream, file storage, 1 replica; {WINDOW} publishes awaiting their PubAck on both sides (bridge: nats.max_in_flight; raw: max_ack_inflight with backpressure); bridge: {} workers (BENCH_WORKERS); 2 runtime threads; {rounds} rounds, each running bridge and raw once, alternating which goes first",
+            support::workers()
         );
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
             let (mut b, mut r) = (Runs::default(), Runs::default());

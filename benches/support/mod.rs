@@ -412,6 +412,18 @@ pub fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Delivery workers of a broker bench's route: `BENCH_WORKERS`, else the sink's default
+/// (`workers: 8`), as a deployment runs it. Acknowledgements are awaited off the workers, so
+/// what is in flight is bounded by the sink's own window (`nats.max_in_flight`, librdkafka's
+/// queue), not by the workers.
+pub fn workers() -> usize {
+    std::env::var("BENCH_WORKERS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .filter(|&w| w > 0)
+        .unwrap_or(8)
+}
+
 /// How many runs of each side a broker bench makes: `BENCH_RUNS` (at least 3, the default).
 pub fn runs() -> usize {
     std::env::var("BENCH_RUNS")

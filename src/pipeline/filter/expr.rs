@@ -123,8 +123,8 @@ impl Expr {
     }
 
     /// Whether the notification about `object` (and `old`) of type `ty` passes. The objects'
-    /// JSON is read straight into CEL values that borrow its strings, skipping the top-level
-    /// fields the expression does not read.
+    /// JSON is read straight into CEL values that borrow its strings, skipping the fields the
+    /// expression does not read (see [`usage`]).
     pub fn eval<'a>(
         &self,
         object: &'a CachedObject,
