@@ -12,6 +12,10 @@
 //!   An item waiting twice keeps the **earlier** ready time. Every call counts as a retry in
 //!   the metrics; calls during shutdown are ignored and waiting items are dropped at shutdown.
 //!
+//! The queue- and work-duration histograms are accumulated under the queue's lock and reach
+//! the shared histograms every `FLUSH_EVERY` observations, at `update_unfinished_work` (every
+//! 500 ms in the service, as client-go refreshes its gauges) and at `shut_down`.
+//!
 //! Unlike client-go, waiting items live in the queue itself (a min-heap) and the workers
 //! blocked in `get` wake at the next ready time: no extra goroutine-like task, no 10 s
 //! heartbeat, no channel of 1000.
@@ -28,6 +32,7 @@ use std::{
 /// the process must protect its maps from; foldhash is still seeded per process).
 pub(crate) type FastHash = foldhash::fast::RandomState;
 
+use prometheus::local::LocalHistogram;
 use tokio::{sync::Notify, time::Instant};
 
 use super::QueueMetrics;
@@ -55,6 +60,35 @@ struct State<T> {
     seq: u64,
     shutting_down: bool,
     draining: bool,
+    durations: Durations,
+}
+
+/// How many duration observations a queue accumulates before adding them to the shared
+/// histograms (at the latest; `update_unfinished_work` adds them every 500 ms too).
+const FLUSH_EVERY: u32 = 256;
+
+/// The queue- and work-duration histograms, accumulated under the queue's lock (which every
+/// observation holds anyway) and added to the shared histograms now and then: a shared
+/// histogram's observation is four atomic operations on lines every runtime thread writes.
+struct Durations {
+    queue: LocalHistogram,
+    work: LocalHistogram,
+    unflushed: u32,
+}
+
+impl Durations {
+    fn observed(&mut self) {
+        self.unflushed += 1;
+        if self.unflushed >= FLUSH_EVERY {
+            self.flush();
+        }
+    }
+
+    fn flush(&mut self) {
+        self.queue.flush();
+        self.work.flush();
+        self.unflushed = 0;
+    }
 }
 
 impl<T> std::fmt::Debug for Queue<T> {
@@ -76,6 +110,11 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
                 seq: 0,
                 shutting_down: false,
                 draining: false,
+                durations: Durations {
+                    queue: metrics.queue_duration.local(),
+                    work: metrics.work_duration.local(),
+                    unflushed: 0,
+                },
             }),
             work: Notify::new(),
             drained: Notify::new(),
@@ -211,9 +250,10 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
         let now = Instant::now();
         self.metrics.depth.dec();
         if let Some(added) = s.dirty.remove(&x) {
-            self.metrics
-                .queue_duration
+            s.durations
+                .queue
                 .observe(now.duration_since(added).as_secs_f64());
+            s.durations.observed();
         }
         s.processing.insert(x.clone(), now);
         Some(x)
@@ -223,9 +263,8 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
     pub fn done(&self, x: &T) {
         let mut s = self.lock();
         if let Some(started) = s.processing.remove(x) {
-            self.metrics
-                .work_duration
-                .observe(started.elapsed().as_secs_f64());
+            s.durations.work.observe(started.elapsed().as_secs_f64());
+            s.durations.observed();
         }
         let requeued = s.dirty.contains_key(x);
         if requeued {
@@ -291,6 +330,7 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
         s.draining = false;
         s.waiting.clear();
         s.heap.clear();
+        s.durations.flush();
         drop(s);
         self.work.notify_waiters();
         self.drained.notify_waiters();
@@ -322,9 +362,11 @@ impl<T: Clone + Eq + Hash + Ord> Queue<T> {
     }
 
     /// Updates the two gauges client-go refreshes every 500 ms: total and oldest age of the
-    /// items being processed.
+    /// items being processed; also adds the durations observed since the last time to the
+    /// shared histograms.
     pub fn update_unfinished_work(&self) {
-        let s = self.lock();
+        let mut s = self.lock();
+        s.durations.flush();
         let now = Instant::now();
         let ages = s
             .processing
@@ -343,6 +385,39 @@ mod tests {
 
     fn queue() -> Queue<&'static str> {
         Queue::new(QueueMetrics::unregistered())
+    }
+
+    #[test]
+    fn durations_reach_the_shared_histograms_at_the_gauge_update_or_every_flush_every() {
+        let q = queue();
+        let counts = |q: &Queue<&'static str>| {
+            (
+                q.metrics.queue_duration.get_sample_count(),
+                q.metrics.work_duration.get_sample_count(),
+            )
+        };
+        q.add("a");
+        let a = q.try_get().unwrap();
+        q.done(&a);
+        q.update_unfinished_work();
+        assert_eq!(counts(&q), (1, 1));
+        // Without the gauge update (a queue outside the service): at the latest every
+        // FLUSH_EVERY observations.
+        for _ in 0..FLUSH_EVERY {
+            q.add("b");
+            let b = q.try_get().unwrap();
+            q.done(&b);
+        }
+        let (queued, worked) = counts(&q);
+        assert!(
+            queued + worked > u64::from(FLUSH_EVERY),
+            "{queued} + {worked}"
+        );
+        q.shut_down();
+        assert_eq!(
+            counts(&q),
+            (1 + u64::from(FLUSH_EVERY), 1 + u64::from(FLUSH_EVERY))
+        );
     }
 
     #[test]
