@@ -409,6 +409,20 @@ impl Encoder {
 
     /// [`Encoder::encode`], leaving out what `trim` says.
     pub fn encode_trimmed(&self, key: &str, n: &Notification, trim: Trim) -> Result<Message> {
+        self.encode_with(key, n, trim, |out, envelope, ty| {
+            self.write_structured(out, envelope, ty)
+        })
+    }
+
+    /// [`Encoder::encode_trimmed`], writing a structured envelope with `structured` (the
+    /// tests compare [`Encoder::write_structured`] with `serde_json` through it).
+    fn encode_with(
+        &self,
+        key: &str,
+        n: &Notification,
+        trim: Trim,
+        structured: impl FnOnce(&mut Vec<u8>, &Envelope<'_>, EventType) -> serde_json::Result<()>,
+    ) -> Result<Message> {
         let event_type = n.event_type();
         let obj = n.object();
         let meta = &**obj;
@@ -492,7 +506,7 @@ impl Encoder {
         };
         let mut payload = Vec::with_capacity(self.size_hint.load(Ordering::Relaxed) + 256);
         let serialized = match self.encoding {
-            Encoding::Structured => self.write_structured(&mut payload, &envelope, event_type),
+            Encoding::Structured => structured(&mut payload, &envelope, event_type),
             Encoding::Binary => serde_json::to_writer(&mut payload, &envelope.data),
             Encoding::State if event_type == EventType::Deleted => Ok(()),
             // The cached JSON is the payload.
@@ -655,82 +669,101 @@ mod tests {
         // Strings that need escaping, in every member that can hold one.
         let nasty = [
             "plain",
-            "",
             "quote\"d",
             "back\\slash",
             "new\nline\u{1}ctl",
             "ünïcødé ☃",
             "slash/and\u{7f}del",
         ];
-        let (old, new) = (obj("ns", "a", "1"), obj("ns", "a", "2"));
-        let patch = patch_between(&old, &new).unwrap();
-        let reference = reference_of(&new);
+        let at = |i: usize| nasty[i % nasty.len()];
+        let object = |i: usize, namespaced: bool, rv: &str| -> crate::informer::ObjectRef {
+            let o: DynamicObject = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1", "kind": "ConfigMap",
+                "metadata": {
+                    "name": at(i), "uid": at(i + 1), "resourceVersion": rv,
+                    "namespace": if namespaced { Some(at(i + 2)) } else { None },
+                    "annotations": {"a": at(i + 3)},
+                },
+                "data": {"k": at(i + 4)},
+            }))
+            .unwrap();
+            Arc::new(CachedObject::new(&o))
+        };
         let mut checked = 0;
-        for (i, weird) in nasty.iter().enumerate() {
-            let group = if i % 2 == 0 { "" } else { *weird };
+        for i in 0..nasty.len() {
+            let group = if i % 2 == 0 { "" } else { at(i) };
             let resource = ApiResource::from_gvk_with_plural(
-                &GroupVersionKind::gvk(group, weird, weird),
-                weird,
+                &GroupVersionKind::gvk(group, at(i + 1), at(i + 2)),
+                at(i + 3),
             );
-            let enc = Encoder::new(
-                weird,
-                &resource,
-                &MessageConfig::default(),
-                Encoding::Structured,
-            );
-            for ty in EventType::ALL {
-                for flags in 0..32u8 {
-                    let namespace = (flags % 3 != 0).then_some(nasty[(i + 1) % nasty.len()]);
-                    let data = Data {
-                        object: if flags & 16 != 0 {
-                            &reference
-                        } else {
-                            new.json()
-                        },
-                        old_object: (flags & 4 != 0).then(|| old.json()),
-                        patch: (flags & 8 != 0).then_some(&patch),
-                    };
-                    let r = &*enc.resource;
-                    let envelope = Envelope {
-                        specversion: "1.0",
-                        id: nasty[(i + 2) % nasty.len()],
-                        source: Source {
-                            prefix: &enc.source_prefix,
-                            namespace,
-                            plural: &r.plural,
-                        },
-                        ty: &enc.types[ty as usize],
-                        subject: nasty[(i + 3) % nasty.len()],
-                        time: "2026-01-02T03:04:05.123456789Z".parse().unwrap(),
-                        datacontenttype: DATA_CONTENT_TYPE,
-                        k8scluster: &r.cluster,
-                        k8sgroup: &r.group,
-                        k8sversion: &r.version,
-                        k8skind: &r.kind,
-                        k8sresource: &r.plural,
-                        k8snamespace: namespace,
-                        k8sname: nasty[(i + 4) % nasty.len()],
-                        k8suid: nasty[(i + 5) % nasty.len()],
-                        k8sresourceversion: nasty[(i + 6) % nasty.len()],
-                        k8sinitial: flags & 1 != 0,
-                        k8sfinalstateunknown: flags & 2 != 0,
-                        k8sresumed: flags & 4 != 0,
-                        k8sfilteredout: flags & 8 != 0,
-                        k8struncated: flags & 16 != 0,
-                        data,
-                    };
-                    let mut written = Vec::new();
-                    enc.write_structured(&mut written, &envelope, ty).unwrap();
-                    let expected = serde_json::to_vec(&envelope).unwrap();
-                    assert_eq!(
-                        String::from_utf8_lossy(&written),
-                        String::from_utf8_lossy(&expected)
+            for (include_old_object, diff) in [
+                (true, DiffMode::None),
+                (false, DiffMode::Patch),
+                (true, DiffMode::Patch),
+            ] {
+                let config = MessageConfig {
+                    include_old_object,
+                    diff,
+                    ..MessageConfig::default()
+                };
+                let enc = Encoder::new(at(i + 4), &resource, &config, Encoding::Structured);
+                for namespaced in [true, false] {
+                    let (old, new) = (
+                        object(i, namespaced, &format!("1{}", at(i))),
+                        object(i, namespaced, &format!("2{}", at(i + 5))),
                     );
-                    checked += 1;
+                    let kinds = [
+                        NotificationKind::Add {
+                            obj: new.clone(),
+                            is_initial_list: true,
+                        },
+                        NotificationKind::Add {
+                            obj: new.clone(),
+                            is_initial_list: false,
+                        },
+                        NotificationKind::Update {
+                            old: old.clone(),
+                            new: new.clone(),
+                        },
+                        NotificationKind::Update {
+                            old: new.clone(),
+                            new: new.clone(),
+                        },
+                        NotificationKind::Delete {
+                            obj: new.clone(),
+                            final_state_unknown: true,
+                        },
+                        NotificationKind::Delete {
+                            obj: new.clone(),
+                            final_state_unknown: false,
+                        },
+                    ];
+                    for kind in kinds {
+                        for flags in 0..4u8 {
+                            let mut n = note(kind.clone());
+                            n.resumed = flags & 1 != 0;
+                            n.filtered_out = flags & 2 != 0;
+                            let key = n.key().clone();
+                            for trim in [Trim::None, Trim::OldObject, Trim::Patch, Trim::Reference]
+                            {
+                                let written = enc.encode_trimmed(&key, &n, trim).unwrap();
+                                let expected = enc
+                                    .encode_with(&key, &n, trim, |out, e, _| {
+                                        serde_json::to_writer(out, e)
+                                    })
+                                    .unwrap();
+                                assert_eq!(
+                                    String::from_utf8_lossy(&written.payload),
+                                    String::from_utf8_lossy(&expected.payload)
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
                 }
             }
         }
-        assert_eq!(checked, nasty.len() * 4 * 32);
+        assert_eq!(checked, nasty.len() * 3 * 2 * 6 * 4 * 4);
     }
 
     #[test]
