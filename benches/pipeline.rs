@@ -24,7 +24,7 @@ use kube_event_bridge::{
     pipeline::filter::Rules,
     sinks::{self, Sink},
 };
-use support::{RouteSpec, Timed, alternating, percentiles, run_bridge};
+use support::{Figures, RouteSpec, Timed, alternating, percentiles, run_bridge};
 
 /// Accepts every message at once.
 struct AckSink {
@@ -107,7 +107,8 @@ fn main() {
     println!(
         "  {rounds} rounds (BENCH_RUNS), each running every configuration once, the order rotating from round to round"
     );
-    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); chosen.len()];
+    // Per configuration, each run's figures and what it coalesced.
+    let mut runs: Vec<Vec<(Figures, u64)>> = (0..chosen.len()).map(|_| Vec::new()).collect();
     for round in 0..rounds {
         for i in 0..chosen.len() {
             let at = (i + round) % chosen.len();
@@ -133,28 +134,28 @@ fn main() {
             ));
             let delivered = sink.inner.count.load(Ordering::Relaxed);
             let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
-            runs[at].push(Measured {
-                delivered,
-                coalesced: run.coalesced,
-                secs: run.elapsed.as_secs_f64(),
+            let figures = Figures {
+                events: delivered as usize,
                 bytes: run.delivered_bytes,
+                secs: run.elapsed.as_secs_f64(),
                 p50,
                 p99,
                 peak_rss: run.peak_rss,
-            });
+            };
+            runs[at].push((figures, run.coalesced));
         }
     }
     for (config, runs) in chosen.iter().zip(&runs) {
-        let rates: Vec<f64> = runs.iter().map(Measured::rate).collect();
-        let middle = &runs[median_index(&rates)];
+        let rates: Vec<f64> = runs.iter().map(|(f, _)| f.rate()).collect();
+        let (middle, coalesced) = &runs[median_index(&rates)];
         let (lo, hi) = rates
             .iter()
             .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
         let secs = middle.secs;
         println!("  {}", config.0);
         println!(
-            "    delivered          {:>10}   (coalesced {})",
-            middle.delivered, middle.coalesced
+            "    delivered          {:>10}   (coalesced {coalesced})",
+            middle.events
         );
         println!(
             "    throughput         {:>10.0} notifications/s, median of {} (spread {lo:.0}–{hi:.0}, ±{:.0}%; runs in order: {})",
@@ -170,7 +171,7 @@ fn main() {
         println!(
             "    payload            {:>10.1} MB/s ({:.2} KB per message)",
             middle.bytes as f64 / 1e6 / secs,
-            middle.bytes as f64 / middle.delivered as f64 / 1e3
+            middle.bytes as f64 / middle.events as f64 / 1e3
         );
         println!(
             "    informer → sink    p50 {:.3} ms, p99 {:.3} ms",
@@ -178,26 +179,8 @@ fn main() {
         );
         println!(
             "    peak RSS           {:>10.1} MiB ",
-            runs.iter().map(|r| r.peak_rss).fold(0f64, f64::max)
+            runs.iter().map(|(f, _)| f.peak_rss).fold(0f64, f64::max)
         );
-    }
-}
-
-/// One run of one configuration.
-#[derive(Clone)]
-struct Measured {
-    delivered: u64,
-    coalesced: u64,
-    secs: f64,
-    bytes: u64,
-    p50: f64,
-    p99: f64,
-    peak_rss: f64,
-}
-
-impl Measured {
-    fn rate(&self) -> f64 {
-        self.delivered as f64 / self.secs
     }
 }
 
