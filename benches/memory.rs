@@ -15,11 +15,7 @@ mod objects;
 use std::sync::Arc;
 
 use kube::api::DynamicObject;
-use kube_event_bridge::{
-    config::MessageConfig,
-    informer::{CachedObject, Indexer},
-    message::object_transform,
-};
+use kube_event_bridge::{config::MessageConfig, informer::Indexer, message::object_transform};
 use objects::{configmaps, realistic_configmap, typed};
 
 fn resident_bytes() -> u64 {
@@ -74,9 +70,8 @@ fn measure(mode: &str, objects: usize) {
             // With the namespace index, as every informer's.
             let indexer = Indexer::new();
             for i in 0..objects {
-                let mut obj: DynamicObject = serde_json::from_str(&configmap_json(i)).unwrap();
-                transform(&mut obj);
-                let cached = CachedObject::new(&obj);
+                // As a list page's item is cached: from the server's bytes.
+                let cached = transform.cache(&configmap_json(i)).unwrap();
                 json_bytes += cached.json().get().len();
                 let key = kube_event_bridge::informer::meta_namespace_key(&cached);
                 indexer.upsert(&key, Arc::new(cached));
@@ -88,7 +83,7 @@ fn measure(mode: &str, objects: usize) {
             let mut map = std::collections::HashMap::new();
             for i in 0..objects {
                 let mut obj: DynamicObject = serde_json::from_str(&configmap_json(i)).unwrap();
-                transform(&mut obj);
+                transform.apply(&mut obj);
                 json_bytes += serde_json::to_string(&obj).unwrap().len();
                 let key = kube_event_bridge::informer::meta_namespace_key(&obj);
                 map.insert(key, Arc::new(obj));

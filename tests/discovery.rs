@@ -945,7 +945,11 @@ async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
     let checkpoint = dir.path().join("out.jsonl.checkpoint");
     let saved = dir.path().join("saved.checkpoint");
     std::fs::rename(&checkpoint, &saved).unwrap();
-    std::fs::create_dir(&checkpoint).unwrap();
+    // A link to a directory, so that renaming the saved file over it brings the checkpoint
+    // back in one step: a checkpoint briefly absent reads as "nothing published yet".
+    let blocker = dir.path().join("blocker");
+    std::fs::create_dir(&blocker).unwrap();
+    std::os::unix::fs::symlink(&blocker, &checkpoint).unwrap();
     let app = RunningApp::start(config(), &api).await;
     app.synced().await;
     api.serve_crd_at(GROUP, "widgets", "v1");
@@ -955,7 +959,6 @@ async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
         .unwrap();
     w["spec"] = json!({"size": 1});
     api.update(w);
-    std::fs::remove_dir(&checkpoint).unwrap();
     std::fs::rename(&saved, &checkpoint).unwrap();
     wait::until(
         "the delete and the update",

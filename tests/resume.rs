@@ -586,7 +586,11 @@ async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
     let checkpoint = dir.path().join("out.jsonl.checkpoint");
     let saved = dir.path().join("saved.checkpoint");
     std::fs::rename(&checkpoint, &saved).unwrap();
-    std::fs::create_dir(&checkpoint).unwrap();
+    // A link to a directory, so that renaming the saved file over it brings the checkpoint
+    // back in one step: a checkpoint briefly absent reads as "nothing published yet".
+    let blocker = dir.path().join("blocker");
+    std::fs::create_dir(&blocker).unwrap();
+    std::os::unix::fs::symlink(&blocker, &checkpoint).unwrap();
     let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;
@@ -602,7 +606,6 @@ async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
         .checkpoint_waiting
         .with_label_values(&["configmap/out"]);
     assert_eq!(waiting.get(), 1);
-    std::fs::remove_dir(&checkpoint).unwrap();
     std::fs::rename(&saved, &checkpoint).unwrap();
     wait::until("the delete", Duration::from_secs(40), async || {
         messages(&out).len() >= 4

@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 use super::{
     DeltaFifo, Indexer, SharedIndexInformer,
     list_watch::{ListWatchConfig, ShardFilter, ShardMode},
-    reflector::{Reflector, ReflectorMetrics, Transform},
+    reflector::{Reflector, ReflectorMetrics},
     shared_informer::InformerMetrics,
+    transform::Transform,
 };
 use crate::{metrics::Metrics, shard::Shard};
 
@@ -139,6 +140,7 @@ impl SharedInformerFactory {
             labels: key.label_selector.clone(),
             fields: key.field_selector.clone(),
             activity: Default::default(),
+            transform: transform.unwrap_or_default(),
             shard: key.shard.filter(|s| !s.is_whole()).map(|shard| {
                 ShardFilter::new(
                     shard,
@@ -161,7 +163,6 @@ impl SharedInformerFactory {
             api,
             config,
             fifo.clone(),
-            transform,
             ReflectorMetrics {
                 watch_errors: m.informer_watch_errors.with_label_values(&[&name]),
                 relists: m.informer_relists.with_label_values(&[&name]),

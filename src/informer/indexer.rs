@@ -287,6 +287,7 @@ mod tests {
     // Labels are not kept parsed: an index on them parses the object (on demand).
     fn labels_index(o: &CachedObject) -> Vec<String> {
         o.to_dynamic()
+            .unwrap()
             .metadata
             .labels
             .iter()
@@ -296,7 +297,7 @@ mod tests {
     }
 
     fn with_labels(ns: &str, name: &str, labels: &[(&str, &str)]) -> ObjectRef {
-        let mut o = obj(ns, name, "1").to_dynamic();
+        let mut o = obj(ns, name, "1").to_dynamic().unwrap();
         o.metadata.labels = Some(
             labels
                 .iter()

@@ -38,6 +38,7 @@ use kube::{
 };
 use tokio::sync::watch;
 
+use super::{CachedObject, ObjectMetaRef, ObjectRef, transform::Transform};
 use crate::shard::Shard;
 
 /// What the list+watch asks the server for.
@@ -57,6 +58,8 @@ pub struct ListWatchConfig {
     pub shard: Option<ShardFilter>,
     /// When the API server was last heard from.
     pub activity: Activity,
+    /// What every object is rewritten with before it is handed on.
+    pub transform: Transform,
 }
 
 /// When the list+watch last heard from the API server: a list page, a watch event or a
@@ -136,9 +139,26 @@ impl ShardFilter {
         }
     }
 
-    fn holds(&self, obj: &DynamicObject) -> bool {
-        self.shard
-            .holds_namespace(obj.metadata.namespace.as_deref().unwrap_or(""))
+    fn holds(&self, obj: &impl ObjectMetaRef) -> bool {
+        self.shard.holds_namespace(obj.namespace().unwrap_or(""))
+    }
+
+    /// [`holds`](Self::holds) for a list item's JSON, read before it is cached (an item whose
+    /// namespace cannot be read counts as cluster-scoped, as a parsed one without it would).
+    fn holds_json(&self, json: &str) -> bool {
+        #[derive(serde::Deserialize)]
+        struct Item<'a> {
+            #[serde(borrow)]
+            metadata: Meta<'a>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Meta<'a> {
+            #[serde(borrow, default)]
+            namespace: Option<std::borrow::Cow<'a, str>>,
+        }
+        let item = serde_json::from_str::<Item>(json).ok();
+        let namespace = item.as_ref().and_then(|i| i.metadata.namespace.as_deref());
+        self.shard.holds_namespace(namespace.unwrap_or(""))
     }
 
     /// `request` with the shard's `shardSelector` added to its query.
@@ -180,13 +200,20 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
-/// A list page as the API server sends it, with KEP-5866's `shardInfo`.
+/// A list page as the API server sends it, with KEP-5866's `shardInfo`; items unparsed.
 #[derive(serde::Deserialize)]
-struct ListPage {
+struct ListPageJson<'a> {
     #[serde(default)]
     metadata: ListPageMeta,
-    #[serde(default)]
-    items: Vec<DynamicObject>,
+    // A null `items` is an empty page.
+    #[serde(borrow, default)]
+    items: Option<Vec<&'a serde_json::value::RawValue>>,
+}
+
+/// A list page, its items in their cached form.
+struct ListPage {
+    metadata: ListPageMeta,
+    items: Vec<ObjectRef>,
 }
 
 #[derive(Default, serde::Deserialize)]
@@ -285,11 +312,17 @@ impl Requests {
 
 type WatchStream = BoxStream<'static, kube::Result<WatchEvent<DynamicObject>>>;
 
+/// A watched object in its cached form (a watch event arrives parsed).
+fn cached(config: &ListWatchConfig, mut obj: DynamicObject) -> ObjectRef {
+    config.transform.apply(&mut obj);
+    Arc::new(CachedObject::new(&obj))
+}
+
 enum State {
     Empty,
     InitPage {
         continue_token: Option<String>,
-        objects: VecDeque<DynamicObject>,
+        objects: VecDeque<ObjectRef>,
         last_rv: Option<String>,
         /// The page after `objects`, fetched and decoded on a task of its own while they are
         /// handed on (dropping the state cancels it).
@@ -325,13 +358,13 @@ fn unavailable(err: &kube::Error) -> bool {
     matches!(err, kube::Error::Api(s) if is_rv_unavailable(s))
 }
 
-/// The list+watch of `api` as kube-runtime watcher events, relisting when `relists` asks.
-/// See the module docs.
+/// The list+watch of `api` as kube-runtime watcher events, objects in their cached form
+/// (rewritten by `config.transform`), relisting when `relists` asks. See the module docs.
 pub fn list_watch(
     api: Api<DynamicObject>,
     config: ListWatchConfig,
     relists: &Relists,
-) -> impl Stream<Item = Result<Event<DynamicObject>, Error>> + Send {
+) -> impl Stream<Item = Result<Event<ObjectRef>, Error>> + Send {
     futures::stream::unfold(
         (State::Empty, api, config, relists.receiver()),
         |(mut state, api, config, mut relists)| async move {
@@ -361,7 +394,8 @@ fn prefetch(
     }))
 }
 
-/// One page of a consistent list (with the shard's selector, if any).
+/// One page of a consistent list (with the shard's selector, if any), its items taken from
+/// the response's bytes to their cached form without a parsed tree (`Transform::cache`).
 async fn list_page(
     api: &Api<DynamicObject>,
     config: &ListWatchConfig,
@@ -374,7 +408,28 @@ async fn list_page(
         request = filter.select(request);
     }
     request.extensions_mut().insert("list");
-    api.clone().into_client().request::<ListPage>(request).await
+    let text = api.clone().into_client().request_text(request).await?;
+    let page: ListPageJson = serde_json::from_str(&text).map_err(kube::Error::SerdeError)?;
+    let mut items = Vec::new();
+    for (i, item) in page.items.iter().flatten().enumerate() {
+        // Out of the shard (the server did not select): not worth caching.
+        if config
+            .shard
+            .as_ref()
+            .is_some_and(|f| !f.holds_json(item.get()))
+        {
+            continue;
+        }
+        let cached = config.transform.cache(item.get()).map_err(|e| {
+            let error = format!("list item {i} of the page: {e}");
+            kube::Error::SerdeError(serde::de::Error::custom(error))
+        })?;
+        items.push(Arc::new(cached));
+    }
+    Ok(ListPage {
+        metadata: page.metadata,
+        items,
+    })
 }
 
 /// A watch from `rv` (with the shard's selector, if any); `initial_events` asks for the
@@ -430,7 +485,7 @@ async fn step(
     config: &ListWatchConfig,
     state: State,
     relists: &mut Requests,
-) -> (Option<Result<Event<DynamicObject>, Error>>, State) {
+) -> (Option<Result<Event<ObjectRef>, Error>>, State) {
     if relists.rx.has_changed().unwrap_or(false) {
         relists.rx.borrow_and_update();
         return (None, State::Empty);
@@ -497,21 +552,21 @@ async fn step(
                     if last_rv.is_none() && continue_token.is_none() {
                         return (Some(Err(Error::NoResourceVersion)), State::Empty);
                     }
-                    let mut items = list.items;
-                    if let Some(filter) = &config.shard {
-                        if first {
-                            let mode = if list.metadata.shard_info.is_some() {
-                                ShardMode::Server
-                            } else {
-                                ShardMode::Client
-                            };
-                            let before = filter.mode.swap(mode as u8, Ordering::SeqCst);
-                            filter.server_side.set((mode == ShardMode::Server) as i64);
-                            if before != mode as u8 {
-                                log_mode(&filter.shard, mode);
-                            }
+                    // Out-of-shard items were dropped as the page was decoded.
+                    let items = list.items;
+                    if let Some(filter) = &config.shard
+                        && first
+                    {
+                        let mode = if list.metadata.shard_info.is_some() {
+                            ShardMode::Server
+                        } else {
+                            ShardMode::Client
+                        };
+                        let before = filter.mode.swap(mode as u8, Ordering::SeqCst);
+                        filter.server_side.set((mode == ShardMode::Server) as i64);
+                        if before != mode as u8 {
+                            log_mode(&filter.shard, mode);
                         }
-                        items.retain(|o| filter.holds(o));
                     }
                     // The next page is fetched and decoded while this one is handed on.
                     let next = continue_token
@@ -539,7 +594,7 @@ async fn step(
                         return (None, State::InitialWatch { stream });
                     }
                     (
-                        Some(Ok(Event::InitApply(obj))),
+                        Some(Ok(Event::InitApply(cached(config, obj)))),
                         State::InitialWatch { stream },
                     )
                 }
@@ -589,6 +644,7 @@ async fn step(
                     if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
                         return (None, State::Watching { rv, stream });
                     }
+                    let obj = cached(config, obj);
                     (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
                 }
                 Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
@@ -596,6 +652,7 @@ async fn step(
                     if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
                         return (None, State::Watching { rv, stream });
                     }
+                    let obj = cached(config, obj);
                     (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
                 }
                 Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (

@@ -1,4 +1,4 @@
-//! The informer machinery of client-go's `tools/cache`, over `DynamicObject`s.
+//! The informer machinery of client-go's `tools/cache`, over objects kept as their JSON.
 //!
 //! ```text
 //! Reflector ──deltas──▶ DeltaFifo ──pop──▶ SharedIndexInformer ──▶ Indexer
@@ -19,6 +19,7 @@ pub mod notification;
 pub mod object;
 pub mod reflector;
 pub mod shared_informer;
+pub mod transform;
 
 use std::sync::Arc;
 
@@ -29,6 +30,7 @@ pub use listener::{NotificationHandler, ProcessorListener};
 pub use notification::{EventType, Key, Notification, NotificationKind};
 pub use object::{CachedObject, ObjectMetaRef};
 pub use shared_informer::SharedIndexInformer;
+pub use transform::Transform;
 
 /// A cached object. Shared between the cache, queues and encoders, and never mutated.
 pub type ObjectRef = Arc<CachedObject>;

@@ -1,5 +1,6 @@
 //! What the cache holds of an object: its compact JSON after the transform (managedFields
-//! stripped, Secrets redacted), and the few parsed fields that keys, indices, ids, stubs and
+//! stripped, Secrets redacted; a list item's other members as the server wrote them, a watched
+//! object's as serde writes them), and the few parsed fields that keys, indices, ids, stubs and
 //! selectors need. Messages splice the JSON into their envelope instead of serializing a
 //! `serde_json::Value` tree per message, and a cached object costs about its JSON size instead
 //! of the several times more a `Value` tree takes. Whatever needs the whole object parses the
@@ -41,6 +42,24 @@ struct BorrowedMeta<'a> {
     resource_version: Option<&'a str>,
 }
 
+/// Where the identifying fields sit in `text`; `None` where one cannot be borrowed (escaped,
+/// not a string, given twice) or `metadata` is not an object.
+fn spans(text: &str) -> Option<Fields> {
+    let m = serde_json::from_str::<Borrowed<'_>>(text).ok()?.metadata;
+    let span = |v: Option<&str>| {
+        v.map_or(ABSENT, |v| {
+            let start = v.as_ptr() as usize - text.as_ptr() as usize;
+            (start as u32, v.len() as u32)
+        })
+    };
+    Some(Fields::Spans([
+        span(m.name),
+        span(m.namespace),
+        span(m.uid),
+        span(m.resource_version),
+    ]))
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct CachedObject {
@@ -61,35 +80,26 @@ impl CachedObject {
             };
             serde_json::value::to_raw_value(&bare).expect("metadata serializes to JSON")
         });
-        let text = json.get();
-        let fields = match serde_json::from_str::<Borrowed<'_>>(text) {
-            Ok(b) => {
-                let span = |v: Option<&str>| {
-                    v.map_or(ABSENT, |v| {
-                        let start = v.as_ptr() as usize - text.as_ptr() as usize;
-                        (start as u32, v.len() as u32)
-                    })
-                };
-                let m = b.metadata;
-                Fields::Spans([
-                    span(m.name),
-                    span(m.namespace),
-                    span(m.uid),
-                    span(m.resource_version),
-                ])
-            }
-            Err(_) => {
-                let m = &obj.metadata;
-                let owned = |s: &Option<String>| s.as_deref().map(Box::from);
-                Fields::Owned(Box::new([
-                    owned(&m.name),
-                    owned(&m.namespace),
-                    owned(&m.uid),
-                    owned(&m.resource_version),
-                ]))
-            }
-        };
+        let fields = spans(json.get()).unwrap_or_else(|| {
+            // A value the JSON escapes.
+            let m = &obj.metadata;
+            let owned = |s: &Option<String>| s.as_deref().map(Box::from);
+            Fields::Owned(Box::new([
+                owned(&m.name),
+                owned(&m.namespace),
+                owned(&m.uid),
+                owned(&m.resource_version),
+            ]))
+        });
         Self { json, fields }
+    }
+
+    /// Keeps `json` (an object's compact JSON, as the server wrote it) as it is, if its
+    /// identifying fields are strings without escapes, each once; `None` otherwise (the parsed
+    /// path decides those: see [`Transform::cache`](super::Transform::cache)).
+    pub fn from_json(json: Box<RawValue>) -> Option<Self> {
+        let fields = spans(json.get())?;
+        Some(Self { json, fields })
     }
 
     fn field(&self, i: usize) -> Option<&str> {
@@ -128,9 +138,10 @@ impl CachedObject {
         &self.json
     }
 
-    /// The whole object, parsed from its JSON.
-    pub fn to_dynamic(&self) -> DynamicObject {
-        serde_json::from_str(self.json.get()).expect("the cache holds JSON it serialized")
+    /// The whole object, parsed from its JSON. Fails where the JSON (as the server sent it)
+    /// is not a Kubernetes object, e.g. `metadata` of the wrong shape.
+    pub fn to_dynamic(&self) -> serde_json::Result<DynamicObject> {
+        serde_json::from_str(self.json.get())
     }
 }
 
@@ -188,8 +199,10 @@ impl ObjectMetaRef for DynamicObject {
 
 /// `old` and `new` reduced to the top-level fields whose JSON differs, parsed: an update
 /// usually changes one or two (`metadata`, `status`), and the rest need not be parsed to be
-/// diffed or compared. Cached JSON is written by one serializer, so equal text means equal
-/// values.
+/// diffed or compared. Equal text means equal values; different text may still be equal
+/// values (a list item keeps the server's member order and escapes, a watched object is
+/// written by serde), which are then compared parsed: after a relist, an object's first
+/// update parses more of it.
 pub fn differing_fields(
     old: &CachedObject,
     new: &CachedObject,
@@ -257,7 +270,7 @@ mod tests {
         escaped.metadata.namespace = None;
         let cached = CachedObject::new(&escaped);
         assert_eq!((cached.name(), cached.namespace()), (Some("a\"b"), None));
-        let back = cached.to_dynamic();
+        let back = cached.to_dynamic().unwrap();
         assert_eq!(
             serde_json::to_value(&back).unwrap(),
             serde_json::to_value(&escaped).unwrap()

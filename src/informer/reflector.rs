@@ -44,10 +44,7 @@ use prometheus::IntCounter;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::{CachedObject, DeltaFifo, ObjectRef, resource_version};
-
-/// Rewrites an object before it is queued and cached (client-go's `TransformFunc`).
-pub type Transform = Arc<dyn Fn(&mut DynamicObject) + Send + Sync>;
+use super::{DeltaFifo, ObjectRef, resource_version};
 
 /// Counters a reflector keeps.
 #[derive(Clone)]
@@ -91,7 +88,6 @@ pub struct Reflector {
     // (request served, FIFO generation) of the last list replaced.
     served: Mutex<(u64, u64)>,
     fifo: Arc<DeltaFifo>,
-    transform: Option<Transform>,
     metrics: ReflectorMetrics,
     last_sync_resource_version: Mutex<String>,
     problem: Mutex<Option<String>>,
@@ -104,7 +100,6 @@ impl Reflector {
         api: Api<DynamicObject>,
         config: ListWatchConfig,
         fifo: Arc<DeltaFifo>,
-        transform: Option<Transform>,
         metrics: ReflectorMetrics,
     ) -> Self {
         Self {
@@ -114,7 +109,6 @@ impl Reflector {
             relists: Relists::default(),
             served: Mutex::new((0, 0)),
             fifo,
-            transform,
             metrics,
             last_sync_resource_version: Mutex::new(String::new()),
             problem: Mutex::new(None),
@@ -172,15 +166,13 @@ impl Reflector {
             .clone()
     }
 
-    fn prepare(&self, mut obj: DynamicObject) -> ObjectRef {
-        if let Some(t) = &self.transform {
-            t(&mut obj);
-        }
+    /// Notes `obj`'s resourceVersion as the last seen.
+    fn seen(&self, obj: ObjectRef) -> ObjectRef {
         *self
             .last_sync_resource_version
             .lock()
             .unwrap_or_else(|e| e.into_inner()) = resource_version(&obj).to_owned();
-        Arc::new(CachedObject::new(&obj))
+        obj
     }
 
     /// Asks the running list+watch to start a new consistent list now (dropping a list in
@@ -225,7 +217,7 @@ impl Reflector {
                     serving = self.relists.listing_for();
                 }
                 Ok(watcher::Event::InitApply(obj)) => {
-                    let obj = self.prepare(obj);
+                    let obj = self.seen(obj);
                     listing.get_or_insert_default().push(obj);
                 }
                 Ok(watcher::Event::InitDone) => {
@@ -238,11 +230,11 @@ impl Reflector {
                 }
                 Ok(watcher::Event::Apply(obj)) => {
                     self.metrics.applied.inc();
-                    self.fifo.update(self.prepare(obj));
+                    self.fifo.update(self.seen(obj));
                 }
                 Ok(watcher::Event::Delete(obj)) => {
                     self.metrics.deleted.inc();
-                    self.fifo.delete(self.prepare(obj));
+                    self.fifo.delete(self.seen(obj));
                 }
                 Err(err) => {
                     self.metrics.watch_errors.inc();

@@ -457,8 +457,10 @@ impl Encoder {
             Some(old) if self.diff == DiffMode::Patch && trim < Trim::Patch => {
                 let patch = patch_between(old, obj);
                 if patch.is_none() {
-                    // Not reached with cached objects (valid JSON); the message still goes,
-                    // with its objects.
+                    // Only for JSON serde_json cannot parse as a value (deeper than 128
+                    // levels, a number beyond f64, a lone surrogate escape), which a list
+                    // item cached as the server wrote it could hold and no API server
+                    // writes; the message still goes, with its objects.
                     tracing::warn!(
                         key,
                         "Cannot diff the old and new object; the update goes without data.patch"
@@ -846,7 +848,7 @@ mod tests {
 
     #[test]
     fn missing_uid_is_an_error_naming_the_object() {
-        let mut o = obj("ns", "a", "1").to_dynamic();
+        let mut o = obj("ns", "a", "1").to_dynamic().unwrap();
         o.metadata.uid = None;
         let enc = Encoder::new(
             "c",

@@ -740,7 +740,9 @@ mod tests {
         }
 
         fn object(key: u8, uid: u64, rv: u64) -> ObjectRef {
-            let mut o = obj("ns", &format!("k{key}"), &rv.to_string()).to_dynamic();
+            let mut o = obj("ns", &format!("k{key}"), &rv.to_string())
+                .to_dynamic()
+                .unwrap();
             o.metadata.uid = Some(format!("u{uid}"));
             Arc::new(crate::informer::CachedObject::new(&o))
         }

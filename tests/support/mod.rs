@@ -29,7 +29,7 @@ use wait::PATIENCE;
 /// `sync ns/a v=2`, `delete ns/a v=2 final-state-unknown`.
 pub fn describe(n: &Notification) -> String {
     let v = |o: &kube_event_bridge::informer::CachedObject| {
-        o.to_dynamic().data["data"]["v"]
+        o.to_dynamic().unwrap().data["data"]["v"]
             .as_str()
             .unwrap_or("-")
             .to_owned()
