@@ -21,8 +21,8 @@
 //! problems.rs       what settings validation found, with field paths
 //! selector.rs       label selectors as kubectl takes them → kube's Selector
 //! shard.rs          shards: FNV-1a ranges of namespaces (KEP-5866), their selectors
-//! informer/         reflector, list_watch (list+watch state machine), transform, delta_fifo,
-//!                   indexer, shared_informer, listener, factory;
+//! informer/         reflector, list_watch (list+watch state machine), watch_events, transform,
+//!                   delta_fifo, indexer, shared_informer, listener, factory;
 //!                   notification.rs (Notification, EventType), object.rs (CachedObject, diffs)
 //! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,

@@ -29,7 +29,7 @@ use std::{
     },
 };
 
-use futures::{Stream, StreamExt, stream::BoxStream};
+use futures::{Stream, StreamExt};
 use kube::{
     Api,
     api::{DynamicObject, ListParams, WatchEvent, WatchParams},
@@ -38,7 +38,7 @@ use kube::{
 };
 use tokio::sync::watch;
 
-use super::{CachedObject, ObjectMetaRef, ObjectRef, transform::Transform};
+use super::{ObjectRef, transform::Transform, watch_events};
 use crate::shard::Shard;
 
 /// What the list+watch asks the server for.
@@ -139,26 +139,12 @@ impl ShardFilter {
         }
     }
 
-    fn holds(&self, obj: &impl ObjectMetaRef) -> bool {
-        self.shard.holds_namespace(obj.namespace().unwrap_or(""))
-    }
-
-    /// [`holds`](Self::holds) for a list item's JSON, read before it is cached (an item whose
+    /// Whether the object `json` is of this shard, read before it is cached (one whose
     /// namespace cannot be read counts as cluster-scoped, as a parsed one without it would).
     fn holds_json(&self, json: &str) -> bool {
-        #[derive(serde::Deserialize)]
-        struct Item<'a> {
-            #[serde(borrow)]
-            metadata: Meta<'a>,
-        }
-        #[derive(serde::Deserialize)]
-        struct Meta<'a> {
-            #[serde(borrow, default)]
-            namespace: Option<std::borrow::Cow<'a, str>>,
-        }
-        let item = serde_json::from_str::<Item>(json).ok();
-        let namespace = item.as_ref().and_then(|i| i.metadata.namespace.as_deref());
-        self.shard.holds_namespace(namespace.unwrap_or(""))
+        let (namespace, _) = watch_events::peek(json);
+        self.shard
+            .holds_namespace(namespace.as_deref().unwrap_or(""))
     }
 
     /// `request` with the shard's `shardSelector` added to its query.
@@ -310,13 +296,7 @@ impl Requests {
     }
 }
 
-type WatchStream = BoxStream<'static, kube::Result<WatchEvent<DynamicObject>>>;
-
-/// A watched object in its cached form (a watch event arrives parsed).
-fn cached(config: &ListWatchConfig, mut obj: DynamicObject) -> ObjectRef {
-    config.transform.apply(&mut obj);
-    Arc::new(CachedObject::new(&obj))
-}
+type WatchStream = watch_events::Events;
 
 enum State {
     Empty,
@@ -433,30 +413,29 @@ async fn list_page(
 }
 
 /// A watch from `rv` (with the shard's selector, if any); `initial_events` asks for the
-/// streaming list.
+/// streaming list. Its objects come cached (see [`watch_events`]).
 async fn watch(
     api: &Api<DynamicObject>,
     config: &ListWatchConfig,
     rv: &str,
     initial_events: bool,
 ) -> kube::Result<WatchStream> {
-    let Some(filter) = &config.shard else {
-        return Ok(api
-            .watch(&config.watch_params(initial_events), rv)
-            .await?
-            .boxed());
-    };
-    let request = kube::core::Request::new(api.resource_url())
+    let mut request = kube::core::Request::new(api.resource_url())
         .watch(&config.watch_params(initial_events), rv)
         .map_err(kube::Error::BuildRequest)?;
-    let mut request = filter.select(request);
+    if let Some(filter) = &config.shard {
+        request = filter.select(request);
+    }
     request.extensions_mut().insert("watch");
-    Ok(api
-        .clone()
-        .into_client()
-        .request_events::<DynamicObject>(request)
-        .await?
-        .boxed())
+    // As kube's `request_events`: Kubernetes >= 1.37 gzips watch streams one member per
+    // event, of which the client's decompression decodes only the first.
+    request.headers_mut().insert(
+        http::header::ACCEPT_ENCODING,
+        http::HeaderValue::from_static("identity"),
+    );
+    let body = api.clone().into_client().request_stream(request).await?;
+    let shard = config.shard.as_ref().map(|f| f.shard);
+    Ok(watch_events::events(body, config.transform.clone(), shard))
 }
 
 /// The next event of a watch stream, or `None` when a relist was requested first.
@@ -464,7 +443,7 @@ async fn next_or_relist(
     stream: &mut WatchStream,
     relists: &mut Requests,
     activity: &Activity,
-) -> Option<Option<kube::Result<WatchEvent<DynamicObject>>>> {
+) -> Option<Option<kube::Result<WatchEvent<ObjectRef>>>> {
     let event = tokio::select! {
         biased;
         changed = relists.rx.changed() => match changed {
@@ -589,15 +568,10 @@ async fn step(
         State::InitialWatch { mut stream } => {
             match next_or_relist(&mut stream, relists, &config.activity).await {
                 None => (None, State::Empty),
-                Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
-                    if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
-                        return (None, State::InitialWatch { stream });
-                    }
-                    (
-                        Some(Ok(Event::InitApply(cached(config, obj)))),
-                        State::InitialWatch { stream },
-                    )
-                }
+                Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => (
+                    Some(Ok(Event::InitApply(obj))),
+                    State::InitialWatch { stream },
+                ),
                 // The API server never sends these during the initial events.
                 Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream }),
                 Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
@@ -640,21 +614,14 @@ async fn step(
             match next_or_relist(&mut stream, relists, &config.activity).await {
                 None => (None, State::Empty),
                 Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
-                    let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
-                    if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
-                        return (None, State::Watching { rv, stream });
-                    }
-                    let obj = cached(config, obj);
+                    let rv = obj.resource_version().map_or(rv, str::to_owned);
                     (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
                 }
                 Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
-                    let rv = obj.metadata.resource_version.clone().unwrap_or(rv);
-                    if config.shard.as_ref().is_some_and(|f| !f.holds(&obj)) {
-                        return (None, State::Watching { rv, stream });
-                    }
-                    let obj = cached(config, obj);
+                    let rv = obj.resource_version().map_or(rv, str::to_owned);
                     (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
                 }
+                // A bookmark, or an event of another shard (see `watch_events`).
                 Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (
                     None,
                     State::Watching {

@@ -20,6 +20,7 @@ pub mod object;
 pub mod reflector;
 pub mod shared_informer;
 pub mod transform;
+pub mod watch_events;
 
 use std::sync::Arc;
 

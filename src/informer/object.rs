@@ -1,7 +1,6 @@
 //! What the cache holds of an object: its compact JSON after the transform (managedFields
-//! stripped, Secrets redacted; a list item's other members as the server wrote them, a watched
-//! object's as serde writes them), and the few parsed fields that keys, indices, ids, stubs and
-//! selectors need. Messages splice the JSON into their envelope instead of serializing a
+//! stripped, Secrets redacted, every other member as the server wrote it), and the few parsed
+//! fields that keys, indices, ids, stubs and selectors need. Messages splice the JSON into their envelope instead of serializing a
 //! `serde_json::Value` tree per message, and a cached object costs about its JSON size instead
 //! of the several times more a `Value` tree takes. Whatever needs the whole object parses the
 //! JSON on demand ([`CachedObject::to_dynamic`]).
@@ -199,10 +198,9 @@ impl ObjectMetaRef for DynamicObject {
 
 /// `old` and `new` reduced to the top-level fields whose JSON differs, parsed: an update
 /// usually changes one or two (`metadata`, `status`), and the rest need not be parsed to be
-/// diffed or compared. Equal text means equal values; different text may still be equal
-/// values (a list item keeps the server's member order and escapes, a watched object is
-/// written by serde), which are then compared parsed: after a relist, an object's first
-/// update parses more of it.
+/// diffed or compared. Equal text means equal values. Different text may still be equal
+/// values (an object that took the parsed path is written by serde, not as the server wrote
+/// it), which are then compared parsed.
 pub fn differing_fields(
     old: &CachedObject,
     new: &CachedObject,

@@ -4,21 +4,21 @@
 //! redacted data never sits in memory and stripped fields cost nothing.
 //!
 //! One meaning, two forms:
-//! - [`Transform::cache`] goes straight from the JSON the API server sent (a list item) to the
-//!   cached form. It parses only what it may change: the object's top level, `metadata`, and
+//! - [`Transform::cache`] goes straight from the JSON the API server sent (a list item, a
+//!   watch event's object) to the cached form. It parses only what it may change: the object's top level, `metadata`, and
 //!   for a Secret `data`, `stringData` and `annotations`. Every other value is copied as the
 //!   server wrote it, so there is no `serde_json::Value` tree and nothing is serialized again.
 //!   Input that is not compact (a server asked for `pretty`) or is odd (no `metadata`, or one
 //!   that is not an object; a non-string type; an identifying field escaped, not a string or
 //!   given twice) takes the parsed form below, which decides as before and names what is wrong.
-//! - [`Transform::apply`] rewrites a parsed [`DynamicObject`] (watch events arrive parsed).
+//! - [`Transform::apply`] rewrites a parsed [`DynamicObject`].
 //!
 //! The two agree on the values of every object the parsed form reads, which tests check
 //! (random objects included); the order of members may differ (the server's, or
 //! `DynamicObject`'s), and `metadata` members `ObjectMeta` does not know are kept. The bytes
 //! form does not check what it copies beyond its being JSON: a list item the parsed form
 //! refuses for a value no API server writes (a label that is not a string, a number beyond
-//! `f64`) is cached as sent rather than failing its whole list.
+//! `f64`) is cached as sent rather than failing its whole list or its watch event.
 
 use std::borrow::Cow;
 
