@@ -427,8 +427,8 @@ async fn watch(
         request = filter.select(request);
     }
     request.extensions_mut().insert("watch");
-    // As kube's `request_events`: Kubernetes >= 1.37 gzips watch streams one member per
-    // event, of which the client's decompression decodes only the first.
+    // As kube's `request_events` asks: Kubernetes >= 1.37 gzips a compressed watch one
+    // member per event, which a decompression layer may not decode.
     request.headers_mut().insert(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),

@@ -66,7 +66,7 @@ pub struct ReflectorMetrics {
 }
 
 /// Whether `err` is a read that timed out: the client's stall timeout on a silent watch.
-fn is_stall(err: &watcher::Error) -> bool {
+pub(crate) fn is_stall(err: &watcher::Error) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
     while let Some(e) = source {
         if e.downcast_ref::<std::io::Error>()

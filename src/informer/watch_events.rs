@@ -3,17 +3,19 @@
 //! [`Transform::cache`] (no `DynamicObject` tree), as list items do, so an object cached from
 //! a watch is byte for byte what a list would have cached.
 //!
-//! What kube's `Client::request_events` does, it does too: a line that is not an event but a
-//! `Status` is that API error; a truncated last line is dropped; a stream that ends with an
-//! unexpected EOF (the server or a proxy cut it) ends cleanly, so the watch is started again;
-//! any other read error (a stall's read timeout included) is `ReadEvents`. Unlike kube, the
-//! members of a line may come in any order.
+//! The rules are kube's `Client::request_events`: a line that is not an event but a `Status`
+//! is that API error; a truncated last line is dropped; a stream that ends with an unexpected
+//! EOF (the server or a proxy cut it) ends quietly, so the watch is started again from its
+//! last resourceVersion; any other read error (a stall's read timeout included) and a line
+//! that is not UTF-8 are one `ReadEvents` error, and the stream ends there too (as kube's
+//! line reader does). A line that does not decode is an error that names why (kube reports an
+//! empty `Status`), and the watch goes on. Lines are read into one buffer, reused.
 //!
 //! With a shard the server does not select, an object of another shard is not cached at all:
 //! its line becomes a bookmark at its resourceVersion, which moves the watch on exactly as the
 //! skipped event would have.
 
-use std::{borrow::Cow, sync::Arc};
+use std::{borrow::Cow, io, sync::Arc};
 
 use futures::{AsyncBufRead, AsyncBufReadExt, StreamExt, stream::BoxStream};
 use kube::core::{
@@ -35,19 +37,55 @@ pub fn events(
     transform: Transform,
     shard: Option<Shard>,
 ) -> Events {
-    body.lines()
-        .filter_map(move |line| {
-            let event = match line {
-                Ok(line) => decode(&line, &transform, shard.as_ref()),
-                Err(e) if ended(&e) => {
-                    tracing::debug!(error = %e, "Watch stream cut; it is started again");
-                    None
-                }
-                Err(e) => Some(Err(kube::Error::ReadEvents(e))),
+    let reader = Reader {
+        body,
+        line: Vec::new(),
+        transform,
+        shard,
+        failed: false,
+    };
+    futures::stream::unfold(reader, |mut r| async move {
+        let event = r.next().await?;
+        Some((event, r))
+    })
+    .boxed()
+}
+
+/// The state of [`events`] (kept across polls, so a read dropped half-way loses nothing).
+struct Reader<R> {
+    body: R,
+    line: Vec<u8>,
+    transform: Transform,
+    shard: Option<Shard>,
+    failed: bool,
+}
+
+impl<R: AsyncBufRead + Unpin> Reader<R> {
+    async fn next(&mut self) -> Option<kube::Result<WatchEvent<ObjectRef>>> {
+        while !self.failed {
+            self.line.clear();
+            let read = self.body.read_until(b'\n', &mut self.line).await;
+            let error = match read {
+                Ok(0) => return None,
+                Ok(_) => match std::str::from_utf8(self.line.trim_ascii_end()) {
+                    Ok("") => continue,
+                    Ok(line) => match decode(line, &self.transform, self.shard.as_ref()) {
+                        Some(event) => return Some(event),
+                        None => continue,
+                    },
+                    Err(e) => io::Error::new(io::ErrorKind::InvalidData, e),
+                },
+                Err(e) => e,
             };
-            futures::future::ready(event)
-        })
-        .boxed()
+            self.failed = true;
+            if ended(&error) {
+                tracing::debug!(%error, "Watch stream cut; it is started again");
+                return None;
+            }
+            return Some(Err(kube::Error::ReadEvents(error)));
+        }
+        None
+    }
 }
 
 /// Whether a read error is the stream's end: an unexpected EOF anywhere in its chain, or
@@ -102,6 +140,7 @@ fn decode(
             if let Some(shard) = shard {
                 let (namespace, rv) = peek(object);
                 if !shard.holds_namespace(namespace.as_deref().unwrap_or("")) {
+                    let rv = rv.filter(|rv| !rv.is_empty());
                     return rv.map(|rv| Ok(skipped(rv.into_owned())));
                 }
             }
@@ -146,11 +185,17 @@ pub fn peek(json: &str) -> (Option<Cow<'_, str>>, Option<Cow<'_, str>>) {
     struct Meta<'a> {
         #[serde(borrow, default)]
         namespace: Option<Cow<'a, str>>,
+        // Read on its own: one that is not a string leaves the namespace readable.
         #[serde(borrow, default, rename = "resourceVersion")]
-        resource_version: Option<Cow<'a, str>>,
+        resource_version: Option<&'a RawValue>,
     }
     match serde_json::from_str::<Item>(json) {
-        Ok(Item { metadata: m }) => (m.namespace, m.resource_version),
+        Ok(Item { metadata: m }) => {
+            let rv = m
+                .resource_version
+                .and_then(|rv| serde_json::from_str(rv.get()).ok());
+            (m.namespace, rv)
+        }
         Err(_) => (None, None),
     }
 }
@@ -207,7 +252,7 @@ mod tests {
     }
 
     #[test]
-    fn bookmarks_errors_and_bad_lines_read_as_kube_reads_them() {
+    fn bookmarks_errors_and_bad_lines_are_events_or_errors_that_say_why() {
         let bookmark = r#"{"type":"BOOKMARK","object":{"kind":"ConfigMap","apiVersion":"v1","metadata":{"resourceVersion":"9","annotations":{"k8s.io/initial-events-end":"true"}}}}"#;
         let Some(Ok(WatchEvent::Bookmark(bm))) = decoded(bookmark, None) else {
             panic!("a bookmark");
@@ -257,28 +302,118 @@ mod tests {
         };
         assert_eq!(bm.metadata.resource_version, "7");
         assert!(bm.metadata.annotations.is_empty());
-        // Without a resourceVersion there is nothing to move to.
+        // Without a resourceVersion (or an empty one) there is nothing to move to.
         let bare = r#"{"type":"ADDED","object":{"metadata":{"name":"a","namespace":"ns"}}}"#;
         assert!(decoded(bare, Some(&other)).is_none());
+        let empty =
+            r#"{"type":"ADDED","object":{"metadata":{"namespace":"ns","resourceVersion":""}}}"#;
+        assert!(decoded(empty, Some(&other)).is_none());
+        // A resourceVersion that is not a string leaves the namespace readable.
+        let odd =
+            r#"{"type":"ADDED","object":{"metadata":{"namespace":"ns","resourceVersion":5}}}"#;
+        assert!(decoded(odd, Some(&other)).is_none());
+    }
+
+    /// The events of a body of `chunks`, read as the client reads a response.
+    async fn read(
+        chunks: Vec<io::Result<&'static [u8]>>,
+    ) -> Vec<kube::Result<WatchEvent<ObjectRef>>> {
+        use futures::TryStreamExt;
+        let body = futures::stream::iter(chunks).into_async_read();
+        events(body, configmaps(), None).collect().await
+    }
+
+    fn line(kind: &str) -> &'static [u8] {
+        format!("{{\"type\":\"{kind}\",\"object\":{OBJECT}}}\n")
+            .leak()
+            .as_bytes()
+    }
+
+    /// An error as hyper's body hands it through kube's client: wrapped twice.
+    fn body_error(kind: io::ErrorKind) -> io::Error {
+        io::Error::other(kube::Error::Service(Box::new(io::Error::new(kind, "read"))))
     }
 
     #[tokio::test]
-    async fn a_stream_ends_at_a_cut_and_fails_on_other_read_errors() {
-        let line = format!("{{\"type\":\"ADDED\",\"object\":{OBJECT}}}\n");
-        // Two events, then a last line cut short: two events and the end.
-        let body = format!("{line}{line}{{\"type\":\"ADD");
-        let got: Vec<_> = events(
-            futures::io::Cursor::new(body.into_bytes()),
-            configmaps(),
-            None,
-        )
-        .collect()
+    async fn a_stream_reads_lines_across_chunks_and_skips_blank_ones() {
+        let added = line("ADDED");
+        let status = br#"{"kind":"Status","apiVersion":"v1","status":"Failure","reason":"Expired","code":410}"#;
+        let got = read(vec![
+            Ok(&added[..10]),
+            Ok(&added[10..]),
+            Ok(b"\r\n\n"),
+            Ok(status),
+            Ok(b"\r\n"),
+            Ok(line("DELETED")),
+            // The last line cut short: dropped.
+            Ok(br#"{"type":"ADDED","obj"#),
+        ])
         .await;
-        assert_eq!(got.len(), 2);
-        assert!(got.iter().all(|e| matches!(e, Ok(WatchEvent::Added(_)))));
-        let cut = std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "cut");
-        assert!(ended(&std::io::Error::other(cut)));
-        let timeout = std::io::Error::new(std::io::ErrorKind::TimedOut, "read timed out");
-        assert!(!ended(&std::io::Error::other(timeout)));
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(matches!(&got[0], Ok(WatchEvent::Added(_))));
+        assert!(matches!(&got[1], Err(kube::Error::Api(s)) if s.code == 410));
+        assert!(matches!(&got[2], Ok(WatchEvent::Deleted(_))));
+    }
+
+    #[tokio::test]
+    async fn a_cut_ends_the_stream_quietly_and_other_read_errors_end_it_with_one_error() {
+        let added = line("ADDED");
+        // Cut in the middle of a line: the events before it, then the end.
+        let got = read(vec![
+            Ok(added),
+            Ok(&added[..20]),
+            Err(body_error(io::ErrorKind::UnexpectedEof)),
+            Ok(added),
+        ])
+        .await;
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(matches!(&got[0], Ok(WatchEvent::Added(_))));
+        // A stall's read timeout: one error the reflector counts as a stall, then the end.
+        let got = read(vec![
+            Ok(added),
+            Err(body_error(io::ErrorKind::TimedOut)),
+            Ok(added),
+        ])
+        .await;
+        assert_eq!(got.len(), 2, "{got:?}");
+        let Err(e) = got.into_iter().nth(1).unwrap() else {
+            panic!("an error");
+        };
+        let e = kube::runtime::watcher::Error::WatchFailed(e);
+        assert!(crate::informer::reflector::is_stall(&e), "{e:?}");
+        // A line that is not UTF-8: one error, then the end (as kube's line reader).
+        let got = read(vec![Ok(b"{\"type\":\"\xff\"}\n"), Ok(added)]).await;
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(
+            matches!(&got[0], Err(kube::Error::ReadEvents(e)) if e.kind() == io::ErrorKind::InvalidData)
+        );
+    }
+
+    #[test]
+    fn a_watched_secret_is_redacted_and_a_pretty_object_is_cached_compact() {
+        let secrets = Transform::new(
+            TypeMeta {
+                api_version: "v1".into(),
+                kind: "Secret".into(),
+            },
+            true,
+            true,
+        );
+        let line = r#"{"type":"ADDED","object":{"metadata":{"name":"s","annotations":{"kubectl.kubernetes.io/last-applied-configuration":"{\"data\":{\"p\":\"aHVudGVy\"}}"}},"data":{"p":"aHVudGVy"},"stringData":{"t":"t0p"}}}"#;
+        let Some(Ok(WatchEvent::Added(obj))) = decode(line, &secrets, None) else {
+            panic!("an add");
+        };
+        let json = obj.json().get();
+        assert!(
+            !json.contains("aHVudGVy") && !json.contains("t0p"),
+            "{json}"
+        );
+        assert!(json.contains(r#""p":"<redacted>""#), "{json}");
+        let pretty = "{\"type\":\"ADDED\",\"object\":{\"metadata\": {\"name\": \"p\", \"resourceVersion\": \"3\"}}}";
+        let Some(Ok(WatchEvent::Added(obj))) = decoded(pretty, None) else {
+            panic!("an add");
+        };
+        assert!(!obj.json().get().contains(' '), "{}", obj.json().get());
+        assert_eq!(obj.resource_version(), Some("3"));
     }
 }
