@@ -106,16 +106,20 @@ struct HistoryEvent {
     obj: Value,
 }
 
+/// A paged list's objects, as of its first page.
+type Snapshot = Arc<Vec<Arc<Value>>>;
+
 #[derive(Default)]
 struct Store {
     rv: u64,
     compacted: u64,
     next_uid: u64,
-    // (resource index, namespace, name) → object
-    objects: BTreeMap<(usize, String, String), Value>,
+    // (resource index, namespace, name) → object (shared, so that a list's snapshot costs a
+    // pointer per object, not a copy)
+    objects: BTreeMap<(usize, String, String), Arc<Value>>,
     history: Vec<HistoryEvent>,
     // Shared, so that each continue page costs its own size, not the whole list's.
-    snapshots: HashMap<u64, (u64, Arc<Vec<Value>>)>,
+    snapshots: HashMap<u64, (u64, Snapshot)>,
     next_snapshot: u64,
 }
 
@@ -154,7 +158,7 @@ struct Faults {
 #[derive(Clone)]
 pub struct Backup {
     rv: u64,
-    objects: BTreeMap<(usize, String, String), Value>,
+    objects: BTreeMap<(usize, String, String), Arc<Value>>,
 }
 
 /// Requests seen per collection path.
@@ -315,10 +319,12 @@ impl ApiServer {
             ""
         };
         let mut store = self.shared.store.lock().unwrap();
-        let mut obj = store
-            .objects
-            .remove(&(res, ns.to_owned(), name.to_owned()))
-            .unwrap_or_else(|| panic!("{namespace}/{name} does not exist"));
+        let mut obj = Arc::unwrap_or_clone(
+            store
+                .objects
+                .remove(&(res, ns.to_owned(), name.to_owned()))
+                .unwrap_or_else(|| panic!("{namespace}/{name} does not exist")),
+        );
         store.rv += 1;
         obj["metadata"]["resourceVersion"] = json!(store.rv.to_string());
         let ev = HistoryEvent {
@@ -577,7 +583,7 @@ impl ApiServer {
         let mut store = self.shared.store.lock().unwrap();
         for ((r, _, _), obj) in store.objects.iter_mut() {
             if *r == res {
-                obj["apiVersion"] = json!(api_version);
+                Arc::make_mut(obj)["apiVersion"] = json!(api_version);
             }
         }
     }
@@ -628,7 +634,7 @@ impl ApiServer {
             .unwrap()
             .objects
             .get(&(res, ns.to_owned(), name.to_owned()))
-            .cloned()
+            .map(|o| Value::clone(o))
     }
 
     /// The holder of the Lease `kube-system/kube-event-bridge` (the default leader election
@@ -737,7 +743,7 @@ impl Shared {
             .to_owned();
         let mut store = self.store.lock().unwrap();
         let key = (res, ns.clone(), name.clone());
-        let old = store.objects.get(&key).cloned();
+        let old = store.objects.get(&key).map(|o| Value::clone(o));
         match (ty, &old) {
             ("ADDED", Some(_)) => {
                 return Err((
@@ -785,7 +791,7 @@ impl Shared {
         meta.insert("uid".into(), uid);
         meta.entry("creationTimestamp")
             .or_insert(json!("2026-01-01T00:00:00Z"));
-        store.objects.insert(key, obj.clone());
+        store.objects.insert(key, Arc::new(obj.clone()));
         let ev = HistoryEvent {
             rv,
             resource: res,
@@ -1372,15 +1378,18 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
             Some(b) => (b.rv, &b.objects),
             None => (store.rv, &store.objects),
         };
-        let items: Vec<Value> = objects
+        let items: Vec<Arc<Value>> = objects
             .iter()
             .filter(|((res, _, _), obj)| filter.matches(*res, obj))
-            .map(|(_, obj)| list_item(&def, obj))
+            .map(|(_, obj)| Arc::clone(obj))
             .collect();
         (rv, Arc::new(items), 0)
     };
     let end = limit.map_or(items.len(), |l| (offset + l).min(items.len()));
-    let page: Vec<Value> = items[offset.min(items.len())..end].to_vec();
+    let page: Vec<Value> = items[offset.min(items.len())..end]
+        .iter()
+        .map(|obj| list_item(&def, obj))
+        .collect();
     let mut metadata = json!({"resourceVersion": snapshot_rv.to_string()});
     if filter.shard.is_some() {
         metadata["shardInfo"] = json!({"selector": q.get("shardSelector")});
