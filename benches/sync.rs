@@ -19,6 +19,11 @@
 //! A bridge side's round also prints when its list was complete (the reflector's `listed`
 //! count), the rest being the informer handing the adds on.
 //!
+//! Last, the decoding alone, on one thread: OBJECTS watch lines (`MODIFIED`, the same
+//! objects) turned into cached objects from their bytes (`watch_events::events`, what the
+//! informer does) and through a parsed `DynamicObject` (kube's `WatchEvent`, the transform,
+//! `CachedObject::new`: what it did before), microseconds per event, median of the rounds.
+//!
 //! `cargo bench --bench sync [-- OBJECTS [PAGE_SIZE]]` (default 100000, 500); `BENCH_ONLY=paged`
 //! (any part of a bridge side's name) runs only the matching bridge side beside the reads.
 
@@ -42,7 +47,7 @@ use kube_event_bridge::{
     config::MessageConfig,
     informer::{
         EventType, InformerKey, Notification, NotificationHandler, ProcessorListener,
-        SharedInformerFactory, factory::WatchOptions,
+        SharedInformerFactory, factory::WatchOptions, watch_events,
     },
     message::object_transform,
     metrics::Metrics,
@@ -159,7 +164,59 @@ fn main() {
         "ratio bridge streaming / read streaming {:.2}",
         median("bridge streaming") / median("read streaming")
     );
+    decode_costs(objects);
     drop(server_rt);
+}
+
+/// See the module docs.
+fn decode_costs(objects: usize) {
+    use futures::StreamExt;
+    use kube::api::{DynamicObject, WatchEvent};
+    let transform = object_transform(&configmaps(), &MessageConfig::default());
+    let mut body = String::new();
+    for i in 0..objects {
+        let line =
+            serde_json::json!({"type": "MODIFIED", "object": typed(&realistic_configmap(i))});
+        body += &line.to_string();
+        body.push('\n');
+    }
+    let rt = runtime("decode");
+    let (mut parsed, mut bytes) = (Vec::new(), Vec::new());
+    for _ in 0..runs() {
+        let started = Instant::now();
+        let mut n = 0;
+        for line in body.lines() {
+            let Ok(WatchEvent::Modified(mut obj)) =
+                serde_json::from_str::<WatchEvent<DynamicObject>>(line)
+            else {
+                panic!("a MODIFIED event");
+            };
+            transform.apply(&mut obj);
+            n += kube_event_bridge::informer::CachedObject::new(&obj)
+                .json()
+                .get()
+                .len()
+                .min(1);
+        }
+        parsed.push(started.elapsed().as_secs_f64() * 1e6 / n as f64);
+        let reader = futures::io::Cursor::new(body.clone().into_bytes());
+        let started = Instant::now();
+        let n = rt.block_on(async {
+            watch_events::events(reader, transform.clone(), None)
+                .filter(|e| std::future::ready(matches!(e, Ok(WatchEvent::Modified(_)))))
+                .count()
+                .await
+        });
+        assert_eq!(n, objects);
+        bytes.push(started.elapsed().as_secs_f64() * 1e6 / n as f64);
+    }
+    let (parsed, bytes) = (median(parsed), median(bytes));
+    println!(
+        "decode {objects} watch events ({:.0} B per line): parsed {parsed:.2} µs/event, \
+         from bytes {bytes:.2} µs/event ({:.1}x)",
+        body.len() as f64 / objects.max(1) as f64,
+        parsed / bytes
+    );
 }
 
 /// A runtime of 2 threads named `name` (to tell them apart in a profile).

@@ -38,8 +38,6 @@ const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
 #[derive(Debug, Clone, Default)]
 pub struct Transform {
     types: Option<TypeMeta>,
-    /// `"apiVersion":…,"kind":…`, escaped once.
-    types_json: String,
     strip_managed_fields: bool,
     redact: bool,
 }
@@ -48,14 +46,8 @@ impl Transform {
     /// Restores `types` where an object lacks them; strips `managedFields` if asked; redacts
     /// `data`, `stringData` and the last-applied annotation if `redact` (for Secrets).
     pub fn new(types: TypeMeta, strip_managed_fields: bool, redact: bool) -> Self {
-        let types_json = format!(
-            "\"apiVersion\":{},\"kind\":{}",
-            serde_json::Value::from(types.api_version.as_str()),
-            serde_json::Value::from(types.kind.as_str())
-        );
         Self {
             types: Some(types),
-            types_json,
             strip_managed_fields,
             redact,
         }
@@ -80,7 +72,7 @@ impl Transform {
         let cached = is_compact(json.as_bytes())
             .then(|| self.write(json))
             .flatten()
-            .and_then(|out| RawValue::from_string(out).ok())
+            .and_then(|out| serde_json::value::to_raw_value(&out).ok())
             .and_then(CachedObject::from_json);
         if let Some(cached) = cached {
             return Ok(cached);
@@ -91,7 +83,7 @@ impl Transform {
     }
 
     /// The transformed copy of compact `json`, or `None` where the parsed form must decide.
-    fn write(&self, json: &str) -> Option<String> {
+    fn write<'a>(&'a self, json: &'a str) -> Option<Object<'a>> {
         let top: Members = serde_json::from_str(json).ok()?;
         let string = |name: &str| {
             top.get(name)
@@ -107,60 +99,76 @@ impl Transform {
         } && self.types.is_some();
         // Without `metadata`, the parsed form writes an empty one.
         top.get("metadata")?;
-        let mut out = String::with_capacity(json.len() + self.types_json.len());
-        out.push('{');
-        if restore {
-            out.push_str(&self.types_json);
+        let mut out = Vec::with_capacity(top.0.len() + 2);
+        if let Some(types) = self.types.as_ref().filter(|_| restore) {
+            out.push((Cow::Borrowed("apiVersion"), Piece::Str(&types.api_version)));
+            out.push((Cow::Borrowed("kind"), Piece::Str(&types.kind)));
         }
-        for (key, value) in &top.0 {
-            let key = key.as_ref();
-            if restore && (key == "apiVersion" || key == "kind") {
-                continue;
-            }
-            let rewrite = match key {
+        for (key, value) in top.0 {
+            let piece = match key.as_ref() {
+                "apiVersion" | "kind" if restore => continue,
                 // Not an object: the parsed form refuses it.
                 "metadata" if !value.get().starts_with('{') => return None,
-                "metadata" => self.strip_managed_fields || self.redact,
-                "data" | "stringData" => self.redact && value.get().starts_with('{'),
-                _ => false,
+                "metadata" if self.strip_managed_fields || self.redact => self.metadata(value)?,
+                "data" | "stringData" if self.redact && value.get().starts_with('{') => {
+                    redacted(value)?
+                }
+                _ => Piece::Raw(value),
             };
-            member(&mut out, key);
-            if !rewrite {
-                out.push_str(value.get());
-            } else if key == "metadata" {
-                self.write_metadata(&mut out, value)?;
-            } else {
-                redact_values(&mut out, value)?;
-            }
+            out.push((key, piece));
         }
-        out.push('}');
-        Some(out)
+        Some(Object(out))
     }
 
-    fn write_metadata(&self, out: &mut String, metadata: &RawValue) -> Option<()> {
+    fn metadata<'a>(&self, metadata: &'a RawValue) -> Option<Piece<'a>> {
         let members: Members = serde_json::from_str(metadata.get()).ok()?;
-        out.push('{');
-        for (key, value) in &members.0 {
-            let key = key.as_ref();
+        let mut out = Vec::with_capacity(members.0.len());
+        for (key, value) in members.0 {
             // `ObjectMeta` drops nulls.
             if self.strip_managed_fields && key == "managedFields" || value.get() == "null" {
                 continue;
             }
-            member(out, key);
-            if self.redact && key == "annotations" && value.get().starts_with('{') {
+            let piece = if self.redact && key == "annotations" && value.get().starts_with('{') {
                 let annotations: Members = serde_json::from_str(value.get()).ok()?;
-                out.push('{');
-                for (key, value) in annotations.0.iter().filter(|(k, _)| k != LAST_APPLIED) {
-                    member(out, key);
-                    out.push_str(value.get());
-                }
-                out.push('}');
+                let kept = annotations.0.into_iter().filter(|(k, _)| k != LAST_APPLIED);
+                Piece::Object(Object(kept.map(|(k, v)| (k, Piece::Raw(v))).collect()))
             } else {
-                out.push_str(value.get());
-            }
+                Piece::Raw(value)
+            };
+            out.push((key, piece));
         }
-        out.push('}');
-        Some(())
+        Some(Piece::Object(Object(out)))
+    }
+}
+
+/// An object to write: members in order, each copied or rewritten. `serde_json` writes it
+/// (compact, keys escaped, copied values verbatim) without parsing the result again.
+struct Object<'a>(Vec<(Cow<'a, str>, Piece<'a>)>);
+
+enum Piece<'a> {
+    Raw(&'a RawValue),
+    Str(&'a str),
+    Object(Object<'a>),
+}
+
+impl serde::Serialize for Object<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (key, value) in &self.0 {
+            map.serialize_entry(key.as_ref(), value)?;
+        }
+        map.end()
+    }
+}
+
+impl serde::Serialize for Piece<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Piece::Raw(raw) => raw.serialize(s),
+            Piece::Str(text) => s.serialize_str(text),
+            Piece::Object(object) => object.serialize(s),
+        }
     }
 }
 
@@ -180,33 +188,14 @@ pub fn redact_secret(obj: &mut DynamicObject) {
     }
 }
 
-/// Writes `{"k":"<redacted>",…}` for the members of the object `values`.
-fn redact_values(out: &mut String, values: &RawValue) -> Option<()> {
+/// `{"k":"<redacted>",…}` for the members of the object `values`.
+fn redacted(values: &RawValue) -> Option<Piece<'_>> {
     let members: Members = serde_json::from_str(values.get()).ok()?;
-    out.push('{');
-    for (key, _) in &members.0 {
-        member(out, key);
-        out.push('"');
-        out.push_str(REDACTED);
-        out.push('"');
-    }
-    out.push('}');
-    Some(())
-}
-
-/// Writes `,"key":` (without the comma after `{`).
-fn member(out: &mut String, key: &str) {
-    if !out.ends_with('{') {
-        out.push(',');
-    }
-    if key.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20) {
-        out.push_str(&serde_json::Value::from(key).to_string());
-    } else {
-        out.push('"');
-        out.push_str(key);
-        out.push('"');
-    }
-    out.push(':');
+    let out = members
+        .0
+        .into_iter()
+        .map(|(key, _)| (key, Piece::Str(REDACTED)));
+    Some(Piece::Object(Object(out.collect())))
 }
 
 /// Whether `json` has no whitespace outside its strings (what the API server writes).
