@@ -302,7 +302,8 @@ fn shards_shows_where_namespaces_fall_and_the_balance() {
     assert_eq!(bad.status.code(), Some(2));
 }
 
-/// Runs the default config until its first published line, standard error to a file, with
+/// Runs the default config until its first published line and its "Started" log line (a
+/// fast first list can publish before startup is logged), standard error to a file, with
 /// `KEB_LOG__FORMAT=format` when given; returns the log.
 async fn log_of_a_short_run(format: Option<&str>) -> String {
     let server = ApiServer::start().await;
@@ -329,6 +330,10 @@ async fn log_of_a_short_run(format: Option<&str>) -> String {
         .await
         .expect("a published line in time")
         .unwrap();
+    support::wait::until("the Started log line", PATIENCE, async || {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("Started"))
+    })
+    .await;
     Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()

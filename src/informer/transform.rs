@@ -85,6 +85,11 @@ impl Transform {
     /// The transformed copy of compact `json`, or `None` where the parsed form must decide.
     fn write<'a>(&'a self, json: &'a str) -> Option<Object<'a>> {
         let top: Members = serde_json::from_str(json).ok()?;
+        // A member given twice: the parsed form decides (its types and `ObjectMeta` do not
+        // take the first one, as `get` would).
+        if top.has_duplicates() {
+            return None;
+        }
         let string = |name: &str| {
             top.get(name)
                 .map(|v| serde_json::from_str::<Cow<'_, str>>(v.get()).ok())
@@ -122,6 +127,9 @@ impl Transform {
 
     fn metadata<'a>(&self, metadata: &'a RawValue) -> Option<Piece<'a>> {
         let members: Members = serde_json::from_str(metadata.get()).ok()?;
+        if members.has_duplicates() {
+            return None;
+        }
         let mut out = Vec::with_capacity(members.0.len());
         for (key, value) in members.0 {
             // `ObjectMeta` drops nulls.
@@ -235,6 +243,12 @@ impl Members<'_> {
     fn get(&self, key: &str) -> Option<&RawValue> {
         self.0.iter().find(|(k, _)| k == key).map(|(_, v)| *v)
     }
+
+    /// Whether a key is given twice (no API server writes one; objects have few members).
+    fn has_duplicates(&self) -> bool {
+        let keys = &self.0;
+        (1..keys.len()).any(|i| keys[..i].iter().any(|(k, _)| *k == keys[i].0))
+    }
 }
 
 impl<'de> Deserialize<'de> for Members<'de> {
@@ -316,7 +330,7 @@ mod tests {
         serde_json::from_str(cached.json().get()).unwrap()
     }
 
-    const OBJECTS: [&str; 11] = [
+    const OBJECTS: [&str; 13] = [
         // A list item of a built-in type: no types; managedFields; escapes in keys and values.
         r#"{"metadata":{"name":"a","namespace":"ns","uid":"u","resourceVersion":"7","managedFields":[{"manager":"x","fieldsV1":{"f:data":{}}}],"labels":{"k\"q":"v\\"}},"data":{"é\n":"v \" \u00e9","x":"a b"}}"#,
         // A Secret as a watch sends it: types present, data in clear in three places.
@@ -337,6 +351,8 @@ mod tests {
         r#"{"kind":5,"metadata":{"name":"k"}}"#,
         r#"{"data":{}}"#,
         r#"{"metadata":{"name":"a","name":"b"}}"#,
+        r#"{"metadata":{"name":"b","name":null,"labels":{"a":"b"},"labels":null}}"#,
+        r#"{"apiVersion":"v1","kind":"A","kind":"B","metadata":{"name":"k"}}"#,
     ];
 
     #[test]
