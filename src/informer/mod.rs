@@ -71,4 +71,14 @@ pub(crate) mod testing {
         o.metadata.uid = Some(format!("uid-{ns}-{name}"));
         Arc::new(CachedObject::new(&o))
     }
+
+    /// The transform of a core `v1` kind: types restored, managedFields stripped, data
+    /// redacted if `redact`.
+    pub fn transform(kind: &str, redact: bool) -> Transform {
+        let types = kube::api::TypeMeta {
+            api_version: "v1".into(),
+            kind: kind.into(),
+        };
+        Transform::new(types, true, redact)
+    }
 }

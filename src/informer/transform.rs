@@ -296,27 +296,14 @@ impl<'de> Deserialize<'de> for Key<'de> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::informer::testing::transform;
 
     fn configmaps() -> Transform {
-        Transform::new(
-            TypeMeta {
-                api_version: "v1".into(),
-                kind: "ConfigMap".into(),
-            },
-            true,
-            false,
-        )
+        transform("ConfigMap", false)
     }
 
     fn secrets() -> Transform {
-        Transform::new(
-            TypeMeta {
-                api_version: "v1".into(),
-                kind: "Secret".into(),
-            },
-            true,
-            true,
-        )
+        transform("Secret", true)
     }
 
     /// What the parsed form caches for `json`.

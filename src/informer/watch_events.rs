@@ -203,17 +203,10 @@ pub fn peek(json: &str) -> (Option<Cow<'_, str>>, Option<Cow<'_, str>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::informer::ObjectMetaRef;
+    use crate::informer::{ObjectMetaRef, testing::transform};
 
     fn configmaps() -> Transform {
-        Transform::new(
-            TypeMeta {
-                api_version: "v1".into(),
-                kind: "ConfigMap".into(),
-            },
-            true,
-            false,
-        )
+        transform("ConfigMap", false)
     }
 
     const OBJECT: &str = r#"{"metadata":{"name":"a","namespace":"ns","resourceVersion":"7","managedFields":[{}]},"data":{"k":"v"}}"#;
@@ -391,14 +384,7 @@ mod tests {
 
     #[test]
     fn a_watched_secret_is_redacted_and_a_pretty_object_is_cached_compact() {
-        let secrets = Transform::new(
-            TypeMeta {
-                api_version: "v1".into(),
-                kind: "Secret".into(),
-            },
-            true,
-            true,
-        );
+        let secrets = transform("Secret", true);
         let line = r#"{"type":"ADDED","object":{"metadata":{"name":"s","annotations":{"kubectl.kubernetes.io/last-applied-configuration":"{\"data\":{\"p\":\"aHVudGVy\"}}"}},"data":{"p":"aHVudGVy"},"stringData":{"t":"t0p"}}}"#;
         let Some(Ok(WatchEvent::Added(obj))) = decode(line, &secrets, None) else {
             panic!("an add");
