@@ -139,12 +139,9 @@ impl ShardFilter {
         }
     }
 
-    /// Whether the object `json` is of this shard, read before it is cached (one whose
-    /// namespace cannot be read counts as cluster-scoped, as a parsed one without it would).
-    fn holds_json(&self, json: &str) -> bool {
-        let (namespace, _) = watch_events::peek(json);
-        self.shard
-            .holds_namespace(namespace.as_deref().unwrap_or(""))
+    /// Whether an object with `namespace` (none: cluster-scoped) is of this shard.
+    fn holds(&self, namespace: Option<&str>) -> bool {
+        self.shard.holds_namespace(namespace.unwrap_or(""))
     }
 
     /// `request` with the shard's `shardSelector` added to its query.
@@ -391,12 +388,13 @@ async fn list_page(
     let text = api.clone().into_client().request_text(request).await?;
     let page: ListPageJson = serde_json::from_str(&text).map_err(kube::Error::SerdeError)?;
     let mut items = Vec::new();
+    let other_shard =
+        |namespace: Option<&str>| (config.shard.as_ref()).is_some_and(|f| !f.holds(namespace));
     for (i, item) in page.items.iter().flatten().enumerate() {
-        // Out of the shard (the server did not select): not worth caching.
-        if config
-            .shard
-            .as_ref()
-            .is_some_and(|f| !f.holds_json(item.get()))
+        // Out of the shard (the server did not select): not worth caching. One that cannot
+        // be peeked at is cached first (the parsed path decides it), then judged.
+        if let Some(p) = watch_events::peek(item.get())
+            && other_shard(p.namespace.as_deref())
         {
             continue;
         }
@@ -404,7 +402,9 @@ async fn list_page(
             let error = format!("list item {i} of the page: {e}");
             kube::Error::SerdeError(serde::de::Error::custom(error))
         })?;
-        items.push(Arc::new(cached));
+        if !other_shard(cached.namespace()) {
+            items.push(Arc::new(cached));
+        }
     }
     Ok(ListPage {
         metadata: page.metadata,

@@ -1,7 +1,8 @@
 //! A watch response, line by line, as kube's `WatchEvent`s whose objects are already in their
 //! cached form: each line's `object` goes from the response's bytes through
-//! [`Transform::cache`] (no `DynamicObject` tree), as list items do, so an object cached from
-//! a watch is byte for byte what a list would have cached.
+//! [`Transform::cache`] (no `DynamicObject` tree), as list items do: the two are cached by
+//! one writer, from the server's bytes (a list item of a built-in kind, which comes without
+//! its types, gets them first; a watched object keeps the server's order).
 //!
 //! The rules are kube's `Client::request_events`: a line that is not an event but a `Status`
 //! is that API error; a truncated last line is dropped; a stream that ends with an unexpected
@@ -9,7 +10,12 @@
 //! last resourceVersion; any other read error (a stall's read timeout included) and a line
 //! that is not UTF-8 are one `ReadEvents` error, and the stream ends there too (as kube's
 //! line reader does). A line that does not decode is an error that names why (kube reports an
-//! empty `Status`), and the watch goes on. Lines are read into one buffer, reused.
+//! empty `Status`), counted and logged, and the watch goes on (garbage is no reason to
+//! relist; the event it held is lost until the next list). Lines are read into one buffer,
+//! reused.
+//!
+//! An object that cannot be peeked at for its namespace (a field given twice) is cached
+//! first, by the parsed path, and judged by its cached namespace: nothing is skipped unread.
 //!
 //! With a shard the server does not select, an object of another shard is not cached at all:
 //! its line becomes a bookmark at its resourceVersion, which moves the watch on exactly as the
@@ -51,7 +57,7 @@ pub fn events(
     .boxed()
 }
 
-/// The state of [`events`] (kept across polls, so a read dropped half-way loses nothing).
+/// The state of [`events`], kept across polls by the stream.
 struct Reader<R> {
     body: R,
     line: Vec<u8>,
@@ -63,18 +69,27 @@ struct Reader<R> {
 impl<R: AsyncBufRead + Unpin> Reader<R> {
     async fn next(&mut self) -> Option<kube::Result<WatchEvent<ObjectRef>>> {
         while !self.failed {
-            self.line.clear();
+            // `line` is cleared once a line is handled, not before a read: the bytes of a
+            // read dropped half-way stay, and the next read completes the line.
             let read = self.body.read_until(b'\n', &mut self.line).await;
             let error = match read {
-                Ok(0) => return None,
-                Ok(_) => match std::str::from_utf8(self.line.trim_ascii_end()) {
-                    Ok("") => continue,
-                    Ok(line) => match decode(line, &self.transform, self.shard.as_ref()) {
+                Ok(0) if self.line.is_empty() => return None,
+                Ok(_) => {
+                    let event = match std::str::from_utf8(self.line.trim_ascii_end()) {
+                        Ok("") => None,
+                        Ok(line) => decode(line, &self.transform, self.shard.as_ref()),
+                        Err(e) => {
+                            self.failed = true;
+                            let e = io::Error::new(io::ErrorKind::InvalidData, e);
+                            Some(Err(kube::Error::ReadEvents(e)))
+                        }
+                    };
+                    self.line.clear();
+                    match event {
                         Some(event) => return Some(event),
                         None => continue,
-                    },
-                    Err(e) => io::Error::new(io::ErrorKind::InvalidData, e),
-                },
+                    }
+                }
                 Err(e) => e,
             };
             self.failed = true;
@@ -137,20 +152,28 @@ fn decode(
     let object = object.get();
     let event = match &*kind {
         "ADDED" | "MODIFIED" | "DELETED" => {
-            if let Some(shard) = shard {
-                let (namespace, rv) = peek(object);
-                if !shard.holds_namespace(namespace.as_deref().unwrap_or("")) {
-                    let rv = rv.filter(|rv| !rv.is_empty());
-                    return rv.map(|rv| Ok(skipped(rv.into_owned())));
-                }
+            let other_shard = |namespace: Option<&str>| {
+                shard.is_some_and(|s| !s.holds_namespace(namespace.unwrap_or("")))
+            };
+            // Read before caching; one that cannot be peeked at is cached first (the parsed
+            // path decides it), then judged by its cached namespace.
+            if let Some(p) = peek(object)
+                && other_shard(p.namespace.as_deref())
+            {
+                return skipped(p.resource_version.as_deref());
             }
-            transform.cache(object).map(|obj| {
-                let obj = Arc::new(obj);
-                match &*kind {
-                    "ADDED" => WatchEvent::Added(obj),
-                    "MODIFIED" => WatchEvent::Modified(obj),
-                    _ => WatchEvent::Deleted(obj),
-                }
+            let obj = match transform.cache(object) {
+                Ok(obj) => obj,
+                Err(e) => return Some(Err(kube::Error::SerdeError(e))),
+            };
+            if other_shard(obj.namespace()) {
+                return skipped(obj.resource_version());
+            }
+            let obj = Arc::new(obj);
+            Ok(match &*kind {
+                "ADDED" => WatchEvent::Added(obj),
+                "MODIFIED" => WatchEvent::Modified(obj),
+                _ => WatchEvent::Deleted(obj),
             })
         }
         "BOOKMARK" => serde_json::from_str(object).map(WatchEvent::Bookmark),
@@ -162,20 +185,31 @@ fn decode(
     Some(event.map_err(kube::Error::SerdeError))
 }
 
-/// A bookmark at `rv`: where an event of another shard moves the watch.
-fn skipped(rv: String) -> WatchEvent<ObjectRef> {
-    WatchEvent::Bookmark(Bookmark {
+/// What an event of another shard becomes: a bookmark at its resourceVersion, which moves
+/// the watch as the event would have; nothing without one.
+fn skipped(rv: Option<&str>) -> Option<kube::Result<WatchEvent<ObjectRef>>> {
+    let rv = rv.filter(|rv| !rv.is_empty())?;
+    Some(Ok(WatchEvent::Bookmark(Bookmark {
         types: TypeMeta::default(),
         metadata: BookmarkMeta {
-            resource_version: rv,
+            resource_version: rv.to_owned(),
             annotations: Default::default(),
         },
-    })
+    })))
+}
+
+/// What [`peek`] reads of an object.
+pub struct Peeked<'a> {
+    /// `metadata.namespace`.
+    pub namespace: Option<Cow<'a, str>>,
+    /// `metadata.resourceVersion`, if a string.
+    pub resource_version: Option<Cow<'a, str>>,
 }
 
 /// An object's `metadata.namespace` and `resourceVersion`, read from its JSON without caching
-/// it; `None` for what cannot be read.
-pub fn peek(json: &str) -> (Option<Cow<'_, str>>, Option<Cow<'_, str>>) {
+/// it (`None` inside for a field absent or, for the resourceVersion, not a string); `None`
+/// where the object cannot be read so (a duplicate field, `metadata` not an object).
+pub fn peek(json: &str) -> Option<Peeked<'_>> {
     #[derive(serde::Deserialize)]
     struct Item<'a> {
         #[serde(borrow)]
@@ -189,15 +223,14 @@ pub fn peek(json: &str) -> (Option<Cow<'_, str>>, Option<Cow<'_, str>>) {
         #[serde(borrow, default, rename = "resourceVersion")]
         resource_version: Option<&'a RawValue>,
     }
-    match serde_json::from_str::<Item>(json) {
-        Ok(Item { metadata: m }) => {
-            let rv = m
-                .resource_version
-                .and_then(|rv| serde_json::from_str(rv.get()).ok());
-            (m.namespace, rv)
-        }
-        Err(_) => (None, None),
-    }
+    let m = serde_json::from_str::<Item>(json).ok()?.metadata;
+    let rv = m
+        .resource_version
+        .and_then(|rv| serde_json::from_str(rv.get()).ok());
+    Some(Peeked {
+        namespace: m.namespace,
+        resource_version: rv,
+    })
 }
 
 #[cfg(test)]
@@ -301,6 +334,17 @@ mod tests {
         let empty =
             r#"{"type":"ADDED","object":{"metadata":{"namespace":"ns","resourceVersion":""}}}"#;
         assert!(decoded(empty, Some(&other)).is_none());
+        // An object that cannot be peeked at (its namespace given twice) is cached, then
+        // judged by its cached namespace (the last one, as ObjectMeta reads it).
+        let twice = r#"{"type":"ADDED","object":{"metadata":{"name":"a","namespace":"x","namespace":"ns","resourceVersion":"8"}}}"#;
+        let Some(Ok(WatchEvent::Bookmark(bm))) = decoded(twice, Some(&other)) else {
+            panic!("a bookmark for the other shard");
+        };
+        assert_eq!(bm.metadata.resource_version, "8");
+        let Some(Ok(WatchEvent::Added(obj))) = decoded(twice, Some(&held)) else {
+            panic!("an add for its shard");
+        };
+        assert_eq!(obj.namespace(), Some("ns"));
         // A resourceVersion that is not a string leaves the namespace readable.
         let odd =
             r#"{"type":"ADDED","object":{"metadata":{"namespace":"ns","resourceVersion":5}}}"#;
@@ -380,6 +424,31 @@ mod tests {
         assert!(
             matches!(&got[0], Err(kube::Error::ReadEvents(e)) if e.kind() == io::ErrorKind::InvalidData)
         );
+    }
+
+    #[tokio::test]
+    async fn a_read_dropped_half_way_through_a_line_loses_none_of_it() {
+        use futures::TryStreamExt;
+        let (tx, rx) = futures::channel::mpsc::unbounded::<io::Result<&'static [u8]>>();
+        let mut reader = Reader {
+            body: rx.into_async_read(),
+            line: Vec::new(),
+            transform: configmaps(),
+            shard: None,
+            failed: false,
+        };
+        let added = line("ADDED");
+        tx.unbounded_send(Ok(&added[..30])).unwrap();
+        // The read waits for the rest of the line and is dropped (as a `select!` drops it).
+        let waited = tokio::time::timeout(std::time::Duration::from_millis(20), reader.next());
+        assert!(waited.await.is_err());
+        tx.unbounded_send(Ok(&added[30..])).unwrap();
+        drop(tx);
+        assert!(matches!(
+            reader.next().await,
+            Some(Ok(WatchEvent::Added(_)))
+        ));
+        assert!(reader.next().await.is_none());
     }
 
     #[test]

@@ -684,7 +684,7 @@ mod tests {
                 "metadata": {
                     "name": at(i), "uid": at(i + 1), "resourceVersion": rv,
                     "namespace": if namespaced { Some(at(i + 2)) } else { None },
-                    "annotations": {"a": at(i + 3)},
+                    "annotations": {"a": at(i + 3), "empty": ""},
                 },
                 "data": {"k": at(i + 4)},
             }))
@@ -708,7 +708,9 @@ mod tests {
                     diff,
                     ..MessageConfig::default()
                 };
-                let enc = Encoder::new(at(i + 4), &resource, &config, Encoding::Structured);
+                // An empty cluster name too (the empty string in a member of its own).
+                let cluster = if i % 3 == 0 { "" } else { at(i + 4) };
+                let enc = Encoder::new(cluster, &resource, &config, Encoding::Structured);
                 for namespaced in [true, false] {
                     let (old, new) = (
                         object(i, namespaced, &format!("1{}", at(i))),
@@ -741,10 +743,14 @@ mod tests {
                         },
                     ];
                     for kind in kinds {
-                        for flags in 0..4u8 {
+                        for flags in 0..8u8 {
                             let mut n = note(kind.clone());
                             n.resumed = flags & 1 != 0;
                             n.filtered_out = flags & 2 != 0;
+                            if flags & 4 != 0 {
+                                // The time as observed: with nanoseconds.
+                                n.observed = "2026-01-02T03:04:05.123456789Z".parse().unwrap();
+                            }
                             let key = n.key().clone();
                             for trim in [Trim::None, Trim::OldObject, Trim::Patch, Trim::Reference]
                             {
@@ -765,7 +771,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(checked, nasty.len() * 3 * 2 * 6 * 4 * 4);
+        assert_eq!(checked, nasty.len() * 3 * 2 * 6 * 8 * 4);
     }
 
     #[test]

@@ -25,6 +25,10 @@ pub trait RateLimiter<T>: Send + Sync {
 }
 
 /// Per-item exponential backoff: `base · 2^n` for the n-th failure, at most `max`.
+///
+/// An item's `when` and `forget` must come from one holder of it at a time, one after the
+/// other (as a work queue's worker calls them): `forget` of an item takes no lock while no
+/// item has failed, which is only sound when its own `when` happened before.
 pub struct ItemExponentialFailureRateLimiter<T> {
     base: Duration,
     max: Duration,
