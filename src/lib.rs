@@ -28,7 +28,8 @@
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
 //!                   template.rs, stdout/, kafka/, nats/ (each: config, sink, checkpoint store)
 //! pipeline/         route.rs (RouteBuilder), route_queue.rs, worker.rs, resume.rs,
-//!                   checkpoint.rs (Checkpointer), filter/ (mod: the stage; expr: CEL; cel_json)
+//!                   checkpoint.rs (Checkpointer), filter/ (mod: the stage; lanes: where
+//!                   it evaluates; expr: CEL; cel_json)
 //! admin.rs          /metrics, /healthz, /readyz (and its settings)
 //! cluster.rs        the Kubernetes client, its settings and rate limit
 //! leader.rs         leader election on a Lease (and its settings)

@@ -503,6 +503,12 @@ impl App {
             .flat_map(|r| r.wired.iter().flat_map(|w| w.informers.iter().cloned()))
             .collect();
         futures::future::join_all(informers.iter().map(|i| i.stop())).await;
+        // What the informers passed on reaches the queues before they drain.
+        for resources in &locked {
+            for w in &resources.wired {
+                w.routes.iter().for_each(|r| r.handler.flush());
+            }
+        }
         let lives: Vec<Live> = locked
             .iter_mut()
             .map(|r| r.live.take().expect("set at start"))

@@ -42,6 +42,11 @@ pub trait NotificationHandler: Send + Sync {
     /// it); `unchanged` is the informer's object when it is the version the checkpoint knows
     /// (no notification follows for it). Filters use it to know what was published.
     fn on_known(&self, _key: &str, _unchanged: Option<&super::ObjectRef>) {}
+
+    /// Returns once everything passed on so far reached the route's queue (a stage that
+    /// evaluates on tasks of its own, like a filter's lanes, runs them out). Called at
+    /// shutdown after the informers stopped, before the queues drain.
+    fn flush(&self) {}
 }
 
 /// See the module docs for the contract.

@@ -349,6 +349,10 @@ impl NotificationHandler for Resumer {
         }
     }
 
+    fn flush(&self) {
+        self.next.flush();
+    }
+
     /// One informer passed on its initial state: the checkpoint keys it would have held and
     /// did not are deleted now (an informer of one namespace: that namespace's keys), so that a
     /// namespace still waiting (forbidden, say) holds back only its own deletes. Once every

@@ -43,6 +43,7 @@ pub struct RouteBuilder<'m> {
     retry: RetrySettings,
     events: Vec<EventType>,
     rules: Option<Arc<Rules>>,
+    filter_lanes: Option<usize>,
     store: Option<Arc<dyn CheckpointStore>>,
     resume: Option<(TypeMeta, usize)>,
     fence: Option<crate::leader::Fence>,
@@ -83,6 +84,7 @@ impl<'m> RouteBuilder<'m> {
             retry: RetrySettings::default(),
             events: EventType::ALL.to_vec(),
             rules: None,
+            filter_lanes: None,
             store: None,
             resume: None,
             fence: None,
@@ -124,6 +126,14 @@ impl<'m> RouteBuilder<'m> {
         self
     }
 
+    /// Evaluates the filter on `lanes` tasks of its own, in parallel across keys (0: on the
+    /// informer's thread). By default one per worker thread of the Tokio runtime the route is
+    /// built on (none outside a runtime).
+    pub fn filter_lanes(mut self, lanes: usize) -> Self {
+        self.filter_lanes = Some(lanes);
+        self
+    }
+
     /// Records what the sink acknowledged into `store` (none: no checkpoint). The caller runs
     /// the checkpointer's writes ([`Checkpointer::run`], then a last [`Checkpointer::flush`]);
     /// the service always pairs it with [`resume`](Self::resume).
@@ -158,19 +168,26 @@ impl<'m> RouteBuilder<'m> {
             .with_fence(self.fence.clone()),
         );
         let front: Arc<dyn NotificationHandler> = match self.rules {
-            Some(rules) => Arc::new(RouteFilter::new(
-                name.clone(),
-                rules,
-                queue.clone(),
-                FilterMetrics {
-                    filtered: Reason::ALL.map(|reason| {
-                        metrics
-                            .filtered
-                            .with_label_values(&[labels[0], labels[1], reason.as_str()])
-                    }),
-                    errors: metrics.filter_errors.with_label_values(&labels),
-                },
-            )),
+            Some(rules) => Arc::new(
+                RouteFilter::new(
+                    name.clone(),
+                    rules,
+                    queue.clone(),
+                    FilterMetrics {
+                        filtered: Reason::ALL.map(|reason| {
+                            metrics.filtered.with_label_values(&[
+                                labels[0],
+                                labels[1],
+                                reason.as_str(),
+                            ])
+                        }),
+                        errors: metrics.filter_errors.with_label_values(&labels),
+                    },
+                )
+                .with_lanes(self.filter_lanes.unwrap_or_else(|| {
+                    tokio::runtime::Handle::try_current().map_or(0, |h| h.metrics().num_workers())
+                })),
+            ),
             None => queue.clone(),
         };
         let checkpointer = self.store.map(|store| {

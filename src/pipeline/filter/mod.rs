@@ -37,10 +37,11 @@
 
 mod cel_json;
 pub mod expr;
+mod lanes;
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::{Arc, Mutex},
+    sync::Arc,
 };
 
 pub use json_patch::jsonptr::PointerBuf;
@@ -49,6 +50,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 pub use expr::{Expr, VARIABLES};
+use lanes::{Item, Lanes};
 
 use super::RouteQueue;
 use crate::{
@@ -283,14 +285,24 @@ pub struct FilterMetrics {
 }
 
 /// The filter stage of one route. See the module docs.
+///
+/// Built with [`RouteFilter::new`] it evaluates on the caller's thread (the informer's), one
+/// notification at a time; [`RouteFilter::with_lanes`] evaluates on tasks of its own, in
+/// parallel across keys and in order per key (see `lanes`).
 pub struct RouteFilter {
+    stage: Arc<Stage>,
+    lanes: Lanes,
+}
+
+/// What evaluates: the rules, the queue behind, the counters.
+struct Stage {
     route: String,
     rules: Arc<Rules>,
     queue: Arc<RouteQueue>,
     metrics: FilterMetrics,
-    state: Mutex<State>,
 }
 
+/// What a route knows of its consumers, for the keys of one lane (all keys without lanes).
 #[derive(Default)]
 struct State {
     term: u64,
@@ -303,8 +315,21 @@ struct State {
     logged: HashSet<Key>,
 }
 
+impl State {
+    /// A new term starts from what its replay publishes.
+    fn renew(&mut self, term: u64) {
+        if self.term != term {
+            *self = State {
+                term,
+                ..State::default()
+            };
+        }
+    }
+}
+
 impl RouteFilter {
-    /// The filter stage of route `route` in front of `queue`.
+    /// The filter stage of route `route` in front of `queue`, evaluating on the caller's
+    /// thread.
     pub fn new(
         route: String,
         rules: Arc<Rules>,
@@ -312,27 +337,27 @@ impl RouteFilter {
         metrics: FilterMetrics,
     ) -> Self {
         Self {
-            route,
-            rules,
-            queue,
-            metrics,
-            state: Mutex::new(State::default()),
+            stage: Arc::new(Stage {
+                route,
+                rules,
+                queue,
+                metrics,
+            }),
+            lanes: Lanes::inline(),
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        // A new term starts from what its replay publishes.
-        let term = self.queue.term();
-        if st.term != term {
-            *st = State {
-                term,
-                ..State::default()
-            };
+    /// Evaluates on `lanes` tasks of its own (spawned on the current Tokio runtime), in
+    /// parallel across keys and in order per key; 0 keeps evaluating on the caller's thread.
+    pub fn with_lanes(mut self, lanes: usize) -> Self {
+        if lanes > 0 {
+            self.lanes = Lanes::spawn(&self.stage, lanes);
         }
-        st
+        self
     }
+}
 
+impl Stage {
     /// Evaluates `expr` (none: true); an error gives what `filter_error` says, or `Err` with
     /// the reason to count under `drop`.
     fn eval(
@@ -405,15 +430,16 @@ impl RouteFilter {
     }
 }
 
-impl NotificationHandler for RouteFilter {
-    fn on_notification(&self, mut n: Notification) {
+impl Stage {
+    /// Evaluates `n` with what `st` knows of its key; passes it on, changed, or drops it.
+    fn notify(&self, st: &mut State, mut n: Notification) {
         if !self.queue.is_active() {
             return;
         }
         let key = n.key().clone();
         let ty = n.event_type();
         let tracks = self.rules.tracks();
-        let mut st = self.lock();
+        st.renew(self.queue.term());
         match n.kind().clone() {
             NotificationKind::Delete { obj, .. } => {
                 // A delete always settles what the route knows of the key.
@@ -423,8 +449,8 @@ impl NotificationHandler for RouteFilter {
                 if !had {
                     // Consumers never had it: published only as a change of a member.
                     if let Err(reason) = self
-                        .member(&mut st, &key, &obj)
-                        .and_then(|()| self.publishes(&mut st, &key, &obj, None, ty))
+                        .member(st, &key, &obj)
+                        .and_then(|()| self.publishes(st, &key, &obj, None, ty))
                     {
                         return self.drop_for(reason);
                     }
@@ -432,14 +458,13 @@ impl NotificationHandler for RouteFilter {
             }
             NotificationKind::Add { obj, .. } => {
                 st.bases.remove(&key);
-                if let Err(reason) = self.member(&mut st, &key, &obj) {
+                if let Err(reason) = self.member(st, &key, &obj) {
                     if st.published.remove(&key) {
-                        drop(st);
                         return self.filtered_out(obj, (n.received, n.observed));
                     }
                     return self.drop_for(reason);
                 }
-                if let Err(reason) = self.publishes(&mut st, &key, &obj, None, ty) {
+                if let Err(reason) = self.publishes(st, &key, &obj, None, ty) {
                     return self.drop_for(reason);
                 }
                 if tracks {
@@ -448,11 +473,10 @@ impl NotificationHandler for RouteFilter {
             }
             NotificationKind::Update { old, new } => {
                 let published = !tracks || n.resumed || st.published.contains(&key);
-                if let Err(reason) = self.member(&mut st, &key, &new) {
+                if let Err(reason) = self.member(st, &key, &new) {
                     if published && tracks {
                         st.published.remove(&key);
                         st.bases.remove(&key);
-                        drop(st);
                         return self.filtered_out(new, (n.received, n.observed));
                     }
                     return self.drop_for(reason);
@@ -463,10 +487,9 @@ impl NotificationHandler for RouteFilter {
                     // else as the change itself when `publish_if` passes that.
                     let as_added = self.queue.publishes(EventType::Added)
                         && self
-                            .publishes(&mut st, &key, &new, None, EventType::Added)
+                            .publishes(st, &key, &new, None, EventType::Added)
                             .is_ok();
-                    if !as_added
-                        && let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty)
+                    if !as_added && let Err(reason) = self.publishes(st, &key, &new, Some(&old), ty)
                     {
                         return self.drop_for(reason);
                     }
@@ -478,7 +501,6 @@ impl NotificationHandler for RouteFilter {
                             is_initial_list: false,
                         });
                     }
-                    drop(st);
                     return self.queue.push(n);
                 }
                 if tracks && n.resumed {
@@ -496,7 +518,7 @@ impl NotificationHandler for RouteFilter {
                 // A resumed update repairs what consumers have (and its old state is a stub
                 // `publish_if` cannot read): always published.
                 if !n.resumed
-                    && let Err(reason) = self.publishes(&mut st, &key, &new, Some(&old), ty)
+                    && let Err(reason) = self.publishes(st, &key, &new, Some(&old), ty)
                 {
                     if updated {
                         st.bases.entry(key).or_insert(old);
@@ -514,20 +536,19 @@ impl NotificationHandler for RouteFilter {
                 }
             }
         }
-        drop(st);
         self.queue.push(n);
     }
 
-    fn on_known(&self, key: &str, unchanged: Option<&ObjectRef>) {
+    /// From a resume: the consumers have `key` (see [`NotificationHandler::on_known`]).
+    fn known(&self, st: &mut State, key: &str, unchanged: Option<&ObjectRef>) {
         if !self.rules.tracks() || !self.queue.is_active() {
             return;
         }
-        let mut st = self.lock();
+        st.renew(self.queue.term());
         match unchanged {
-            Some(obj) if self.member(&mut st, key, obj).is_err() => {
+            Some(obj) if self.member(st, key, obj).is_err() => {
                 // The filter changed since the consumers got it.
                 st.published.remove(key);
-                drop(st);
                 let now = (std::time::Instant::now(), jiff::Timestamp::now());
                 self.filtered_out(obj.clone(), now);
             }
@@ -536,9 +557,32 @@ impl NotificationHandler for RouteFilter {
             }
         }
     }
+}
+
+impl NotificationHandler for RouteFilter {
+    fn on_notification(&self, n: Notification) {
+        if !self.stage.queue.is_active() {
+            return;
+        }
+        self.lanes.pass(&self.stage, Item::Notification(n));
+    }
+
+    fn on_known(&self, key: &str, unchanged: Option<&ObjectRef>) {
+        if !self.stage.rules.tracks() || !self.stage.queue.is_active() {
+            return;
+        }
+        self.lanes
+            .pass(&self.stage, Item::Known(key.into(), unchanged.cloned()));
+    }
 
     fn on_synced(&self, namespace: Option<&str>) {
-        self.queue.on_synced(namespace);
+        // After everything passed on before it.
+        self.lanes.flush(&self.stage);
+        self.stage.queue.on_synced(namespace);
+    }
+
+    fn flush(&self) {
+        self.lanes.flush(&self.stage);
     }
 }
 
@@ -574,6 +618,16 @@ mod tests {
         config: &str,
         events: &[EventType],
     ) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 4]) {
+        stage_holding(config, events, 1000)
+    }
+
+    /// The stage of `config` in front of a queue publishing `events` that coalesces beyond
+    /// `cap` notifications.
+    fn stage_holding(
+        config: &str,
+        events: &[EventType],
+        cap: usize,
+    ) -> (RouteFilter, Arc<RouteQueue>, [IntCounter; 4]) {
         let r = serde_yaml_like(config);
         let rules = Arc::new(Rules::new(&r).unwrap().expect("rules"));
         let queue = Arc::new(
@@ -584,7 +638,7 @@ mod tests {
                     Duration::from_secs(10),
                 )),
                 QueueMetrics::unregistered(),
-                Arc::new(super::super::Budget::new(1000)),
+                Arc::new(super::super::Budget::new(cap)),
                 IntGauge::new("b", "b").unwrap(),
                 IntCounter::new("c", "c").unwrap(),
             )
@@ -617,7 +671,12 @@ mod tests {
 
     /// What the queue holds, as `type rv [filteredout]`, in order, for key `ns/a`.
     fn drain(q: &RouteQueue) -> Vec<String> {
-        let mut out = Vec::new();
+        drain_by_key(q).into_values().flatten().collect()
+    }
+
+    /// What the queue holds per key, as `type rv [from rv] [filteredout]`, in order.
+    fn drain_by_key(q: &RouteQueue) -> std::collections::BTreeMap<Key, Vec<String>> {
+        let mut out = std::collections::BTreeMap::<Key, Vec<String>>::new();
         while let Some(key) = q.queue().try_get() {
             let (batch, _) = q.take(&key);
             q.settle(batch.len());
@@ -635,7 +694,7 @@ mod tests {
                 if n.filtered_out {
                     s += " filteredout";
                 }
-                out.push(s);
+                out.entry(key.clone()).or_default().push(s);
             }
         }
         out
@@ -857,7 +916,7 @@ mod tests {
             assert_eq!(drain(&q), expected, "{policy}");
             assert_eq!(filtered[1].get(), (policy == "drop") as u64);
             assert_eq!(filtered[0].get(), 0);
-            assert_eq!(f.metrics.errors.get(), 1);
+            assert_eq!(f.stage.metrics.errors.get(), 1);
         }
     }
 
@@ -921,6 +980,127 @@ mod tests {
             drain(&q),
             ["deleted 1 filteredout", "deleted 2 filteredout"]
         );
+    }
+
+    /// A pseudo-random history of `keys` objects: adds, updates moving them in and out of a
+    /// `team == 'shop'` filter, status-only updates, deletes and re-creations.
+    fn history(keys: usize, changes: usize) -> Vec<Notification> {
+        let mut state: Vec<Option<(u64, &str, &str)>> = vec![None; keys];
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut out = Vec::new();
+        for rv in 1..=changes as u64 {
+            let i = (next() % keys as u64) as usize;
+            let name = format!("o{i}");
+            let team = ["shop", "web"][(next() % 2) as usize];
+            let status = ["x", "y"][(next() % 2) as usize];
+            let kind = match state[i] {
+                None => {
+                    state[i] = Some((rv, team, status));
+                    NotificationKind::Add {
+                        obj: object(&name, &rv.to_string(), team, status),
+                        is_initial_list: false,
+                    }
+                }
+                Some((old_rv, old_team, old_status)) => {
+                    let old = object(&name, &old_rv.to_string(), old_team, old_status);
+                    if next() % 8 == 0 {
+                        state[i] = None;
+                        NotificationKind::Delete {
+                            obj: old,
+                            final_state_unknown: false,
+                        }
+                    } else {
+                        state[i] = Some((rv, team, status));
+                        NotificationKind::Update {
+                            old,
+                            new: object(&name, &rv.to_string(), team, status),
+                        }
+                    }
+                }
+            };
+            out.push(Notification::new(kind));
+        }
+        out
+    }
+
+    /// Lanes give every key exactly what evaluating on the caller's thread gives: the same
+    /// notifications, in the same order, and the same counts, with filter, `publish_if` and
+    /// `ignore_fields` together, evaluated in parallel with the caller.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lanes_give_each_key_what_the_callers_thread_gives() {
+        lanes_match_the_callers_thread();
+    }
+
+    /// The same when the lanes' tasks never get to run (one thread, no await): every ring
+    /// fills up, and the caller runs a lane each time it holds more than `RING`.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_lane_whose_task_is_behind_is_run_by_the_caller_in_order() {
+        lanes_match_the_callers_thread();
+    }
+
+    fn lanes_match_the_callers_thread() {
+        let config = r#"{"filter": "object.metadata.labels.team == 'shop'",
+                         "publish_if": "type != 'updated' || object.status.phase != 'y' || object.metadata.name.endsWith('7') && object.metadata.labels.missing == 'z'",
+                         "filter_error": "drop",
+                         "ignore_fields": ["/metadata/resourceVersion"]}"#;
+        let notes = history(300, 30_000);
+        let (inline, inline_q, inline_counts) = stage_holding(config, &EventType::ALL, 1 << 20);
+        let (laned, laned_q, laned_counts) = stage_holding(config, &EventType::ALL, 1 << 20);
+        let laned = laned.with_lanes(3);
+        // Resumed keys first, as a resume passes them on.
+        for i in 0..20 {
+            let (key, obj) = (
+                format!("ns/o{i}"),
+                object(&format!("o{i}"), "0", ["shop", "web"][i % 2], "x"),
+            );
+            inline.on_known(&key, Some(&obj));
+            laned.on_known(&key, Some(&obj));
+        }
+        for n in notes {
+            inline.on_notification(n.clone());
+            laned.on_notification(n);
+        }
+        laned.flush();
+        let (want, got) = (drain_by_key(&inline_q), drain_by_key(&laned_q));
+        assert!(want.len() > 250, "a history that publishes: {}", want.len());
+        assert_eq!(got, want);
+        let counts = |c: &[IntCounter; 4]| c.iter().map(IntCounter::get).collect::<Vec<_>>();
+        assert_eq!(counts(&laned_counts), counts(&inline_counts));
+        assert!(
+            counts(&inline_counts).iter().all(|&c| c > 0),
+            "every reason occurs: {:?}",
+            counts(&inline_counts)
+        );
+    }
+
+    /// What a lane holds from an ended term is dropped, not published in the next.
+    #[tokio::test(flavor = "current_thread")]
+    async fn lanes_drop_what_an_ended_term_passed() {
+        let (f, q, _) = stage(r#"{"filter": "object.metadata.labels.team == 'shop'"}"#);
+        let f = f.with_lanes(2);
+        for name in ["a", "b", "c"] {
+            f.on_notification(Notification::new(NotificationKind::Add {
+                obj: object(name, "1", "shop", "x"),
+                is_initial_list: false,
+            }));
+        }
+        // The lanes' tasks have not run yet (one thread, no await so far).
+        q.set_active(false);
+        q.set_active(true);
+        f.flush();
+        assert_eq!(drain(&q), Vec::<String>::new());
+        f.on_notification(Notification::new(NotificationKind::Add {
+            obj: object("a", "2", "shop", "x"),
+            is_initial_list: false,
+        }));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(drain(&q), ["added 2"], "a lane's task evaluates on its own");
     }
 
     #[test]

@@ -1,0 +1,179 @@
+//! Where a route's filter evaluates: on the caller's thread, or on lanes of its own.
+//!
+//! # Contract
+//! - A key always goes to the same lane (by its hash), and a lane evaluates what it is given
+//!   in the order given: per key, the filter sees notifications (and a resume's `on_known`)
+//!   in informer order, as without lanes. Keys of different lanes evaluate in parallel.
+//! - Each lane owns the filter state of its keys (what their consumers have); a lane's state
+//!   is touched only under its own lock, by its task or by a caller running it.
+//! - Passing never waits for an evaluation except when the lane holds [`RING`] items: the
+//!   caller then runs the lane itself (everything it holds, then returns), so a lane holds at
+//!   most `RING + 1` items and a route at most `lanes × (RING + 1)` beyond its queue's cap.
+//! - [`Lanes::flush`] returns once everything passed before it reached the queue: `on_synced`
+//!   goes on only after it, and shutdown calls it after the informers stopped.
+//! - An item passed in one leadership term and evaluated in another is dropped: the new term
+//!   starts from the informer's cache, as the queue's own contract says.
+
+use std::{
+    collections::VecDeque,
+    hash::{BuildHasher, BuildHasherDefault, DefaultHasher},
+    sync::{Arc, Mutex, MutexGuard},
+};
+
+use tokio::sync::Notify;
+
+use super::{Stage, State};
+use crate::informer::{Key, Notification, ObjectRef};
+
+/// Items a lane holds before the caller runs it itself.
+pub(super) const RING: usize = 1024;
+
+/// What a lane evaluates.
+pub(super) enum Item {
+    /// A notification.
+    Notification(Notification),
+    /// A resume's `on_known`.
+    Known(Key, Option<ObjectRef>),
+}
+
+impl Item {
+    fn key(&self) -> &str {
+        match self {
+            Self::Notification(n) => n.key(),
+            Self::Known(key, _) => key,
+        }
+    }
+}
+
+/// One lane: what waits, and the state of its keys (its lock is the lane's: whoever
+/// evaluates holds it).
+#[derive(Default)]
+struct Lane {
+    ring: Mutex<Ring>,
+    wake: Notify,
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct Ring {
+    /// Items with the term they were passed in.
+    items: VecDeque<(u64, Item)>,
+    closed: bool,
+}
+
+impl Lane {
+    fn ring(&self) -> MutexGuard<'_, Ring> {
+        self.ring.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Evaluates everything the lane holds, in order, until it holds nothing. Returns whether
+    /// the lane is closed.
+    fn run(&self, stage: &Stage) -> bool {
+        let mut st = self.state();
+        let mut batch = VecDeque::new();
+        loop {
+            {
+                let mut ring = self.ring();
+                if ring.items.is_empty() {
+                    return ring.closed;
+                }
+                // The buffers trade places: neither allocates again once grown.
+                std::mem::swap(&mut ring.items, &mut batch);
+            }
+            for (term, item) in batch.drain(..) {
+                if term != stage.queue.term() {
+                    // Passed in an ended term.
+                    continue;
+                }
+                evaluate(stage, &mut st, item);
+            }
+        }
+    }
+}
+
+fn evaluate(stage: &Stage, st: &mut State, item: Item) {
+    match item {
+        Item::Notification(n) => stage.notify(st, n),
+        Item::Known(key, unchanged) => stage.known(st, &key, unchanged.as_ref()),
+    }
+}
+
+/// A route filter's lanes (see the module docs); none: the caller evaluates.
+pub(super) struct Lanes {
+    lanes: Box<[Arc<Lane>]>,
+    /// Without lanes: the state, under its lock.
+    inline: Lane,
+}
+
+impl Lanes {
+    /// No lanes: each item is evaluated by the caller, at once.
+    pub(super) fn inline() -> Self {
+        Self {
+            lanes: Box::new([]),
+            inline: Lane::default(),
+        }
+    }
+
+    /// `count` lanes, each a task on the current Tokio runtime (panics outside one).
+    pub(super) fn spawn(stage: &Arc<Stage>, count: usize) -> Self {
+        let lanes: Box<[Arc<Lane>]> = (0..count).map(|_| Arc::new(Lane::default())).collect();
+        for lane in &lanes {
+            let (stage, lane) = (stage.clone(), lane.clone());
+            tokio::spawn(async move {
+                loop {
+                    lane.wake.notified().await;
+                    if lane.run(&stage) {
+                        break;
+                    }
+                }
+            });
+        }
+        Self {
+            lanes,
+            inline: Lane::default(),
+        }
+    }
+
+    /// Evaluates `item` on its key's lane (or at once, without lanes).
+    pub(super) fn pass(&self, stage: &Stage, item: Item) {
+        if self.lanes.is_empty() {
+            return evaluate(stage, &mut self.inline.state(), item);
+        }
+        let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(item.key());
+        let lane = &self.lanes[(hash % self.lanes.len() as u64) as usize];
+        let term = stage.queue.term();
+        let (was_empty, full) = {
+            let mut ring = lane.ring();
+            let was_empty = ring.items.is_empty();
+            ring.items.push_back((term, item));
+            (was_empty, ring.items.len() > RING)
+        };
+        if full {
+            // The lane's task is behind: run it here (it keeps the order).
+            lane.run(stage);
+        } else if was_empty {
+            lane.wake.notify_one();
+        }
+    }
+
+    /// Returns once everything passed so far was evaluated.
+    pub(super) fn flush(&self, stage: &Stage) {
+        for lane in &self.lanes {
+            lane.run(stage);
+        }
+    }
+}
+
+impl Drop for Lanes {
+    /// The tasks evaluate what their lanes still hold, then end.
+    fn drop(&mut self) {
+        for lane in &self.lanes {
+            lane.ring().closed = true;
+            lane.wake.notify_one();
+        }
+    }
+}
