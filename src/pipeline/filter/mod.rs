@@ -671,12 +671,21 @@ mod tests {
 
     /// What the queue holds, as `type rv [filteredout]`, in order, for key `ns/a`.
     fn drain(q: &RouteQueue) -> Vec<String> {
-        drain_by_key(q).into_values().flatten().collect()
+        drain_in_order(q).into_iter().map(|(_, n)| n).collect()
     }
 
     /// What the queue holds per key, as `type rv [from rv] [filteredout]`, in order.
     fn drain_by_key(q: &RouteQueue) -> std::collections::BTreeMap<Key, Vec<String>> {
         let mut out = std::collections::BTreeMap::<Key, Vec<String>>::new();
+        for (key, n) in drain_in_order(q) {
+            out.entry(key).or_default().push(n);
+        }
+        out
+    }
+
+    /// What the queue holds, key by key in the order they were queued.
+    fn drain_in_order(q: &RouteQueue) -> Vec<(Key, String)> {
+        let mut out = Vec::new();
         while let Some(key) = q.queue().try_get() {
             let (batch, _) = q.take(&key);
             q.settle(batch.len());
@@ -694,7 +703,7 @@ mod tests {
                 if n.filtered_out {
                     s += " filteredout";
                 }
-                out.entry(key.clone()).or_default().push(s);
+                out.push((key.clone(), s));
             }
         }
         out
