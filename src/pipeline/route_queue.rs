@@ -234,14 +234,21 @@ impl RouteQueue {
 
     /// Accepts one notification (see the module docs).
     pub fn push(&self, n: Notification) {
+        self.push_in(n, None);
+    }
+
+    /// Accepts one notification if `term` (when given) is still the current one: a stage in
+    /// front that evaluated it in an ended term drops it (the new term replays the cache).
+    pub fn push_in(&self, n: Notification, term: Option<u64>) {
         let ty = n.event_type();
         if !self.publishes(ty) && ty != EventType::Deleted {
             return;
         }
         let key = n.key().clone();
         let mut p = self.lock();
-        // Checked under the lock: `set_active` switches and clears under it too.
-        if !self.is_active() {
+        // Checked under the lock: `set_active` switches, counts the term and clears under it
+        // too.
+        if !self.is_active() || term.is_some_and(|t| t != self.term()) {
             return;
         }
         let pending = p.by_key.entry(key.clone()).or_default();
@@ -542,6 +549,29 @@ mod tests {
         assert_eq!(take(&q), ("ns/b".into(), vec!["add 2".into()]));
         assert_eq!(budget.held(), 0);
         assert_eq!(q.held(), 0);
+    }
+
+    #[test]
+    fn a_notification_evaluated_in_an_ended_term_is_not_taken() {
+        let (q, budget) = route(100);
+        let term = q.term();
+        q.push_in(add(obj("ns", "a", "1")), Some(term));
+        assert_eq!(budget.held(), 1);
+        // Leadership lost and regained while a filter lane evaluated the next one.
+        q.set_active(false);
+        q.set_active(true);
+        q.push_in(add(obj("ns", "b", "1")), Some(term));
+        assert_eq!(
+            budget.held(),
+            0,
+            "dropped with the ended term, and not taken in the new one"
+        );
+        q.push_in(add(obj("ns", "b", "2")), Some(q.term()));
+        // (The ended term's key may still be queued, with nothing: a worker skips it.)
+        let taken: Vec<_> = std::iter::from_fn(|| (q.queue().len() > 0).then(|| take(&q)))
+            .filter(|(_, batch)| !batch.is_empty())
+            .collect();
+        assert_eq!(taken, [("ns/b".into(), vec!["add 2".into()])]);
     }
 
     #[test]

@@ -6,13 +6,18 @@
 //!   in informer order, as without lanes. Keys of different lanes evaluate in parallel.
 //! - Each lane owns the filter state of its keys (what their consumers have); a lane's state
 //!   is touched only under its own lock, by its task or by a caller running it.
-//! - Passing never waits for an evaluation except when the lane holds [`RING`] items: the
-//!   caller then runs the lane itself (everything it holds, then returns), so a lane holds at
-//!   most `RING + 1` items and a route at most `lanes × (RING + 1)` beyond its queue's cap.
-//! - [`Lanes::flush`] returns once everything passed before it reached the queue: `on_synced`
-//!   goes on only after it, and shutdown calls it after the informers stopped.
+//! - Passing never waits for an evaluation except when the lane holds more than [`RING`]
+//!   items: the caller then runs the lane itself (everything it holds, then returns). A lane
+//!   holds at most `RING + 1` waiting items per caller passing at once (one per informer of
+//!   the route) plus a batch of as many being evaluated: about `2 × RING` per lane beyond
+//!   the queue's cap.
+//! - [`Lanes::flush`] returns once everything passed before it was evaluated: the filter's
+//!   `on_synced` goes on only after it, and shutdown calls it after the informers stopped.
 //! - An item passed in one leadership term and evaluated in another is dropped: the new term
-//!   starts from the informer's cache, as the queue's own contract says.
+//!   starts from the informer's cache, as the queue's own contract says. The term is checked
+//!   before the evaluation and again where the queue takes the result
+//!   ([`RouteQueue::push_in`](crate::pipeline::RouteQueue::push_in)), under the lock the
+//!   term changes under.
 
 use std::{
     collections::VecDeque,

@@ -420,13 +420,17 @@ impl Stage {
     }
 
     /// Publishes the `k8sfilteredout` delete of `obj`, received at `at`.
-    fn filtered_out(&self, obj: ObjectRef, at: (std::time::Instant, jiff::Timestamp)) {
+    fn filtered_out(&self, st: &State, obj: ObjectRef, at: (std::time::Instant, jiff::Timestamp)) {
         let kind = NotificationKind::Delete {
             obj,
             final_state_unknown: false,
         };
-        self.queue
-            .push(Notification::at(kind, at.0, at.1).into_filtered_out());
+        self.push(st, Notification::at(kind, at.0, at.1).into_filtered_out());
+    }
+
+    /// Hands `n` to the queue, unless the term `st` was evaluated in ended meanwhile.
+    fn push(&self, st: &State, n: Notification) {
+        self.queue.push_in(n, Some(st.term));
     }
 }
 
@@ -460,7 +464,7 @@ impl Stage {
                 st.bases.remove(&key);
                 if let Err(reason) = self.member(st, &key, &obj) {
                     if st.published.remove(&key) {
-                        return self.filtered_out(obj, (n.received, n.observed));
+                        return self.filtered_out(st, obj, (n.received, n.observed));
                     }
                     return self.drop_for(reason);
                 }
@@ -477,7 +481,7 @@ impl Stage {
                     if published && tracks {
                         st.published.remove(&key);
                         st.bases.remove(&key);
-                        return self.filtered_out(new, (n.received, n.observed));
+                        return self.filtered_out(st, new, (n.received, n.observed));
                     }
                     return self.drop_for(reason);
                 }
@@ -501,7 +505,7 @@ impl Stage {
                             is_initial_list: false,
                         });
                     }
-                    return self.queue.push(n);
+                    return self.push(st, n);
                 }
                 if tracks && n.resumed {
                     // The checkpoint says the consumers have it.
@@ -536,7 +540,7 @@ impl Stage {
                 }
             }
         }
-        self.queue.push(n);
+        self.push(st, n);
     }
 
     /// From a resume: the consumers have `key` (see [`NotificationHandler::on_known`]).
@@ -550,7 +554,7 @@ impl Stage {
                 // The filter changed since the consumers got it.
                 st.published.remove(key);
                 let now = (std::time::Instant::now(), jiff::Timestamp::now());
-                self.filtered_out(obj.clone(), now);
+                self.filtered_out(st, obj.clone(), now);
             }
             _ => {
                 st.published.insert(key.into());
