@@ -568,7 +568,7 @@ mod tests {
         );
         q.push_in(add(obj("ns", "b", "2")), Some(q.term()));
         // (The ended term's key may still be queued, with nothing: a worker skips it.)
-        let taken: Vec<_> = std::iter::from_fn(|| (q.queue().len() > 0).then(|| take(&q)))
+        let taken: Vec<_> = std::iter::from_fn(|| (!q.queue().is_empty()).then(|| take(&q)))
             .filter(|(_, batch)| !batch.is_empty())
             .collect();
         assert_eq!(taken, [("ns/b".into(), vec!["add 2".into()])]);
