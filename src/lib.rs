@@ -24,7 +24,8 @@
 //! informer/         reflector, list_watch (list+watch state machine), watch_events, transform,
 //!                   delta_fifo, indexer, shared_informer, listener, factory;
 //!                   notification.rs (Notification, EventType), object.rs (CachedObject, diffs)
-//! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs
+//! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs,
+//!                   patch.rs (diff: patch on the JSON text)
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
 //!                   template.rs, stdout/, kafka/, nats/ (each: config, sink, checkpoint store)
 //! pipeline/         route.rs (RouteBuilder), route_queue.rs, worker.rs, resume.rs,

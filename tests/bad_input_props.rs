@@ -6,8 +6,12 @@
 //!   the message is valid JSON carrying exactly the transformed object, or a clear error;
 //!   cached straight from a list page's bytes, they are what the parsed path caches;
 //! - random filter expressions compile or fail with a message; random pairs of objects go
-//!   through a filter, `ignore_fields` and the patch between them (which applies), and every
-//!   trim step of the encoder gives valid JSON.
+//!   through a filter, `ignore_fields` and the patch between them (which applies, and is the
+//!   patch `json_patch::diff` gives for the parsed objects, also for an object and itself
+//!   changed deep inside), and every trim step of the encoder gives valid JSON.
+//!
+//! `PROPS_SCALE=20 cargo test --test bad_input_props` runs 20 times the cases (a longer run
+//! than CI's).
 
 #[path = "support/objects.rs"]
 mod objects;
@@ -26,7 +30,11 @@ use serde_json::{Value, json};
 
 fn cases(n: u32) -> ProptestConfig {
     ProptestConfig {
-        cases: n,
+        cases: std::env::var("PROPS_SCALE")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1)
+            * n,
         failure_persistence: None,
         ..ProptestConfig::default()
     }
@@ -152,6 +160,24 @@ fn any_object() -> impl Strategy<Value = Value> {
         })
 }
 
+/// The patch from `old` to `new`, diffed on their text, is `json_patch::diff`'s for the parsed
+/// objects, operation for operation, and applied to `old` gives `new`.
+fn patch_is_the_parsed_objects(
+    old: &CachedObject,
+    new: &CachedObject,
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    let patch = kube_event_bridge::message::patch_between(old, new).unwrap();
+    let mut doc: Value = serde_json::from_str(old.json().get()).unwrap();
+    let parsed = json_patch::diff(&doc, &serde_json::from_str(new.json().get()).unwrap());
+    prop_assert_eq!(&patch, &parsed);
+    prop_assert!(json_patch::patch(&mut doc, &patch).is_ok());
+    prop_assert_eq!(
+        doc,
+        serde_json::from_str::<Value>(new.json().get()).unwrap()
+    );
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(cases(64))]
 
@@ -270,6 +296,42 @@ proptest! {
         }
     }
 
+    /// An object and the same object with one value deep inside replaced (the usual update):
+    /// the patch diffed on the text is `json_patch::diff`'s of the parsed objects and applies.
+    #[test]
+    fn a_deep_change_gives_the_parsed_objects_patch(
+        old in any_object(),
+        value in any_json(),
+        steps in proptest::collection::vec(any::<usize>(), 0..6),
+    ) {
+        let Ok(obj) = serde_json::from_value::<DynamicObject>(old) else {
+            return Ok(());
+        };
+        let old = CachedObject::new(&obj);
+        let mut changed: Value = serde_json::from_str(old.json().get()).unwrap();
+        let mut at = &mut changed;
+        for step in steps {
+            let len = match &*at {
+                Value::Object(m) => m.len(),
+                Value::Array(a) => a.len(),
+                _ => 0,
+            };
+            if len == 0 {
+                break;
+            }
+            at = match at {
+                Value::Object(m) => m.values_mut().nth(step % len).unwrap(),
+                Value::Array(a) => &mut a[step % len],
+                _ => unreachable!(),
+            };
+        }
+        *at = value;
+        let Ok(obj) = serde_json::from_value::<DynamicObject>(changed) else {
+            return Ok(());
+        };
+        patch_is_the_parsed_objects(&old, &CachedObject::new(&obj))?;
+    }
+
     /// Two random objects as an update: the filter evaluates or errs, suppression compares,
     /// the patch from one to the other applies, and every trim step is valid JSON.
     #[test]
@@ -290,10 +352,7 @@ proptest! {
         let _ = expr.eval(&new, Some(&old), kube_event_bridge::config::EventType::Updated);
         let pointers = ["/status", "/metadata/labels/a~1b"].map(|p| filter::PointerBuf::parse(p).unwrap());
         let _ = filter::equal_ignoring(&old, &new, &pointers);
-        let patch = kube_event_bridge::message::patch_between(&old, &new).unwrap();
-        let mut doc: Value = serde_json::from_str(old.json().get()).unwrap();
-        prop_assert!(json_patch::patch(&mut doc, &patch).is_ok());
-        prop_assert_eq!(doc, serde_json::from_str::<Value>(new.json().get()).unwrap());
+        patch_is_the_parsed_objects(&old, &new)?;
         let options = MessageConfig { diff: DiffMode::Patch, ..Default::default() };
         let encoder = Encoder::new("props", &configmaps(), &options, Encoding::Structured);
         let n = Notification::new(NotificationKind::Update { old, new });

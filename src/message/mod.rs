@@ -6,6 +6,7 @@
 //! what informers apply to objects before caching them (managedFields stripped, Secret data
 //! redacted).
 
+pub mod patch;
 pub mod transform;
 pub mod trim;
 
@@ -18,8 +19,9 @@ use bytes::Bytes;
 use kube::api::ApiResource;
 use serde::{Deserialize, Serialize};
 
-use crate::informer::{CachedObject, EventType, Notification, NotificationKind, object};
+use crate::informer::{CachedObject, EventType, Notification, NotificationKind};
 
+pub use patch::patch_between;
 pub use transform::{REDACTED, object_transform, redact_secret};
 pub use trim::{Trim, reference_of};
 
@@ -328,12 +330,6 @@ struct Data<'a> {
     old_object: Option<&'a serde_json::value::RawValue>,
     #[serde(skip_serializing_if = "Option::is_none")]
     patch: Option<&'a json_patch::Patch>,
-}
-
-/// RFC 6902 JSON Patch from `old` to `new`.
-pub fn patch_between(old: &CachedObject, new: &CachedObject) -> Option<json_patch::Patch> {
-    let (old, new) = object::differing_fields(old, new)?;
-    Some(json_patch::diff(&old, &new))
 }
 
 impl Encoder {
