@@ -6,7 +6,8 @@
 //! mock cluster.
 //!
 //! `cargo bench --bench kafka [-- EVENTS_1KB EVENTS_10KB]` (needs `tansu`, which
-//! `scripts/test` installs)
+//! `scripts/test` installs). `BENCH_OBJECTS` sets how many objects the events update (10,000);
+//! `BENCH_ONLY=tansu` or `BENCH_ONLY=mock` runs one broker (e.g. under a profiler).
 
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
@@ -62,7 +63,7 @@ async fn bridge(
 ) -> Figures {
     let cfg = sink_config(brokers);
     // Built before the clock starts, as raw's messages are encoded before it starts.
-    let notes: Vec<_> = notifications(events, 10_000, size).collect();
+    let notes: Vec<_> = notifications(events, support::objects(), size).collect();
     let kafka = KafkaSink::connect("kafka", cfg.kafka.as_ref().unwrap())
         .await
         .unwrap();
@@ -81,7 +82,7 @@ async fn bridge(
 
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
     let enc = encoder();
-    let messages: Vec<Message> = notifications(events, 10_000, size)
+    let messages: Vec<Message> = notifications(events, support::objects(), size)
         .map(|n| enc.encode(n.key(), &n).unwrap())
         .collect();
     // Exactly the sink's producer settings (the function the sink builds its producer with).
@@ -152,8 +153,9 @@ fn main() {
         .collect();
     settings.sort();
     println!(
-        "kafka bench: {} pipeline workers (BENCH_WORKERS); 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on) and raw once, in an order that rotates each round; medians and spread printed",
-        support::workers()
+        "kafka bench: {} pipeline workers (BENCH_WORKERS); events over {} objects (BENCH_OBJECTS); 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on) and raw once, in an order that rotates each round; medians and spread printed",
+        support::workers(),
+        support::objects()
     );
     println!(
         "  producer settings of both sides (kube_event_bridge::sinks::kafka::client_config): {}",
@@ -168,10 +170,14 @@ fn main() {
     let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
     mock.create_topic(TOPIC, 3, 1).unwrap();
     let mut run = 0;
+    let only = std::env::var("BENCH_ONLY").ok();
     for (broker, brokers) in [
         ("tansu 0.6 (debug build)", tansu.brokers()),
         ("librdkafka mock cluster", mock.bootstrap_servers()),
-    ] {
+    ]
+    .into_iter()
+    .filter(|(broker, _)| only.as_deref().is_none_or(|o| broker.contains(o)))
+    {
         println!("{broker}:");
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
             // Interleaved: every round runs each side once, the order rotating, so that no

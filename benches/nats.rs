@@ -5,7 +5,7 @@
 //! ratio of the medians.
 //!
 //! `cargo bench --bench nats [-- EVENTS_1KB EVENTS_10KB]` (needs `nats-server`, which
-//! `scripts/test` installs)
+//! `scripts/test` installs). `BENCH_OBJECTS` sets how many objects the events update (10,000).
 
 #[path = "../tests/support/nats.rs"]
 #[allow(dead_code)]
@@ -32,7 +32,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics, round:
     }))
     .unwrap();
     // Built before the clock starts, as raw's messages are encoded before it starts.
-    let notes: Vec<_> = notifications(events, 10_000, size).collect();
+    let notes: Vec<_> = notifications(events, support::objects(), size).collect();
     let sink = Arc::new(Timed::new(
         NatsSink::connect("nats", cfg.nats.as_ref().unwrap())
             .await
@@ -52,7 +52,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics, round:
 async fn raw(url: &str, events: usize, size: usize) -> Figures {
     // The same bytes the bridge publishes, encoded before the clock starts.
     let enc = encoder();
-    let messages: Vec<Message> = notifications(events, 10_000, size)
+    let messages: Vec<Message> = notifications(events, support::objects(), size)
         .map(|n| enc.encode(n.key(), &n).unwrap())
         .collect();
     let client = async_nats::connect(url).await.unwrap();
@@ -131,8 +131,9 @@ fn main() {
         let metrics = Metrics::new();
         let rounds = support::runs();
         println!(
-            "nats bench: nats-server {url} JetStream, file storage, 1 replica; {WINDOW} publishes awaiting their PubAck on both sides (bridge: nats.max_in_flight; raw: max_ack_inflight with backpressure); bridge: {} workers (BENCH_WORKERS); 2 runtime threads; {rounds} rounds, each running bridge and raw once, alternating which goes first",
-            support::workers()
+            "nats bench: nats-server {url} JetStream, file storage, 1 replica; {WINDOW} publishes awaiting their PubAck on both sides (bridge: nats.max_in_flight; raw: max_ack_inflight with backpressure); bridge: {} workers (BENCH_WORKERS); events over {} objects (BENCH_OBJECTS); 2 runtime threads; {rounds} rounds, each running bridge and raw once, alternating which goes first",
+            support::workers(),
+            support::objects()
         );
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
             let (mut b, mut r) = (Runs::default(), Runs::default());

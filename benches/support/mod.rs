@@ -427,6 +427,18 @@ pub fn workers() -> usize {
         .unwrap_or(8)
 }
 
+/// How many distinct objects a broker bench's events update: `BENCH_OBJECTS` (default
+/// 10,000). The bridge has one message of an object in flight at a time (the delivery
+/// contract), the raw producer has no such rule: with few objects per event the bridge waits
+/// for acknowledgements the raw side does not.
+pub fn objects() -> usize {
+    std::env::var("BENCH_OBJECTS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .filter(|&w| w > 0)
+        .unwrap_or(10_000)
+}
+
 /// How many runs of each side a broker bench makes: `BENCH_RUNS` (at least 3, the default).
 pub fn runs() -> usize {
     std::env::var("BENCH_RUNS")
