@@ -8,7 +8,14 @@
 //! `json_patch::diff` gives for the parsed objects, operation for operation (the property
 //! tests compare them): objects are walked in key order (additions and replacements, then
 //! removals), arrays by index as `json_patch` does, and values whose text differs are parsed
-//! and compared as values (`1e1` and `10.0` are the same number).
+//! and compared as values (`1e1` and `10.0` are the same number). One exception, which no
+//! API server writes: a member named `$serde_json::private::RawValue`, which serde_json's
+//! `Value` takes for embedded JSON, is diffed as the member it is.
+//!
+//! The walk goes at most [`MAX_DEPTH`] levels deep: the API server accepts objects nested far
+//! deeper than serde_json parses (128 levels), and list and watch bytes are cached without
+//! parsing them whole, so such an object can reach here; a change below that depth gives no
+//! patch (as a parse of the whole field failing did before), never a stack overflow.
 
 use std::collections::BTreeMap;
 
@@ -19,11 +26,20 @@ use serde_json::{Value, value::RawValue};
 
 use crate::informer::CachedObject;
 
-/// RFC 6902 JSON Patch from `old` to `new`; `None` for JSON serde_json cannot parse as a value
-/// (deeper than 128 levels, a number beyond f64, a lone surrogate escape).
+/// How deep the walk descends: serde_json's own limit when it parses a value.
+const MAX_DEPTH: usize = 128;
+
+/// RFC 6902 JSON Patch from `old` to `new`; `None` when a value the diff must parse cannot be
+/// parsed (a number beyond f64, a lone surrogate escape, nesting past 128 levels) or the
+/// objects differ more than [`MAX_DEPTH`] levels deep.
 pub fn patch_between(old: &CachedObject, new: &CachedObject) -> Option<Patch> {
     let mut patch = Patch(Vec::new());
-    diff(old.json(), new.json(), &mut PointerBuf::new(), &mut patch).ok()?;
+    let mut walk = Walk {
+        at: PointerBuf::new(),
+        depth: 0,
+        patch: &mut patch,
+    };
+    walk.diff(old.json(), new.json())?;
     Some(patch)
 }
 
@@ -31,105 +47,108 @@ pub fn patch_between(old: &CachedObject, new: &CachedObject) -> Option<Patch> {
 /// borrowed).
 type Members<'a> = BTreeMap<&'a str, &'a RawValue>;
 
-/// Appends to `patch` the operations turning `old` into `new`, both at `at`.
-fn diff(
-    old: &RawValue,
-    new: &RawValue,
-    at: &mut PointerBuf,
-    patch: &mut Patch,
-) -> serde_json::Result<()> {
-    let (a, b) = (old.get(), new.get());
-    if a == b {
-        return Ok(());
-    }
-    match (opening(a), opening(b)) {
-        (Some(b'{'), Some(b'{')) => {
-            match (
-                serde_json::from_str::<Members>(a),
-                serde_json::from_str::<Members>(b),
-            ) {
-                (Ok(x), Ok(y)) => diff_members(&x, &y, at, patch)?,
-                // Escaped keys: this subtree is diffed parsed.
-                _ => {
-                    let parsed = json_patch::diff(&serde_json::from_str(a)?, &parse(new)?);
-                    patch.0.extend(parsed.0.into_iter().map(|op| under(at, op)));
+/// Where the walk is, and the patch it writes.
+struct Walk<'p> {
+    at: PointerBuf,
+    /// Objects and arrays entered.
+    depth: usize,
+    patch: &'p mut Patch,
+}
+
+impl Walk<'_> {
+    /// Appends the operations turning `old` into `new`, both at `self.at`; `None` if a value
+    /// cannot be parsed or the difference lies deeper than [`MAX_DEPTH`].
+    fn diff(&mut self, old: &RawValue, new: &RawValue) -> Option<()> {
+        let (a, b) = (old.get(), new.get());
+        if a == b {
+            return Some(());
+        }
+        if self.depth >= MAX_DEPTH {
+            return None;
+        }
+        self.depth += 1;
+        match (opening(a), opening(b)) {
+            (Some(b'{'), Some(b'{')) => {
+                match (
+                    serde_json::from_str::<Members>(a),
+                    serde_json::from_str::<Members>(b),
+                ) {
+                    (Ok(x), Ok(y)) => self.members(&x, &y)?,
+                    // Escaped keys: this subtree is diffed parsed.
+                    _ => {
+                        let (x, y) = (parse(old)?, parse(new)?);
+                        let at = &self.at;
+                        let ops = json_patch::diff(&x, &y).0.into_iter();
+                        self.patch.0.extend(ops.map(|op| under(at, op)));
+                    }
+                }
+            }
+            (Some(b'['), Some(b'[')) => {
+                let x: Vec<&RawValue> = serde_json::from_str(a).ok()?;
+                let y: Vec<&RawValue> = serde_json::from_str(b).ok()?;
+                self.elements(&x, &y)?;
+            }
+            _ => {
+                let new = parse(new)?;
+                if parse(old)? != new {
+                    self.push(|path| {
+                        PatchOperation::Replace(ReplaceOperation { path, value: new })
+                    });
                 }
             }
         }
-        (Some(b'['), Some(b'[')) => {
-            let x: Vec<&RawValue> = serde_json::from_str(a)?;
-            let y: Vec<&RawValue> = serde_json::from_str(b)?;
-            diff_elements(&x, &y, at, patch)?;
-        }
-        _ => {
-            let new = parse(new)?;
-            if serde_json::from_str::<Value>(a)? != new {
-                patch.0.push(PatchOperation::Replace(ReplaceOperation {
-                    path: at.clone(),
-                    value: new,
-                }));
-            }
-        }
+        self.depth -= 1;
+        Some(())
     }
-    Ok(())
-}
 
-/// Members of `new` added or changed, then members of `old` removed, in key order.
-fn diff_members(
-    old: &Members,
-    new: &Members,
-    at: &mut PointerBuf,
-    patch: &mut Patch,
-) -> serde_json::Result<()> {
-    for (key, value) in new {
-        at.push_back(*key);
-        match old.get(key) {
-            Some(was) => diff(was, value, at, patch)?,
-            None => patch.0.push(PatchOperation::Add(AddOperation {
-                path: at.clone(),
-                value: parse(value)?,
-            })),
-        }
-        at.pop_back();
-    }
-    for key in old.keys().filter(|k| !new.contains_key(*k)) {
-        at.push_back(*key);
-        patch
-            .0
-            .push(PatchOperation::Remove(RemoveOperation { path: at.clone() }));
-        at.pop_back();
-    }
-    Ok(())
-}
-
-/// Elements compared index by index; extra old ones removed (each at the same index, as the
-/// array shrinks under the patch), extra new ones added.
-fn diff_elements(
-    old: &[&RawValue],
-    new: &[&RawValue],
-    at: &mut PointerBuf,
-    patch: &mut Patch,
-) -> serde_json::Result<()> {
-    let mut removed = 0;
-    for i in 0..old.len().max(new.len()) {
-        at.push_back(i - removed);
-        match (old.get(i), new.get(i)) {
-            (Some(was), Some(value)) => diff(was, value, at, patch)?,
-            (Some(_), None) => {
-                removed += 1;
-                patch
-                    .0
-                    .push(PatchOperation::Remove(RemoveOperation { path: at.clone() }));
+    /// Members of `new` added or changed, then members of `old` removed, in key order.
+    fn members(&mut self, old: &Members, new: &Members) -> Option<()> {
+        for (key, value) in new {
+            self.at.push_back(*key);
+            match old.get(key) {
+                Some(was) => self.diff(was, value)?,
+                None => {
+                    let value = parse(value)?;
+                    self.push(|path| PatchOperation::Add(AddOperation { path, value }));
+                }
             }
-            (None, Some(value)) => patch.0.push(PatchOperation::Add(AddOperation {
-                path: at.clone(),
-                value: parse(value)?,
-            })),
-            (None, None) => {}
+            self.at.pop_back();
         }
-        at.pop_back();
+        for key in old.keys().filter(|k| !new.contains_key(*k)) {
+            self.at.push_back(*key);
+            self.push(|path| PatchOperation::Remove(RemoveOperation { path }));
+            self.at.pop_back();
+        }
+        Some(())
     }
-    Ok(())
+
+    /// Elements compared index by index; extra old ones removed (each at the same index, as
+    /// the array shrinks under the patch), extra new ones added.
+    fn elements(&mut self, old: &[&RawValue], new: &[&RawValue]) -> Option<()> {
+        let mut removed = 0;
+        for i in 0..old.len().max(new.len()) {
+            self.at.push_back(i - removed);
+            match (old.get(i), new.get(i)) {
+                (Some(was), Some(value)) => self.diff(was, value)?,
+                (Some(_), None) => {
+                    removed += 1;
+                    self.push(|path| PatchOperation::Remove(RemoveOperation { path }));
+                }
+                (None, Some(value)) => {
+                    let value = parse(value)?;
+                    self.push(|path| PatchOperation::Add(AddOperation { path, value }));
+                }
+                (None, None) => {}
+            }
+            self.at.pop_back();
+        }
+        Some(())
+    }
+
+    /// Appends the operation `op` makes of the current path.
+    fn push(&mut self, op: impl FnOnce(PointerBuf) -> PatchOperation) {
+        self.patch.0.push(op(self.at.clone()));
+    }
 }
 
 /// The first byte of a JSON value's text.
@@ -137,8 +156,8 @@ fn opening(text: &str) -> Option<u8> {
     text.trim_start().bytes().next()
 }
 
-fn parse(raw: &RawValue) -> serde_json::Result<Value> {
-    serde_json::from_str(raw.get())
+fn parse(raw: &RawValue) -> Option<Value> {
+    serde_json::from_str(raw.get()).ok()
 }
 
 /// `op` (one `json_patch::diff` writes: add, remove or replace) moved under `at`.
@@ -252,6 +271,65 @@ mod tests {
             serde_json::to_value(&patch).unwrap(),
             json!([{"op": "replace", "path": "/data/q\"uote", "value": "2"}])
         );
+    }
+
+    /// An object as the server wrote it (compact, cached without parsing).
+    fn as_written(json: &str) -> CachedObject {
+        CachedObject::from_json(RawValue::from_string(json.to_owned()).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn text_written_differently_but_equal_gives_what_json_patch_gives() {
+        // Server text (Go's \u0026, 1e2, members in its order, an escaped key spelled as a
+        // \u escape) against serde's text of the same values with one change.
+        let written = as_written(
+            r#"{"metadata":{"resourceVersion":"7","name":"a","namespace":"ns"},"kind":"ConfigMap","apiVersion":"v1","data":{"url":"a\u0026b","k\u0022ey":"v","n":1e2,"f":-0.0,"l":[1.0,"\u00e9"]}}"#,
+        );
+        let parsed: Value = serde_json::from_str(written.json().get()).unwrap();
+        let mut changed = parsed.clone();
+        changed["data"]["l"][1] = json!("e");
+        changed["metadata"]["resourceVersion"] = json!("8");
+        let serde_text = cached(changed.clone());
+        for (a, b) in [(&written, &serde_text), (&serde_text, &written)] {
+            let (x, y): (Value, Value) = (
+                serde_json::from_str(a.json().get()).unwrap(),
+                serde_json::from_str(b.json().get()).unwrap(),
+            );
+            let patch = patch_between(a, b).unwrap();
+            assert_eq!(patch, json_patch::diff(&x, &y));
+            assert_eq!(patch.0.len(), 2, "{patch:?}");
+        }
+    }
+
+    #[test]
+    fn a_change_nested_deeper_than_serde_parses_gives_no_patch_and_no_overflow() {
+        let object = |leaf: &str| {
+            let depth = 10_000;
+            as_written(&format!(
+                r#"{{"apiVersion":"x/v1","kind":"T","metadata":{{"name":"a","resourceVersion":"1"}},"spec":{}{leaf}{},"status":{{"n":{leaf}}}}}"#,
+                "[".repeat(depth),
+                "]".repeat(depth)
+            ))
+        };
+        let (a, b) = (object("1"), object("2"));
+        // A worker thread's stack (Tokio's default is 2 MiB).
+        let patch = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(move || patch_between(&a, &b))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert!(patch.is_none());
+        // Within the limit, the same shape diffs.
+        let shallow = |leaf: &str| {
+            as_written(&format!(
+                r#"{{"apiVersion":"x/v1","kind":"T","metadata":{{"name":"a"}},"spec":{}{leaf}{}}}"#,
+                "[".repeat(100),
+                "]".repeat(100)
+            ))
+        };
+        let patch = patch_between(&shallow("1"), &shallow("2")).unwrap();
+        assert_eq!(patch.0.len(), 1);
     }
 
     #[test]
