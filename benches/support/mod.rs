@@ -420,11 +420,16 @@ pub fn median(mut v: Vec<f64>) -> f64 {
 /// what is in flight is bounded by the sink's own window (`nats.max_in_flight`, librdkafka's
 /// queue), not by the workers.
 pub fn workers() -> usize {
-    std::env::var("BENCH_WORKERS")
+    positive_from_env("BENCH_WORKERS", 8)
+}
+
+/// The positive number in the environment variable `name`, else `default`.
+fn positive_from_env(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|w| w.parse().ok())
         .filter(|&w| w > 0)
-        .unwrap_or(8)
+        .unwrap_or(default)
 }
 
 /// How many distinct objects a broker bench's events update: `BENCH_OBJECTS` (default
@@ -432,18 +437,10 @@ pub fn workers() -> usize {
 /// contract), the raw producer has no such rule: with few objects per event the bridge waits
 /// for acknowledgements the raw side does not.
 pub fn objects() -> usize {
-    std::env::var("BENCH_OBJECTS")
-        .ok()
-        .and_then(|w| w.parse().ok())
-        .filter(|&w| w > 0)
-        .unwrap_or(10_000)
+    positive_from_env("BENCH_OBJECTS", 10_000)
 }
 
 /// How many runs of each side a broker bench makes: `BENCH_RUNS` (at least 3, the default).
 pub fn runs() -> usize {
-    std::env::var("BENCH_RUNS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(3)
-        .max(3)
+    positive_from_env("BENCH_RUNS", 3).max(3)
 }

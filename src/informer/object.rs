@@ -196,9 +196,9 @@ impl ObjectMetaRef for DynamicObject {
     }
 }
 
-/// `old` and `new` reduced to the top-level fields whose JSON differs, parsed: an update
-/// usually changes one or two (`metadata`, `status`), and the rest need not be parsed to be
-/// diffed or compared. Equal text means equal values. Different text may still be equal
+/// `old` and `new` reduced to the top-level fields whose JSON differs, parsed (for
+/// `ignore_fields`): an update usually changes one or two (`metadata`, `status`), and the rest
+/// need not be parsed to be compared. Equal text means equal values. Different text may still be equal
 /// values (an object that took the parsed path is written by serde, not as the server wrote
 /// it), which are then compared parsed.
 pub fn differing_fields(

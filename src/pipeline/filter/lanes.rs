@@ -21,14 +21,17 @@
 
 use std::{
     collections::VecDeque,
-    hash::{BuildHasher, BuildHasherDefault, DefaultHasher},
+    hash::BuildHasher,
     sync::{Arc, Mutex, MutexGuard},
 };
 
 use tokio::sync::Notify;
 
 use super::{Stage, State};
-use crate::informer::{Key, Notification, ObjectRef};
+use crate::{
+    informer::{Key, Notification, ObjectRef},
+    workqueue::queue::FastHash,
+};
 
 /// Items a lane holds before the caller runs it itself.
 pub(super) const RING: usize = 1024;
@@ -107,20 +110,23 @@ fn evaluate(stage: &Stage, st: &mut State, item: Item) {
     }
 }
 
-/// A route filter's lanes (see the module docs); none: the caller evaluates.
-pub(super) struct Lanes {
-    lanes: Box<[Arc<Lane>]>,
-    /// Without lanes: the state, under its lock.
-    inline: Lane,
+/// Where a route filter evaluates (see the module docs).
+pub(super) struct Lanes(Place);
+
+enum Place {
+    /// On the caller's thread, at once: all keys' state, under its lock.
+    Inline(Mutex<State>),
+    /// On lanes of their own; keys hashed to them.
+    Spawned {
+        lanes: Box<[Arc<Lane>]>,
+        hash: FastHash,
+    },
 }
 
 impl Lanes {
     /// No lanes: each item is evaluated by the caller, at once.
     pub(super) fn inline() -> Self {
-        Self {
-            lanes: Box::new([]),
-            inline: Lane::default(),
-        }
+        Self(Place::Inline(Mutex::default()))
     }
 
     /// `count` lanes, each a task on the current Tokio runtime (panics outside one).
@@ -137,19 +143,30 @@ impl Lanes {
                 }
             });
         }
-        Self {
+        Self(Place::Spawned {
             lanes,
-            inline: Lane::default(),
+            hash: FastHash::default(),
+        })
+    }
+
+    /// The lanes (none inline).
+    fn lanes(&self) -> &[Arc<Lane>] {
+        match &self.0 {
+            Place::Inline(_) => &[],
+            Place::Spawned { lanes, .. } => lanes,
         }
     }
 
     /// Evaluates `item` on its key's lane (or at once, without lanes).
     pub(super) fn pass(&self, stage: &Stage, item: Item) {
-        if self.lanes.is_empty() {
-            return evaluate(stage, &mut self.inline.state(), item);
-        }
-        let hash = BuildHasherDefault::<DefaultHasher>::default().hash_one(item.key());
-        let lane = &self.lanes[(hash % self.lanes.len() as u64) as usize];
+        let (lanes, hash) = match &self.0 {
+            Place::Inline(state) => {
+                let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+                return evaluate(stage, &mut st, item);
+            }
+            Place::Spawned { lanes, hash } => (lanes, hash.hash_one(item.key())),
+        };
+        let lane = &lanes[(hash % lanes.len() as u64) as usize];
         let term = stage.queue.term();
         let (was_empty, full) = {
             let mut ring = lane.ring();
@@ -167,7 +184,7 @@ impl Lanes {
 
     /// Returns once everything passed so far was evaluated.
     pub(super) fn flush(&self, stage: &Stage) {
-        for lane in &self.lanes {
+        for lane in self.lanes() {
             lane.run(stage);
         }
     }
@@ -176,7 +193,7 @@ impl Lanes {
 impl Drop for Lanes {
     /// The tasks evaluate what their lanes still hold, then end.
     fn drop(&mut self) {
-        for lane in &self.lanes {
+        for lane in self.lanes() {
             lane.ring().closed = true;
             lane.wake.notify_one();
         }
