@@ -11,13 +11,16 @@
 //!   holds at most `RING + 1` waiting items per caller passing at once (one per informer of
 //!   the route) plus a batch of as many being evaluated: about `2 × RING` per lane beyond
 //!   the queue's cap.
-//! - [`Lanes::flush`] returns once everything passed before it was evaluated: the filter's
-//!   `on_synced` goes on only after it, and shutdown calls it after the informers stopped.
+//! - [`Lanes::flush`] returns once everything passed before it was evaluated; shutdown calls
+//!   it after the informers stopped.
 //! - An item passed in one leadership term and evaluated in another is dropped: the new term
-//!   starts from the informer's cache, as the queue's own contract says. The term is checked
-//!   before the evaluation and again where the queue takes the result
-//!   ([`RouteQueue::push_in`](crate::pipeline::RouteQueue::push_in)), under the lock the
-//!   term changes under.
+//!   starts from the informer's cache, as the queue's own contract says. An item is evaluated
+//!   as of the term it was passed in (the lane's state is that term's), and the queue takes
+//!   the result only if that term is still current
+//!   ([`RouteQueue::push_in`](crate::pipeline::RouteQueue::push_in)), checked under the lock
+//!   the term changes under.
+//! - An evaluation that panics (a bug) drops its item, is logged with its key and counted as
+//!   a filter error; the lane goes on with the next item.
 
 use std::{
     collections::VecDeque,
@@ -26,6 +29,7 @@ use std::{
 };
 
 use tokio::sync::Notify;
+use tracing::error;
 
 use super::{Stage, State};
 use crate::{
@@ -45,7 +49,7 @@ pub(super) enum Item {
 }
 
 impl Item {
-    fn key(&self) -> &str {
+    fn key(&self) -> &Key {
         match self {
             Self::Notification(n) => n.key(),
             Self::Known(key, _) => key,
@@ -53,13 +57,23 @@ impl Item {
     }
 }
 
-/// One lane: what waits, and the state of its keys (its lock is the lane's: whoever
+/// One lane: what waits, and what its evaluation owns (that lock is the lane's: whoever
 /// evaluates holds it).
 #[derive(Default)]
 struct Lane {
     ring: Mutex<Ring>,
     wake: Notify,
-    state: Mutex<State>,
+    owned: Mutex<Owned>,
+}
+
+/// What a lane's evaluation owns.
+#[derive(Default)]
+struct Owned {
+    /// The filter state of the lane's keys.
+    state: State,
+    /// The batch being evaluated; it trades places with the ring's buffer, so neither
+    /// allocates again once grown.
+    batch: VecDeque<(u64, Item)>,
 }
 
 #[derive(Default)]
@@ -74,39 +88,45 @@ impl Lane {
         self.ring.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn owned(&self) -> MutexGuard<'_, Owned> {
+        self.owned.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Evaluates everything the lane holds, in order, until it holds nothing. Returns whether
     /// the lane is closed.
     fn run(&self, stage: &Stage) -> bool {
-        let mut st = self.state();
-        let mut batch = VecDeque::new();
+        let mut owned = self.owned();
+        let Owned { state, batch } = &mut *owned;
         loop {
             {
                 let mut ring = self.ring();
                 if ring.items.is_empty() {
                     return ring.closed;
                 }
-                // The buffers trade places: neither allocates again once grown.
-                std::mem::swap(&mut ring.items, &mut batch);
+                std::mem::swap(&mut ring.items, batch);
             }
             for (term, item) in batch.drain(..) {
-                if term != stage.queue.term() {
-                    // Passed in an ended term.
-                    continue;
-                }
-                evaluate(stage, &mut st, item);
+                evaluate(stage, state, term, item);
             }
         }
     }
 }
 
-fn evaluate(stage: &Stage, st: &mut State, item: Item) {
-    match item {
-        Item::Notification(n) => stage.notify(st, n),
-        Item::Known(key, unchanged) => stage.known(st, &key, unchanged.as_ref()),
+/// Evaluates `item`, passed in `term`, with `st`; a panic drops the item (see the module
+/// docs).
+fn evaluate(stage: &Stage, st: &mut State, term: u64, item: Item) {
+    if term != stage.queue.term() {
+        // Passed in an ended term.
+        return;
+    }
+    let key = item.key().clone();
+    let evaluated = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match item {
+        Item::Notification(n) => stage.notify(st, term, n),
+        Item::Known(key, unchanged) => stage.known(st, term, &key, unchanged.as_ref()),
+    }));
+    if evaluated.is_err() {
+        stage.metrics.errors.inc();
+        error!(route = %stage.route, key = %key, "Evaluating the filter panicked; the notification is dropped");
     }
 }
 
@@ -162,7 +182,7 @@ impl Lanes {
         let (lanes, hash) = match &self.0 {
             Place::Inline(state) => {
                 let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
-                return evaluate(stage, &mut st, item);
+                return evaluate(stage, &mut st, stage.queue.term(), item);
             }
             Place::Spawned { lanes, hash } => (lanes, hash.hash_one(item.key())),
         };

@@ -316,14 +316,16 @@ struct State {
 }
 
 impl State {
-    /// A new term starts from what its replay publishes.
-    fn renew(&mut self, term: u64) {
-        if self.term != term {
+    /// Prepares for evaluating something passed in `term`: a newer term starts from what its
+    /// replay publishes; `false` for an older one, whose items are dropped.
+    fn renew(&mut self, term: u64) -> bool {
+        if term > self.term {
             *self = State {
                 term,
                 ..State::default()
             };
         }
+        term == self.term
     }
 }
 
@@ -435,15 +437,15 @@ impl Stage {
 }
 
 impl Stage {
-    /// Evaluates `n` with what `st` knows of its key; passes it on, changed, or drops it.
-    fn notify(&self, st: &mut State, mut n: Notification) {
-        if !self.queue.is_active() {
+    /// Evaluates `n`, passed in `term`, with what `st` knows of its key; passes it on,
+    /// changed, or drops it. What it passes on, the queue takes only within `term`.
+    fn notify(&self, st: &mut State, term: u64, mut n: Notification) {
+        if !self.queue.is_active() || !st.renew(term) {
             return;
         }
         let key = n.key().clone();
         let ty = n.event_type();
         let tracks = self.rules.tracks();
-        st.renew(self.queue.term());
         match n.kind().clone() {
             NotificationKind::Delete { obj, .. } => {
                 // A delete always settles what the route knows of the key.
@@ -544,11 +546,10 @@ impl Stage {
     }
 
     /// From a resume: the consumers have `key` (see [`NotificationHandler::on_known`]).
-    fn known(&self, st: &mut State, key: &str, unchanged: Option<&ObjectRef>) {
-        if !self.rules.tracks() || !self.queue.is_active() {
+    fn known(&self, st: &mut State, term: u64, key: &str, unchanged: Option<&ObjectRef>) {
+        if !self.rules.tracks() || !self.queue.is_active() || !st.renew(term) {
             return;
         }
-        st.renew(self.queue.term());
         match unchanged {
             Some(obj) if self.member(st, key, obj).is_err() => {
                 // The filter changed since the consumers got it.
@@ -580,8 +581,6 @@ impl NotificationHandler for RouteFilter {
     }
 
     fn on_synced(&self, namespace: Option<&str>) {
-        // After everything passed on before it.
-        self.lanes.flush(&self.stage);
         self.stage.queue.on_synced(namespace);
     }
 
@@ -1114,6 +1113,51 @@ mod tests {
         }));
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(drain(&q), ["added 2"], "a lane's task evaluates on its own");
+    }
+
+    /// An item that passed the lane's term check just before leadership was lost and
+    /// regained is evaluated as of its own term: neither it nor what it would teach the
+    /// filter lands in the new term.
+    #[test]
+    fn an_evaluation_overtaken_by_a_new_term_publishes_nothing_in_it() {
+        let (f, q, _) = stage(r#"{"filter": "object.metadata.labels.team == 'shop'"}"#);
+        let ended = q.term();
+        let mut st = State::default();
+        q.set_active(false);
+        q.set_active(true);
+        // Evaluated as if it had passed the check in `ended`.
+        f.stage.notify(
+            &mut st,
+            ended,
+            Notification::new(NotificationKind::Add {
+                obj: object("a", "1", "shop", "x"),
+                is_initial_list: false,
+            }),
+        );
+        assert_eq!(drain(&q), Vec::<String>::new(), "not taken in the new term");
+        // The new term's first item starts from a clean state: `a` is not known as published,
+        // so leaving the filter publishes nothing.
+        f.stage.notify(
+            &mut st,
+            q.term(),
+            Notification::new(NotificationKind::Update {
+                old: object("a", "1", "shop", "x"),
+                new: object("a", "2", "web", "x"),
+            }),
+        );
+        assert_eq!(drain(&q), Vec::<String>::new());
+        // And an item of the ended term that comes after is dropped, state untouched.
+        let before = st.term;
+        f.stage.notify(
+            &mut st,
+            ended,
+            Notification::new(NotificationKind::Add {
+                obj: object("b", "1", "shop", "x"),
+                is_initial_list: false,
+            }),
+        );
+        assert_eq!((st.term, st.published.len()), (before, 0));
+        assert_eq!(drain(&q), Vec::<String>::new());
     }
 
     #[test]
