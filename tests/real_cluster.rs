@@ -13,7 +13,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, ApiResource, DeleteParams, PostParams};
 use serde_json::{Value, json};
 use support::{
     cluster::{Cluster, ClusterOptions, ReferenceInformer},
@@ -345,4 +345,366 @@ async fn settle(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bridge_sees_what_client_go_sees_across_a_compacted_gap() {
     parity(ClusterOptions::default()).await;
+}
+
+/// The same against the oldest Kubernetes release the docs support (1.33: the API the
+/// service is built against), emulated by the same v1.36 binary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_sees_what_client_go_sees_on_the_oldest_supported_release() {
+    parity(ClusterOptions {
+        emulated_version: Some("1.33".into()),
+        ..Default::default()
+    })
+    .await;
+}
+
+const GROUP: &str = "shop.example.org";
+
+/// A replica of the bridge with `resources`, each routed to a stdout sink writing
+/// `dir/out.jsonl` (no checkpoint), and the `kubernetes` section `kubernetes`.
+fn file_bridge(dir: &Path, resources: Value, kubernetes: Value) -> Replica {
+    let config = ConfigBuilder::new()
+        .grace_period("5s")
+        .kubernetes(kubernetes)
+        .resources(resources)
+        .sink(json!({
+            "name": "out", "type": "stdout", "stdout": {"path": dir.join("out.jsonl")},
+            "resume": false,
+        }))
+        .route_each_resource_to(&["out"])
+        .value();
+    Replica::start(dir, "bridge", &config, &dir.join("admin.kubeconfig"))
+}
+
+/// Per object (`Kind ns/name`), the event types the file sink delivered, in order.
+fn delivered(dir: &Path) -> BTreeMap<String, Vec<String>> {
+    let mut by_object: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for e in json_lines(&dir.join("out.jsonl")) {
+        let key = format!(
+            "{} {}",
+            e["k8skind"].as_str().unwrap(),
+            e["subject"].as_str().unwrap()
+        );
+        by_object
+            .entry(key)
+            .or_default()
+            .push(event_type(&e).to_owned());
+    }
+    by_object
+}
+
+/// A Gadget of `GROUP` at `version`, `ns/name`, with `spec.size`.
+fn gadget(version: &str, ns: &str, name: &str, size: u64) -> Value {
+    json!({
+        "apiVersion": format!("{GROUP}/{version}"), "kind": "Gadget",
+        "metadata": {"namespace": ns, "name": name}, "spec": {"size": size},
+    })
+}
+
+/// A GitOps rollout: the bridge starts before the CRD of a kind it exports, exports the
+/// built-ins at once and waits for the kind; once the CRD is installed (on the real server:
+/// established a moment after it is created, served a moment after that) its objects are
+/// delivered, each once; when the CRD is deleted (the API server's finalizer deletes its
+/// objects first), each object's delete is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_installed_after_the_start_is_followed_and_its_deletion_delivers_the_deletes() {
+    let cluster = Cluster::start().await;
+    cluster.create_namespace("crd-later").await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(cluster.kubeconfig(), dir.path().join("admin.kubeconfig")).unwrap();
+    cluster
+        .create(
+            "configmaps",
+            serde_json::to_value(configmap("crd-later", "cm", "1")).unwrap(),
+        )
+        .await;
+    let replica = file_bridge(
+        dir.path(),
+        json!([
+            {"name": "configmap", "api_version": "v1", "kind": "ConfigMap", "namespaces": ["crd-later"]},
+            {"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"},
+        ]),
+        json!({"discovery_refresh": "1h", "discovery_grace": "1s"}),
+    );
+    wait::until(
+        "the ConfigMap",
+        Patience::of(Duration::from_secs(60)),
+        async || delivered(dir.path()).contains_key("ConfigMap crd-later/cm"),
+    )
+    .await;
+    let (code, body) = support::http_get(replica.admin().unwrap(), "/readyz").await;
+    assert_eq!(code, 200, "a pending kind does not hold readiness: {body}");
+
+    cluster
+        .install_crd(GROUP, "Gadget", "gadgets", true, &[("v1", true)])
+        .await;
+    for i in 0..20 {
+        cluster
+            .create("gadgets", gadget("v1", "crd-later", &format!("g{i:02}"), i))
+            .await;
+    }
+    wait::until(
+        "every Gadget",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let d = delivered(dir.path());
+            (0..20).all(|i| d.contains_key(&format!("Gadget crd-later/g{i:02}")))
+        },
+    )
+    .await;
+
+    cluster.delete_crd(GROUP, "gadgets").await;
+    wait::until(
+        "every Gadget's delete",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let d = delivered(dir.path());
+            (0..20).all(|i| {
+                d[&format!("Gadget crd-later/g{i:02}")]
+                    .last()
+                    .map(String::as_str)
+                    == Some("deleted")
+            })
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let d = delivered(dir.path());
+    println!(
+        "CRD after the start: {:?}",
+        d.iter()
+            .map(|(k, v)| format!("{k}: {}", v.join(",")))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(d["ConfigMap crd-later/cm"], ["added"]);
+    for i in 0..20 {
+        assert_eq!(
+            d[&format!("Gadget crd-later/g{i:02}")],
+            ["added", "deleted"],
+            "g{i:02}"
+        );
+    }
+}
+
+/// A CRD whose preferred version moves (v1beta1 → v1, both served, then v1beta1 no longer
+/// served) under a group wildcard on the real server: the same objects are followed at the
+/// new version; nothing is deleted or added again, and later changes come at v1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
+    let cluster = Cluster::start().await;
+    cluster.create_namespace("versions").await;
+    cluster
+        .install_crd(GROUP, "Gadget", "gadgets", true, &[("v1beta1", true)])
+        .await;
+    const N: u64 = 50;
+    for i in 0..N {
+        cluster
+            .create(
+                "gadgets",
+                gadget("v1beta1", "versions", &format!("g{i:02}"), i),
+            )
+            .await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(cluster.kubeconfig(), dir.path().join("admin.kubeconfig")).unwrap();
+    let _replica = file_bridge(
+        dir.path(),
+        json!([{"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*"}]),
+        json!({"discovery_refresh": "1s", "discovery_grace": "1s"}),
+    );
+    wait::until(
+        "every Gadget",
+        Patience::of(Duration::from_secs(60)),
+        async || delivered(dir.path()).len() == N as usize,
+    )
+    .await;
+
+    // v1 joins and, sorting before v1beta1, becomes the preferred version; then v1beta1 goes.
+    cluster
+        .install_crd(
+            GROUP,
+            "Gadget",
+            "gadgets",
+            true,
+            &[("v1beta1", true), ("v1", true)],
+        )
+        .await;
+    let gadgets = ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(GROUP, "v1", "Gadget"),
+        "gadgets",
+    );
+    let api: Api<kube::api::DynamicObject> =
+        Api::namespaced_with(cluster.client().await, "versions", &gadgets);
+    api.delete("g05", &DeleteParams::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    cluster
+        .install_crd(
+            GROUP,
+            "Gadget",
+            "gadgets",
+            true,
+            &[("v1beta1", false), ("v1", true)],
+        )
+        .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut g0 = api.get("g00").await.unwrap();
+    g0.data["spec"]["size"] = json!(100);
+    api.replace("g00", &PostParams::default(), &g0)
+        .await
+        .unwrap();
+    wait::until(
+        "the update at v1",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            delivered(dir.path())
+                .get("Gadget versions/g00")
+                .is_some_and(|t| t.len() == 2)
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let d = delivered(dir.path());
+    let messages: usize = d.values().map(Vec::len).sum();
+    println!(
+        "version change: {N} objects, {messages} messages (expected {})",
+        N + 2
+    );
+    assert_eq!(d["Gadget versions/g00"], ["added", "updated"]);
+    assert_eq!(d["Gadget versions/g05"], ["added", "deleted"]);
+    for i in (1..N).filter(|&i| i != 5) {
+        assert_eq!(
+            d[&format!("Gadget versions/g{i:02}")],
+            ["added"],
+            "nothing deleted or added again"
+        );
+    }
+    let last = json_lines(&dir.path().join("out.jsonl")).pop().unwrap();
+    assert_eq!(last["data"]["object"]["apiVersion"], format!("{GROUP}/v1"));
+}
+
+/// Every namespaced kind of the cluster (`api_version: "*"`) while the API server is
+/// SIGKILLed and started again three times, with changes between: discovery fails while it
+/// is down and may be partial right after a start (aggregated discovery, CRDs served a moment
+/// later), and none of that may delete a live object. Folded per object, the stream ends with
+/// the server's objects; no delete of an object that is still there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
+    let mut cluster = Cluster::start().await;
+    let ns = "restarts";
+    cluster.create_namespace(ns).await;
+    cluster
+        .install_crd(GROUP, "Gadget", "gadgets", true, &[("v1", true)])
+        .await;
+    for i in 0..20 {
+        cluster
+            .create(
+                "configmaps",
+                serde_json::to_value(configmap(ns, &format!("cm{i:02}"), "1")).unwrap(),
+            )
+            .await;
+        cluster
+            .create("gadgets", gadget("v1", ns, &format!("g{i:02}"), i))
+            .await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(cluster.kubeconfig(), dir.path().join("admin.kubeconfig")).unwrap();
+    let _replica = file_bridge(
+        dir.path(),
+        json!([{"name": "all", "api_version": "*", "kind": "*", "scope": "namespaced",
+                "namespaces": [ns]}]),
+        json!({"discovery_refresh": "1s", "discovery_grace": "2s"}),
+    );
+    wait::until(
+        "every object",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let d = delivered(dir.path());
+            (0..20).all(|i| {
+                d.contains_key(&format!("Gadget {ns}/g{i:02}"))
+                    && d.contains_key(&format!("ConfigMap {ns}/cm{i:02}"))
+            })
+        },
+    )
+    .await;
+    let cms: Api<ConfigMap> = Api::namespaced(cluster.client().await, ns);
+    for round in 0..3u64 {
+        cluster.kill_apiserver();
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        cluster.start_apiserver().await;
+        println!("restart {round}: ready in {:?}", cluster.last_start);
+        let cms: Api<ConfigMap> = Api::namespaced(cluster.client().await, ns);
+        cms.replace(
+            &format!("cm{round:02}"),
+            &PostParams::default(),
+            &configmap(ns, &format!("cm{round:02}"), "2"),
+        )
+        .await
+        .unwrap();
+        cms.delete(&format!("cm1{round}"), &DeleteParams::default())
+            .await
+            .unwrap();
+        // Longer than discovery_grace, so that a kind judged gone would have been stopped.
+        tokio::time::sleep(Duration::from_secs(4)).await;
+    }
+    drop(cms);
+    // Settled: the stream folds to the server's objects of both kinds.
+    let gadgets = ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(GROUP, "v1", "Gadget"),
+        "gadgets",
+    );
+    let mut want = BTreeMap::new();
+    for (kind, resource) in [("ConfigMap", configmaps()), ("Gadget", gadgets)] {
+        for (k, v) in cluster.objects(&resource, Some(ns)).await {
+            want.insert(format!("{kind} {k}"), v);
+        }
+    }
+    let fold = |events: &[Value]| {
+        let mut folded = BTreeMap::new();
+        for e in events {
+            let key = format!(
+                "{} {}",
+                e["k8skind"].as_str().unwrap(),
+                e["subject"].as_str().unwrap()
+            );
+            if !["ConfigMap", "Gadget"].contains(&e["k8skind"].as_str().unwrap()) {
+                continue;
+            }
+            let meta = &e["data"]["object"]["metadata"];
+            let state = (event_type(e) != "deleted").then(|| {
+                (
+                    meta["uid"].as_str().unwrap_or_default().to_owned(),
+                    meta["resourceVersion"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_owned(),
+                )
+            });
+            folded.insert(key, state);
+        }
+        folded
+    };
+    wait::until(
+        "the stream folds to the server's objects",
+        Patience::of(Duration::from_secs(60)),
+        async || differences(&fold(&json_lines(&dir.path().join("out.jsonl"))), &want).is_empty(),
+    )
+    .await;
+    let events = json_lines(&dir.path().join("out.jsonl"));
+    let d = differences(&fold(&events), &want);
+    let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
+    let relisted_adds = delivered(dir.path())
+        .values()
+        .filter(|t| t.iter().filter(|t| *t == "added").count() > 1)
+        .count();
+    println!(
+        "3 restarts: {} messages, {deletes} deletes (3 made), objects added twice {relisted_adds}, lost deletes {}, phantom deletes {}, stale {}, missing {}",
+        events.len(),
+        d.lost_deletes.len(),
+        d.phantom_deletes.len(),
+        d.stale.len(),
+        d.missing.len()
+    );
+    assert!(d.is_empty(), "{d:?}");
+    assert_eq!(deletes, 3, "only the deletes made");
+    assert_eq!(relisted_adds, 0, "nothing added again");
 }

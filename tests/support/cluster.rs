@@ -21,7 +21,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::{
+    api::core::v1::Namespace,
+    apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+};
 use kube::api::{Api, ApiResource, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
 
@@ -339,6 +342,122 @@ impl Cluster {
             .create(&PostParams::default(), &named(None, name))
             .await
             .unwrap_or_else(|e| panic!("create namespace {name}: {e}"));
+    }
+
+    /// Installs (or, when it exists, replaces the versions of) the CRD `{plural}.{group}` of
+    /// `kind`, served at `versions` (`(name, served)`; the last one is the storage version),
+    /// each with a schema that keeps any field; waits until it is established and its
+    /// storage version is served.
+    pub async fn install_crd(
+        &self,
+        group: &str,
+        kind: &str,
+        plural: &str,
+        namespaced: bool,
+        versions: &[(&str, bool)],
+    ) {
+        let api: Api<CustomResourceDefinition> = Api::all(self.client().await);
+        let name = format!("{plural}.{group}");
+        let storage = versions.last().expect("a version").0;
+        let versions: Vec<Value> = versions
+            .iter()
+            .map(|(v, served)| {
+                json!({
+                    "name": v, "served": served, "storage": *v == storage,
+                    "schema": {"openAPIV3Schema": {
+                        "type": "object", "x-kubernetes-preserve-unknown-fields": true,
+                    }},
+                })
+            })
+            .collect();
+        let crd: CustomResourceDefinition = serde_json::from_value(json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": name},
+            "spec": {
+                "group": group,
+                "names": {"kind": kind, "plural": plural, "singular": kind.to_lowercase(),
+                          "listKind": format!("{kind}List")},
+                "scope": if namespaced { "Namespaced" } else { "Cluster" },
+                "versions": versions,
+            },
+        }))
+        .unwrap();
+        match api.get_opt(&name).await.unwrap() {
+            None => {
+                api.create(&PostParams::default(), &crd).await.unwrap();
+            }
+            Some(mut existing) => {
+                existing.spec = crd.spec;
+                api.replace(&name, &PostParams::default(), &existing)
+                    .await
+                    .unwrap();
+            }
+        }
+        // Established, and the storage version answers a list (the handler is installed a
+        // moment after the condition).
+        let resource = ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(group, storage, kind),
+            plural,
+        );
+        let objects: Api<DynamicObject> = Api::all_with(self.client().await, &resource);
+        super::wait::until(
+            format!("CRD {name} served at {storage}"),
+            super::wait::PATIENCE,
+            async || {
+                let established = api
+                    .get(&name)
+                    .await
+                    .ok()
+                    .and_then(|c| c.status)
+                    .is_some_and(|s| {
+                        s.conditions
+                            .unwrap_or_default()
+                            .iter()
+                            .any(|c| c.type_ == "Established" && c.status == "True")
+                    });
+                established && objects.list(&ListParams::default().limit(1)).await.is_ok()
+            },
+        )
+        .await;
+    }
+
+    /// Deletes the CRD `{plural}.{group}` (the API server's own finalizer deletes its objects).
+    pub async fn delete_crd(&self, group: &str, plural: &str) {
+        let api: Api<CustomResourceDefinition> = Api::all(self.client().await);
+        api.delete(&format!("{plural}.{group}"), &Default::default())
+            .await
+            .unwrap();
+    }
+
+    /// Creates `obj` (any kind: its `apiVersion` and `kind` name it; `plural` is its
+    /// resource) and returns what the server stored.
+    pub async fn create(&self, plural: &str, obj: Value) -> DynamicObject {
+        let api = self.dynamic(plural, &obj).await;
+        let obj: DynamicObject = serde_json::from_value(obj).unwrap();
+        api.create(&PostParams::default(), &obj)
+            .await
+            .unwrap_or_else(|e| panic!("create {plural} {:?}: {e}", obj.metadata.name))
+    }
+
+    /// The dynamic API of `plural` for `obj`'s kind, in its namespace if it has one.
+    async fn dynamic(&self, plural: &str, obj: &Value) -> Api<DynamicObject> {
+        let (group, version) = match obj["apiVersion"].as_str().unwrap().split_once('/') {
+            Some((g, v)) => (g.to_owned(), v.to_owned()),
+            None => (
+                String::new(),
+                obj["apiVersion"].as_str().unwrap().to_owned(),
+            ),
+        };
+        let resource = ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(&group, &version, obj["kind"].as_str().unwrap()),
+            plural,
+        );
+        let client = self.client().await;
+        match obj["metadata"]["namespace"].as_str() {
+            Some(ns) => Api::namespaced_with(client, ns, &resource),
+            None => Api::all_with(client, &resource),
+        }
     }
 
     /// The live objects of `resource` (in `namespace`, or all), as the stream's consumers
