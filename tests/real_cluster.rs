@@ -973,3 +973,128 @@ async fn a_sigkilled_bridge_resumes_from_the_kafka_checkpoint() {
     )
     .await;
 }
+
+/// The holder of Lease `kube-system/{name}`, if any.
+async fn lease_holder(cluster: &Cluster, name: &str) -> Option<String> {
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(cluster.client().await, "kube-system");
+    leases
+        .get_opt(name)
+        .await
+        .unwrap()
+        .and_then(|l| l.spec?.holder_identity)
+}
+
+/// Leader failover between two replicas on the real API server: the leader (holding the
+/// Lease in `kube-system`) is SIGKILLed while objects change at about 100 per second; the
+/// standby takes the Lease over and publishes what changed since the last checkpoint.
+/// Folded per key in the destination's order, in both consumer models, the stream ends with
+/// the API server's objects.
+async fn failover(destination: Destination, cluster_name: &str) {
+    let cluster = Cluster::start().await;
+    let ns = "failover";
+    cluster.create_namespace(ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = cluster.kubeconfig();
+    let sink = destination.sink();
+    let mut replicas: BTreeMap<String, Replica> = ["replica-a", "replica-b"]
+        .into_iter()
+        .map(|id| {
+            let r = replica_to(dir.path(), id, cluster_name, ns, &sink, true, &kubeconfig);
+            (id.to_owned(), r)
+        })
+        .collect();
+    let mut leader = None;
+    wait::until(
+        "a leader",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            leader = lease_holder(&cluster, "kube-event-bridge").await;
+            leader.is_some()
+        },
+    )
+    .await;
+    let leader = leader.unwrap();
+    ready(&replicas[&leader]).await;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = tokio::spawn({
+        let (client, stop) = (cluster.client().await, stop.clone());
+        async move {
+            let api: Api<ConfigMap> = Api::namespaced(client, ns);
+            let mut rng = Rng(seed());
+            let mut changes = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                workload(&api, ns, &mut rng, 100, 10).await;
+                changes += 10;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            changes
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let killed = replicas.remove(&leader).unwrap();
+    killed.signal("KILL");
+    drop(killed);
+    let standby = replicas.keys().next().unwrap().clone();
+    wait::until(
+        "the standby leads",
+        Patience::of(Duration::from_secs(30)),
+        async || {
+            lease_holder(&cluster, "kube-event-bridge").await.as_deref() == Some(standby.as_str())
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let changes = writer.await.unwrap();
+
+    let live = cluster.objects(&configmaps(), Some(ns)).await;
+    let dedup = |events: &[Value]| {
+        let mut seen = BTreeSet::new();
+        events
+            .iter()
+            .filter(|e| seen.insert(e["id"].as_str().unwrap().to_owned()))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    wait::until(
+        "the stream folds to the server's objects",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let events = destination.read().await;
+            differences(&fold_in_order(&events), &live).is_empty()
+                && differences(&fold_in_order(&dedup(&events)), &live).is_empty()
+        },
+    )
+    .await;
+    let events = destination.read().await;
+    let d = differences(&fold_in_order(&events), &live);
+    let ids: BTreeSet<&str> = events.iter().map(|e| e["id"].as_str().unwrap()).collect();
+    println!(
+        "failover ({}): {changes} changes, {} messages, {} repeated ids, {} live objects; \
+         lost deletes {}, phantom deletes {}, stale {}, missing {} (both consumer models)",
+        match destination {
+            Destination::JetStream(_) => "JetStream",
+            Destination::Kafka(..) => "Kafka",
+        },
+        events.len(),
+        events.len() - ids.len(),
+        live.len(),
+        d.lost_deletes.len(),
+        d.phantom_deletes.len(),
+        d.stale.len(),
+        d.missing.len(),
+    );
+    assert!(d.is_empty(), "{d:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_leader_is_replaced_and_nothing_is_lost_on_jetstream() {
+    failover(Destination::jetstream(), "failover-js").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_leader_is_replaced_and_nothing_is_lost_on_kafka() {
+    failover(Destination::kafka("failover-kafka"), "failover-kafka").await;
+}
