@@ -77,8 +77,9 @@ async fn workload(api: &Api<ConfigMap>, ns: &str, rng: &mut Rng, names: u64, ops
 
 /// A replica of the bridge watching ConfigMaps in `ns`, printing to `dir/bridge.jsonl` with
 /// a queue large enough that nothing coalesces and no checkpoint (client-go keeps none).
-fn bridge(dir: &Path, ns: &str, kubeconfig: &Path) -> Replica {
+fn bridge(dir: &Path, ns: &str, kubeconfig: &Path, streaming_list: bool) -> Replica {
     let config = ConfigBuilder::new()
+        .kubernetes(json!({"streaming_list": streaming_list}))
         .resource(json!({"api_version": "v1", "kind": "ConfigMap", "namespaces": [ns]}))
         .sink(json!({
             "name": "out", "type": "stdout", "stdout": {"path": dir.join("bridge.jsonl")},
@@ -175,19 +176,36 @@ fn per_key(seen: &[Seen]) -> BTreeMap<&str, Vec<(&'static str, &str, bool)>> {
 /// and relist), then more changes. Per key they must see the same versions (ratio ≥ 0.99),
 /// end with the same final state (the API server's), and both mark every gap delete final
 /// state unknown.
-async fn parity(options: ClusterOptions) {
+async fn parity(options: ClusterOptions, streaming_list: bool) {
     let seed = seed();
-    eprintln!("seed {seed} (KEB_SEED replays it), options {options:?}");
+    eprintln!(
+        "seed {seed} (KEB_SEED replays it), options {options:?}, streaming list {streaming_list}"
+    );
     let mut rng = Rng(seed);
     let mut cluster = Cluster::start_with(options).await;
-    eprintln!("kube-apiserver ready in {:?}", cluster.last_start);
+    let version: Value = serde_json::from_str(
+        &cluster
+            .client()
+            .await
+            .request_text(http::Request::get("/version").body(Vec::new()).unwrap())
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    eprintln!(
+        "kube-apiserver {} (emulating {}.{}) ready in {:?}",
+        version["gitVersion"],
+        version["emulationMajor"].as_str().unwrap_or("-"),
+        version["emulationMinor"].as_str().unwrap_or("-"),
+        cluster.last_start
+    );
     let ns = "parity";
     cluster.create_namespace(ns).await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = cluster.kubeconfig();
     let reference =
         ReferenceInformer::start(&kubeconfig, dir.path(), ("", "v1", "configmaps"), Some(ns));
-    let replica = bridge(dir.path(), ns, &kubeconfig);
+    let replica = bridge(dir.path(), ns, &kubeconfig, streaming_list);
     reference.synced().await;
     ready(&replica).await;
 
@@ -344,17 +362,27 @@ async fn settle(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bridge_sees_what_client_go_sees_across_a_compacted_gap() {
-    parity(ClusterOptions::default()).await;
+    parity(ClusterOptions::default(), false).await;
+}
+
+/// The same with the bridge's initial state from a streaming watch-list
+/// (`sendInitialEvents`), as client-go 0.36 lists by default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bridge_sees_what_client_go_sees_with_a_streaming_list() {
+    parity(ClusterOptions::default(), true).await;
 }
 
 /// The same against the oldest Kubernetes release the docs support (1.33: the API the
 /// service is built against), emulated by the same v1.36 binary.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bridge_sees_what_client_go_sees_on_the_oldest_supported_release() {
-    parity(ClusterOptions {
-        emulated_version: Some("1.33".into()),
-        ..Default::default()
-    })
+    parity(
+        ClusterOptions {
+            emulated_version: Some("1.33".into()),
+            ..Default::default()
+        },
+        false,
+    )
     .await;
 }
 
