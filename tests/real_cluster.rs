@@ -20,155 +20,12 @@ use support::{
     config::ConfigBuilder,
     differences, event_type, fold_in_order, json_lines,
     objects::{configmap, configmaps},
+    parity::{
+        Comparison, Rng, bridge, bridge_seen, client_go_seen, fsu, ready, seed, settle, workload,
+    },
     replica::Replica,
     wait::{self, Patience},
 };
-
-/// A small deterministic generator (xorshift64*), so a failing workload can be replayed from
-/// its printed seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
-}
-
-/// The seed of a workload: `KEB_SEED`, else the time.
-fn seed() -> u64 {
-    std::env::var("KEB_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        })
-}
-
-/// `ops` random changes to ConfigMaps `cm-000`.. `cm-{names}` of `ns`: creates where absent,
-/// else updates (three in four) or deletes.
-async fn workload(api: &Api<ConfigMap>, ns: &str, rng: &mut Rng, names: u64, ops: usize) {
-    for op in 0..ops {
-        let name = format!("cm-{:03}", rng.below(names));
-        let value = format!("{op}-{}", rng.below(1_000_000));
-        let existing = api.get_opt(&name).await.unwrap();
-        let result = match existing {
-            None => api
-                .create(&PostParams::default(), &configmap(ns, &name, &value))
-                .await
-                .map(drop),
-            Some(_) if rng.below(4) == 0 => {
-                api.delete(&name, &DeleteParams::default()).await.map(drop)
-            }
-            Some(_) => api
-                .replace(&name, &PostParams::default(), &configmap(ns, &name, &value))
-                .await
-                .map(drop),
-        };
-        result.unwrap_or_else(|e| panic!("change {op} of {name}: {e}"));
-    }
-}
-
-/// A replica of the bridge watching ConfigMaps in `ns`, printing to `dir/bridge.jsonl` with
-/// a queue large enough that nothing coalesces and no checkpoint (client-go keeps none).
-fn bridge(dir: &Path, ns: &str, kubeconfig: &Path, streaming_list: bool) -> Replica {
-    let config = ConfigBuilder::new()
-        .kubernetes(json!({"streaming_list": streaming_list}))
-        .resource(json!({"api_version": "v1", "kind": "ConfigMap", "namespaces": [ns]}))
-        .sink(json!({
-            "name": "out", "type": "stdout", "stdout": {"path": dir.join("bridge.jsonl")},
-            "max_pending": 1_000_000, "resume": false,
-        }))
-        .route("configmap", &["out"])
-        .value();
-    Replica::start(dir, "bridge", &config, kubeconfig)
-}
-
-/// Waits until the replica's `/readyz` answers 200.
-async fn ready(replica: &Replica) {
-    wait::until(
-        "the bridge is ready",
-        Patience::of(Duration::from_secs(60)),
-        async || match replica.admin() {
-            Some(addr) => support::http_get(addr, "/readyz").await.0 == 200,
-            None => false,
-        },
-    )
-    .await;
-}
-
-/// One notification, as both streams are reduced for comparison: key, type (`added`,
-/// `updated`, `deleted`, `synced`), resourceVersion, final state unknown.
-type Seen = (String, &'static str, String, bool);
-
-fn bridge_seen(events: &[Value]) -> Vec<Seen> {
-    events
-        .iter()
-        .map(|e| {
-            let ty = match event_type(e) {
-                "added" => "added",
-                "updated" => "updated",
-                "deleted" => "deleted",
-                "synced" => "synced",
-                other => panic!("unknown type {other}"),
-            };
-            (
-                e["subject"].as_str().unwrap().to_owned(),
-                ty,
-                e["data"]["object"]["metadata"]["resourceVersion"]
-                    .as_str()
-                    .unwrap()
-                    .to_owned(),
-                e["k8sfinalstateunknown"] == true,
-            )
-        })
-        .collect()
-}
-
-fn client_go_seen(lines: &[Value]) -> Vec<Seen> {
-    lines
-        .iter()
-        .filter(|l| l["type"] != "synced")
-        .map(|l| {
-            let ty = match l["type"].as_str().unwrap() {
-                "add" => "added",
-                "update" => "updated",
-                "delete" => "deleted",
-                "sync" => "synced",
-                other => panic!("unknown type {other}"),
-            };
-            (
-                l["key"].as_str().unwrap().to_owned(),
-                ty,
-                l["resource_version"].as_str().unwrap().to_owned(),
-                l["final_state_unknown"] == true,
-            )
-        })
-        .collect()
-}
-
-/// Folds a reduced stream per key: the last (uid-less) state, `None` after a delete.
-fn fold_seen(seen: &[Seen]) -> BTreeMap<String, Option<String>> {
-    seen.iter()
-        .map(|(k, ty, rv, _)| (k.clone(), (*ty != "deleted").then(|| rv.clone())))
-        .collect()
-}
-
-fn per_key(seen: &[Seen]) -> BTreeMap<&str, Vec<(&'static str, &str, bool)>> {
-    let mut out: BTreeMap<&str, Vec<_>> = BTreeMap::new();
-    for (k, ty, rv, fsu) in seen {
-        out.entry(k.as_str())
-            .or_default()
-            .push((*ty, rv.as_str(), *fsu));
-    }
-    out
-}
 
 /// The parity scenario: client-go's informer and the bridge watch one namespace of a real
 /// cluster while a seeded workload creates, updates and deletes; then a gap (the API server
@@ -205,7 +62,7 @@ async fn parity(options: ClusterOptions, streaming_list: bool) {
     let kubeconfig = cluster.kubeconfig();
     let reference =
         ReferenceInformer::start(&kubeconfig, dir.path(), ("", "v1", "configmaps"), Some(ns));
-    let replica = bridge(dir.path(), ns, &kubeconfig, streaming_list);
+    let replica = bridge(dir.path(), ns, &kubeconfig, streaming_list, 1_000_000);
     reference.synced().await;
     ready(&replica).await;
 
@@ -214,7 +71,14 @@ async fn parity(options: ClusterOptions, streaming_list: bool) {
 
     // The gap: a quarter of the live objects deleted straight in etcd while the API server
     // is down, history compacted past everything both watches saw.
-    let live = settle(&cluster, ns, &reference, dir.path()).await;
+    let live = settle(
+        &cluster,
+        ns,
+        &reference,
+        dir.path(),
+        Duration::from_secs(90),
+    )
+    .await;
     cluster.kill_apiserver();
     let gap_deletes: BTreeSet<String> =
         live.keys().filter(|_| rng.below(4) == 0).cloned().collect();
@@ -246,118 +110,44 @@ async fn parity(options: ClusterOptions, streaming_list: bool) {
     let api: Api<ConfigMap> = Api::namespaced(cluster.client().await, ns);
     workload(&api, ns, &mut rng, 80, 400).await;
 
-    let want = settle(&cluster, ns, &reference, dir.path()).await;
+    let want = settle(
+        &cluster,
+        ns,
+        &reference,
+        dir.path(),
+        Duration::from_secs(90),
+    )
+    .await;
     // Anything late would show in the next second.
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let events = json_lines(&dir.path().join("bridge.jsonl"));
-    let ours = bridge_seen(&events);
-    let theirs = client_go_seen(&reference.lines());
-    let d = differences(&fold_in_order(&events), &want);
-    let ids: Vec<&str> = events.iter().map(|e| e["id"].as_str().unwrap()).collect();
-    let duplicates = ids.len() - ids.iter().collect::<BTreeSet<_>>().len();
-    let versions = |s: &[Seen]| {
-        s.iter()
-            .filter(|(_, ty, _, _)| *ty != "synced")
-            .map(|(k, ty, rv, _)| (k.clone(), *ty, rv.clone()))
-            .collect::<BTreeSet<_>>()
-    };
-    let (v_ours, v_theirs) = (versions(&ours), versions(&theirs));
-    let ratio = v_ours.intersection(&v_theirs).count() as f64 / v_theirs.len() as f64;
-    // With resync off, client-go's listeners still count as resyncing (the flag starts on
-    // and only a resync recomputes it), so each relist re-delivers every unchanged object as
-    // an update with the same resourceVersion; the bridge's listeners start with resync off
-    // and deliver nothing for them (docs/src/concepts.md, "on purpose"). Leave those out.
-    let relist_syncs = theirs.iter().filter(|s| s.1 == "synced").count();
-    let theirs: Vec<Seen> = theirs.into_iter().filter(|s| s.1 != "synced").collect();
-    let (ours_by_key, theirs_by_key) = (per_key(&ours), per_key(&theirs));
-    let keys_differing: Vec<&&str> = theirs_by_key
-        .keys()
-        .chain(ours_by_key.keys())
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .filter(|k| ours_by_key.get(**k) != theirs_by_key.get(**k))
-        .collect();
-    eprintln!(
-        "parity: client-go {} notifications ({} versions), bridge {} ({} versions), \
-         versions seen bridge/client-go {ratio:.4}, keys whose sequence differs {} \
-         (client-go's relist re-deliveries left out: {relist_syncs}), \
-         final-state-unknown deletes client-go {} bridge {} (gap deletes {}), \
-         lost deletes {}, phantom deletes {}, stale {}, missing {}, duplicates {duplicates}",
-        theirs.len(),
-        v_theirs.len(),
-        ours.len(),
-        v_ours.len(),
-        keys_differing.len(),
-        fsu(&theirs).len(),
-        fsu(&ours).len(),
-        gap_deletes.len(),
-        d.lost_deletes.len(),
-        d.phantom_deletes.len(),
-        d.stale.len(),
-        d.missing.len(),
-    );
-    for k in keys_differing.iter().take(5) {
-        eprintln!(
-            "  {k}: client-go {:?}\n  {k}: bridge    {:?}",
-            theirs_by_key.get(**k),
-            ours_by_key.get(**k)
-        );
-    }
+    let c = Comparison::of(&events, &reference.lines(), &want);
+    eprintln!("parity: {c} (gap deletes {})", gap_deletes.len());
+    c.print_differing_keys(5);
     assert!(
-        d.is_empty(),
-        "the bridge's stream folds to the server's objects: {d:?}"
+        c.differences.is_empty(),
+        "the bridge's stream folds to the server's objects"
     );
-    assert_eq!(duplicates, 0, "no message id twice");
+    assert_eq!(c.duplicates, 0, "no message id twice");
+    assert!(c.same_finals, "identical finals per key");
+    assert!(
+        c.ratio >= 0.99,
+        "versions seen bridge/client-go {}",
+        c.ratio
+    );
     assert_eq!(
-        fold_seen(&ours),
-        fold_seen(&theirs),
-        "identical finals per key"
+        c.keys_differing, 0,
+        "per key, the same notifications in the same order"
     );
-    assert!(ratio >= 0.99, "versions seen bridge/client-go {ratio}");
-    assert!(
-        keys_differing.is_empty(),
-        "per key, the same notifications in the same order as client-go"
+    assert_eq!(
+        c.fsu_client_go, gap_deletes,
+        "client-go marks the gap deletes"
     );
-    assert_eq!(fsu(&theirs), gap_deletes, "client-go marks the gap deletes");
-    assert_eq!(fsu(&ours), gap_deletes, "the bridge marks the gap deletes");
-}
-
-/// The keys of deletes marked final state unknown.
-fn fsu(seen: &[Seen]) -> BTreeSet<String> {
-    seen.iter()
-        .filter(|(_, ty, _, fsu)| *ty == "deleted" && *fsu)
-        .map(|(k, ..)| k.clone())
-        .collect()
-}
-
-/// Waits until both streams end with the API server's objects in `ns`; returns them.
-async fn settle(
-    cluster: &Cluster,
-    ns: &str,
-    reference: &ReferenceInformer,
-    dir: &Path,
-) -> BTreeMap<String, (String, String)> {
-    let want = cluster.objects(&configmaps(), Some(ns)).await;
-    let want_rv: BTreeMap<String, Option<String>> = want
-        .iter()
-        .map(|(k, (_, rv))| (k.clone(), Some(rv.clone())))
-        .collect();
-    let settled = |seen: &[Seen]| {
-        let folded = fold_seen(seen);
-        folded.iter().filter(|(_, v)| v.is_some()).count() == want.len()
-            && want_rv.iter().all(|(k, v)| folded.get(k) == Some(v))
-    };
-    wait::until(
-        "both streams end with the API server's objects",
-        Patience::of(Duration::from_secs(90)).polling(Duration::from_millis(200)),
-        async || {
-            settled(&client_go_seen(&reference.lines()))
-                && settled(&bridge_seen(&json_lines(&dir.join("bridge.jsonl"))))
-        },
-    )
-    .await;
-    want
+    assert_eq!(
+        c.fsu_bridge, gap_deletes,
+        "the bridge marks the gap deletes"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

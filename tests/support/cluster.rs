@@ -613,6 +613,11 @@ impl ReferenceInformer {
         super::json_lines(&self.out)
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Waits until it printed `synced`.
     pub async fn synced(&self) {
         super::wait::until(

@@ -9,6 +9,7 @@ pub mod kafka;
 pub mod model;
 pub mod nats;
 pub mod objects;
+pub mod parity;
 pub mod replica;
 pub mod schema;
 pub mod tools;
