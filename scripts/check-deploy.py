@@ -42,6 +42,8 @@ KNOWN_RESOURCES = {
     ("apps/v1", "StatefulSet"): ("apps", "statefulsets"),
 }
 DISCOVERY = {"/api", "/api/*", "/apis", "/apis/*", "/version"}
+# get on the namespace kube-system, whose uid identifies the cluster in checkpoints.
+IDENTITY_RULE = {"apiGroups": [""], "resources": ["namespaces"], "resourceNames": ["kube-system"], "verbs": ["get"]}
 
 results = []
 
@@ -114,6 +116,17 @@ def render(directory):
     return objects
 
 
+def keeps_checkpoint(sink):
+    """Whether a sink keeps a checkpoint (resume is on by default): kafka, nats in jetstream
+    mode, stdout with a path."""
+    if sink.get("resume", True) is False:
+        return False
+    kind = sink.get("type")
+    return (kind == "kafka"
+            or (kind == "nats" and (sink.get("nats") or {}).get("mode", "jetstream") == "jetstream")
+            or (kind == "stdout" and bool((sink.get("stdout") or {}).get("path"))))
+
+
 def find(objects, kind, name=None):
     return [o for o in objects if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
 
@@ -167,8 +180,7 @@ def check_kustomization(directory):
                 extra.append(rule)
             continue
         # The cluster's identity for checkpoints: get on the one namespace kube-system.
-        if rule == {"apiGroups": [""], "resources": ["namespaces"],
-                    "resourceNames": ["kube-system"], "verbs": ["get"]}:
+        if rule == IDENTITY_RULE:
             continue
         if set(rule["verbs"]) != {"list", "watch"}:
             extra.append(rule)
@@ -177,6 +189,12 @@ def check_kustomization(directory):
                 granted.add((g, res))
     check(f"{label}: ClusterRole grants list+watch on exactly the watched resources and CRDs", granted == needed and not extra,
           f"granted {sorted(granted)}, needed {sorted(needed)}, other rules {extra}")
+    # A sink that keeps a checkpoint records the cluster's identity (uid of kube-system) and
+    # cannot start without reading it (found against a real API server: the overlays' patches
+    # replaced the base's rules and lost this one).
+    if any(keeps_checkpoint(s) for s in config.get("sinks", [])):
+        check(f"{label}: a sink keeps a checkpoint: the ClusterRole allows get on namespace kube-system",
+              IDENTITY_RULE in role["rules"])
     if config.get("leader_election", {}).get("enabled"):
         role = find(objects, "Role", "kube-event-bridge-leader-election")
         leases = role and all(r["apiGroups"] == ["coordination.k8s.io"] and r["resources"] == ["leases"] for r in role[0]["rules"])

@@ -61,17 +61,23 @@ pub(super) fn readiness(
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
         // Sharded, an informer that does not run is of a shard another replica owns (cold
         // standby); otherwise every informer runs.
+        // A refusal is noted whether or not the informer synced: RBAC with `list` but not
+        // `watch` lets the first list through and then refuses every watch (found against a
+        // real API server), so the kind is synced but receives no change.
         for i in factory
             .informers()
             .iter()
-            .filter(|i| (i.is_spawned() || !sharded) && !i.has_synced())
+            .filter(|i| i.is_spawned() || !sharded)
         {
-            match i.problem() {
-                Some(p) if p.starts_with("forbidden") => {
+            match (i.problem(), i.has_synced()) {
+                (Some(p), _) if p.starts_with("forbidden") => {
                     notes.push(format!("informer {}: {p}", i.name()));
                 }
-                Some(p) => reasons.push(format!("informer {} has not synced: {p}", i.name())),
-                None => reasons.push(format!("informer {} has not synced", i.name())),
+                (_, true) => {}
+                (Some(p), false) => {
+                    reasons.push(format!("informer {} has not synced: {p}", i.name()))
+                }
+                (None, false) => reasons.push(format!("informer {} has not synced", i.name())),
             }
         }
         // A watch heard from neither by an event nor by a bookmark for this long is named
