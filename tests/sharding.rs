@@ -29,44 +29,12 @@ use support::{
     config::{ConfigBuilder, NATS_STREAM, nats_sink},
     differences, fold_in_order,
     nats::{NatsServer, read_stream},
-    objects::{configmap, typed},
+    objects::{configmap, spread_namespaces, typed},
     replica::Replica,
     wait::{self, Patience},
 };
 
 const SHARDS: u32 = 12;
-/// Namespaces as teams name them (service, then environment): 60 of them. FNV-1a's high
-/// bits, which pick the shard, hardly change with a string's last characters, so names that
-/// differ only at the end (`ns-01`, `ns-02`, …) fall into one shard; these spread.
-fn namespaces() -> Vec<String> {
-    let services = [
-        "payments",
-        "checkout",
-        "search",
-        "cart",
-        "users",
-        "orders",
-        "inventory",
-        "shipping",
-        "billing",
-        "auth",
-        "gateway",
-        "monitoring",
-        "logging",
-        "ingress",
-        "catalog",
-        "reviews",
-        "pricing",
-        "mail",
-        "media",
-        "ledger",
-    ];
-    services
-        .iter()
-        .flat_map(|s| ["dev", "staging", "prod"].map(|e| format!("{s}-{e}")))
-        .collect()
-}
-
 fn objects() -> usize {
     std::env::var("SHARDING_TEST_OBJECTS")
         .ok()
@@ -87,7 +55,7 @@ fn leader_election(identity: &str) -> Value {
 
 fn name_of(i: usize) -> (String, String) {
     thread_local! {
-        static NAMESPACES: Vec<String> = namespaces();
+        static NAMESPACES: Vec<String> = spread_namespaces();
     }
     let ns = NAMESPACES.with(|n| n[i % n.len()].clone());
     (ns, format!("cm-{i:05}"))
@@ -228,7 +196,7 @@ async fn sharded(server_side: bool, scenario: Scenario) {
                     .unwrap_or("");
                 *by_ns.entry(ns.to_owned()).or_default() += 1;
             }
-            let short: Vec<_> = namespaces()
+            let short: Vec<_> = spread_namespaces()
                 .into_iter()
                 .filter(|ns| by_ns.get(ns).copied().unwrap_or(0) < n / 60)
                 .map(|ns| (by_ns.get(&ns).copied().unwrap_or(0), ns))

@@ -925,14 +925,25 @@ fn parse_shard_selector(selector: &str) -> Result<(String, u128, u128), String> 
             ));
         }
     };
+    // As kube-apiserver v1.36.3 parses them: 16 lowercase hex digits (or 2⁶⁴ written
+    // `0x10000000000000000`), start below end; anything else is a 400.
     let bound = |b: &str| {
         b.strip_prefix('\'')
             .and_then(|b| b.strip_suffix('\''))
             .and_then(|b| b.strip_prefix("0x"))
+            .filter(|h| {
+                (h.len() == 16 || *h == "10000000000000000")
+                    && h.bytes()
+                        .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+            })
             .and_then(|h| u128::from_str_radix(h, 16).ok())
             .ok_or_else(bad)
     };
-    Ok((field.to_owned(), bound(start)?, bound(end)?))
+    let (start, end) = (bound(start)?, bound(end)?);
+    if start >= end {
+        return Err(format!("{}: start must be below end", bad()));
+    }
+    Ok((field.to_owned(), start, end))
 }
 
 impl Filter {
@@ -1391,7 +1402,10 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
         .map(|obj| list_item(&def, obj))
         .collect();
     let mut metadata = json!({"resourceVersion": snapshot_rv.to_string()});
-    if filter.shard.is_some() {
+    // As kube-apiserver v1.36.3: the selector is applied to every kind, but only built-in
+    // kinds' lists echo it (a custom resource's list, an UnstructuredList, has no
+    // `shardInfo` to set).
+    if filter.shard.is_some() && !def.custom {
         metadata["shardInfo"] = json!({"selector": q.get("shardSelector")});
     }
     if end < items.len() {

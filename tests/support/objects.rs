@@ -68,6 +68,38 @@ pub fn realistic_configmap(i: usize) -> ConfigMap {
     })
 }
 
+/// Namespaces as teams name them (service, then environment): 60 of them. FNV-1a's high
+/// bits, which pick the shard, hardly change with a string's last characters, so names that
+/// differ only at the end (`ns-01`, `ns-02`, …) fall into one shard; these spread.
+pub fn spread_namespaces() -> Vec<String> {
+    let services = [
+        "payments",
+        "checkout",
+        "search",
+        "cart",
+        "users",
+        "orders",
+        "inventory",
+        "shipping",
+        "billing",
+        "auth",
+        "gateway",
+        "monitoring",
+        "logging",
+        "ingress",
+        "catalog",
+        "reviews",
+        "pricing",
+        "mail",
+        "media",
+        "ledger",
+    ];
+    services
+        .iter()
+        .flat_map(|s| ["dev", "staging", "prod"].map(|e| format!("{s}-{e}")))
+        .collect()
+}
+
 /// The ConfigMap resource (`v1`, `configmaps`).
 pub fn configmaps() -> ApiResource {
     core_resource("ConfigMap", "configmaps")
