@@ -118,7 +118,8 @@ struct Destination {
     /// The sink (`kafka`, or `nats`; `state` takes a Kafka state topic or JetStream).
     #[arg(long)]
     sink: String,
-    /// Kafka topics to read; by default every topic the sink's topic template can render.
+    /// Kafka topics to read; by default every topic the sink's topic template can render
+    /// (with the config's cluster name).
     #[arg(long = "topic", value_name = "TOPIC")]
     topics: Vec<String>,
     /// NATS subject filter; by default every subject the sink publishes to.

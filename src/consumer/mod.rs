@@ -16,7 +16,7 @@ use crate::{
     sinks::{
         kafka::{KafkaMode, KafkaSinkConfig},
         nats::{NatsSinkConfig, connect_client},
-        template::{Segment, Template, nats_wildcard},
+        template::{Field, Segment, Template, nats_wildcard},
     },
 };
 use event::{DecodeError, Layout};
@@ -64,17 +64,21 @@ fn template_matches(segments: &[Segment], topic: &str) -> bool {
 }
 
 /// `topics` when given, else every topic on the brokers whose name the sink's topic template
-/// can render (an error when there is none).
+/// can render with `cluster` as the cluster name (an error when there is none): another
+/// cluster's bridge writing into the same brokers with the same template is not this sink.
 async fn kafka_topics(
     sink: &str,
     cfg: &KafkaSinkConfig,
+    cluster: &str,
     client: &rdkafka::ClientConfig,
     topics: &[String],
 ) -> Result<Vec<String>> {
     if !topics.is_empty() {
         return Ok(topics.to_vec());
     }
-    let template = Template::parse(&cfg.topic).map_err(|e| Error::Usage(e.to_string()))?;
+    let template = Template::parse(&cfg.topic)
+        .map_err(|e| Error::Usage(e.to_string()))?
+        .with_value(Field::Cluster, cluster);
     let client = client.clone();
     let found = tokio::task::spawn_blocking(move || -> Result<Vec<String>> {
         use rdkafka::consumer::Consumer;
@@ -223,6 +227,15 @@ mod tests {
             t.segments(),
             "other.prod.core.configmaps"
         ));
+        let prod = t.with_value(Field::Cluster, "prod");
+        assert!(template_matches(
+            prod.segments(),
+            "k8s.prod.core.configmaps"
+        ));
+        assert!(
+            !template_matches(prod.segments(), "k8s.staging.core.configmaps"),
+            "another cluster's topic"
+        );
         let fixed = Template::parse("state.configmaps").unwrap();
         assert!(template_matches(fixed.segments(), "state.configmaps"));
         assert!(!template_matches(fixed.segments(), "state.configmaps2"));

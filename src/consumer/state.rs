@@ -179,8 +179,9 @@ fn destination<'a>(config: &'a Config, sink: &str) -> Result<Destination<'a>> {
 }
 
 /// Reads the objects `sink`'s destination holds: for Kafka, the state topics `topics` (or
-/// every topic on the brokers whose name its topic template can render); for JetStream, the
-/// stream's events of `subject` (or of every subject the sink publishes to).
+/// every topic on the brokers whose name its topic template can render with the config's
+/// cluster name); for JetStream, the stream's events of `subject` (or of every subject the
+/// sink publishes to).
 pub async fn read(
     config: &Config,
     sink: &str,
@@ -195,7 +196,7 @@ pub async fn read(
                     "sink {sink} is a kafka sink: name topics with --topic, not --subject"
                 )));
             }
-            read_kafka(sink, cfg, topics, progress).await
+            read_kafka(sink, cfg, &config.cluster, topics, progress).await
         }
         Destination::JetStream(cfg) => {
             if !topics.is_empty() {
@@ -211,11 +212,12 @@ pub async fn read(
 async fn read_kafka(
     sink: &str,
     cfg: &KafkaSinkConfig,
+    cluster: &str,
     topics: &[String],
     progress: &mut Progress,
 ) -> Result<State> {
     let client = client_config(sink, cfg).map_err(Error::Read)?;
-    let topics = kafka_topics(sink, cfg, &client, topics).await?;
+    let topics = kafka_topics(sink, cfg, cluster, &client, topics).await?;
     let mut p = std::mem::replace(progress, Progress::with("records", false));
     let (state, p) = tokio::task::spawn_blocking(move || {
         let mut fold = Fold::default();

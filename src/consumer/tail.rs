@@ -41,7 +41,8 @@ use crate::{
 pub struct Options {
     /// The sink whose destination is read.
     pub sink: String,
-    /// Kafka: the topics; by default every topic the sink's template can render.
+    /// Kafka: the topics; by default every topic the sink's template can render with the
+    /// config's cluster name.
     pub topics: Vec<String>,
     /// NATS: the subject filter; by default the sink's subject template with each placeholder
     /// token as `*`.
@@ -157,7 +158,7 @@ async fn open(config: &Config, options: &Options) -> Result<Source> {
                     sink.name
                 )));
             }
-            kafka(&sink.name, k, options).await
+            kafka(&sink.name, k, &config.cluster, options).await
         }
         (SinkType::Nats, _, Some(n)) => {
             if !options.topics.is_empty() {
@@ -176,9 +177,14 @@ async fn open(config: &Config, options: &Options) -> Result<Source> {
     }
 }
 
-async fn kafka(name: &str, cfg: &KafkaSinkConfig, options: &Options) -> Result<Source> {
+async fn kafka(
+    name: &str,
+    cfg: &KafkaSinkConfig,
+    cluster: &str,
+    options: &Options,
+) -> Result<Source> {
     let client = client_config(name, cfg).map_err(Error::Read)?;
-    let topics = kafka_topics(name, cfg, &client, &options.topics).await?;
+    let topics = kafka_topics(name, cfg, cluster, &client, &options.topics).await?;
     let layout = kafka_layout(cfg);
     let (tx, rx) = mpsc::channel(1024);
     let (ready_tx, ready_rx) = oneshot::channel();
@@ -207,7 +213,8 @@ async fn kafka(name: &str, cfg: &KafkaSinkConfig, options: &Options) -> Result<S
             let mut next: std::collections::HashMap<(String, i32), i64> = Default::default();
             while !stop.load(Ordering::Relaxed) {
                 match consumer.poll(Duration::from_millis(100)) {
-                    None => {}
+                    // A partition read to its end: more may come.
+                    None | Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => {}
                     Some(Err(e)) => tracing::warn!(error = %e, "Kafka read error; retrying"),
                     Some(Ok(m)) => {
                         let r = reader::Record::from(&m);
@@ -248,7 +255,7 @@ fn assign(
     client: &rdkafka::ClientConfig,
     topics: &[String],
     from_beginning: bool,
-) -> std::result::Result<(rdkafka::consumer::BaseConsumer, usize), String> {
+) -> std::result::Result<(reader::ReaderConsumer, usize), String> {
     use rdkafka::{Offset, TopicPartitionList, consumer::Consumer};
     let consumer = reader::consumer(client)?;
     let mut assignment = TopicPartitionList::new();

@@ -134,6 +134,20 @@ impl Template {
         &self.segments
     }
 
+    /// The template with every `field` placeholder replaced by the text `value` (what a
+    /// reader knows for certain, such as the config's cluster name).
+    pub fn with_value(&self, field: Field, value: &str) -> Self {
+        let segments = self
+            .segments
+            .iter()
+            .map(|s| match s {
+                Segment::Placeholder(f) if *f == field => Segment::Literal(value.to_owned()),
+                other => other.clone(),
+            })
+            .collect();
+        Self { segments }
+    }
+
     /// Fails if the template uses one of `fields`.
     pub fn forbid(&self, fields: &[Field]) -> Result<(), Error> {
         match self.segments.iter().find_map(|s| match s {

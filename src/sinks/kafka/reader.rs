@@ -13,8 +13,9 @@
 use std::{collections::HashMap, time::Duration};
 
 use rdkafka::{
-    ClientConfig, Message as _, Offset, TopicPartitionList,
-    consumer::{BaseConsumer, Consumer},
+    ClientConfig, ClientContext, Message as _, Offset, TopicPartitionList,
+    consumer::{BaseConsumer, Consumer, ConsumerContext},
+    error::{KafkaError, RDKafkaErrorCode},
     message::{BorrowedMessage, Headers},
 };
 
@@ -69,9 +70,29 @@ impl Record {
     }
 }
 
+/// The readers' client context: rdkafka's default logs every consumer error event as a
+/// "Global error" at ERROR level, the end of a partition (`PartitionEOF`, which a read to the
+/// end asks for) included; that one is how a read ends, not an error. The others are logged
+/// as the default does.
+pub struct ReaderContext;
+
+impl ClientContext for ReaderContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if error != KafkaError::Global(RDKafkaErrorCode::PartitionEOF) {
+            tracing::error!("librdkafka: {error}: {reason}");
+        }
+    }
+}
+
+impl ConsumerContext for ReaderContext {}
+
+/// A consumer made by [`consumer`].
+pub type ReaderConsumer = BaseConsumer<ReaderContext>;
+
 /// A consumer with a sink's brokers and security settings, for manual assignment: no group
-/// membership, no committed offsets (the producer settings of `config` are left out).
-pub fn consumer(config: &ClientConfig) -> Result<BaseConsumer, String> {
+/// membership, no committed offsets (the producer settings of `config` are left out). It
+/// reports the end of each partition (`KafkaError::PartitionEOF`) from `poll`.
+pub fn consumer(config: &ClientConfig) -> Result<ReaderConsumer, String> {
     let mut config = config.clone();
     for producer_only in [
         "enable.idempotence",
@@ -86,7 +107,9 @@ pub fn consumer(config: &ClientConfig) -> Result<BaseConsumer, String> {
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("group.id", "kube-event-bridge-reader");
-    config.create().map_err(|e| format!("consumer: {e}"))
+    config
+        .create_with_context(ReaderContext)
+        .map_err(|e| format!("consumer: {e}"))
 }
 
 /// Reads every partition of `topics` from its first offset to its end (blocking; run it off
