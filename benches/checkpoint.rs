@@ -1,6 +1,6 @@
 //! Checkpoint stores at scale: write KEYS keys (in batches of 10,000, as the background
 //! writer would after a burst), then time a load, which a restart or a new leader waits for
-//! before its first list is compared. File beside an output, Kafka topic (tansu), JetStream
+//! before its first list is compared. File beside an output, Kafka topic (Apache Kafka), JetStream
 //! key-value bucket (nats-server).
 //!
 //! `cargo bench --bench checkpoint [-- KEYS]` (default 100000)
@@ -80,16 +80,16 @@ fn main() {
         )
         .await;
 
-        let tansu = kafka::Tansu::start();
+        let broker = kafka::Kafka::start();
         let cfg: SinkConfig = serde_json::from_value(serde_json::json!({
             "name": "kafka", "type": "kafka",
-            "kafka": {"brokers": [tansu.brokers()], "topic": "bench"},
+            "kafka": {"brokers": [broker.brokers()], "topic": "bench"},
         }))
         .unwrap();
         let k = cfg.kafka.as_ref().unwrap();
         let sink = KafkaSink::connect("kafka", k).await.unwrap();
         let store = KafkaCheckpointStore::open("kafka", k, &sink).await.unwrap();
-        measure("kafka topic (tansu 0.6 debug)", Arc::new(store), keys).await;
+        measure("kafka topic (Apache Kafka 4.3)", Arc::new(store), keys).await;
 
         let server = nats::NatsServer::start();
         let cfg: SinkConfig = serde_json::from_value(serde_json::json!({

@@ -2,12 +2,12 @@
 //! producer with the sink's own settings sending the same pre-encoded bytes, for ~1 KB and
 //! ~10 KB objects: `BENCH_RUNS` rounds (3 by default), each running every side once in a
 //! rotating order; each run's rate, then medians and spread, are printed.
-//! Brokers: tansu (a real Kafka-protocol broker, started here) and librdkafka's in-process
-//! mock cluster.
+//! Brokers: Apache Kafka (a single KRaft node, started here from the jars `scripts/test`
+//! copies) and librdkafka's in-process mock cluster.
 //!
-//! `cargo bench --bench kafka [-- EVENTS_1KB EVENTS_10KB]` (needs `tansu`, which
-//! `scripts/test` installs). `BENCH_OBJECTS` sets how many objects the events update (10,000);
-//! `BENCH_ONLY=tansu` or `BENCH_ONLY=mock` runs one broker (e.g. under a profiler).
+//! `cargo bench --bench kafka [-- EVENTS_1KB EVENTS_10KB]` (needs Apache Kafka's jars,
+//! which `scripts/test` copies). `BENCH_OBJECTS` sets how many objects the events update (10,000);
+//! `BENCH_ONLY=Apache` or `BENCH_ONLY=mock` runs one broker (e.g. under a profiler).
 
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
@@ -165,14 +165,14 @@ fn main() {
             .collect::<Vec<_>>()
             .join(" ")
     );
-    let tansu = kafka::Tansu::start();
-    tansu.create_topic(TOPIC, 3);
+    let broker = kafka::Kafka::start();
+    broker.create_topic(TOPIC, 3);
     let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
     mock.create_topic(TOPIC, 3, 1).unwrap();
     let mut run = 0;
     let only = std::env::var("BENCH_ONLY").ok();
     for (broker, brokers) in [
-        ("tansu 0.6 (debug build)", tansu.brokers()),
+        ("Apache Kafka 4.3 (one KRaft node)", broker.brokers()),
         ("librdkafka mock cluster", mock.bootstrap_servers()),
     ]
     .into_iter()

@@ -1,14 +1,14 @@
 //! The consumer tools at scale. OBJECTS ConfigMaps of ~1 KB are each added, every tenth is
 //! updated and every twentieth (offset 5) deleted, written through the real sinks: a
-//! JetStream stream (nats-server), a Kafka events topic and a Kafka state topic (tansu). Then
+//! JetStream stream (nats-server), a Kafka events topic and a Kafka state topic (Apache Kafka). Then
 //! `state` rebuilds the objects from the stream and from the state topic, and
 //! `tail --from-beginning --output json` (the real binary) prints every message of the stream
 //! and of the events topic. Prints, per read, messages per second, and checks what a consumer
 //! relies on: the state holds exactly the live objects at their newest resourceVersion, the
 //! tail printed every message and none twice (duplicates are counted, not only presence).
 //!
-//! `cargo bench --bench tools [-- OBJECTS]` (default 100000; needs `tansu` and
-//! `nats-server`, which `scripts/test` installs)
+//! `cargo bench --bench tools [-- OBJECTS]` (default 100000; needs Apache Kafka's jars and
+//! `nats-server`, which `scripts/test` provides)
 
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
@@ -179,16 +179,16 @@ async fn main() {
         live.len()
     );
     let nats = nats::NatsServer::start();
-    let tansu = kafka::Tansu::start();
+    let broker = kafka::Kafka::start();
     let config = json!({
         "cluster": "bench",
         "resources": [{"api_version": "v1", "kind": "ConfigMap"}],
         "sinks": [
             {"name": "nats", "type": "nats", "nats": {"servers": [nats.url()],
                 "stream": {"name": "K8S", "create": true, "subjects": ["k8s.>"]}}},
-            {"name": "events", "type": "kafka", "kafka": {"brokers": [tansu.brokers()],
+            {"name": "events", "type": "kafka", "kafka": {"brokers": [broker.brokers()],
                 "topic": "events.{resource}", "create_topics": {"partitions": 3}}},
-            {"name": "state", "type": "kafka", "kafka": {"brokers": [tansu.brokers()],
+            {"name": "state", "type": "kafka", "kafka": {"brokers": [broker.brokers()],
                 "mode": "state", "topic": "state.{resource}", "create_topics": {"partitions": 3}}},
         ],
         "routes": [{"resource": "configmap", "sinks": ["nats", "events", "state"]}],

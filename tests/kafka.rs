@@ -1,5 +1,5 @@
-//! The Kafka sink against a real Kafka-protocol broker (tansu) fed by the whole service, and
-//! against librdkafka's mock cluster for the fault cases it is made for.
+//! The Kafka sink against Apache Kafka (a single KRaft node, `support::kafka`) fed by the whole
+//! service, and against librdkafka's mock cluster for the fault cases it is made for.
 
 mod support;
 
@@ -12,6 +12,7 @@ use std::{
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube_event_bridge::{
     config::{Config, SinkConfig},
+    pipeline::checkpoint::CLUSTER_KEY,
     sinks::kafka::KafkaSink,
 };
 use serde_json::{Value, json};
@@ -19,18 +20,69 @@ use support::{
     ApiServer, RunningApp,
     config::{ConfigBuilder, kafka_sink},
     event_type,
-    kafka::{Record, Tansu, consume},
+    kafka::{Kafka, Record, consume},
     objects::{Meta, configmap, configmap_with_data, named, typed},
     wait::{self, PATIENCE, Patience},
 };
 
+/// The events topic of the mock cluster tests (cluster `test`, the default template).
 const TOPIC: &str = "k8s.test.core.configmaps";
+
+/// One test's share of the binary's Apache Kafka node ([`Kafka::shared`]): the test runs as
+/// cluster `name`, so that its events go to `k8s.<name>.core.configmaps`, its sinks keep
+/// their checkpoints in `<name>.checkpoints`, and other topics of its own are `<name>.…`.
+struct Topics {
+    name: &'static str,
+    brokers: String,
+}
+
+impl Topics {
+    fn of(name: &'static str) -> Self {
+        Self {
+            name,
+            brokers: Kafka::shared().brokers(),
+        }
+    }
+
+    /// A config builder for this test's cluster.
+    fn config(&self) -> ConfigBuilder {
+        ConfigBuilder::new().cluster(self.name)
+    }
+
+    /// A Kafka sink on the shared node ([`kafka_sink`]) with this test's checkpoint topic.
+    fn sink(&self, sink: &str, extra: Value) -> Value {
+        let mut s = kafka_sink(sink, &self.brokers, extra);
+        s["kafka"]["checkpoint_topic"] = json!(self.topic("checkpoints"));
+        s
+    }
+
+    /// The topic ConfigMap events go to with the default template.
+    fn events(&self) -> String {
+        format!("k8s.{}.core.configmaps", self.name)
+    }
+
+    /// `<name>.<suffix>`.
+    fn topic(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.name)
+    }
+}
 
 async fn consume_async(brokers: String, topic: &str, n: usize) -> Vec<Record> {
     let topic = topic.to_owned();
     tokio::task::spawn_blocking(move || consume(&brokers, &topic, n))
         .await
         .unwrap()
+}
+
+/// Fails when a tool logged a warning or an error: reading a healthy topic is quiet (on Apache
+/// Kafka every partition read to its end reports `PartitionEOF`, which rdkafka logs as an
+/// ERROR unless the reader says otherwise).
+fn assert_quiet(stderr: &str) {
+    let noisy: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+        .collect();
+    assert!(noisy.is_empty(), "{}", noisy.join("\n"));
 }
 
 /// Checks keys, partitions, order and ids of CloudEvents records; returns the events.
@@ -100,7 +152,7 @@ fn check_events(records: &[Record]) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents() {
-    let tansu = Tansu::start();
+    let topics = Topics::of("order");
     let api = ApiServer::start().await;
     for i in 0..12 {
         api.create(typed(&configmap(
@@ -109,10 +161,11 @@ async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents
             "1",
         )));
     }
-    let cfg = ConfigBuilder::new()
+    let cfg = topics
+        .config()
         .grace_period("10s")
         .configmaps()
-        .sink(kafka_sink("kafka", &tansu.brokers(), json!({})))
+        .sink(topics.sink("kafka", json!({})))
         .route("configmap", &["kafka"])
         .build();
     let running = RunningApp::start(cfg, &api).await;
@@ -132,7 +185,7 @@ async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents
             &format!("cm-{i}"),
         );
     }
-    let records = consume_async(tansu.brokers(), TOPIC, 27).await;
+    let records = consume_async(topics.brokers.clone(), &topics.events(), 27).await;
     let report = running.stop().await;
     assert!(report.undelivered.is_empty());
     for r in &records {
@@ -165,21 +218,21 @@ async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_mode_carries_attributes_as_ce_headers() {
-    let tansu = Tansu::start();
+    let topics = Topics::of("binary");
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "a", "1")));
-    let cfg = ConfigBuilder::new()
+    let cfg = topics
+        .config()
         .grace_period("10s")
         .configmaps()
-        .sink(kafka_sink(
+        .sink(topics.sink(
             "kafka",
-            &tansu.brokers(),
             json!({"encoding": "binary", "headers": {"x-origin": "bridge-test"}}),
         ))
         .route("configmap", &["kafka"])
         .build();
     let running = RunningApp::start(cfg, &api).await;
-    let records = consume_async(tansu.brokers(), TOPIC, 1).await;
+    let records = consume_async(topics.brokers.clone(), &topics.events(), 1).await;
     running.stop().await;
     let r = &records[0];
     assert_eq!(r.header("content-type"), Some("application/json"));
@@ -196,18 +249,18 @@ async fn binary_mode_carries_attributes_as_ce_headers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
-    let tansu = Tansu::start();
+    let topics = Topics::of("state-topic");
     let api = ApiServer::start().await;
     for i in 0..10 {
         api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
     }
-    let cfg = ConfigBuilder::new()
+    let cfg = topics
+        .config()
         .grace_period("10s")
         .configmaps()
-        .sink(kafka_sink(
+        .sink(topics.sink(
             "kafka",
-            &tansu.brokers(),
-            json!({"mode": "state", "topic": "state.{resource}"}),
+            json!({"mode": "state", "topic": topics.topic("state.{resource}")}),
         ))
         .route("configmap", &["kafka"])
         .build();
@@ -220,7 +273,12 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
         api.delete("v1", "ConfigMap", "ns", &format!("cm-{i}"));
     }
     api.create(typed(&configmap("ns", "late", "1")));
-    let records = consume_async(tansu.brokers(), "state.configmaps", 25).await;
+    let records = consume_async(
+        topics.brokers.clone(),
+        &topics.topic("state.configmaps"),
+        25,
+    )
+    .await;
     let tombstones = records.iter().filter(|r| r.value.is_none()).count();
     assert_eq!(tombstones, 4, "deletes are tombstones");
     // Replay from offset 0: partitions are independent and a key lives in one partition.
@@ -261,10 +319,246 @@ async fn the_state_topic_replays_into_exactly_the_objects_the_informer_holds() {
     running.stop().await;
 }
 
+/// How long a compacted topic of the tests keeps a tombstone after the cleaning that first
+/// saw it (`delete.retention.ms`).
+const DELETE_RETENTION: Duration = Duration::from_secs(2);
+
+/// Topic configs that make the broker compact within seconds: a segment rolls at the first
+/// record 100 ms after it began (the active segment is never cleaned), a log is cleaned once
+/// 1% of it is dirty, and tombstones are kept for [`DELETE_RETENTION`].
+const COMPACTED_FAST: [(&str, &str); 5] = [
+    ("cleanup.policy", "compact"),
+    ("segment.ms", "100"),
+    ("min.cleanable.dirty.ratio", "0.01"),
+    ("min.compaction.lag.ms", "0"),
+    ("delete.retention.ms", "2000"),
+];
+
+/// Every record `topic` holds, from its first offset, as the checkpoint store reads it.
+async fn read_topic(
+    brokers: &str,
+    topic: &str,
+) -> Vec<kube_event_bridge::sinks::kafka::reader::Record> {
+    let (brokers, topic) = (brokers.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let mut all = Vec::new();
+        kube_event_bridge::sinks::kafka::reader::read_to_end(
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &brokers),
+            &[topic],
+            |r| all.push(r),
+        )
+        .unwrap();
+        all
+    })
+    .await
+    .unwrap()
+}
+
+/// Per key, how many records `records` hold, and whether the last one is a tombstone.
+fn records_per_key(
+    records: &[kube_event_bridge::sinks::kafka::reader::Record],
+) -> HashMap<String, (usize, bool)> {
+    let mut per_key: HashMap<String, (usize, bool)> = HashMap::new();
+    for r in records {
+        let e = per_key
+            .entry(String::from_utf8(r.key.clone()).unwrap())
+            .or_default();
+        *e = (e.0 + 1, r.value.is_none());
+    }
+    per_key
+}
+
+/// Log compaction for real: a state topic and a checkpoint topic, both compacted with fast
+/// settings, written by the service while objects are added, updated three times and some
+/// deleted. After compaction each key holds one record, the deleted objects' tombstones
+/// included; after `delete.retention.ms` the tombstones are gone, and reading from the first
+/// offset gives exactly the live objects. A restart then resumes from the compacted
+/// checkpoint: every object unchanged, nothing published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_and_checkpoint_topics_compact_to_exactly_the_live_objects() {
+    let topics = Topics::of("compaction");
+    let brokers = topics.brokers.clone();
+    let (state, checkpoints) = (topics.topic("state"), topics.topic("checkpoints"));
+    Kafka::shared().create_topic_with(&state, 1, &COMPACTED_FAST);
+    Kafka::shared().create_topic_with(&checkpoints, 1, &COMPACTED_FAST);
+    let api = ApiServer::start().await;
+    for i in 0..20 {
+        api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    let cfg = || {
+        topics
+            .config()
+            .grace_period("10s")
+            .configmaps()
+            .sink(topics.sink(
+                "state",
+                json!({"mode": "state", "topic": state, "create_topics": null}),
+            ))
+            .route("configmap", &["state"])
+            .build()
+    };
+    let live = || -> HashMap<String, String> {
+        api.objects("v1", "ConfigMap")
+            .into_iter()
+            .map(|(k, (_, rv))| (k, rv))
+            .collect()
+    };
+    // What the state topic and the checkpoint topic say, folded: key -> resourceVersion.
+    let folded = async |topic: &str| -> HashMap<String, String> {
+        let mut out = HashMap::new();
+        for r in read_topic(&brokers, topic).await {
+            let key = String::from_utf8(r.key).unwrap();
+            let key = if topic == checkpoints {
+                serde_json::from_str::<(String, String)>(&key).unwrap().1
+            } else {
+                key
+            };
+            if key == CLUSTER_KEY {
+                continue; // the cluster the checkpoint belongs to, not an object
+            }
+            match r.value {
+                None => out.remove(&key),
+                Some(v) => {
+                    let v: Value = serde_json::from_slice(&v).unwrap();
+                    // An intent (handed over, not yet acknowledged) is not the live state.
+                    let rv = if topic == checkpoints {
+                        let pending = if v.get("pending").is_some() { "?" } else { "" };
+                        format!("{}{pending}", v["resourceVersion"].as_str().unwrap())
+                    } else {
+                        v["metadata"]["resourceVersion"]
+                            .as_str()
+                            .unwrap()
+                            .to_owned()
+                    };
+                    out.insert(key, rv)
+                }
+            };
+        }
+        out
+    };
+    let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(200));
+    let first = RunningApp::start(cfg(), &api).await;
+    first.synced().await;
+    for v in 2..=4 {
+        for i in 0..20 {
+            api.update(typed(&configmap(
+                "ns",
+                &format!("cm-{i:02}"),
+                &v.to_string(),
+            )));
+        }
+    }
+    for i in 0..5 {
+        api.delete("v1", "ConfigMap", "ns", &format!("cm-{i:02}"));
+    }
+    let both_live = async || {
+        let held = wait::within(patience, async || {
+            folded(&state).await == live() && folded(&checkpoints).await == live()
+        })
+        .await;
+        if !held {
+            assert_eq!(folded(&state).await, live(), "the state topic");
+            assert_eq!(folded(&checkpoints).await, live(), "the checkpoint topic");
+        }
+    };
+    both_live().await;
+    // One more object, later than `segment.ms`: its records roll both topics to a new
+    // active segment, so that every earlier record can be cleaned (the cleaner never touches
+    // the active segment).
+    let roll = async |name: &str| {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        api.create(typed(&configmap("ns", name, "1")));
+        both_live().await;
+    };
+    roll("late").await;
+    assert_eq!(live().len(), 16);
+
+    // Compacted: one record per key, the 5 tombstones included.
+    let mut compacted = HashMap::new();
+    wait::until(
+        "the state topic compacted to one record per key",
+        patience,
+        async || {
+            compacted = records_per_key(&read_topic(&brokers, &state).await);
+            compacted.values().all(|(n, _)| *n == 1)
+        },
+    )
+    .await;
+    let tombstones: HashSet<&str> = compacted
+        .iter()
+        .filter(|(_, (_, tombstone))| *tombstone)
+        .map(|(k, _)| k.as_str())
+        .collect();
+    let deleted: Vec<String> = (0..5).map(|i| format!("ns/cm-{i:02}")).collect();
+    assert_eq!(
+        tombstones,
+        deleted.iter().map(String::as_str).collect(),
+        "the deletes' tombstones are still there"
+    );
+    assert_eq!(compacted.len(), 21);
+
+    // Then the tombstones go, at the first cleaning after `delete.retention.ms`; a cleaning
+    // needs dirty records (Apache Kafka 4.3 left an idle log's expired tombstones alone for a
+    // minute), so one more object rolls the topics again. Then the topic holds exactly the
+    // live objects, once each.
+    tokio::time::sleep(DELETE_RETENTION + Duration::from_millis(500)).await;
+    roll("later").await;
+    wait::until("the state topic without tombstones", patience, async || {
+        let records = read_topic(&brokers, &state).await;
+        records.iter().all(|r| r.value.is_some()) && records.len() == 17
+    })
+    .await;
+    assert_eq!(folded(&state).await, live());
+    // The checkpoint topic too; only the last object, written after the roll, may still
+    // have its intent beside its entry in the active segment.
+    let checkpoint_compacted = async || {
+        let per_key = records_per_key(&read_topic(&brokers, &checkpoints).await);
+        // The live objects and the cluster's record.
+        per_key.len() == 17 + 1
+            && per_key.iter().all(|(k, (n, tombstone))| {
+                !tombstone && (*n == 1 || (k.contains("ns/later") && *n == 2))
+            })
+    };
+    wait::until(
+        "the checkpoint topic compacted",
+        patience,
+        checkpoint_compacted,
+    )
+    .await;
+    assert_eq!(folded(&checkpoints).await, live());
+    assert!(first.stop().await.undelivered.is_empty());
+
+    // A restart resumes from the compacted checkpoint: all 17 unchanged, nothing published.
+    let second = RunningApp::start(cfg(), &api).await;
+    second.synced().await;
+    let unchanged = second
+        .metrics
+        .resume_objects
+        .with_label_values(&["configmap/state", "unchanged"]);
+    wait::until("17 objects compared", PATIENCE, async || {
+        unchanged.get() == 17
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let published: u64 = ["added", "updated", "deleted"]
+        .iter()
+        .map(|t| {
+            second
+                .metrics
+                .sink_published
+                .with_label_values(&["state", "configmap", t])
+                .get()
+        })
+        .sum();
+    assert_eq!(published, 0, "nothing changed while down");
+    assert!(second.stop().await.undelivered.is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
-    let tansu = Tansu::start();
-    tansu.create_topic("k8s.deadletter", 1);
+    let topics = Topics::of("filters");
+    let dead_letters = topics.topic("deadletter");
+    Kafka::shared().create_topic(&dead_letters, 1);
     let api = ApiServer::start().await;
     api.create(typed(&configmap("ns", "small", "1")));
     api.create(typed(&configmap("ns", "skipped", "1")));
@@ -291,18 +585,14 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
     api.create(typed(
         &named::<ConfigMap>(Some("ns"), "labels").labels(labels),
     ));
-    let mut main = kafka_sink(
+    let mut main = topics.sink(
         "kafka",
-        &tansu.brokers(),
         json!({"properties": {"message.max.bytes": "1000000"}}),
     );
     main["dead_letter"] = json!("dlq");
-    let dlq = kafka_sink(
-        "dlq",
-        &tansu.brokers(),
-        json!({"topic": "k8s.deadletter", "create_topics": null}),
-    );
-    let mut cfg = ConfigBuilder::new()
+    let dlq = topics.sink("dlq", json!({"topic": dead_letters, "create_topics": null}));
+    let mut cfg = topics
+        .config()
         .grace_period("10s")
         .configmaps()
         .sink(main)
@@ -339,11 +629,11 @@ async fn filters_patches_and_oversized_objects_on_a_1_mb_topic() {
         "big-replace",
         [("v", "R".repeat(600_000))],
     )));
-    let dead = consume_async(tansu.brokers(), "k8s.deadletter", 1).await;
+    let dead = consume_async(topics.brokers.clone(), &dead_letters, 1).await;
     let record = dead[0].json();
     assert_eq!(record["key"], "ns/labels");
     assert_eq!(record["reason"], "too_large");
-    let records = consume_async(tansu.brokers(), TOPIC, 8).await;
+    let records = consume_async(topics.brokers.clone(), &topics.events(), 8).await;
     let events = check_events(&records);
     let by =
         |name: &str| -> Vec<&Value> { events.iter().filter(|e| e["k8sname"] == name).collect() };
@@ -515,9 +805,9 @@ async fn a_broker_outage_during_load_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_tls_or_sasl_settings_are_clear_start_errors() {
-    let tansu = Tansu::start();
+    let brokers = Kafka::shared().brokers();
     let sink = |extra: Value| {
-        serde_json::from_value::<SinkConfig>(kafka_sink("kafka", &tansu.brokers(), extra))
+        serde_json::from_value::<SinkConfig>(kafka_sink("kafka", &brokers, extra))
             .unwrap()
             .kafka
             .unwrap()
@@ -544,7 +834,7 @@ async fn bad_tls_or_sasl_settings_are_clear_start_errors() {
     .err()
     .expect("SASL against a broker without SASL fails")
     .to_string();
-    assert!(err.contains(&tansu.brokers()), "{err}");
+    assert!(err.contains(&brokers), "{err}");
     assert!(!err.contains("hunter2"), "secrets never appear in errors");
     let err = KafkaSink::connect(
         "kafka",
@@ -565,21 +855,21 @@ async fn bad_tls_or_sasl_settings_are_clear_start_errors() {
 /// the API server's objects, and unchanged objects publish nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_resumes_from_the_checkpoint_topic() {
-    let tansu = Tansu::start();
-    let brokers = tansu.brokers();
+    let topics = Topics::of("resume");
+    let brokers = topics.brokers.clone();
     let api = ApiServer::start().await;
     for i in 0..60 {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
     let cfg = || {
-        ConfigBuilder::new()
+        topics
+            .config()
             .grace_period("10s")
             .configmaps()
-            .sink(kafka_sink("kafka", &brokers, json!({})))
-            .sink(kafka_sink(
+            .sink(topics.sink("kafka", json!({})))
+            .sink(topics.sink(
                 "state",
-                &brokers,
-                json!({"mode": "state", "topic": "k8s-state"}),
+                json!({"mode": "state", "topic": topics.topic("state")}),
             ))
             .route("configmap", &["kafka", "state"])
             .build()
@@ -614,8 +904,9 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
             .set("bootstrap.servers", &brokers)
             .create()
             .unwrap();
-        let mut record: BaseRecord<str, str> = BaseRecord::to("kube-event-bridge.checkpoints")
-            .key(r#"["configmap/kafka","ns/cm-30"]"#);
+        let checkpoints = topics.topic("checkpoints");
+        let mut record: BaseRecord<str, str> =
+            BaseRecord::to(&checkpoints).key(r#"["configmap/kafka","ns/cm-30"]"#);
         if let Some(p) = payload {
             record = record.payload(p);
         }
@@ -659,7 +950,7 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
     );
     assert!(second.stop().await.undelivered.is_empty());
 
-    let records = consume_async(brokers.clone(), TOPIC, 60 + expected).await;
+    let records = consume_async(brokers.clone(), &topics.events(), 60 + expected).await;
     let events: Vec<Value> = records.iter().map(Record::json).collect();
     events.iter().for_each(support::schema::check_cloudevent);
     // The only id published twice: the object whose checkpoint record was corrupt, re-sent
@@ -682,7 +973,7 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
 
     // The state topic, replayed from offset 0, equals the API server's objects.
     // The corrupt record was the events route's: the state route had nothing to redo.
-    let state = consume_async(brokers.clone(), "k8s-state", 60 + expected - 1).await;
+    let state = consume_async(brokers.clone(), &topics.topic("state"), 60 + expected - 1).await;
     let mut folded: HashMap<String, String> = HashMap::new();
     for r in &state {
         match &r.value {
@@ -718,18 +1009,17 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
 /// objects the API server holds, and `--check` reports what changed behind the bridge's back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster() {
-    let tansu = Tansu::start();
-    let brokers = tansu.brokers();
+    let topics = Topics::of("state-command");
     let api = ApiServer::start().await;
     for i in 0..12 {
         api.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
     }
-    let state_sink = kafka_sink(
+    let state_sink = topics.sink(
         "state",
-        &brokers,
-        json!({"mode": "state", "topic": "state.{resource}"}),
+        json!({"mode": "state", "topic": "state.{cluster}.{resource}"}),
     );
-    let cfg_value = ConfigBuilder::new()
+    let cfg_value = topics
+        .config()
         .configmaps()
         .sink(state_sink)
         .route("configmap", &["state"])
@@ -758,6 +1048,7 @@ async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster(
     // Blocking calls: the API server keeps the runtime's other thread for --check.
     let (code, stdout, stderr) = state(&["--output", "json"]);
     assert_eq!(code, Some(0), "{stderr}");
+    assert_quiet(&stderr);
     let objects: Vec<Value> = serde_json::from_str(&stdout).unwrap();
     let mut names: Vec<&str> = objects
         .iter()
@@ -781,19 +1072,19 @@ async fn the_state_command_rebuilds_the_topic_and_checks_it_against_the_cluster(
         "{stdout}"
     );
     assert!(
-        stdout.contains("GONE    ns/cm-05: on state.configmaps"),
+        stdout.contains("GONE    ns/cm-05: on state.state-command.configmaps"),
         "{stdout}"
     );
     assert!(
-        stdout.contains("STALE   ns/cm-07: on state.configmaps"),
+        stdout.contains("STALE   ns/cm-07: on state.state-command.configmaps"),
         "{stdout}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_now() {
-    let tansu = Tansu::start();
-    let brokers = tansu.brokers();
+    let topics = Topics::of("tail");
+    let brokers = topics.brokers.clone();
     let api = ApiServer::start().await;
     for i in 0..40 {
         let cm = configmap(
@@ -804,9 +1095,10 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
         .label("team", &format!("t{}", i % 4));
         api.create(typed(&cm));
     }
-    let cfg_value = ConfigBuilder::new()
+    let cfg_value = topics
+        .config()
         .configmaps()
-        .sink(kafka_sink("kafka", &brokers, json!({"encoding": "binary"})))
+        .sink(topics.sink("kafka", json!({"encoding": "binary"})))
         .route("configmap", &["kafka"])
         .value();
     let running = RunningApp::start(Config::from_value(cfg_value.clone()).unwrap(), &api).await;
@@ -854,10 +1146,11 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
     assert!(running.stop().await.undelivered.is_empty());
 
     // What the topic holds, read directly.
-    let records = consume_async(brokers.clone(), TOPIC, 55).await;
+    let records = consume_async(brokers.clone(), &topics.events(), 55).await;
     let on_topic: Vec<Value> = check_events(&records);
     let (code, lines, stderr) = all.interrupt();
     assert_eq!(code, Some(0), "Ctrl-C stops cleanly: {stderr}");
+    assert_quiet(&stderr);
     let printed = support::tools::events(&lines);
     assert_eq!(
         support::sorted_ids(&printed),
@@ -875,6 +1168,7 @@ async fn tail_prints_exactly_what_the_topic_receives_from_the_beginning_or_from_
     );
     let (code, lines, stderr) = from_now.interrupt();
     assert_eq!(code, Some(0), "{stderr}");
+    assert_quiet(&stderr);
     let printed = support::tools::events(&lines);
     let newer: Vec<Value> = on_topic
         .iter()

@@ -1,106 +1,304 @@
-//! A real Kafka-protocol broker (tansu, memory storage) on a free loopback port, and a
-//! consumer that reads a topic back. `scripts/test` installs tansu; without it, tests fail.
+//! Apache Kafka for tests and benches: a single KRaft node (broker and controller in one JVM)
+//! on free loopback ports, started from the Maven Central jars that `scripts/test` copies into
+//! `target/kafka/jars` and stopped on drop (envtest's shape: start, connect, stop). Also a
+//! consumer that reads a topic back. Without the jars, a test fails naming the command to run.
 
 use std::{
-    path::PathBuf,
-    process::{Child, Command, Stdio},
+    path::{Path, PathBuf},
+    process::{Child, ChildStdin, Command, Stdio},
+    sync::OnceLock,
     time::{Duration, Instant},
 };
 
 use rdkafka::{
     ClientConfig, Message,
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
     consumer::{BaseConsumer, Consumer},
     message::{Headers, OwnedMessage},
 };
 
-pub struct Tansu {
+/// The cluster id every test node is formatted with (22 characters of base64: 16 bytes). A
+/// log directory is never reused, so one id serves every node.
+const CLUSTER_ID: &str = "a2ViLXRlc3QtY2x1c3Rlcg";
+
+/// How long a node gets to format its storage and start (a JVM on two busy cores).
+const START_PATIENCE: Duration = Duration::from_secs(120);
+
+/// A running Apache Kafka node (KRaft, `process.roles=broker,controller`) with a PLAINTEXT
+/// listener on loopback. Killed, and its directory removed, on drop or when the process that
+/// started it ends, however it ends (so [`Kafka::shared`]'s node, never dropped, goes too).
+pub struct Kafka {
+    /// The watchdog shell around the JVM ([`WATCHDOG`]).
     child: Child,
+    /// Its standard input: closing it (drop, or the end of this process) kills the JVM.
+    lifeline: Option<ChildStdin>,
+    /// The PLAINTEXT listener's port (what [`Kafka::brokers`] names).
     pub port: u16,
-    _dir: tempfile::TempDir,
+    /// Properties, log directory and the node's output (`kafka.log`).
+    dir: PathBuf,
+    /// How long the start took: storage format, JVM start, first metadata answer.
+    pub started_in: Duration,
 }
 
-fn binary() -> PathBuf {
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    for candidate in [PathBuf::from("tansu"), home.join(".cargo/bin/tansu")] {
-        if Command::new(&candidate)
-            .arg("--help")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok()
-        {
-            return candidate;
-        }
+/// Runs `java "$@"` and kills it (SIGKILL) once its own standard input ends, that is once the
+/// test process closed the pipe or died, then removes `$KAFKA_DIR`; exits as the JVM did. A
+/// JVM that exits by itself leaves the directory, with the log that says why. (An
+/// asynchronous list's standard input is /dev/null in a script: the pipe goes as fd 3.)
+const WATCHDOG: &str = r#"exec 3<&0
+java "$@" </dev/null 3<&- &
+pid=$!
+{ read -r _ <&3; kill -9 "$pid" 2>/dev/null; } &
+wait "$pid"
+code=$?
+[ "$code" = 137 ] && rm -rf "$KAFKA_DIR"
+exit "$code""#;
+
+/// The node [`Kafka::shared`] hands out.
+static SHARED: OnceLock<Kafka> = OnceLock::new();
+
+/// The directory holding Apache Kafka's jars: `kafka/jars` under `$CARGO_TARGET_DIR`, else
+/// under this crate's `target/`. Panics naming the command that fills it when it holds no
+/// broker.
+pub fn jars() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| manifest.join("target"), |t| manifest.join(t));
+    let dir = target.join("kafka/jars");
+    let has_broker = std::fs::read_dir(&dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("kafka_2.13-"))
+    });
+    assert!(
+        has_broker,
+        "Apache Kafka's jars are not in {dir}: run scripts/test, or\n  mvn -q -f {manifest}/tests/kafka/pom.xml \
+         dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory={dir}",
+        dir = dir.display(),
+        manifest = manifest.display(),
+    );
+    dir
+}
+
+/// A free loopback port: bound, then released for the broker to take.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `program … -cp 'JARS/*'` with stdout and stderr appended to `log`.
+fn java(program: &mut Command, jars: &Path, log: &Path) {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap();
+    program
+        .arg("-cp")
+        .arg(format!("{}/*", jars.display()))
+        .stdout(out.try_clone().unwrap())
+        .stderr(out);
+}
+
+/// The node's settings: one KRaft voter that is also the only broker, so every internal
+/// topic has one replica (the defaults of 3 leave consumer groups and transactions without a
+/// coordinator), and the waits meant for bigger clusters are off.
+fn server_properties(dir: &Path, port: u16, controller_port: u16) -> String {
+    format!(
+        "process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@127.0.0.1:{controller_port}
+listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
+advertised.listeners=PLAINTEXT://127.0.0.1:{port}
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+log.dirs={data}
+# Topics are created by the tests or by the sinks' create_topics, as in production: a
+# producer writing to a missing topic fails instead of creating it.
+auto.create.topics.enable=false
+num.partitions=3
+default.replication.factor=1
+min.insync.replicas=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+# The cleaner must have at least 1 MiB per thread (exactly 1 MiB is refused); it looks for
+# dirty logs every second instead of 15 s, for the compaction test.
+log.cleaner.dedupe.buffer.size=2097152
+log.cleaner.backoff.ms=1000
+",
+        data = dir.join("data").display(),
+    )
+}
+
+impl Kafka {
+    /// The node every test of this process shares, started by the first that asks (tests
+    /// keep to topics of their own). One start instead of one per test: a start costs about
+    /// 5 s of the machine's two cores (see `../shared/TEST-ENV.md`).
+    pub fn shared() -> &'static Self {
+        SHARED.get_or_init(Self::start)
     }
-    panic!("tansu is not installed; scripts/test installs it (cargo install tansu)");
-}
 
-impl Tansu {
+    /// Formats a fresh log directory and starts a node on it; returns once it answers a
+    /// metadata request naming itself.
     pub fn start() -> Self {
-        // tansu needs an explicit port that it also advertises.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+        let begun = Instant::now();
+        let jars = jars();
+        let dir = tempfile::Builder::new()
+            .prefix("kafka-")
+            .tempdir()
             .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new(binary())
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-            ])
-            .args(["--storage-engine", "memory://tansu/"])
-            .current_dir(dir.path())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.path().join("tansu.log")).unwrap())
+            .keep();
+        let (port, controller_port) = (free_port(), free_port());
+        let properties = dir.join("server.properties");
+        std::fs::write(&properties, server_properties(&dir, port, controller_port)).unwrap();
+        std::fs::create_dir(dir.join("tmp")).unwrap();
+        let log = dir.join("kafka.log");
+        let mut format = Command::new("java");
+        java(&mut format, &jars, &log);
+        let formatted = format
+            .args(["kafka.tools.StorageTool", "format", "-t", CLUSTER_ID, "-c"])
+            .arg(&properties)
+            .arg("--ignore-formatted")
+            .stdin(Stdio::null())
+            .status()
+            .expect("java runs (Java 17 or newer)");
+        assert!(
+            formatted.success(),
+            "kafka-storage format failed: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        // Native libraries the JVM unpacks (lz4, zstd, snappy) go to the node's directory,
+        // which the watchdog removes: a killed JVM cannot delete them from /tmp itself.
+        let mut server = Command::new("sh");
+        server
+            .args(["-c", WATCHDOG, "sh", "-Xmx512m", "-XX:-UsePerfData"])
+            .arg(format!("-Djava.io.tmpdir={}", dir.join("tmp").display()));
+        java(&mut server, &jars, &log);
+        let mut child = server
+            .arg("kafka.Kafka")
+            .arg(&properties)
+            .env("KAFKA_DIR", &dir)
+            .stdin(Stdio::piped())
             .spawn()
-            .expect("tansu starts");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "tansu did not listen: {}",
-                std::fs::read_to_string(dir.path().join("tansu.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Self {
+            .expect("sh runs");
+        let lifeline = child.stdin.take();
+        let mut kafka = Self {
             child,
+            lifeline,
             port,
-            _dir: dir,
+            dir,
+            started_in: Duration::ZERO,
+        };
+        kafka.wait_until_it_answers(begun);
+        kafka.started_in = begun.elapsed();
+        eprintln!(
+            "Apache Kafka on {} answered {:.1} s after the start of its storage format",
+            kafka.brokers(),
+            kafka.started_in.as_secs_f64()
+        );
+        kafka
+    }
+
+    /// Polls a metadata request until the node names itself as a broker.
+    fn wait_until_it_answers(&mut self, begun: Instant) {
+        let client: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .set("log_level", "0")
+            .create()
+            .unwrap();
+        loop {
+            if let Ok(m) = client.fetch_metadata(None, Duration::from_millis(500))
+                && !m.brokers().is_empty()
+            {
+                return;
+            }
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("Apache Kafka exited ({status}): {}", self.log());
+            }
+            assert!(
+                begun.elapsed() < START_PATIENCE,
+                "Apache Kafka did not answer within {START_PATIENCE:?}: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
         }
     }
 
+    /// The bootstrap servers, `127.0.0.1:PORT`.
     pub fn brokers(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
 
-    /// Creates a topic with tansu's own CLI.
+    /// What the node logged so far (its format and server output).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("kafka.log")).unwrap_or_default()
+    }
+
+    /// Creates a topic of `partitions` partitions (one replica) through the admin API, and
+    /// returns once every partition has a leader.
     pub fn create_topic(&self, name: &str, partitions: u32) {
-        let status = Command::new(binary())
-            .args([
-                "topic",
-                "create",
-                "--broker",
-                &format!("tcp://127.0.0.1:{}", self.port),
-            ])
-            .args(["--partitions", &partitions.to_string(), name])
-            .stdout(Stdio::null())
-            .status()
+        self.create_topic_with(name, partitions, &[]);
+    }
+
+    /// [`Kafka::create_topic`] with topic configs (`cleanup.policy`, `segment.ms`, …).
+    pub fn create_topic_with(&self, name: &str, partitions: u32, configs: &[(&str, &str)]) {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .create()
             .unwrap();
-        assert!(status.success(), "tansu topic create {name}");
+        let mut topic = NewTopic::new(name, partitions as i32, TopicReplication::Fixed(1));
+        for (k, v) in configs {
+            topic = topic.set(k, v);
+        }
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        let results = futures::executor::block_on(admin.create_topics([&topic], &options))
+            .unwrap_or_else(|e| panic!("create topic {name}: {e}"));
+        for result in results {
+            if let Err((topic, code)) = result {
+                panic!("create topic {topic}: {code}");
+            }
+        }
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .create()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ready = consumer
+                .fetch_metadata(Some(name), Duration::from_secs(5))
+                .is_ok_and(|m| {
+                    m.topics().iter().any(|t| {
+                        t.error().is_none()
+                            && t.partitions().len() == partitions as usize
+                            && t.partitions().iter().all(|p| p.leader() >= 0)
+                    })
+                });
+            if ready {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "topic {name} has no leaders after 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 
-impl Drop for Tansu {
+impl Drop for Kafka {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // The watchdog kills the JVM and removes the directory when its input ends.
+        drop(self.lifeline.take());
         let _ = self.child.wait();
     }
 }
