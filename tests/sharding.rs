@@ -1,8 +1,8 @@
 //! Horizontal sharding with the real binary, checked as a consumer sees it: three replicas
 //! share twelve shards of ConfigMaps spread over many namespaces, publishing into one
-//! JetStream stream (a real nats-server; tansu 0.6 answers ProducerFenced and times out when
-//! several idempotent producers write one partition at once, see docs/src/sharding.md). Every object's
-//! first state is published once (by its shard's owner);
+//! JetStream stream (a real nats-server) or one Kafka topic of three partitions (Apache Kafka:
+//! three idempotent producers write each partition at once). Every object's first state is
+//! published once (by its shard's owner);
 //! while objects change at a few hundred per second one replica is SIGKILLed, and the others
 //! take its shards over; folded per key in the order the topic holds them, the last message
 //! of every object equals the API server's (no lost or phantom deletes, no stale finals).
@@ -26,8 +26,9 @@ use std::{
 use serde_json::{Value, json};
 use support::{
     ApiServer,
-    config::{ConfigBuilder, NATS_STREAM, nats_sink},
+    config::{ConfigBuilder, NATS_STREAM, kafka_sink, nats_sink},
     differences, fold_in_order,
+    kafka::{Kafka, Record, consume_all},
     nats::{NatsServer, read_stream},
     objects::{configmap, spread_namespaces, typed},
     replica::Replica,
@@ -152,16 +153,63 @@ async fn settled(api: &ApiServer, gone: &[String], replicas: usize, patience: Pa
     .await;
 }
 
-async fn sharded(server_side: bool, scenario: Scenario) {
-    let nats = NatsServer::start();
-    let url = nats.url();
-    let read = async || -> Vec<Value> {
-        read_stream(&url, NATS_STREAM)
-            .await
-            .iter()
-            .map(|m| serde_json::from_slice(&m.payload).unwrap())
-            .collect()
-    };
+/// Where the replicas publish, started for one test.
+enum Destination {
+    /// A JetStream stream, [`NATS_STREAM`].
+    JetStream(NatsServer),
+    /// The topic [`KAFKA_TOPIC`] (three partitions) on a node of the test's own.
+    Kafka(Kafka),
+}
+
+/// The events topic of the Kafka runs (cluster `test`, the default template).
+const KAFKA_TOPIC: &str = "k8s.test.core.configmaps";
+
+impl Destination {
+    fn jetstream() -> Self {
+        Self::JetStream(NatsServer::start())
+    }
+
+    fn kafka() -> Self {
+        let kafka = Kafka::start();
+        // Before any replica: the reads below look up the topic's partitions.
+        kafka.create_topic(KAFKA_TOPIC, 3);
+        Self::Kafka(kafka)
+    }
+
+    /// The replicas' sink.
+    fn sink(&self) -> Value {
+        match self {
+            Self::JetStream(nats) => nats_sink("nats", &nats.url(), json!({})),
+            Self::Kafka(kafka) => kafka_sink("kafka", &kafka.brokers(), json!({})),
+        }
+    }
+
+    /// Every event the destination holds, in its order (per partition for Kafka, which
+    /// keeps each object in one partition).
+    async fn read(&self) -> Vec<Value> {
+        match self {
+            Self::JetStream(nats) => read_stream(&nats.url(), NATS_STREAM)
+                .await
+                .iter()
+                .map(|m| serde_json::from_slice(&m.payload).unwrap())
+                .collect(),
+            Self::Kafka(kafka) => {
+                let brokers = kafka.brokers();
+                tokio::task::spawn_blocking(move || {
+                    consume_all(&brokers, KAFKA_TOPIC, 3)
+                        .iter()
+                        .map(Record::json)
+                        .collect()
+                })
+                .await
+                .unwrap()
+            }
+        }
+    }
+}
+
+async fn sharded(server_side: bool, scenario: Scenario, destination: Destination) {
+    let read = async || destination.read().await;
     let api = Arc::new(ApiServer::start().await);
     api.set_shard_selectors(server_side);
     let n = objects();
@@ -171,7 +219,7 @@ async fn sharded(server_side: bool, scenario: Scenario) {
     }
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let sink = nats_sink("nats", &url, json!({}));
+    let sink = destination.sink();
     let mut replicas: Vec<Replica> = ["replica-a", "replica-b", "replica-c"]
         .iter()
         .map(|id| Replica::start(dir.path(), id, &config(id, &sink), &kubeconfig))
@@ -239,8 +287,8 @@ async fn sharded(server_side: bool, scenario: Scenario) {
         first.len()
     );
     assert_eq!(first.len(), n, "each object once");
-    // Each once across the replicas, as their sinks count it (the stream would drop a copy
-    // with the same id).
+    // Each once across the replicas, as their sinks count it (a JetStream stream would drop a
+    // copy with the same id; a Kafka topic would keep it).
     let mut published = Vec::new();
     for r in &replicas {
         published.push(r.published().await);
@@ -334,20 +382,27 @@ async fn sharded(server_side: bool, scenario: Scenario) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_shards_are_taken_over_server_side() {
-    sharded(true, Scenario::Kill).await;
+    sharded(true, Scenario::Kill, Destination::jetstream()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_shards_are_taken_over_client_side() {
-    sharded(false, Scenario::Kill).await;
+    sharded(false, Scenario::Kill, Destination::jetstream()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaling_three_to_five_to_two_rebalances_server_side() {
-    sharded(true, Scenario::Scale).await;
+    sharded(true, Scenario::Scale, Destination::jetstream()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaling_three_to_five_to_two_rebalances_client_side() {
-    sharded(false, Scenario::Scale).await;
+    sharded(false, Scenario::Scale, Destination::jetstream()).await;
+}
+
+/// The same on Apache Kafka: three replicas' idempotent producers write the three partitions
+/// of one topic at once, and the killed replica's shards move to the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_shards_are_taken_over_into_kafka() {
+    sharded(true, Scenario::Kill, Destination::kafka()).await;
 }
