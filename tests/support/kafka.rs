@@ -142,8 +142,8 @@ log.cleaner.backoff.ms=1000
 
 impl Kafka {
     /// The node every test of this process shares, started by the first that asks (tests
-    /// keep to topics of their own). One start instead of one per test: a start costs about
-    /// 5 s of the machine's two cores (see `../shared/TEST-ENV.md`).
+    /// keep to topics of their own). One start instead of one per test: a start takes 5–8 s
+    /// of the machine's two cores, up to 20 s when they are busy (`docs/src/development.md`).
     pub fn shared() -> &'static Self {
         SHARED.get_or_init(Self::start)
     }
@@ -333,7 +333,7 @@ pub fn consume(brokers: &str, topic: &str, n: usize) -> Vec<Record> {
 }
 
 /// Every record `topic` holds now (per partition in offset order): as many as its
-/// partitions' watermarks say.
+/// partitions' watermarks say (not for a compacted topic, whose offsets have gaps).
 pub fn consume_all(brokers: &str, topic: &str, partitions: i32) -> Vec<Record> {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
