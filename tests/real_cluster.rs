@@ -39,7 +39,7 @@ async fn parity(options: ClusterOptions, streaming_list: bool) {
         "seed {seed} (KEB_SEED replays it), options {options:?}, streaming list {streaming_list}"
     );
     let mut rng = Rng(seed);
-    let mut cluster = Cluster::start_with(options).await;
+    let mut cluster = Cluster::start_with(options.clone()).await;
     let version: Value = serde_json::from_str(
         &cluster
             .client()
@@ -56,6 +56,17 @@ async fn parity(options: ClusterOptions, streaming_list: bool) {
         version["emulationMinor"].as_str().unwrap_or("-"),
         cluster.last_start
     );
+    if let Some(emulated) = &options.emulated_version {
+        let (major, minor) = emulated.split_once('.').unwrap();
+        assert_eq!(
+            (
+                version["emulationMajor"].as_str(),
+                version["emulationMinor"].as_str()
+            ),
+            (Some(major), Some(minor)),
+            "the server emulates {emulated}"
+        );
+    }
     let ns = "parity";
     cluster.create_namespace(ns).await;
     let dir = tempfile::tempdir().unwrap();
@@ -325,7 +336,7 @@ async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
     }
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(cluster.kubeconfig(), dir.path().join("admin.kubeconfig")).unwrap();
-    let _replica = file_bridge(
+    let mut replica = file_bridge(
         dir.path(),
         json!([{"name": "shop", "api_version": format!("{GROUP}/*"), "kind": "*"}]),
         json!({"discovery_refresh": "1s", "discovery_grace": "1s"}),
@@ -354,7 +365,16 @@ async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
     let api: Api<kube::api::DynamicObject> =
         Api::namespaced_with(cluster.client().await, "versions", &gadgets);
     api.delete("g05", &DeleteParams::default()).await.unwrap();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    wait::until(
+        "the bridge follows the kind at v1",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            replica.log().lines().any(|l| {
+                l.contains("The kind is served at another version now") && l.contains("to=v1 ")
+            })
+        },
+    )
+    .await;
     cluster
         .install_crd(
             GROUP,
@@ -380,7 +400,8 @@ async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Stopped before the last read, so that nothing late escapes it.
+    replica.terminate();
     let d = delivered(dir.path());
     let messages: usize = d.values().map(Vec::len).sum();
     println!(
@@ -426,7 +447,7 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
     }
     let dir = tempfile::tempdir().unwrap();
     std::fs::copy(cluster.kubeconfig(), dir.path().join("admin.kubeconfig")).unwrap();
-    let _replica = file_bridge(
+    let mut replica = file_bridge(
         dir.path(),
         json!([{"name": "all", "api_version": "*", "kind": "*", "scope": "namespaced",
                 "namespaces": [ns]}]),
@@ -507,6 +528,8 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
         async || differences(&fold(&json_lines(&dir.path().join("out.jsonl"))), &want).is_empty(),
     )
     .await;
+    // Stopped before the last read, so that nothing late escapes it.
+    replica.terminate();
     let events = json_lines(&dir.path().join("out.jsonl"));
     let d = differences(&fold(&events), &want);
     let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
@@ -525,6 +548,17 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
     assert!(d.is_empty(), "{d:?}");
     assert_eq!(deletes, 3, "only the deletes made");
     assert_eq!(relisted_adds, 0, "nothing added again");
+    // Exactly the changes made, nothing re-published by a relist or a discovery blip.
+    let d = delivered(dir.path());
+    for i in 0..20 {
+        let want: &[&str] = match i {
+            0..3 => &["added", "updated"],
+            10..13 => &["added", "deleted"],
+            _ => &["added"],
+        };
+        assert_eq!(d[&format!("ConfigMap {ns}/cm{i:02}")], want, "cm{i:02}");
+        assert_eq!(d[&format!("Gadget {ns}/g{i:02}")], ["added"], "g{i:02}");
+    }
 }
 
 /// Where a resume or failover scenario publishes, and how a consumer reads it back.
@@ -641,9 +675,25 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
         async || destination.read().await.len() >= 40,
     )
     .await;
-    // Past a checkpoint interval (1 s), so that a SIGKILL finds the acknowledged state
-    // written.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // Every acknowledged message in the checkpoint (`keb_checkpoint_lag` 0 after 40
+    // acknowledgements), so that a SIGKILL finds the acknowledged state written.
+    wait::until(
+        "the 40 acknowledged objects checkpointed",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let Some(admin) = first.admin() else {
+                return false;
+            };
+            let (_, metrics) = support::http_get(admin, "/metrics").await;
+            let lag: f64 = metrics
+                .lines()
+                .filter(|l| l.starts_with("keb_checkpoint_lag{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            first.published().await >= 40 && lag == 0.0
+        },
+    )
+    .await;
     if kill {
         first.signal("KILL");
         let _ = first.child.wait();
@@ -686,7 +736,7 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
     }
     let live = cluster.objects(&configmaps(), Some(ns)).await;
 
-    let _second = replica_to(
+    let mut second = replica_to(
         dir.path(),
         "second",
         cluster_name,
@@ -701,7 +751,8 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
         async || differences(&fold_in_order(&destination.read().await), &live).is_empty(),
     )
     .await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Stopped before the last read, so that nothing late escapes it.
+    second.terminate();
     let events = destination.read().await;
     // What arrived after the restart: the multiset difference by id (Kafka is read partition
     // by partition, so not a suffix), so that a replay of an unchanged object (same id as
@@ -755,15 +806,12 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
     );
     assert!(d.is_empty(), "{d:?}");
     assert_eq!(replayed, 0, "unchanged objects are not replayed");
+    // The checkpoint held every acknowledged message when the first replica stopped, so
+    // after a SIGKILL as after a SIGTERM the changes are exactly those, each once, resumed.
     let got: BTreeMap<String, Vec<&str>> = got.into_iter().collect();
-    if kill {
-        // A SIGKILL may re-send what was acknowledged but not yet checkpointed; here the
-        // checkpoint was written (3 s > 1 s), so the changes are exactly those.
-        assert_eq!(got, want);
-    } else {
-        assert_eq!(got, want);
-        assert!(unmarked.is_empty(), "{unmarked:?}");
-    }
+    assert_eq!(got, want);
+    assert!(unmarked.is_empty(), "{unmarked:?}");
+    assert_eq!(after.len(), 40, "each change once");
     assert_eq!(fsu_deletes, 15);
 }
 
@@ -886,8 +934,13 @@ async fn failover(destination: Destination, cluster_name: &str) {
         },
     )
     .await;
+    // Every replica stopped before the last read, so that nothing late escapes it.
+    for mut r in replicas.into_values() {
+        r.terminate();
+    }
     let events = destination.read().await;
     let d = differences(&fold_in_order(&events), &live);
+    let deduplicated = differences(&fold_in_order(&dedup(&events)), &live);
     let ids: BTreeSet<&str> = events.iter().map(|e| e["id"].as_str().unwrap()).collect();
     println!(
         "failover ({}): {changes} changes, {} messages, {} repeated ids, {} live objects; \
@@ -905,6 +958,7 @@ async fn failover(destination: Destination, cluster_name: &str) {
         d.missing.len(),
     );
     assert!(d.is_empty(), "{d:?}");
+    assert!(deduplicated.is_empty(), "{deduplicated:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1054,8 +1108,13 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
         },
     )
     .await;
+    // Every replica stopped before the last read, so that nothing late escapes it.
+    for mut r in replicas.into_values() {
+        r.terminate();
+    }
     let events = read().await;
     let d = differences(&fold_in_order(&events), &matching);
+    let deduplicated = differences(&fold_in_order(&dedup(&events)), &matching);
     let filtered_out = events
         .iter()
         .filter(|e| e["k8sfilteredout"] == true)
@@ -1073,5 +1132,6 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
         d.missing.len(),
     );
     assert!(d.is_empty(), "{d:?}");
+    assert!(deduplicated.is_empty(), "{deduplicated:?}");
     assert!(filtered_out > 0 && resumed > 0, "the run exercised both");
 }

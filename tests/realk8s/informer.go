@@ -110,8 +110,12 @@ func runInformer(args []string) int {
 		},
 		DeleteFunc: func(obj interface{}) {
 			if tomb, ok := obj.(cache.DeletedFinalStateUnknown); ok {
-				l := objectLine("delete", tomb.Obj)
-				l.Key = tomb.Key
+				// client-go leaves Obj nil when the cache had no object for the key.
+				l := line{Type: "delete", Key: tomb.Key}
+				if tomb.Obj != nil {
+					l = objectLine("delete", tomb.Obj)
+					l.Key = tomb.Key
+				}
 				l.FinalStateUnkn = true
 				out.print(l)
 				return

@@ -11,6 +11,7 @@ package main
 import (
 	"fmt"
 	"os"
+	"strconv"
 	"time"
 	_ "time/tzdata" // for timeZone support in CronJob (as upstream's kube-apiserver main)
 
@@ -46,20 +47,31 @@ func main() {
 	}
 }
 
-// exitWithParent ends the process when the process that started it is gone, if
-// REALK8S_EXIT_WITH_PARENT is set: test binaries keep one cluster for all their tests in a
-// static, which is never dropped, so without this an etcd and an API server would outlive
-// every test run. (PR_SET_PDEATHSIG would follow the starting thread, not the process.)
+// exitWithParent ends the process when the process named by REALK8S_EXIT_WITH_PARENT (a pid:
+// the test binary that started it) is no longer its parent. Test binaries may keep a cluster
+// in a static, which is never dropped, and a test binary that aborts drops nothing, so
+// without this an etcd and an API server would outlive the test run. (PR_SET_PDEATHSIG would
+// follow the starting thread, not the process.) The pid is passed rather than read at start,
+// so that a parent gone before this runs is noticed too.
 func exitWithParent() {
-	if os.Getenv("REALK8S_EXIT_WITH_PARENT") == "" {
+	value := os.Getenv("REALK8S_EXIT_WITH_PARENT")
+	if value == "" {
 		return
 	}
-	parent := os.Getppid()
+	parent, err := strconv.Atoi(value)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "realk8s: REALK8S_EXIT_WITH_PARENT=%q is not a pid\n", value)
+		os.Exit(2)
+	}
+	check := func() {
+		if os.Getppid() != parent {
+			os.Exit(3)
+		}
+	}
+	check()
 	go func() {
 		for range time.Tick(500 * time.Millisecond) {
-			if os.Getppid() != parent {
-				os.Exit(3)
-			}
+			check()
 		}
 	}()
 }

@@ -41,8 +41,7 @@ pub fn realk8s() -> PathBuf {
     let bin = target.join("realk8s/realk8s");
     assert!(
         bin.exists(),
-        "{} is missing: scripts/test builds it (cd tests/realk8s && CGO_ENABLED=0 go build -trimpath -o {} .)",
-        bin.display(),
+        "{} is missing: scripts/test builds it (or scripts/build-realk8s alone)",
         bin.display()
     );
     bin
@@ -179,7 +178,7 @@ impl Cluster {
             // Test data: no fsync, room for scale benches, quiet logs.
             .args(["--unsafe-no-fsync", "--quota-backend-bytes", "8589934592"])
             .args(["--log-level", "warn"])
-            .env("REALK8S_EXIT_WITH_PARENT", "1")
+            .env("REALK8S_EXIT_WITH_PARENT", std::process::id().to_string())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.path().join("etcd.log")).unwrap())
             .spawn()
@@ -205,6 +204,7 @@ impl Cluster {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+        cluster.kubeconfig_for("admin", ADMIN_TOKEN);
         cluster.start_apiserver().await;
         cluster
     }
@@ -269,7 +269,7 @@ impl Cluster {
             .open(d.join("kube-apiserver.log"))
             .unwrap();
         self.apiserver = Some(
-            cmd.env("REALK8S_EXIT_WITH_PARENT", "1")
+            cmd.env("REALK8S_EXIT_WITH_PARENT", std::process::id().to_string())
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()
@@ -308,14 +308,17 @@ impl Cluster {
         }
     }
 
-    /// Writes a kubeconfig for the admin user; returns its path.
+    /// The admin user's kubeconfig (written once at start: replicas read it while tests
+    /// make clients).
     pub fn kubeconfig(&self) -> PathBuf {
-        self.kubeconfig_for("admin", ADMIN_TOKEN)
+        self.dir.path().join("admin.kubeconfig")
     }
 
-    /// Writes a kubeconfig `{name}.kubeconfig` that authenticates with `token`.
+    /// Writes a kubeconfig `{name}.kubeconfig` that authenticates with `token` (whole: a
+    /// temporary file renamed into place, so that a reader never sees half of it).
     pub fn kubeconfig_for(&self, name: &str, token: &str) -> PathBuf {
         let path = self.dir.path().join(format!("{name}.kubeconfig"));
+        let partial = self.dir.path().join(format!(".{name}.kubeconfig.partial"));
         let config = json!({
             "apiVersion": "v1",
             "kind": "Config",
@@ -327,7 +330,8 @@ impl Cluster {
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": name}}],
             "current-context": "test",
         });
-        std::fs::write(&path, config.to_string()).unwrap();
+        std::fs::write(&partial, config.to_string()).unwrap();
+        std::fs::rename(&partial, &path).unwrap();
         path
     }
 
@@ -490,7 +494,11 @@ impl Cluster {
 
     /// POSTs `body` to etcd's JSON gateway; the answer, or `None` when etcd does not answer.
     fn etcd_post(&self, path: &str, body: Value) -> Option<Value> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.etcd_port)).ok()?;
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], self.etcd_port));
+        let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)).ok()?;
+        // A stalled etcd fails the test instead of hanging the suite.
+        s.set_read_timeout(Some(Duration::from_secs(60))).ok()?;
+        s.set_write_timeout(Some(Duration::from_secs(10))).ok()?;
         let body = body.to_string();
         write!(
             s,
@@ -600,7 +608,7 @@ impl ReferenceInformer {
             cmd.args(["--namespace", ns]);
         }
         let child = cmd
-            .env("REALK8S_EXIT_WITH_PARENT", "1")
+            .env("REALK8S_EXIT_WITH_PARENT", std::process::id().to_string())
             .stdout(std::fs::File::create(&out).unwrap())
             .stderr(std::fs::File::create(dir.join(format!("client-go-{resource}.log"))).unwrap())
             .spawn()
