@@ -27,7 +27,9 @@
 //! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs,
 //!                   patch.rs (diff: patch on the JSON text)
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
-//!                   template.rs, stdout/, kafka/, nats/ (each: config, sink, checkpoint store)
+//!                   template.rs, stdout/, kafka/, nats/ (each: config, sink, checkpoint store;
+//!                   kafka/ also client.rs (clients' settings and context), oauth.rs
+//!                   (OAUTHBEARER tokens from an OIDC endpoint), reader.rs)
 //! pipeline/         route.rs (RouteBuilder), route_queue.rs, worker.rs, resume.rs,
 //!                   checkpoint.rs (Checkpointer), filter/ (mod: the stage; lanes: where
 //!                   it evaluates; expr: CEL; cel_json)

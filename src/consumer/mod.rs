@@ -70,7 +70,7 @@ async fn kafka_topics(
     sink: &str,
     cfg: &KafkaSinkConfig,
     cluster: &str,
-    client: &rdkafka::ClientConfig,
+    client: &crate::sinks::kafka::KafkaClient,
     topics: &[String],
 ) -> Result<Vec<String>> {
     if !topics.is_empty() {

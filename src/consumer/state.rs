@@ -32,7 +32,7 @@ use crate::{
     message::{Encoder, Encoding},
     selection,
     sinks::{
-        kafka::{KafkaMode, KafkaSink, KafkaSinkConfig, client_config, reader::read_to_end},
+        kafka::{KafkaClient, KafkaMode, KafkaSink, KafkaSinkConfig, reader::read_to_end},
         nats::{NatsMode, NatsSinkConfig},
     },
 };
@@ -216,7 +216,7 @@ async fn read_kafka(
     topics: &[String],
     progress: &mut Progress,
 ) -> Result<State> {
-    let client = client_config(sink, cfg).map_err(Error::Read)?;
+    let client = KafkaClient::new(sink, cfg).map_err(Error::Read)?;
     let topics = kafka_topics(sink, cfg, cluster, &client, topics).await?;
     let mut p = std::mem::replace(progress, Progress::with("records", false));
     let (state, p) = tokio::task::spawn_blocking(move || {

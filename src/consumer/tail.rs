@@ -31,7 +31,7 @@ use super::{
 use crate::{
     config::{Config, SinkType},
     sinks::{
-        kafka::{KafkaSinkConfig, client_config, reader},
+        kafka::{KafkaClient, KafkaSinkConfig, reader},
         nats::{NatsMode, NatsSinkConfig},
     },
 };
@@ -183,7 +183,7 @@ async fn kafka(
     cluster: &str,
     options: &Options,
 ) -> Result<Source> {
-    let client = client_config(name, cfg).map_err(Error::Read)?;
+    let client = KafkaClient::new(name, cfg).map_err(Error::Read)?;
     let topics = kafka_topics(name, cfg, cluster, &client, &options.topics).await?;
     let layout = kafka_layout(cfg);
     let (tx, rx) = mpsc::channel(1024);
@@ -252,7 +252,7 @@ async fn kafka(
 /// A consumer assigned every partition of `topics`, at its first offset or at its current end
 /// (read now, so that what is published once the tail said it is reading is printed).
 fn assign(
-    client: &rdkafka::ClientConfig,
+    client: &KafkaClient,
     topics: &[String],
     from_beginning: bool,
 ) -> std::result::Result<(reader::ReaderConsumer, usize), String> {

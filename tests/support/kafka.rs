@@ -2,6 +2,7 @@
 //! on free loopback ports, started from the Maven Central jars that `scripts/test` copies into
 //! `target/kafka/jars` and stopped on drop (envtest's shape: start, connect, stop). Also a
 //! consumer that reads a topic back. Without the jars, a test fails naming the command to run.
+//! [`Kafka::secured`] adds SASL (PLAIN, SCRAM-SHA-512, OAUTHBEARER) and TLS listeners.
 
 use std::{
     path::{Path, PathBuf},
@@ -26,7 +27,7 @@ const CLUSTER_ID: &str = "a2ViLXRlc3QtY2x1c3Rlcg";
 const START_PATIENCE: Duration = Duration::from_secs(120);
 
 /// A running Apache Kafka node (KRaft, `process.roles=broker,controller`) with a PLAINTEXT
-/// listener on loopback. Killed, and its directory removed, on drop or when the process that
+/// listener on loopback (and, started by [`Kafka::secured`], SASL and TLS ones). Killed, and its directory removed, on drop or when the process that
 /// started it ends, however it ends (so [`Kafka::shared`]'s node, never dropped, goes too).
 pub struct Kafka {
     /// The watchdog shell around the JVM ([`WATCHDOG`]).
@@ -39,6 +40,55 @@ pub struct Kafka {
     dir: PathBuf,
     /// How long the start took: storage format, JVM start, first metadata answer.
     pub started_in: Duration,
+    /// The SASL and TLS listeners, when started with [`KafkaOptions::secured`].
+    pub secured: Option<Secured>,
+}
+
+/// How a [`Kafka`] node is started.
+#[derive(Clone, Debug, Default)]
+pub struct KafkaOptions {
+    /// Also listen with SASL and TLS ([`Secured`]): a CA and a server certificate are made
+    /// with `openssl`, SCRAM users are written at storage format.
+    pub secured: bool,
+}
+
+/// The user PLAIN knows (a `user_…` entry of the listener's JAAS config).
+pub const PLAIN_USER: (&str, &str) = ("alice", "plain-pw-7c41e9");
+/// The SCRAM-SHA-512 user, created at storage format (`--add-scram`).
+pub const SCRAM_USER: (&str, &str) = ("bob", "scram-pw-5d02b8");
+
+/// The secured listeners of a node started with [`KafkaOptions::secured`]. SASL mechanisms
+/// on both SASL listeners: PLAIN ([`PLAIN_USER`]), SCRAM-SHA-512 ([`SCRAM_USER`]) and
+/// OAUTHBEARER with the broker's default validator, which accepts unsigned JWTs
+/// (`{"alg":"none"}`) naming a `sub` and an `exp` in the future (meant for tests: Kafka's own
+/// docs call it non-production). No authorizer: an authenticated client may do anything.
+#[derive(Clone, Debug)]
+pub struct Secured {
+    /// SASL_PLAINTEXT listener.
+    pub sasl_port: u16,
+    /// SSL listener (server certificate only, no client authentication).
+    pub ssl_port: u16,
+    /// SASL_SSL listener.
+    pub sasl_ssl_port: u16,
+    /// PEM of the CA that signed the server certificate (for `127.0.0.1` and `localhost`).
+    pub ca_file: PathBuf,
+}
+
+impl Secured {
+    /// `127.0.0.1:PORT` of the SASL_PLAINTEXT listener.
+    pub fn sasl(&self) -> String {
+        format!("127.0.0.1:{}", self.sasl_port)
+    }
+
+    /// `127.0.0.1:PORT` of the SSL listener.
+    pub fn ssl(&self) -> String {
+        format!("127.0.0.1:{}", self.ssl_port)
+    }
+
+    /// `127.0.0.1:PORT` of the SASL_SSL listener.
+    pub fn sasl_ssl(&self) -> String {
+        format!("127.0.0.1:{}", self.sasl_ssl_port)
+    }
 }
 
 /// Runs `java "$@"` and kills it (SIGKILL) once its own standard input ends, that is once the
@@ -106,14 +156,36 @@ fn java(program: &mut Command, jars: &Path, log: &Path) {
 /// The node's settings: one KRaft voter that is also the only broker, so every internal
 /// topic has one replica (the defaults of 3 leave consumer groups and transactions without a
 /// coordinator), and the waits meant for bigger clusters are off.
-fn server_properties(dir: &Path, port: u16, controller_port: u16) -> String {
+fn server_properties(
+    dir: &Path,
+    port: u16,
+    controller_port: u16,
+    secured: Option<&Secured>,
+) -> String {
+    let (mut listeners, mut advertised) = (
+        format!("PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}"),
+        format!("PLAINTEXT://127.0.0.1:{port}"),
+    );
+    let mut security = String::new();
+    if let Some(s) = secured {
+        for (name, port) in [
+            ("SASL_PLAINTEXT", s.sasl_port),
+            ("SSL", s.ssl_port),
+            ("SASL_SSL", s.sasl_ssl_port),
+        ] {
+            listeners += &format!(",{name}://127.0.0.1:{port}");
+            advertised += &format!(",{name}://127.0.0.1:{port}");
+        }
+        security = secured_properties(dir);
+    }
     format!(
         "process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@127.0.0.1:{controller_port}
-listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}
-advertised.listeners=PLAINTEXT://127.0.0.1:{port}
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listeners={listeners}
+advertised.listeners={advertised}
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,\\
+SASL_PLAINTEXT:SASL_PLAINTEXT,SSL:SSL,SASL_SSL:SASL_SSL
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
 log.dirs={data}
@@ -135,9 +207,108 @@ group.initial.rebalance.delay.ms=0
 # dirty logs every second instead of 15 s, for the compaction test.
 log.cleaner.dedupe.buffer.size=2097152
 log.cleaner.backoff.ms=1000
-",
+{security}",
         data = dir.join("data").display(),
     )
+}
+
+/// The SASL and TLS settings of [`KafkaOptions::secured`]: per SASL listener, the enabled
+/// mechanisms and one JAAS config per mechanism; one PEM key store (key and certificate in
+/// one file, made by [`write_certificates`]) for both TLS listeners.
+fn secured_properties(dir: &Path) -> String {
+    let (plain_user, plain_password) = PLAIN_USER;
+    let mut out = format!(
+        "ssl.keystore.type=PEM
+ssl.keystore.location={keystore}
+ssl.client.auth=none
+",
+        keystore = dir.join("server.pem").display()
+    );
+    for listener in ["sasl_plaintext", "sasl_ssl"] {
+        out += &format!(
+            "listener.name.{listener}.sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-512,OAUTHBEARER
+listener.name.{listener}.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule \\
+required username=\"admin\" password=\"admin-pw\" user_{plain_user}=\"{plain_password}\";
+listener.name.{listener}.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.{listener}.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule \\
+required unsecuredLoginStringClaim_sub=\"admin\";
+"
+        );
+    }
+    out
+}
+
+/// Runs `cmd` and panics with its standard error when it fails.
+fn run(cmd: &mut Command) {
+    let out = cmd.output().expect("the command runs");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Writes a CA (`ca.crt`) and a server certificate signed by it for 127.0.0.1 and localhost
+/// into `dir`, with the `openssl` command (EC keys: fast), as the real cluster's support does;
+/// `server.pem` holds the server's PKCS#8 key and its certificate, Kafka's PEM key store.
+fn write_certificates(dir: &Path) {
+    let ossl = |args: &[&str]| run(Command::new("openssl").args(args).current_dir(dir));
+    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
+    ossl(
+        &[
+            &["req", "-x509", "-nodes", "-days", "30"][..],
+            &ec,
+            &["-keyout", "ca.key", "-out", "ca.crt"],
+            &["-subj", "/CN=keb-test-kafka-ca"],
+            &["-addext", "basicConstraints=critical,CA:TRUE"],
+            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+        ]
+        .concat(),
+    );
+    ossl(
+        &[
+            &["req", "-nodes"][..],
+            &ec,
+            &["-keyout", "server.key", "-out", "server.csr"],
+            &["-subj", "/CN=kafka"],
+        ]
+        .concat(),
+    );
+    std::fs::write(
+        dir.join("server.ext"),
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n\
+         extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n",
+    )
+    .unwrap();
+    ossl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "30",
+        "-out",
+        "server.crt",
+        "-extfile",
+        "server.ext",
+    ]);
+    ossl(&[
+        "pkcs8",
+        "-topk8",
+        "-nocrypt",
+        "-in",
+        "server.key",
+        "-out",
+        "server.pk8",
+    ]);
+    let pem = std::fs::read_to_string(dir.join("server.pk8")).unwrap()
+        + &std::fs::read_to_string(dir.join("server.crt")).unwrap();
+    std::fs::write(dir.join("server.pem"), pem).unwrap();
 }
 
 impl Kafka {
@@ -151,6 +322,16 @@ impl Kafka {
     /// Formats a fresh log directory and starts a node on it; returns once it answers a
     /// metadata request naming itself.
     pub fn start() -> Self {
+        Self::start_with(KafkaOptions::default())
+    }
+
+    /// A node of its own with the SASL and TLS listeners of [`Secured`] besides PLAINTEXT.
+    pub fn secured() -> Self {
+        Self::start_with(KafkaOptions { secured: true })
+    }
+
+    /// [`Kafka::start`] with options.
+    pub fn start_with(options: KafkaOptions) -> Self {
         let begun = Instant::now();
         let jars = jars();
         let dir = tempfile::Builder::new()
@@ -159,8 +340,21 @@ impl Kafka {
             .unwrap()
             .keep();
         let (port, controller_port) = (free_port(), free_port());
+        let secured = options.secured.then(|| {
+            write_certificates(&dir);
+            Secured {
+                sasl_port: free_port(),
+                ssl_port: free_port(),
+                sasl_ssl_port: free_port(),
+                ca_file: dir.join("ca.crt"),
+            }
+        });
         let properties = dir.join("server.properties");
-        std::fs::write(&properties, server_properties(&dir, port, controller_port)).unwrap();
+        std::fs::write(
+            &properties,
+            server_properties(&dir, port, controller_port, secured.as_ref()),
+        )
+        .unwrap();
         std::fs::create_dir(dir.join("tmp")).unwrap();
         let log = dir.join("kafka.log");
         let mut format = Command::new("java");
@@ -169,6 +363,13 @@ impl Kafka {
             .args(["kafka.tools.StorageTool", "format", "-t", CLUSTER_ID, "-c"])
             .arg(&properties)
             .arg("--ignore-formatted")
+            .args(secured.iter().flat_map(|_| {
+                let (user, password) = SCRAM_USER;
+                [
+                    "--add-scram".to_owned(),
+                    format!("SCRAM-SHA-512=[name={user},password={password}]"),
+                ]
+            }))
             .stdin(Stdio::null())
             .status()
             .expect("java runs (Java 17 or newer)");
@@ -198,6 +399,7 @@ impl Kafka {
             port,
             dir,
             started_in: Duration::ZERO,
+            secured,
         };
         kafka.wait_until_it_answers(begun);
         kafka.started_in = begun.elapsed();

@@ -11,9 +11,7 @@ use std::collections::HashMap;
 
 use futures::{FutureExt, future::BoxFuture};
 use rdkafka::{
-    ClientConfig,
-    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
-    client::DefaultClientContext,
+    admin::{AdminOptions, NewTopic, TopicReplication},
     error::RDKafkaErrorCode,
     producer::{FutureProducer, FutureRecord},
     util::Timeout,
@@ -22,8 +20,8 @@ use tracing::info;
 
 use super::{
     KafkaSink, KafkaSinkConfig,
+    client::{KafkaClient, KafkaContext},
     reader::{TIMEOUT, read_to_end},
-    sink::client_config,
 };
 use crate::{
     sinks,
@@ -33,8 +31,8 @@ use crate::{
 /// See the module docs.
 pub struct KafkaCheckpointStore {
     topic: String,
-    producer: FutureProducer,
-    consumer: ClientConfig,
+    producer: FutureProducer<KafkaContext>,
+    consumer: KafkaClient,
 }
 
 impl KafkaCheckpointStore {
@@ -45,7 +43,7 @@ impl KafkaCheckpointStore {
         let setup = |what: String| {
             sinks::Error::Setup(format!("sink {name}: checkpoint topic {topic}: {what}"))
         };
-        let consumer = client_config(name, cfg).map_err(&setup)?;
+        let consumer = sink.client().clone();
         let producer = sink.producer().clone();
         let exists = {
             let (producer, topic) = (producer.clone(), topic.clone());
@@ -70,10 +68,14 @@ impl KafkaCheckpointStore {
                 consumer,
             });
         }
-        let admin: AdminClient<DefaultClientContext> = client_config(name, cfg)
-            .map_err(&setup)?
-            .create()
-            .map_err(|e| setup(format!("admin client: {e}")))?;
+        let admin = tokio::task::spawn_blocking({
+            let client = sink.client().clone();
+            move || client.admin()
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|made| made)
+        .map_err(&setup)?;
         let replication = cfg
             .create_topics
             .as_ref()

@@ -132,12 +132,27 @@ pub struct KafkaTlsConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSaslConfig {
-    /// `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`.
+    /// `PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512` or `OAUTHBEARER`.
     pub mechanism: SaslMechanism,
-    /// User name.
-    pub username: String,
-    /// Password.
-    pub password: SecretRef,
+    /// User name (`PLAIN` and `SCRAM-*`).
+    #[serde(default)]
+    pub username: Option<String>,
+    /// Password (`PLAIN` and `SCRAM-*`).
+    #[serde(default)]
+    pub password: Option<SecretRef>,
+    /// `OAUTHBEARER`: the OIDC token endpoint (`https://…`; `http://` only on loopback) that
+    /// hands out access tokens for the client credentials grant.
+    #[serde(default)]
+    pub token_endpoint: Option<String>,
+    /// `OAUTHBEARER`: the client id sent to `token_endpoint`.
+    #[serde(default)]
+    pub client_id: Option<String>,
+    /// `OAUTHBEARER`: the client secret sent to `token_endpoint` (HTTP basic authentication).
+    #[serde(default)]
+    pub client_secret: Option<SecretRef>,
+    /// `OAUTHBEARER`: the scope to ask for (space-separated); unset asks for none.
+    #[serde(default)]
+    pub scope: Option<String>,
 }
 
 /// SASL mechanisms.
@@ -152,6 +167,9 @@ pub enum SaslMechanism {
     /// SCRAM with SHA-512.
     #[serde(rename = "SCRAM-SHA-512")]
     ScramSha512,
+    /// OAuth 2 bearer tokens (RFC 7628) from an OIDC token endpoint, client credentials grant.
+    #[serde(rename = "OAUTHBEARER")]
+    OAuthBearer,
 }
 
 impl SaslMechanism {
@@ -161,7 +179,81 @@ impl SaslMechanism {
             Self::Plain => "PLAIN",
             Self::ScramSha256 => "SCRAM-SHA-256",
             Self::ScramSha512 => "SCRAM-SHA-512",
+            Self::OAuthBearer => "OAUTHBEARER",
         }
+    }
+}
+
+impl KafkaSaslConfig {
+    /// Field checks; each error is `(path below sasl, reason)`. `PLAIN` and `SCRAM-*` take a
+    /// user and password, `OAUTHBEARER` an endpoint and client credentials, never both.
+    pub fn validate(&self) -> Vec<(String, String)> {
+        let mut errors = Vec::new();
+        let mut err = |path: &str, reason: String| errors.push((path.to_owned(), reason));
+        let mechanism = self.mechanism.as_str();
+        let password = [
+            ("username", self.username.is_some()),
+            ("password", self.password.is_some()),
+        ];
+        let oauth = [
+            ("token_endpoint", self.token_endpoint.is_some()),
+            ("client_id", self.client_id.is_some()),
+            ("client_secret", self.client_secret.is_some()),
+        ];
+        let scope = ("scope", self.scope.is_some());
+        let (needed, unused) = match self.mechanism {
+            SaslMechanism::OAuthBearer => (oauth.to_vec(), password.to_vec()),
+            _ => (password.to_vec(), [&oauth[..], &[scope]].concat()),
+        };
+        for (field, set) in needed {
+            if !set {
+                err(field, format!("required with mechanism {mechanism}"));
+            }
+        }
+        for (field, set) in unused {
+            if set {
+                err(field, format!("not used by mechanism {mechanism}"));
+            }
+        }
+        for (field, secret) in [
+            ("password", &self.password),
+            ("client_secret", &self.client_secret),
+        ] {
+            if let Some(reason) = secret.as_ref().and_then(SecretRef::problem) {
+                err(field, reason);
+            }
+        }
+        if let Some(url) = &self.token_endpoint
+            && let Err(reason) = check_token_endpoint(url)
+        {
+            err("token_endpoint", reason);
+        }
+        errors
+    }
+}
+
+/// Whether `url` may receive the client secret: an `https` URL with a host, or `http` to a
+/// loopback address (a local token proxy); anything else would send the secret in clear.
+pub fn check_token_endpoint(url: &str) -> std::result::Result<http::Uri, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    let host = uri.host().unwrap_or_default();
+    let loopback = host == "localhost"
+        || host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    match uri.scheme_str() {
+        _ if host.is_empty() => Err(format!("{url:?} names no host")),
+        Some("https") => Ok(uri),
+        Some("http") if loopback => Ok(uri),
+        Some("http") => Err(format!(
+            "{url:?} would send the client secret unencrypted: use https (http only to a \
+             loopback address)"
+        )),
+        _ => Err(format!("{url:?} is not an http(s) URL")),
     }
 }
 
@@ -297,10 +389,10 @@ impl KafkaSinkConfig {
                 err("tls.key_password", reason);
             }
         }
-        if let Some(sasl) = &self.sasl
-            && let Some(reason) = sasl.password.problem()
-        {
-            err("sasl.password", reason);
+        if let Some(sasl) = &self.sasl {
+            for (path, reason) in sasl.validate() {
+                err(&format!("sasl.{path}"), reason);
+            }
         }
         if let Some(t) = &self.create_topics {
             if t.partitions < 1 {
@@ -322,5 +414,51 @@ impl KafkaSinkConfig {
             KafkaMode::State => Encoding::State,
             KafkaMode::Events => self.encoding,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sasl(v: serde_json::Value) -> KafkaSaslConfig {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn paths(errors: Vec<(String, String)>) -> Vec<String> {
+        errors.into_iter().map(|(p, _)| p).collect()
+    }
+
+    #[test]
+    fn each_mechanism_takes_its_own_fields() {
+        let plain = sasl(serde_json::json!({"mechanism": "PLAIN", "username": "u",
+            "password": {"env": "P"}}));
+        assert!(plain.validate().is_empty());
+        let oauth = sasl(serde_json::json!({"mechanism": "OAUTHBEARER",
+            "token_endpoint": "https://idp.example/token", "client_id": "c",
+            "client_secret": {"file": "/s"}, "scope": "kafka"}));
+        assert!(oauth.validate().is_empty());
+        let mixed = sasl(
+            serde_json::json!({"mechanism": "OAUTHBEARER", "username": "u",
+            "client_id": "c", "client_secret": {"env": "S", "file": "/s"}}),
+        );
+        assert_eq!(
+            paths(mixed.validate()),
+            ["token_endpoint", "username", "client_secret"]
+        );
+        let scram = sasl(serde_json::json!({"mechanism": "SCRAM-SHA-512", "scope": "x"}));
+        assert_eq!(paths(scram.validate()), ["username", "password", "scope"]);
+    }
+
+    #[test]
+    fn the_client_secret_goes_only_over_tls_or_loopback() {
+        assert!(check_token_endpoint("https://idp.example/token").is_ok());
+        assert!(check_token_endpoint("http://127.0.0.1:8080/token").is_ok());
+        assert!(check_token_endpoint("http://[::1]:8080/token").is_ok());
+        assert!(check_token_endpoint("http://localhost/token").is_ok());
+        let e = check_token_endpoint("http://idp.example/token").unwrap_err();
+        assert!(e.contains("unencrypted"), "{e}");
+        assert!(check_token_endpoint("ftp://idp.example/token").is_err());
+        assert!(check_token_endpoint("/token").is_err());
     }
 }

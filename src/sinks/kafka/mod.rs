@@ -1,14 +1,18 @@
 //! The `kafka` sink: idempotent, acks=all producing with librdkafka (rdkafka), CloudEvents in
-//! structured or binary mode, or a compacted state topic.
+//! structured or binary mode, or a compacted state topic; PLAIN, SCRAM and OAUTHBEARER (OIDC
+//! client credentials) authentication, TLS.
 
 mod checkpoint;
+mod client;
 mod config;
+mod oauth;
 pub mod reader;
 mod sink;
 
 pub use checkpoint::KafkaCheckpointStore;
+pub use client::{KafkaClient, KafkaContext, client_config};
 pub use config::{
     Compression, KafkaMode, KafkaSaslConfig, KafkaSinkConfig, KafkaTlsConfig, KafkaTopicsConfig,
     SaslMechanism, is_valid_topic,
 };
-pub use sink::{KafkaSink, client_config};
+pub use sink::KafkaSink;

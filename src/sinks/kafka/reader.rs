@@ -13,11 +13,12 @@
 use std::{collections::HashMap, time::Duration};
 
 use rdkafka::{
-    ClientConfig, ClientContext, Message as _, Offset, TopicPartitionList,
-    consumer::{BaseConsumer, Consumer, ConsumerContext},
-    error::{KafkaError, RDKafkaErrorCode},
+    Message as _, Offset, TopicPartitionList,
+    consumer::{BaseConsumer, Consumer},
     message::{BorrowedMessage, Headers},
 };
+
+use super::client::{KafkaClient, KafkaContext};
 
 /// How long the brokers get to answer metadata requests.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,30 +71,17 @@ impl Record {
     }
 }
 
-/// The readers' client context: rdkafka's default logs every consumer error event as a
-/// "Global error" at ERROR level, the end of a partition (`PartitionEOF`, which a read to the
-/// end asks for) included; that one is how a read ends, not an error. The others are logged
-/// as the default does.
-pub struct ReaderContext;
-
-impl ClientContext for ReaderContext {
-    fn error(&self, error: KafkaError, reason: &str) {
-        if error != KafkaError::Global(RDKafkaErrorCode::PartitionEOF) {
-            tracing::error!("librdkafka: {error}: {reason}");
-        }
-    }
-}
-
-impl ConsumerContext for ReaderContext {}
-
 /// A consumer made by [`consumer`].
-pub type ReaderConsumer = BaseConsumer<ReaderContext>;
+pub type ReaderConsumer = BaseConsumer<KafkaContext>;
 
 /// A consumer with a sink's brokers and security settings, for manual assignment: no group
 /// membership, no committed offsets (the producer settings of `config` are left out). It
-/// reports the end of each partition (`KafkaError::PartitionEOF`) from `poll`.
-pub fn consumer(config: &ClientConfig) -> Result<ReaderConsumer, String> {
-    let mut config = config.clone();
+/// reports the end of each partition (`KafkaError::PartitionEOF`) from `poll`, which the
+/// context does not log. Blocking with `OAUTHBEARER` (a token request, unless the newest token
+/// is young).
+pub fn consumer(client: impl Into<KafkaClient>) -> Result<ReaderConsumer, String> {
+    let client = client.into();
+    let mut config = client.config.clone();
     for producer_only in [
         "enable.idempotence",
         "acks",
@@ -107,21 +95,21 @@ pub fn consumer(config: &ClientConfig) -> Result<ReaderConsumer, String> {
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
         .set("group.id", "kube-event-bridge-reader");
-    config
-        .create_with_context(ReaderContext)
+    client
+        .create(&config, |c: &ReaderConsumer| c.client())
         .map_err(|e| format!("consumer: {e}"))
 }
 
 /// Reads every partition of `topics` from its first offset to its end (blocking; run it off
 /// the async threads) and hands each record to `each`, in offset order per partition.
-/// `config` holds the brokers and security settings; consumer settings are added here.
+/// `client` holds the brokers and security settings; consumer settings are added here.
 /// Errors are the reason, for the caller to name what it was reading.
 pub fn read_to_end(
-    config: &ClientConfig,
+    client: impl Into<KafkaClient>,
     topics: &[String],
     mut each: impl FnMut(Record),
 ) -> Result<(), String> {
-    let consumer = consumer(config)?;
+    let consumer = consumer(client)?;
     let mut assignment = TopicPartitionList::new();
     let mut high = HashMap::new();
     for topic in topics {

@@ -25,16 +25,18 @@ use std::{
 
 use futures::{FutureExt, future::BoxFuture};
 use rdkafka::{
-    ClientConfig,
-    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
-    client::DefaultClientContext,
+    admin::{AdminOptions, NewTopic, TopicReplication},
     error::{KafkaError, RDKafkaErrorCode},
     message::{Header, OwnedHeaders},
     producer::{FutureProducer, FutureRecord, Producer},
 };
 use tracing::{error, info, warn};
 
-use super::{KafkaMode, KafkaSinkConfig, is_valid_topic};
+use super::{
+    KafkaMode, KafkaSinkConfig,
+    client::{KafkaClient, KafkaContext},
+    is_valid_topic,
+};
 use crate::{
     message::Message,
     sinks::{
@@ -51,7 +53,9 @@ const HEALTH_PERIOD: Duration = Duration::from_secs(10);
 /// See the module docs.
 pub struct KafkaSink {
     name: String,
-    producer: FutureProducer,
+    /// What its clients are made from (the checkpoint store's and admin clients too).
+    client: Arc<KafkaClient>,
+    producer: FutureProducer<KafkaContext>,
     topic: Template,
     key: Option<Template>,
     headers: Vec<(String, String)>,
@@ -88,13 +92,27 @@ impl KafkaSink {
     pub async fn connect(name: &str, cfg: &KafkaSinkConfig) -> Result<Self> {
         let setup = |what: String| Error::Setup(format!("sink {name}: {what}"));
         let brokers = cfg.brokers.join(",");
-        let client_config = client_config(name, cfg).map_err(setup)?;
-        let producer: FutureProducer = client_config
-            .create()
-            .map_err(|e| setup(format!("cannot create a Kafka producer for {brokers}: {e}")))?;
-        fetch_metadata(&producer)
-            .await
-            .map_err(|e| setup(format!("cannot reach the Kafka brokers {brokers}: {e}")))?;
+        let client = KafkaClient::new(name, cfg).map_err(setup)?;
+        // With OAUTHBEARER, the producer's creation asks the token endpoint for a token.
+        let producer = tokio::task::spawn_blocking({
+            let client = client.clone();
+            move || client.producer()
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|made| made)
+        .map_err(|e| setup(format!("{e} (brokers {brokers})")))?;
+        if let Err(e) = fetch_metadata(&producer).await {
+            // The metadata error is generic ("broker transport failure"); what librdkafka
+            // reported meanwhile says why (authentication failed, certificate not trusted).
+            let why = client
+                .newest_error()
+                .map(|e| format!("; the newest client error: {e}"))
+                .unwrap_or_default();
+            return Err(setup(format!(
+                "cannot reach the Kafka brokers {brokers}: {e}{why}"
+            )));
+        }
         let healthy = Arc::new(AtomicBool::new(true));
         tokio::spawn(watch_health(
             name.to_owned(),
@@ -109,6 +127,7 @@ impl KafkaSink {
             .unwrap_or(1_000_000);
         Ok(Self {
             name: name.to_owned(),
+            client: Arc::new(client),
             producer,
             topic: Template::parse(&cfg.topic).map_err(|e| setup(format!("topic: {e}")))?,
             key: cfg
@@ -133,8 +152,13 @@ impl KafkaSink {
     }
 
     /// The sink's producer (idempotent, acks=all), shared with its checkpoint store.
-    pub(super) fn producer(&self) -> &FutureProducer {
+    pub(super) fn producer(&self) -> &FutureProducer<KafkaContext> {
         &self.producer
+    }
+
+    /// What the sink's clients are made from, for its checkpoint store's.
+    pub(super) fn client(&self) -> &KafkaClient {
+        &self.client
     }
 
     /// The topic `message` goes to.
@@ -187,10 +211,16 @@ impl KafkaSink {
         partitions: i32,
         replication: i32,
     ) -> Result<()> {
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &self.brokers)
-            .create()
-            .map_err(|e| Error::Setup(format!("sink {}: admin client: {e}", self.name)))?;
+        // With the sink's security settings: a broker that requires SASL or TLS refuses an
+        // admin client without them.
+        let admin = tokio::task::spawn_blocking({
+            let client = Arc::clone(&self.client);
+            move || client.admin()
+        })
+        .await
+        .map_err(|e| e.to_string())
+        .and_then(|made| made)
+        .map_err(|e| Error::Setup(format!("sink {}: {e}", self.name)))?;
         let compact = self.mode == KafkaMode::State;
         let new: Vec<NewTopic> = topics
             .iter()
@@ -266,7 +296,7 @@ const QUEUE_FULL_PATIENCE: Duration = Duration::from_secs(30);
 
 /// The fatal error the producer hit, if any: librdkafka's idempotent producer stops for good
 /// on one (an unrecoverable sequence gap, a fenced producer), and every later record fails.
-fn fatal(producer: &FutureProducer) -> Option<String> {
+fn fatal(producer: &FutureProducer<KafkaContext>) -> Option<String> {
     producer
         .client()
         .fatal_error()
@@ -298,62 +328,9 @@ fn classify(err: KafkaError, topic: &str, size: usize, max_message_bytes: usize)
     }
 }
 
-/// The librdkafka configuration of a sink (brokers, security, producer settings). Secrets are
-/// read here and never logged.
-pub fn client_config(
-    name: &str,
-    cfg: &KafkaSinkConfig,
-) -> std::result::Result<ClientConfig, String> {
-    let mut c = ClientConfig::new();
-    for (k, v) in &cfg.properties {
-        c.set(k, v);
-    }
-    c.set("bootstrap.servers", cfg.brokers.join(","))
-        .set("client.id", format!("kube-event-bridge-{name}"))
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("compression.type", cfg.compression.as_str())
-        .set("linger.ms", cfg.linger.as_millis().to_string())
-        .set(
-            "message.timeout.ms",
-            cfg.delivery_timeout.as_millis().to_string(),
-        );
-    let protocol = match (&cfg.tls, &cfg.sasl) {
-        (None, None) => "plaintext",
-        (Some(_), None) => "ssl",
-        (None, Some(_)) => "sasl_plaintext",
-        (Some(_), Some(_)) => "sasl_ssl",
-    };
-    c.set("security.protocol", protocol);
-    if let Some(tls) = &cfg.tls {
-        if let Some(ca) = &tls.ca_file {
-            c.set("ssl.ca.location", ca.display().to_string());
-        }
-        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
-            c.set("ssl.certificate.location", cert.display().to_string());
-            c.set("ssl.key.location", key.display().to_string());
-        }
-        if let Some(p) = &tls.key_password {
-            c.set(
-                "ssl.key.password",
-                p.resolve().map_err(|e| format!("tls.key_password: {e}"))?,
-            );
-        }
-    }
-    if let Some(sasl) = &cfg.sasl {
-        c.set("sasl.mechanism", sasl.mechanism.as_str())
-            .set("sasl.username", &sasl.username)
-            .set(
-                "sasl.password",
-                sasl.password
-                    .resolve()
-                    .map_err(|e| format!("sasl.password: {e}"))?,
-            );
-    }
-    Ok(c)
-}
-
-async fn fetch_metadata(producer: &FutureProducer) -> std::result::Result<(), KafkaError> {
+async fn fetch_metadata(
+    producer: &FutureProducer<KafkaContext>,
+) -> std::result::Result<(), KafkaError> {
     let producer = producer.clone();
     tokio::task::spawn_blocking(move || {
         producer
@@ -367,7 +344,7 @@ async fn fetch_metadata(producer: &FutureProducer) -> std::result::Result<(), Ka
 
 async fn watch_health(
     name: String,
-    producer: FutureProducer,
+    producer: FutureProducer<KafkaContext>,
     healthy: std::sync::Weak<AtomicBool>,
 ) {
     loop {
