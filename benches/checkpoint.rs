@@ -5,6 +5,8 @@
 //!
 //! `cargo bench --bench checkpoint [-- KEYS]` (default 100000)
 
+#[path = "../tests/support/certs.rs"]
+mod certs;
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
 mod kafka;

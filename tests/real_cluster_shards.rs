@@ -45,7 +45,7 @@ use support::{
     differences, fold_in_order,
     nats::{NatsServer, read_stream, stream_len},
     objects::{configmap, configmaps, custom_resource, deployment, named, spread_namespaces},
-    replica::Replica,
+    replica::{Replica, dump},
     wait::{self, Patience},
 };
 
@@ -301,24 +301,6 @@ async fn apiserver_metrics(cluster: &Cluster) -> String {
         .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
         .await
         .unwrap()
-}
-
-fn dump(replicas: &[Replica]) {
-    for r in replicas {
-        let log = r.log();
-        let tail: Vec<&str> = log
-            .lines()
-            .rev()
-            .filter(|l| {
-                !l.contains(" INFO ")
-                    || ["assigned", "Became", "Stopped", "Handing", "Took", "Lost"]
-                        .iter()
-                        .any(|w| l.contains(w))
-            })
-            .take(40)
-            .collect();
-        eprintln!("--- {} (newest first)\n{}", r.identity, tail.join("\n"));
-    }
 }
 
 async fn sharded(server_side: bool) {

@@ -31,7 +31,7 @@ use support::{
     kafka::{Kafka, Record, consume_all},
     nats::{NatsServer, read_stream},
     objects::{configmap, spread_namespaces, typed},
-    replica::Replica,
+    replica::{Replica, dump},
     wait::{self, Patience},
 };
 
@@ -100,25 +100,6 @@ async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u
         tokio::time::sleep(pause).await;
     }
     changes
-}
-
-fn dump(replicas: &[Replica]) {
-    for r in replicas {
-        let log = r.log();
-        let tail: Vec<&str> = log
-            .lines()
-            .rev()
-            .filter(|l| {
-                !l.contains(" INFO ")
-                    || ["assigned", "Became", "Stopped", "Handing", "Took", "Lost"]
-                        .iter()
-                        .any(|w| l.contains(w))
-            })
-            .take(40)
-            .chain(log.lines().rev().take(5))
-            .collect();
-        eprintln!("--- {} (newest first)\n{}", r.identity, tail.join("\n"));
-    }
 }
 
 /// What happens to the replicas while objects change.

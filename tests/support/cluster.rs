@@ -56,70 +56,16 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn run(cmd: &mut Command) {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Writes a CA, an API server certificate signed by it (for 127.0.0.1 and localhost) and a
-/// service-account key pair into `dir`, with the `openssl` command (EC keys: fast).
+/// Writes a CA, an API server certificate signed by it and a service-account key pair into
+/// `dir`.
 fn write_certificates(dir: &Path) {
-    let ossl = |args: &[&str]| run(Command::new("openssl").args(args).current_dir(dir));
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    ossl(
-        &[
-            &["req", "-x509", "-nodes", "-days", "30"][..],
-            &ec,
-            &[
-                "-keyout",
-                "ca.key",
-                "-out",
-                "ca.crt",
-                "-subj",
-                "/CN=keb-test-ca",
-            ],
-            &["-addext", "basicConstraints=critical,CA:TRUE"],
-            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ]
-        .concat(),
+    super::certs::write_ca_and_server(
+        dir,
+        "kube-apiserver",
+        "IP:127.0.0.1,DNS:localhost,IP:10.0.0.1,DNS:kubernetes.default.svc",
     );
-    ossl(
-        &[
-            &["req", "-nodes"][..],
-            &ec,
-            &["-keyout", "server.key", "-out", "server.csr"],
-            &["-subj", "/CN=kube-apiserver"],
-        ]
-        .concat(),
-    );
-    std::fs::write(
-        dir.join("server.ext"),
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n\
-         extendedKeyUsage=serverAuth\n\
-         subjectAltName=IP:127.0.0.1,DNS:localhost,IP:10.0.0.1,DNS:kubernetes.default.svc\n",
-    )
-    .unwrap();
-    ossl(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "30",
-        "-out",
-        "server.crt",
-        "-extfile",
-        "server.ext",
-    ]);
+    let ossl =
+        |args: &[&str]| super::certs::run(Command::new("openssl").args(args).current_dir(dir));
     ossl(&["genrsa", "-out", "sa.key", "2048"]);
     ossl(&["rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub"]);
 }

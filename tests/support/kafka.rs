@@ -238,74 +238,24 @@ required unsecuredLoginStringClaim_sub=\"admin\";
     out
 }
 
-/// Runs `cmd` and panics with its standard error when it fails.
-fn run(cmd: &mut Command) {
-    let out = cmd.output().expect("the command runs");
-    assert!(
-        out.status.success(),
-        "{cmd:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// Writes a CA (`ca.crt`) and a server certificate signed by it for 127.0.0.1 and localhost
-/// into `dir`, with the `openssl` command (EC keys: fast), as the real cluster's support does;
-/// `server.pem` holds the server's PKCS#8 key and its certificate, Kafka's PEM key store.
+/// into `dir` (`super::certs`); `server.pem` holds the server's PKCS#8 key and its
+/// certificate, Kafka's PEM key store.
 fn write_certificates(dir: &Path) {
-    let ossl = |args: &[&str]| run(Command::new("openssl").args(args).current_dir(dir));
-    let ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"];
-    ossl(
-        &[
-            &["req", "-x509", "-nodes", "-days", "30"][..],
-            &ec,
-            &["-keyout", "ca.key", "-out", "ca.crt"],
-            &["-subj", "/CN=keb-test-kafka-ca"],
-            &["-addext", "basicConstraints=critical,CA:TRUE"],
-            &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ]
-        .concat(),
+    super::certs::write_ca_and_server(dir, "kafka", "IP:127.0.0.1,DNS:localhost");
+    super::certs::run(
+        Command::new("openssl")
+            .args([
+                "pkcs8",
+                "-topk8",
+                "-nocrypt",
+                "-in",
+                "server.key",
+                "-out",
+                "server.pk8",
+            ])
+            .current_dir(dir),
     );
-    ossl(
-        &[
-            &["req", "-nodes"][..],
-            &ec,
-            &["-keyout", "server.key", "-out", "server.csr"],
-            &["-subj", "/CN=kafka"],
-        ]
-        .concat(),
-    );
-    std::fs::write(
-        dir.join("server.ext"),
-        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n\
-         extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n",
-    )
-    .unwrap();
-    ossl(&[
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "30",
-        "-out",
-        "server.crt",
-        "-extfile",
-        "server.ext",
-    ]);
-    ossl(&[
-        "pkcs8",
-        "-topk8",
-        "-nocrypt",
-        "-in",
-        "server.key",
-        "-out",
-        "server.pk8",
-    ]);
     let pem = std::fs::read_to_string(dir.join("server.pk8")).unwrap()
         + &std::fs::read_to_string(dir.join("server.crt")).unwrap();
     std::fs::write(dir.join("server.pem"), pem).unwrap();

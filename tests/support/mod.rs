@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod api_server;
+pub mod certs;
 pub mod cluster;
 pub mod config;
 pub mod kafka;

@@ -81,6 +81,27 @@ impl Replica {
     }
 }
 
+/// Prints what each replica's log says of its shards and leadership (and every warning),
+/// newest first, for a failing test to show.
+pub fn dump(replicas: &[Replica]) {
+    for r in replicas {
+        let log = r.log();
+        let tail: Vec<&str> = log
+            .lines()
+            .rev()
+            .filter(|l| {
+                !l.contains(" INFO ")
+                    || ["assigned", "Became", "Stopped", "Handing", "Took", "Lost"]
+                        .iter()
+                        .any(|w| l.contains(w))
+            })
+            .take(40)
+            .chain(log.lines().rev().take(5))
+            .collect();
+        eprintln!("--- {} (newest first)\n{}", r.identity, tail.join("\n"));
+    }
+}
+
 impl Drop for Replica {
     fn drop(&mut self) {
         self.signal("CONT");
