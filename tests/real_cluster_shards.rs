@@ -758,8 +758,8 @@ async fn allowed(client: &kube::Client, verb: &str, group: &str, resource: &str)
 /// The overlay's config with this test's NATS server, a loopback admin address, and a
 /// replica identity (a pod gets it and the Lease namespace from `POD_NAME` and
 /// `POD_NAMESPACE`).
-fn overlay_config(url: &str, identity: &str) -> Value {
-    let mut config = yaml_docs(&Path::new(OVERLAY).join("config.yaml")).remove(0);
+fn overlay_config(overlay: &str, url: &str, identity: &str) -> Value {
+    let mut config = yaml_docs(&Path::new(overlay).join("config.yaml")).remove(0);
     config["admin"] = json!({"address": "127.0.0.1:0"});
     let sinks = config["sinks"].as_array_mut().unwrap();
     assert_eq!(sinks.len(), 1, "{sinks:?}");
@@ -950,7 +950,7 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
     let mut first = Replica::start(
         dir.path(),
         "replica-1",
-        &overlay_config(&url, "replica-1"),
+        &overlay_config(OVERLAY, &url, "replica-1"),
         &kubeconfig,
     );
     wait_ready(&first, async || true).await;
@@ -1011,7 +1011,7 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
     let second = Replica::start(
         dir.path(),
         "replica-2",
-        &overlay_config(&url, "replica-2"),
+        &overlay_config(OVERLAY, &url, "replica-2"),
         &kubeconfig,
     );
     let deployments_forbidden = async || {
@@ -1062,4 +1062,110 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
     let (code, body) = ready(&second).await;
     assert_eq!((code, body.trim()), (200, "ok"));
     eprintln!("test took {:?}", started.elapsed());
+}
+
+/// Log lines of `replica` that speak of a refusal (403, forbidden).
+fn refusals(replica: &Replica) -> Vec<String> {
+    replica
+        .log()
+        .lines()
+        .filter(|l| {
+            ["(403", "code: 403", "refused"]
+                .iter()
+                .any(|w| l.contains(w))
+                || l.to_lowercase().contains("forbidden")
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The sharded overlay's RBAC on a real API server (its Lease Role patched for the shard
+/// Leases): two replicas with the token of a ServiceAccount bound to exactly what
+/// `deploy/overlays/sharded` installs, running that overlay's config (12 shards of
+/// Deployments and ConfigMaps), take every shard's Lease, publish both kinds, and nothing is
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sharded_overlay_rbac_is_enough() {
+    const SHARDED: &str = "deploy/overlays/sharded";
+    const SHARDED_SHARDS: u32 = 12;
+    let cluster = Cluster::start().await;
+    let admin = cluster.client().await;
+    cluster.create_namespace(DEPLOY_NAMESPACE).await;
+    cluster.create_namespace("shop").await;
+    Api::<ServiceAccount>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
+        .create(&PostParams::default(), &named(None, "kube-event-bridge"))
+        .await
+        .unwrap();
+    apply_rbac(&admin, &rbac_of(Path::new(SHARDED))).await;
+    let token = Api::<ServiceAccount>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
+        .create_token_request(
+            "kube-event-bridge",
+            &PostParams::default(),
+            &TokenRequest {
+                spec: TokenRequestSpec {
+                    audiences: vec![],
+                    expiration_seconds: Some(3600),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token;
+    let kubeconfig = cluster.kubeconfig_for("kube-event-bridge", &token);
+    let pp = PostParams::default();
+    let cms: Api<ConfigMap> = Api::namespaced(admin.clone(), "shop");
+    let deps: Api<Deployment> = Api::namespaced(admin.clone(), "shop");
+    for i in 0..10 {
+        cms.create(&pp, &configmap("shop", &format!("cm-{i}"), "0"))
+            .await
+            .unwrap();
+    }
+    deps.create(&pp, &deployment("shop", "web-0", 1, 0, "nginx"))
+        .await
+        .unwrap();
+
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let dir = tempfile::tempdir().unwrap();
+    let replicas: Vec<Replica> = ["replica-1", "replica-2"]
+        .into_iter()
+        .map(|id| {
+            Replica::start(
+                dir.path(),
+                id,
+                &overlay_config(SHARDED, &url, id),
+                &kubeconfig,
+            )
+        })
+        .collect();
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), DEPLOY_NAMESPACE);
+    let mut holders = Vec::new();
+    let held = wait::within(Patience::of(Duration::from_secs(90)), async || {
+        holders.clear();
+        for s in 0..SHARDED_SHARDS {
+            let lease = leases
+                .get_opt(&format!("kube-event-bridge-shard-{s}-of-{SHARDED_SHARDS}"))
+                .await
+                .unwrap();
+            holders.push(lease.and_then(|l| l.spec?.holder_identity));
+        }
+        holders.iter().all(Option::is_some)
+    })
+    .await;
+    if !held {
+        dump(&replicas);
+    }
+    assert!(held, "every shard Lease held: {holders:?}");
+    caught_up(&cluster, &url, "ConfigMap", &configmaps(), &replicas[0]).await;
+    caught_up(&cluster, &url, "Deployment", &deployments(), &replicas[0]).await;
+    let refused: Vec<String> = replicas.iter().flat_map(refusals).collect();
+    eprintln!(
+        "with {SHARDED}'s RBAC: shard Leases held {holders:?}, {} log lines about refusals",
+        refused.len()
+    );
+    assert!(refused.is_empty(), "{refused:#?}");
 }
