@@ -219,7 +219,7 @@ struct Service {
 
 impl Service {
     fn start(dir: &Path, config: &Value, kubeconfig: &Path) -> Self {
-        let admin = free_port();
+        let admin = support::loopback::free_port();
         let mut config = config.clone();
         config["admin"] = json!({"address": format!("127.0.0.1:{admin}")});
         let path = dir.join("config.yaml");
@@ -303,14 +303,6 @@ impl Drop for Service {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Sum of a metric's samples (every label set).

@@ -5,11 +5,11 @@
 //!
 //! `cargo bench --bench checkpoint [-- KEYS]` (default 100000)
 
-#[path = "../tests/support/certs.rs"]
-mod certs;
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
 mod kafka;
+#[path = "../tests/support/loopback.rs"]
+mod loopback;
 #[path = "../tests/support/nats.rs"]
 #[allow(dead_code)]
 mod nats;

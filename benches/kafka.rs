@@ -9,11 +9,11 @@
 //! which `scripts/test` copies). `BENCH_OBJECTS` sets how many objects the events update (10,000);
 //! `BENCH_ONLY=Apache` or `BENCH_ONLY=mock` runs one broker (e.g. under a profiler).
 
-#[path = "../tests/support/certs.rs"]
-mod certs;
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
 mod kafka;
+#[path = "../tests/support/loopback.rs"]
+mod loopback;
 mod support;
 
 use std::{sync::Arc, time::Instant};

@@ -10,11 +10,11 @@
 //! `cargo bench --bench tools [-- OBJECTS]` (default 100000; needs Apache Kafka's jars and
 //! `nats-server`, which `scripts/test` provides)
 
-#[path = "../tests/support/certs.rs"]
-mod certs;
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
 mod kafka;
+#[path = "../tests/support/loopback.rs"]
+mod loopback;
 #[path = "../tests/support/nats.rs"]
 #[allow(dead_code)]
 mod nats;

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use k8s_openapi::api::{apps::v1::Deployment, core::v1::Secret};
 use kube_event_bridge::{config::Config, metrics::Metrics};
@@ -12,30 +12,13 @@ use serde_json::{Value, json};
 use support::{
     ApiServer, RunningApp,
     config::ConfigBuilder,
-    event_type, http_get,
+    delivered, http_get,
     objects::{configmap, custom_resource, gadget, named, namespace, secret, typed},
     wait::{self, PATIENCE},
 };
 
 const GROUP: &str = "shop.example.org";
 const GADGETS: usize = 2000;
-
-/// Per object (`kind ns/name`): the event types delivered, in order.
-fn delivered(out: &Path) -> HashMap<String, Vec<String>> {
-    let mut by_object: HashMap<String, Vec<String>> = HashMap::new();
-    for e in support::cloudevent_lines(out) {
-        let key = format!(
-            "{} {}",
-            e["k8skind"].as_str().unwrap(),
-            e["subject"].as_str().unwrap()
-        );
-        by_object
-            .entry(key)
-            .or_default()
-            .push(event_type(&e).to_owned());
-    }
-    by_object
-}
 
 /// Creates Widgets `ns/w0`… of `GROUP`/v1beta1 (its CRD installed).
 fn create_beta_widgets(api: &ApiServer, n: usize) {

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use support::{
     cluster::{Cluster, ClusterOptions, ReferenceInformer},
     config::ConfigBuilder,
-    differences, event_type, fold_in_order, json_lines,
+    delivered, differences, event_type, fold_in_order, json_lines,
     objects::{configmap, configmaps},
     parity::{
         Comparison, Rng, bridge, bridge_seen, client_go_seen, fsu, ready, seed, settle, workload,
@@ -205,23 +205,6 @@ fn file_bridge(dir: &Path, resources: Value, kubernetes: Value) -> Replica {
     Replica::start(dir, "bridge", &config, &dir.join("admin.kubeconfig"))
 }
 
-/// Per object (`Kind ns/name`), the event types the file sink delivered, in order.
-fn delivered(dir: &Path) -> BTreeMap<String, Vec<String>> {
-    let mut by_object: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for e in json_lines(&dir.join("out.jsonl")) {
-        let key = format!(
-            "{} {}",
-            e["k8skind"].as_str().unwrap(),
-            e["subject"].as_str().unwrap()
-        );
-        by_object
-            .entry(key)
-            .or_default()
-            .push(event_type(&e).to_owned());
-    }
-    by_object
-}
-
 /// A Gadget of `GROUP` at `version`, `ns/name`, with `spec.size`.
 fn gadget(version: &str, ns: &str, name: &str, size: u64) -> Value {
     json!({
@@ -258,7 +241,7 @@ async fn a_crd_installed_after_the_start_is_followed_and_its_deletion_delivers_t
     wait::until(
         "the ConfigMap",
         Patience::of(Duration::from_secs(60)),
-        async || delivered(dir.path()).contains_key("ConfigMap crd-later/cm"),
+        async || delivered(&dir.path().join("out.jsonl")).contains_key("ConfigMap crd-later/cm"),
     )
     .await;
     let (code, body) = support::http_get(replica.admin().unwrap(), "/readyz").await;
@@ -276,7 +259,7 @@ async fn a_crd_installed_after_the_start_is_followed_and_its_deletion_delivers_t
         "every Gadget",
         Patience::of(Duration::from_secs(60)),
         async || {
-            let d = delivered(dir.path());
+            let d = delivered(&dir.path().join("out.jsonl"));
             (0..20).all(|i| d.contains_key(&format!("Gadget crd-later/g{i:02}")))
         },
     )
@@ -287,7 +270,7 @@ async fn a_crd_installed_after_the_start_is_followed_and_its_deletion_delivers_t
         "every Gadget's delete",
         Patience::of(Duration::from_secs(60)),
         async || {
-            let d = delivered(dir.path());
+            let d = delivered(&dir.path().join("out.jsonl"));
             (0..20).all(|i| {
                 d[&format!("Gadget crd-later/g{i:02}")]
                     .last()
@@ -298,7 +281,7 @@ async fn a_crd_installed_after_the_start_is_followed_and_its_deletion_delivers_t
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let d = delivered(dir.path());
+    let d = delivered(&dir.path().join("out.jsonl"));
     println!(
         "CRD after the start: {:?}",
         d.iter()
@@ -344,7 +327,7 @@ async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
     wait::until(
         "every Gadget",
         Patience::of(Duration::from_secs(60)),
-        async || delivered(dir.path()).len() == N as usize,
+        async || delivered(&dir.path().join("out.jsonl")).len() == N as usize,
     )
     .await;
 
@@ -394,7 +377,7 @@ async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
         "the update at v1",
         Patience::of(Duration::from_secs(60)),
         async || {
-            delivered(dir.path())
+            delivered(&dir.path().join("out.jsonl"))
                 .get("Gadget versions/g00")
                 .is_some_and(|t| t.len() == 2)
         },
@@ -402,7 +385,7 @@ async fn a_crd_version_change_under_a_wildcard_deletes_nothing() {
     .await;
     // Stopped before the last read, so that nothing late escapes it.
     replica.terminate();
-    let d = delivered(dir.path());
+    let d = delivered(&dir.path().join("out.jsonl"));
     let messages: usize = d.values().map(Vec::len).sum();
     println!(
         "version change: {N} objects, {messages} messages (expected {})",
@@ -457,7 +440,7 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
         "every object",
         Patience::of(Duration::from_secs(60)),
         async || {
-            let d = delivered(dir.path());
+            let d = delivered(&dir.path().join("out.jsonl"));
             (0..20).all(|i| {
                 d.contains_key(&format!("Gadget {ns}/g{i:02}"))
                     && d.contains_key(&format!("ConfigMap {ns}/cm{i:02}"))
@@ -491,49 +474,36 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
         &kube::api::GroupVersionKind::gvk(GROUP, "v1", "Gadget"),
         "gadgets",
     );
-    let mut want = BTreeMap::new();
-    for (kind, resource) in [("ConfigMap", configmaps()), ("Gadget", gadgets)] {
-        for (k, v) in cluster.objects(&resource, Some(ns)).await {
-            want.insert(format!("{kind} {k}"), v);
-        }
+    let kinds = [("ConfigMap", configmaps()), ("Gadget", gadgets)];
+    let mut want = Vec::new();
+    for (kind, resource) in &kinds {
+        want.push((*kind, cluster.objects(resource, Some(ns)).await));
     }
-    let fold = |events: &[Value]| {
-        let mut folded = BTreeMap::new();
-        for e in events {
-            let key = format!(
-                "{} {}",
-                e["k8skind"].as_str().unwrap(),
-                e["subject"].as_str().unwrap()
-            );
-            if !["ConfigMap", "Gadget"].contains(&e["k8skind"].as_str().unwrap()) {
-                continue;
-            }
-            let meta = &e["data"]["object"]["metadata"];
-            let state = (event_type(e) != "deleted").then(|| {
-                (
-                    meta["uid"].as_str().unwrap_or_default().to_owned(),
-                    meta["resourceVersion"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_owned(),
-                )
-            });
-            folded.insert(key, state);
+    // Each kind's messages folded in order (support::fold_in_order), against its objects.
+    let compare = |events: &[Value]| {
+        let mut d = support::Differences::default();
+        for (kind, live) in &want {
+            let of_kind = fold_in_order(events.iter().filter(|e| e["k8skind"] == *kind));
+            let k = differences(&of_kind, live);
+            d.lost_deletes.extend(k.lost_deletes);
+            d.phantom_deletes.extend(k.phantom_deletes);
+            d.stale.extend(k.stale);
+            d.missing.extend(k.missing);
         }
-        folded
+        d
     };
     wait::until(
         "the stream folds to the server's objects",
         Patience::of(Duration::from_secs(60)),
-        async || differences(&fold(&json_lines(&dir.path().join("out.jsonl"))), &want).is_empty(),
+        async || compare(&json_lines(&dir.path().join("out.jsonl"))).is_empty(),
     )
     .await;
     // Stopped before the last read, so that nothing late escapes it.
     replica.terminate();
     let events = json_lines(&dir.path().join("out.jsonl"));
-    let d = differences(&fold(&events), &want);
+    let d = compare(&events);
     let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
-    let relisted_adds = delivered(dir.path())
+    let relisted_adds = delivered(&dir.path().join("out.jsonl"))
         .values()
         .filter(|t| t.iter().filter(|t| *t == "added").count() > 1)
         .count();
@@ -549,7 +519,7 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
     assert_eq!(deletes, 3, "only the deletes made");
     assert_eq!(relisted_adds, 0, "nothing added again");
     // Exactly the changes made, nothing re-published by a relist or a discovery blip.
-    let d = delivered(dir.path());
+    let d = delivered(&dir.path().join("out.jsonl"));
     for i in 0..20 {
         let want: &[&str] = match i {
             0..3 => &["added", "updated"],

@@ -17,7 +17,7 @@ mod support;
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
-    path::Path,
+    path::{Path, PathBuf},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -45,7 +45,7 @@ use support::{
     differences, fold_in_order,
     nats::{NatsServer, read_stream, stream_len},
     objects::{configmap, configmaps, custom_resource, deployment, named, spread_namespaces},
-    replica::{Replica, dump},
+    replica::{Replica, dump, shards_spread},
     wait::{self, Patience},
 };
 
@@ -203,21 +203,12 @@ async fn shard_holders(leases: &Api<Lease>) -> Vec<Option<String>> {
 /// Waits until every shard is held by one of `replicas` live replicas (none of `gone`),
 /// none holding more than ⌈shards / replicas⌉.
 async fn settled(leases: &Api<Lease>, gone: &[String], replicas: usize, patience: Patience) {
-    let cap = (SHARDS as usize).div_ceil(replicas);
     wait::until(
         format!("the shards spread over {replicas} replicas"),
         patience,
         async || {
             let holders = shard_holders(leases).await;
-            let mut per: HashMap<&str, usize> = HashMap::new();
-            for h in holders.iter().flatten() {
-                *per.entry(h.as_str()).or_default() += 1;
-            }
-            holders
-                .iter()
-                .all(|h| h.as_ref().is_some_and(|h| !gone.contains(h)))
-                && per.len() == replicas
-                && per.values().all(|&c| c <= cap)
+            shards_spread(&holders, gone, replicas)
         },
     )
     .await;
@@ -885,10 +876,6 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
     let admin = cluster.client().await;
     cluster.create_namespace(DEPLOY_NAMESPACE).await;
     cluster.create_namespace("shop").await;
-    Api::<ServiceAccount>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
-        .create(&PostParams::default(), &named(None, "kube-event-bridge"))
-        .await
-        .unwrap();
     let rbac = rbac_of(Path::new(OVERLAY));
     let kinds: Vec<String> = rbac
         .iter()
@@ -902,25 +889,7 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
         .collect();
     eprintln!("{OVERLAY} RBAC: {kinds:?}");
     apply_rbac(&admin, &rbac).await;
-    let token = Api::<ServiceAccount>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
-        .create_token_request(
-            "kube-event-bridge",
-            &PostParams::default(),
-            &TokenRequest {
-                spec: TokenRequestSpec {
-                    audiences: vec![],
-                    expiration_seconds: Some(3600),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .token;
-    let kubeconfig = cluster.kubeconfig_for("kube-event-bridge", &token);
+    let kubeconfig = service_account_kubeconfig(&cluster).await;
 
     let cms: Api<ConfigMap> = Api::namespaced(admin.clone(), "shop");
     let deps: Api<Deployment> = Api::namespaced(admin.clone(), "shop");
@@ -958,16 +927,7 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
     caught_up(&cluster, &url, "ConfigMap", &configmaps(), &first).await;
     caught_up(&cluster, &url, "Deployment", &deployments(), &first).await;
     let (code, body) = ready(&first).await;
-    let log = first.log();
-    let refused: Vec<&str> = log
-        .lines()
-        .filter(|l| {
-            ["(403", "code: 403", "refused"]
-                .iter()
-                .any(|w| l.contains(w))
-                || l.to_lowercase().contains("forbidden")
-        })
-        .collect();
+    let refused = refusals(&first);
     let holder = Api::<Lease>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
         .get("kube-event-bridge")
         .await
@@ -1064,6 +1024,33 @@ async fn the_deploy_rbac_is_enough_and_a_missing_verb_is_reported() {
     eprintln!("test took {:?}", started.elapsed());
 }
 
+/// Creates the ServiceAccount `kube-event-bridge` in [`DEPLOY_NAMESPACE`] and writes a
+/// kubeconfig with a token for it from the TokenRequest API (this cluster runs no token
+/// controller); returns its path.
+async fn service_account_kubeconfig(cluster: &Cluster) -> PathBuf {
+    let accounts: Api<ServiceAccount> = Api::namespaced(cluster.client().await, DEPLOY_NAMESPACE);
+    accounts
+        .create(&PostParams::default(), &named(None, "kube-event-bridge"))
+        .await
+        .unwrap();
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![],
+            expiration_seconds: Some(3600),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let token = accounts
+        .create_token_request("kube-event-bridge", &PostParams::default(), &request)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .token;
+    cluster.kubeconfig_for("kube-event-bridge", &token)
+}
+
 /// Log lines of `replica` that speak of a refusal (403, forbidden).
 fn refusals(replica: &Replica) -> Vec<String> {
     replica
@@ -1092,30 +1079,8 @@ async fn the_sharded_overlay_rbac_is_enough() {
     let admin = cluster.client().await;
     cluster.create_namespace(DEPLOY_NAMESPACE).await;
     cluster.create_namespace("shop").await;
-    Api::<ServiceAccount>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
-        .create(&PostParams::default(), &named(None, "kube-event-bridge"))
-        .await
-        .unwrap();
     apply_rbac(&admin, &rbac_of(Path::new(SHARDED))).await;
-    let token = Api::<ServiceAccount>::namespaced(admin.clone(), DEPLOY_NAMESPACE)
-        .create_token_request(
-            "kube-event-bridge",
-            &PostParams::default(),
-            &TokenRequest {
-                spec: TokenRequestSpec {
-                    audiences: vec![],
-                    expiration_seconds: Some(3600),
-                    ..Default::default()
-                },
-                ..Default::default()
-            },
-        )
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-        .token;
-    let kubeconfig = cluster.kubeconfig_for("kube-event-bridge", &token);
+    let kubeconfig = service_account_kubeconfig(&cluster).await;
     let pp = PostParams::default();
     let cms: Api<ConfigMap> = Api::namespaced(admin.clone(), "shop");
     let deps: Api<Deployment> = Api::namespaced(admin.clone(), "shop");

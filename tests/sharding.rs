@@ -31,7 +31,7 @@ use support::{
     kafka::{Kafka, Record, consume_all},
     nats::{NatsServer, read_stream},
     objects::{configmap, spread_namespaces, typed},
-    replica::{Replica, dump},
+    replica::{Replica, dump, shards_spread},
     wait::{self, Patience},
 };
 
@@ -114,21 +114,12 @@ enum Scenario {
 /// Waits until every shard is held by one of `replicas` live replicas (none of `gone`), none
 /// holding more than ⌈shards / replicas⌉.
 async fn settled(api: &ApiServer, gone: &[String], replicas: usize, patience: Patience) {
-    let cap = (SHARDS as usize).div_ceil(replicas);
     wait::until(
         &format!("the shards spread over {replicas} replicas"),
         patience,
         async || {
             let holders = shard_holders(api);
-            let mut per: HashMap<&str, usize> = HashMap::new();
-            for h in holders.iter().flatten() {
-                *per.entry(h.as_str()).or_default() += 1;
-            }
-            holders
-                .iter()
-                .all(|h| h.as_ref().is_some_and(|h| !gone.contains(h)))
-                && per.len() == replicas
-                && per.values().all(|&c| c <= cap)
+            shards_spread(&holders, gone, replicas)
         },
     )
     .await;

@@ -47,25 +47,16 @@ pub fn realk8s() -> PathBuf {
     bin
 }
 
-/// A free loopback port (bound and released: the process that takes it binds it again).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Writes a CA, an API server certificate signed by it and a service-account key pair into
 /// `dir`.
 fn write_certificates(dir: &Path) {
-    super::certs::write_ca_and_server(
+    super::loopback::write_ca_and_server(
         dir,
         "kube-apiserver",
         "IP:127.0.0.1,DNS:localhost,IP:10.0.0.1,DNS:kubernetes.default.svc",
     );
     let ossl =
-        |args: &[&str]| super::certs::run(Command::new("openssl").args(args).current_dir(dir));
+        |args: &[&str]| super::loopback::run(Command::new("openssl").args(args).current_dir(dir));
     ossl(&["genrsa", "-out", "sa.key", "2048"]);
     ossl(&["rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub"]);
 }
@@ -109,7 +100,7 @@ impl Cluster {
             format!("{ADMIN_TOKEN},admin,admin,\"system:masters\"\n"),
         )
         .unwrap();
-        let (etcd_port, peer_port) = (free_port(), free_port());
+        let (etcd_port, peer_port) = (super::loopback::free_port(), super::loopback::free_port());
         let client_url = format!("http://127.0.0.1:{etcd_port}");
         let peer_url = format!("http://127.0.0.1:{peer_port}");
         let etcd = Command::new(realk8s())
@@ -135,7 +126,7 @@ impl Cluster {
             etcd,
             etcd_port,
             apiserver: None,
-            port: free_port(),
+            port: super::loopback::free_port(),
             last_start: Duration::ZERO,
         };
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -189,7 +180,6 @@ impl Cluster {
                 "127.0.0.1",
             ])
             .args(["--secure-port", &self.port.to_string()])
-            .args(["--cert-dir", &path("apiserver-certs")])
             .args(["--tls-cert-file", &path("server.crt")])
             .args(["--tls-private-key-file", &path("server.key")])
             .args(["--client-ca-file", &path("ca.crt")])

@@ -130,15 +130,6 @@ pub fn jars() -> PathBuf {
     dir
 }
 
-/// A free loopback port: bound, then released for the broker to take.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// `program … -cp 'JARS/*'` with stdout and stderr appended to `log`.
 fn java(program: &mut Command, jars: &Path, log: &Path) {
     let out = std::fs::OpenOptions::new()
@@ -239,11 +230,11 @@ required unsecuredLoginStringClaim_sub=\"admin\";
 }
 
 /// Writes a CA (`ca.crt`) and a server certificate signed by it for 127.0.0.1 and localhost
-/// into `dir` (`super::certs`); `server.pem` holds the server's PKCS#8 key and its
+/// into `dir` (`super::loopback`); `server.pem` holds the server's PKCS#8 key and its
 /// certificate, Kafka's PEM key store.
 fn write_certificates(dir: &Path) {
-    super::certs::write_ca_and_server(dir, "kafka", "IP:127.0.0.1,DNS:localhost");
-    super::certs::run(
+    super::loopback::write_ca_and_server(dir, "kafka", "IP:127.0.0.1,DNS:localhost");
+    super::loopback::run(
         Command::new("openssl")
             .args([
                 "pkcs8",
@@ -289,13 +280,13 @@ impl Kafka {
             .tempdir()
             .unwrap()
             .keep();
-        let (port, controller_port) = (free_port(), free_port());
+        let (port, controller_port) = (super::loopback::free_port(), super::loopback::free_port());
         let secured = options.secured.then(|| {
             write_certificates(&dir);
             Secured {
-                sasl_port: free_port(),
-                ssl_port: free_port(),
-                sasl_ssl_port: free_port(),
+                sasl_port: super::loopback::free_port(),
+                ssl_port: super::loopback::free_port(),
+                sasl_ssl_port: super::loopback::free_port(),
                 ca_file: dir.join("ca.crt"),
             }
         });

@@ -3,10 +3,10 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod api_server;
-pub mod certs;
 pub mod cluster;
 pub mod config;
 pub mod kafka;
+pub mod loopback;
 pub mod model;
 pub mod nats;
 pub mod objects;
@@ -297,6 +297,24 @@ pub fn cloudevent_lines(path: &std::path::Path) -> Vec<serde_json::Value> {
     let lines = json_lines(path);
     lines.iter().for_each(schema::check_cloudevent);
     lines
+}
+
+/// Per object (`Kind namespace/name`), the event types (`added`, `updated`, …) a file sink
+/// at `path` delivered, in order; each message must match the published schema.
+pub fn delivered(path: &std::path::Path) -> std::collections::BTreeMap<String, Vec<String>> {
+    let mut by_object: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for e in cloudevent_lines(path) {
+        let key = format!(
+            "{} {}",
+            e["k8skind"].as_str().unwrap(),
+            e["subject"].as_str().unwrap()
+        );
+        by_object
+            .entry(key)
+            .or_default()
+            .push(event_type(&e).to_owned());
+    }
+    by_object
 }
 
 /// The short type of a CloudEvent: `added`, `updated`, `deleted` or `synced`.

@@ -81,6 +81,22 @@ impl Replica {
     }
 }
 
+/// Whether the shards' holders (one per shard, `None` for a free one) spread over exactly
+/// `replicas` live replicas: every shard held, none by one of `gone`, none holding more than
+/// ⌈shards / replicas⌉.
+pub fn shards_spread(holders: &[Option<String>], gone: &[String], replicas: usize) -> bool {
+    let cap = holders.len().div_ceil(replicas);
+    let mut per: std::collections::HashMap<&str, usize> = Default::default();
+    for h in holders.iter().flatten() {
+        *per.entry(h.as_str()).or_default() += 1;
+    }
+    holders
+        .iter()
+        .all(|h| h.as_ref().is_some_and(|h| !gone.contains(h)))
+        && per.len() == replicas
+        && per.values().all(|&c| c <= cap)
+}
+
 /// Prints what each replica's log says of its shards and leadership (and every warning),
 /// newest first, for a failing test to show.
 pub fn dump(replicas: &[Replica]) {

@@ -1,12 +1,21 @@
-//! Test certificates made with the `openssl` command (EC keys: fast): a CA and a server
-//! certificate signed by it, for the real API server (tests/support/cluster.rs) and the
-//! secured Kafka node (tests/support/kafka.rs).
+//! What the servers tests start on loopback need: free ports, and certificates made with the
+//! `openssl` command (EC keys: fast), a CA and a server certificate signed by it, for the real
+//! API server (tests/support/cluster.rs) and the secured Kafka node (tests/support/kafka.rs).
 //!
 //! Benches include this file with `#[path]` beside kafka.rs: it uses nothing of the `support`
 //! module around it.
 #![allow(dead_code)] // each test binary and bench uses a different part
 
 use std::{path::Path, process::Command};
+
+/// A free loopback port (bound and released: the process that takes it binds it again).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
 
 /// Runs `cmd` and panics with its standard error when it fails.
 pub fn run(cmd: &mut Command) {
