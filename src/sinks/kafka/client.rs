@@ -128,18 +128,12 @@ impl KafkaClient {
         self.context.newest_error.lock().unwrap().clone()
     }
 
-    /// A token now (a fresh one unless the newest is young), so that an endpoint that
-    /// refuses fails the caller; nothing without `OAUTHBEARER`. Blocking.
-    pub fn check_token(&self) -> Result<(), String> {
-        match &self.context.oauth {
-            Some(source) => source.token().map(drop),
-            None => Ok(()),
-        }
-    }
-
     /// The sink's idempotent, acks=all producer. Blocking with `OAUTHBEARER` (a token
     /// request, unless the newest token is young).
     pub fn producer(&self) -> Result<FutureProducer<KafkaContext>, String> {
+        // The token first: the producer's polling thread serves librdkafka's first refresh at
+        // once, and finds it cached instead of asking the endpoint a second time.
+        self.warm_token()?;
         let producer: FutureProducer<KafkaContext> = self
             .config
             .create_with_context(self.context.clone())
@@ -181,6 +175,13 @@ impl KafkaClient {
     /// admin client never polls that queue. So the token is set here, at creation; later
     /// refreshes come through [`KafkaContext::generate_oauth_token`] (the admin client's
     /// never do: it lives for a few requests, well within a token's lifetime).
+    fn warm_token(&self) -> Result<(), String> {
+        match &self.context.oauth {
+            Some(source) => source.token().map(drop),
+            None => Ok(()),
+        }
+    }
+
     fn authenticate<C: ClientContext>(&self, client: &Client<C>) -> Result<(), String> {
         let Some(source) = &self.context.oauth else {
             return Ok(());

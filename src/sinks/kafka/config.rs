@@ -235,6 +235,20 @@ impl KafkaSaslConfig {
 /// Whether `url` may receive the client secret: an `https` URL with a host, or `http` to a
 /// loopback address (a local token proxy); anything else would send the secret in clear.
 pub fn check_token_endpoint(url: &str) -> std::result::Result<http::Uri, String> {
+    // Credentials in the URL would be printed wherever the endpoint is named (errors,
+    // librdkafka's log): refused, without echoing the URL.
+    if url.split_once("://").is_some_and(|(_, rest)| {
+        rest.split(['/', '?', '#'])
+            .next()
+            .unwrap_or("")
+            .contains('@')
+    }) {
+        return Err(
+            "holds credentials (user:password@host): the client secret belongs in \
+                    sasl.client_secret"
+                .into(),
+        );
+    }
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
@@ -456,6 +470,12 @@ mod tests {
         assert!(check_token_endpoint("http://127.0.0.1:8080/token").is_ok());
         assert!(check_token_endpoint("http://[::1]:8080/token").is_ok());
         assert!(check_token_endpoint("http://localhost/token").is_ok());
+        let e = check_token_endpoint("https://id:s3cret@idp.example/token").unwrap_err();
+        assert!(
+            e.contains("holds credentials") && !e.contains("s3cret"),
+            "{e}"
+        );
+        assert!(check_token_endpoint("https://idp.example/token?user=a@b").is_ok());
         let e = check_token_endpoint("http://idp.example/token").unwrap_err();
         assert!(e.contains("unencrypted"), "{e}");
         assert!(check_token_endpoint("ftp://idp.example/token").is_err());

@@ -88,8 +88,26 @@ impl std::fmt::Debug for OAuthTokenSource {
 #[derive(Deserialize)]
 struct Answer {
     access_token: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "seconds")]
     expires_in: Option<u64>,
+}
+
+/// `expires_in` as a number, or as a string of digits (as some providers send it).
+fn seconds<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Seconds {
+        Number(u64),
+        Text(String),
+    }
+    match Option::<Seconds>::deserialize(d)? {
+        None => Ok(None),
+        Some(Seconds::Number(n)) => Ok(Some(n)),
+        Some(Seconds::Text(t)) => t
+            .parse()
+            .map(Some)
+            .map_err(|_| serde::de::Error::custom(format!("expires_in {t:?} is not a number"))),
+    }
 }
 
 /// What it answers on refusal (RFC 6749 §5.2).
@@ -168,11 +186,15 @@ impl OAuthTokenSource {
             .enable_all()
             .build()
             .map_err(|e| format!("cannot start a runtime: {e}"))?;
-        runtime.block_on(async {
+        let answer = runtime.block_on(async {
             tokio::time::timeout(REQUEST_TIMEOUT, self.fetch())
                 .await
                 .unwrap_or_else(|_| Err(format!("no answer within {REQUEST_TIMEOUT:?}")))
-        })
+        });
+        // A name lookup still running on a blocking thread after a timeout must not hold
+        // the caller (dropping the runtime would wait for it).
+        runtime.shutdown_background();
+        answer
     }
 
     /// One client credentials request: the credentials in HTTP basic authentication (each
@@ -291,6 +313,22 @@ fn chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn expires_in_is_read_as_a_number_or_a_string_of_digits() {
+        let read = |json: &str| serde_json::from_str::<Answer>(json).map(|a| a.expires_in);
+        assert_eq!(
+            read(r#"{"access_token":"t","expires_in":3599}"#).unwrap(),
+            Some(3599)
+        );
+        assert_eq!(
+            read(r#"{"access_token":"t","expires_in":"3599"}"#).unwrap(),
+            Some(3599)
+        );
+        assert_eq!(read(r#"{"access_token":"t"}"#).unwrap(), None);
+        let e = read(r#"{"access_token":"t","expires_in":"soon"}"#).unwrap_err();
+        assert!(e.to_string().contains("not a number"), "{e}");
+    }
 
     fn source(endpoint: &str) -> OAuthTokenSource {
         OAuthTokenSource {

@@ -117,6 +117,7 @@ impl KafkaSink {
         tokio::spawn(watch_health(
             name.to_owned(),
             producer.clone(),
+            client.clone(),
             Arc::downgrade(&healthy),
         ));
         info!(sink = %name, brokers = %brokers, mode = ?cfg.mode, "Connected to Kafka");
@@ -345,6 +346,7 @@ async fn fetch_metadata(
 async fn watch_health(
     name: String,
     producer: FutureProducer<KafkaContext>,
+    client: KafkaClient,
     healthy: std::sync::Weak<AtomicBool>,
 ) {
     loop {
@@ -355,7 +357,11 @@ async fn watch_health(
         let ok = match fetch_metadata(&producer).await {
             Ok(()) => true,
             Err(e) => {
-                warn!(sink = %name, error = %e, "Kafka brokers did not answer a metadata request");
+                // As at start: what librdkafka reported meanwhile says why (a token refresh
+                // refused, a certificate no longer trusted).
+                let newest = client.newest_error().unwrap_or_default();
+                warn!(sink = %name, error = %e, newest_client_error = %newest,
+                      "Kafka brokers did not answer a metadata request");
                 false
             }
         };
