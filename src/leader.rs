@@ -22,6 +22,13 @@
 //!   can fence that, as Kafka transactions do.)
 //! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
 //!   once instead of waiting for expiry.
+//! - A shard lease this replica should no longer own (see [`LeaderElector::campaign_while`])
+//!   is handed on the same way when it has a follower for [`LeaderElector::handovers`]: it
+//!   goes on renewing while the follower stops publishing, waits for what it handed over and
+//!   writes its checkpoints, and is released once the follower answers that nothing is left
+//!   on its way (the next owner then starts at once, without a takeover wait, from a
+//!   checkpoint that holds everything published). A drain that fails or times out lets the
+//!   lease expire instead, as before, and the next owner waits its takeover wait.
 //!
 //! The elector only decides; `App` acts on [`LeaderElector::subscribe`], which changes only
 //! when leadership does (renewals are silent): standbys keep their informers (warm caches)
@@ -222,6 +229,11 @@ pub fn takeover_wait(cfg: &LeaderElectionConfig, longest_delivery: Duration) -> 
     longest_delivery.saturating_sub(cfg.lease_duration.saturating_sub(cfg.renew_deadline))
 }
 
+/// A request to hand a lease on: the follower stops publishing, drains what it handed over and
+/// writes its checkpoints, then answers whether nothing is left on its way (see the module
+/// docs).
+pub type Handover = tokio::sync::oneshot::Sender<bool>;
+
 /// The longest takeover wait a configuration may imply (see [`takeover_wait`]): longer, and
 /// a failover publishes nothing for minutes.
 pub const MAX_TAKEOVER_WAIT: Duration = Duration::from_secs(300);
@@ -242,6 +254,8 @@ pub struct LeaderElector {
     observed: Option<(LeaseRecord, Instant)>,
     // With sharding: whether to campaign for (and keep renewing) this lease now.
     campaign: Option<watch::Receiver<bool>>,
+    // Where requests to hand the lease on go (see `handovers`).
+    handovers: Option<tokio::sync::mpsc::UnboundedSender<Handover>>,
 }
 
 /// What identifies a lease record for expiry: its holder and renew time.
@@ -285,6 +299,7 @@ impl LeaderElector {
             gauge,
             observed: None,
             campaign: None,
+            handovers: None,
         }
     }
 
@@ -295,12 +310,23 @@ impl LeaderElector {
         self
     }
 
-    /// Campaigns only while `campaign` says so: when it turns false a leader stops renewing
-    /// and stops publishing at once (the lease then expires for the others; it is not
-    /// released, as messages may still be on their way), and a candidate stops trying.
+    /// Campaigns only while `campaign` says so: when it turns false a candidate stops
+    /// trying, and a leader hands the lease on through [`handovers`](Self::handovers) if
+    /// something follows them; otherwise (or when that drain fails) it stops renewing and
+    /// publishing at once, and the lease expires for the others (it is not released, as
+    /// messages may still be on their way).
     pub fn campaign_while(mut self, campaign: watch::Receiver<bool>) -> Self {
         self.campaign = Some(campaign);
         self
+    }
+
+    /// Requests to hand the lease on (see the module docs): answer each once this replica
+    /// publishes nothing more under the lease, `true` if nothing it handed over is still on
+    /// its way.
+    pub fn handovers(&mut self) -> tokio::sync::mpsc::UnboundedReceiver<Handover> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.handovers = Some(tx);
+        rx
     }
 
     /// The Lease it campaigns for.
@@ -346,12 +372,28 @@ impl LeaderElector {
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut last_renewal: Option<Instant> = None;
         let mut last_observed: Option<Instant> = None;
+        // A hand-over under way (the follower's answer), and whether the last one failed.
+        let mut draining: Option<tokio::sync::oneshot::Receiver<bool>> = None;
+        let mut handover_failed = false;
         loop {
-            if self
+            let campaigning = self
                 .campaign
                 .as_mut()
-                .is_some_and(|c| !*c.borrow_and_update())
+                .is_none_or(|c| *c.borrow_and_update());
+            if campaigning {
+                handover_failed = false;
+            } else if draining.is_none()
+                && !handover_failed
+                && last_renewal.is_some()
+                && let Some(handovers) = &self.handovers
             {
+                let (answer, answered) = tokio::sync::oneshot::channel();
+                if handovers.send(answer).is_ok() {
+                    info!(lease = %self.name, "Handing the lease on: renewing it while what was handed over drains");
+                    draining = Some(answered);
+                }
+            }
+            if !campaigning && draining.is_none() {
                 if last_renewal.take().is_some() {
                     info!(lease = %self.name, "Handing the lease on: no longer renewing it");
                 }
@@ -403,6 +445,7 @@ impl LeaderElector {
                 }
                 Outcome::NotLeading => {
                     last_renewal = None;
+                    draining = None;
                     self.fence.revoke();
                     self.set_leading(false);
                 }
@@ -413,14 +456,33 @@ impl LeaderElector {
                     if last_renewal.is_some_and(|t| now.duration_since(t) >= self.renew_deadline) {
                         warn!(lease = %self.name, reason, "Could not renew the lease in time");
                         last_renewal = None;
+                        draining = None;
                         self.fence.revoke();
                         self.set_leading(false);
                     }
                 }
             }
+            let answer = async {
+                match draining.as_mut() {
+                    Some(answered) => answered.await.unwrap_or(false),
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(self.retry_period) => {}
+                drained = answer => {
+                    draining = None;
+                    if drained {
+                        // Nothing of this replica is on its way: the next owner may start
+                        // at once.
+                        self.release().await;
+                        last_renewal = None;
+                    } else {
+                        warn!(lease = %self.name, "What was handed over did not drain; the lease expires instead of being released");
+                        handover_failed = true;
+                    }
+                }
             }
         }
         self.release().await;

@@ -11,7 +11,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::resources::Resources;
-use crate::leader::LeaderElector;
+use crate::{
+    leader::{Handover, LeaderElector},
+    pipeline::{Checkpointer, RouteQueue},
+};
 
 impl Resources {
     /// Applies a change of leadership: `leading` is the new state. Every change ends a term:
@@ -81,6 +84,76 @@ impl Resources {
     }
 }
 
+/// A shard's route queues to drain and checkpointers to write when it is handed on.
+type Draining = (Vec<Arc<RouteQueue>>, Vec<Arc<Checkpointer>>);
+
+impl Resources {
+    /// The first step of handing this shard on (see [`hand_over`]): ends the term's pending
+    /// switch-ons and switches every listener off, so that nothing more reaches the routes,
+    /// and runs out what stages in front of the queues hold. Returns the queues to drain and
+    /// the checkpointers to write; `None` when this replica publishes nothing (standing by,
+    /// or still in its takeover wait).
+    fn stop_feeding(&mut self) -> Option<Draining> {
+        if !self.leading {
+            return None;
+        }
+        self.term.cancel();
+        self.term = CancellationToken::new();
+        for w in &self.wired {
+            w.informers.iter().for_each(|i| i.deactivate_listeners());
+        }
+        for w in &self.wired {
+            w.routes.iter().for_each(|r| r.handler.flush());
+        }
+        let checkpointers = self
+            .resumes()
+            .iter()
+            .map(|r| r.checkpointer.clone())
+            .collect();
+        Some((self.queues(), checkpointers))
+    }
+}
+
+/// Hands a shard on: stops feeding its routes, waits until they settled everything they
+/// held (within `limit`, and while the lease's fence holds), writes their checkpoints, and
+/// ends the term's queues. `true` when nothing this replica handed over is still on its way
+/// and the checkpoints hold all of it: the lease may be released and the next owner start at
+/// once.
+async fn hand_over(
+    resources: &tokio::sync::Mutex<Resources>,
+    fence: &crate::leader::Fence,
+    limit: std::time::Duration,
+) -> bool {
+    let Some((queues, checkpointers)) = resources.lock().await.stop_feeding() else {
+        return true;
+    };
+    let deadline = tokio::time::Instant::now() + limit;
+    while queues.iter().any(|q| q.held() > 0) {
+        if tokio::time::Instant::now() >= deadline || !fence.is_valid() {
+            let held: usize = queues.iter().map(|q| q.held()).sum();
+            warn!(
+                held,
+                "Handing a shard on: notifications still unsettled; the lease expires instead"
+            );
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    for checkpointer in &checkpointers {
+        if let Err(err) = checkpointer.flush().await {
+            warn!(route = %checkpointer.route(), error = %err, "Handing a shard on: the checkpoint write failed; the lease expires instead");
+            return false;
+        }
+    }
+    // Nothing of the ending term is published from here on (the elector ends it next).
+    queues.iter().for_each(|q| q.set_active(false));
+    info!(
+        routes = queues.len(),
+        "Handing a shard on: everything handed over was settled and checkpointed"
+    );
+    true
+}
+
 /// Follows `elector`'s changes of leadership until it stops. The elector reports changes
 /// only (renewals are silent); a change seen late may hide a lost-and-regained lease, which
 /// is a change too.
@@ -89,42 +162,98 @@ impl Resources {
 /// older ones.
 /// Becoming leader waits the takeover wait first, without holding the resources (shutdown
 /// and discovery go on meanwhile); a loss during it is the next change.
-/// With sharding, `handovers` counts this shard's changes of owner (`acquired`, `stopped`).
+/// With sharding, `handovers` counts this shard's changes of owner (`acquired`, `stopped`),
+/// and the elector's requests to hand the shard on are answered (see [`hand_over`]; `limit`
+/// bounds the drain): after a clean one, the sinks' queues are left alone (nothing of this
+/// shard is in them, and the other shards' messages are).
 pub(super) fn follow(
-    elector: &LeaderElector,
+    elector: &mut LeaderElector,
     resources: Arc<tokio::sync::Mutex<Resources>>,
     sinks: Vec<Arc<dyn crate::sinks::Sink>>,
     handovers: Option<[prometheus::IntCounter; 2]>,
+    limit: std::time::Duration,
 ) -> JoinHandle<()> {
     let mut leading = elector.subscribe();
     let fence = elector.fence();
+    let mut requests = handovers.is_some().then(|| elector.handovers());
     tokio::spawn(async move {
-        while leading.changed().await.is_ok() {
-            let now = *leading.borrow_and_update();
-            if let Some(counters) = &handovers {
-                counters[usize::from(!now)].inc();
-            }
-            // Every change ends a term (a loss and a regain can arrive as one change), and
-            // before waiting for the lock (a resume may hold it): the queue goes now.
-            sinks.iter().for_each(|s| s.abandon_queued());
-            if now {
-                // The last term ends before the wait: nothing of it is published meanwhile.
-                resources.lock().await.set_leading(false).await;
-                // A lapse ends a wait without a change when the renewal lands just after
-                // it: wait again while the elector still says leading.
-                let mut valid = fence.wait_valid().await;
-                while !valid && *leading.borrow() && !leading.has_changed().unwrap_or(true) {
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    valid = fence.wait_valid().await;
+        // The last term ended with a clean hand-over: nothing of it is in the sinks.
+        let mut drained = false;
+        loop {
+            let request = async {
+                match requests.as_mut() {
+                    Some(r) => r.recv().await,
+                    None => std::future::pending().await,
                 }
-                if !valid {
-                    warn!("Lost the lease during the takeover wait");
-                    continue;
+            };
+            // A change first: a request that waited behind it may be for an ended term.
+            let next: Option<Handover> = tokio::select! {
+                biased;
+                changed = leading.changed() => match changed {
+                    Ok(()) => None,
+                    Err(_) => break,
+                },
+                Some(answer) = request => Some(answer),
+                else => break,
+            };
+            match next {
+                None => {
+                    let was_drained = std::mem::take(&mut drained);
+                    follow_change(
+                        &mut leading,
+                        &resources,
+                        &sinks,
+                        &handovers,
+                        &fence,
+                        was_drained,
+                    )
+                    .await;
+                }
+                Some(answer) => {
+                    drained = hand_over(&resources, &fence, limit).await;
+                    let _ = answer.send(drained);
                 }
             }
-            resources.lock().await.set_leading(now).await;
         }
     })
+}
+
+/// Applies one change of leadership (see [`follow`]); `drained`: the last term ended with a
+/// clean hand-over.
+async fn follow_change(
+    leading: &mut tokio::sync::watch::Receiver<bool>,
+    resources: &tokio::sync::Mutex<Resources>,
+    sinks: &[Arc<dyn crate::sinks::Sink>],
+    handovers: &Option<[prometheus::IntCounter; 2]>,
+    fence: &crate::leader::Fence,
+    drained: bool,
+) {
+    let now = *leading.borrow_and_update();
+    if let Some(counters) = &handovers {
+        counters[usize::from(!now)].inc();
+    }
+    // Every change ends a term (a loss and a regain can arrive as one change), and
+    // before waiting for the lock (a resume may hold it): the queue goes now, unless
+    // the term ended drained.
+    if !drained {
+        sinks.iter().for_each(|s| s.abandon_queued());
+    }
+    if now {
+        // The last term ends before the wait: nothing of it is published meanwhile.
+        resources.lock().await.set_leading(false).await;
+        // A lapse ends a wait without a change when the renewal lands just after
+        // it: wait again while the elector still says leading.
+        let mut valid = fence.wait_valid().await;
+        while !valid && *leading.borrow() && !leading.has_changed().unwrap_or(true) {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            valid = fence.wait_valid().await;
+        }
+        if !valid {
+            warn!("Lost the lease during the takeover wait");
+            return;
+        }
+    }
+    resources.lock().await.set_leading(now).await;
 }
 
 /// Turns the shards assigned to this replica (see [`crate::membership`]) into what each

@@ -333,7 +333,7 @@ impl App {
     }
 
     /// Runs until `shutdown` resolves, then shuts down in layers (see the module docs).
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Report {
+    pub async fn run(mut self, shutdown: impl Future<Output = ()>) -> Report {
         let informers_cancel = CancellationToken::new();
         let admin_cancel = CancellationToken::new();
         let api_ok = Arc::new(AtomicBool::new(true));
@@ -413,8 +413,8 @@ impl App {
         let elector_cancel = CancellationToken::new();
         let mut electors = Vec::new();
         let mut follows = Vec::new();
-        for part in self.parts.iter() {
-            let Some(elector) = &part.elector else {
+        for part in self.parts.iter_mut() {
+            let Some(elector) = &mut part.elector else {
                 continue;
             };
             let shard = part.wiring.shard;
@@ -425,11 +425,14 @@ impl App {
                         .with_label_values(&[&shard.label(), change])
                 })
             });
+            // A shard handed on drains like a shutdown does, and for no longer.
+            let limit = part.wiring.config.shutdown.grace_period;
             follows.push(leadership::follow(
                 elector,
                 part.resources.clone(),
                 self.sinks.clone(),
                 handovers,
+                limit,
             ));
         }
         let mut parts_wiring = Vec::new();
