@@ -15,7 +15,13 @@
 //! - A new leader that took the lease over (not one released or never held) waits
 //!   [`takeover_wait`] before its fence is valid: the longest delivery time of the sinks
 //!   (`kafka.delivery_timeout`, `nats.ack_timeout`) beyond the margin `lease_duration -
-//!   renew_deadline`. Messages the old leader handed over before its fence ended are then
+//!   renew_deadline`. The holder's own timing travels with the lease: each renewal writes
+//!   [`DELIVERED_WITHIN_ANNOTATION`] (its `renew_deadline` plus its longest delivery), and a
+//!   taker waits the longer of its own wait and what that implies beyond the lease's
+//!   duration, so replicas with other settings (a rolling update that lowers
+//!   `delivery_timeout`) still wait out the old holder's messages. A lease without it
+//!   (written by an older release) is waited out with the taker's own settings. The wait
+//!   shows as `keb_takeover_wait_seconds{lease}` and in `/readyz`, and its end is logged. Messages the old leader handed over before its fence ended are then
 //!   delivered or failed for good before the new leader reads a checkpoint or publishes.
 //!   (This rests on timers, like the lease itself; a process frozen between a hand-over and
 //!   its producer's write to the socket can still deliver that message late: only the broker
@@ -195,6 +201,15 @@ impl Fence {
         until > 0 && since_base(Instant::now()) < self.0.from.load(SeqCst)
     }
 
+    /// What is left of a takeover wait under way, if one is.
+    pub fn takeover_left(&self) -> Option<Duration> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let until = self.0.until.load(SeqCst);
+        let from = self.0.from.load(SeqCst);
+        let now = since_base(Instant::now());
+        (until > 0 && now < from).then(|| Duration::from_nanos(from - now))
+    }
+
     /// Not valid from now on.
     pub fn revoke(&self) {
         self.0.until.store(0, std::sync::atomic::Ordering::SeqCst);
@@ -229,6 +244,18 @@ pub fn takeover_wait(cfg: &LeaderElectionConfig, longest_delivery: Duration) -> 
     longest_delivery.saturating_sub(cfg.lease_duration.saturating_sub(cfg.renew_deadline))
 }
 
+/// The annotation a holder writes on its Lease at each renewal: how long after a renewal
+/// began its last message can still be delivered (`renew_deadline` plus its longest
+/// delivery), as a humantime duration (`35s`).
+pub const DELIVERED_WITHIN_ANNOTATION: &str = "kube-event-bridge.io/delivered-within";
+
+/// How long a taker waits after taking a lease over from a holder whose messages may be
+/// delivered until `delivered_within` after its last renewal began, when the lease lasts
+/// `lease_duration` (the taker judged it expired at least that long after that renewal).
+pub fn holders_wait(delivered_within: Duration, lease_duration: Duration) -> Duration {
+    delivered_within.saturating_sub(lease_duration)
+}
+
 /// A request to hand a lease on: the follower stops publishing, drains what it handed over and
 /// writes its checkpoints, then answers whether nothing is left on its way (see the module
 /// docs).
@@ -256,6 +283,10 @@ pub struct LeaderElector {
     campaign: Option<watch::Receiver<bool>>,
     // Where requests to hand the lease on go (see `handovers`).
     handovers: Option<tokio::sync::mpsc::UnboundedSender<Handover>>,
+    // What this holder writes as `DELIVERED_WITHIN_ANNOTATION`.
+    delivered_within: Duration,
+    // `keb_takeover_wait_seconds` of this lease.
+    wait_gauge: Option<prometheus::Gauge>,
 }
 
 /// What identifies a lease record for expiry: its holder and renew time.
@@ -266,6 +297,8 @@ enum Outcome {
     /// identity), not released.
     Leading {
         took_over: bool,
+        /// What the last holder's annotation implies (see [`holders_wait`]).
+        holders_wait: Option<Duration>,
     },
     NotLeading,
     Failed(String),
@@ -300,7 +333,23 @@ impl LeaderElector {
             observed: None,
             campaign: None,
             handovers: None,
+            delivered_within: cfg.lease_duration + takeover_wait,
+            wait_gauge: None,
         }
+    }
+
+    /// This holder's messages are delivered within `longest` of their hand-over (the
+    /// longest delivery of its sinks): what its renewals tell the next holder (see the
+    /// module docs). Without it, what its own takeover wait implies.
+    pub fn delivering_within(mut self, cfg: &LeaderElectionConfig, longest: Duration) -> Self {
+        self.delivered_within = cfg.renew_deadline + longest;
+        self
+    }
+
+    /// Shows the takeover wait's remaining seconds in `gauge`.
+    pub fn takeover_gauge(mut self, gauge: prometheus::Gauge) -> Self {
+        self.wait_gauge = Some(gauge);
+        self
     }
 
     /// The same candidate for Lease `name` instead of `leader_election.lease_name` (a
@@ -385,6 +434,9 @@ impl LeaderElector {
             } else if draining.is_none()
                 && !handover_failed
                 && last_renewal.is_some()
+                // Still waiting to publish: nothing to drain, and a released lease would let
+                // the next holder skip the wait the last one's messages need.
+                && !self.fence.in_takeover_wait()
                 && let Some(handovers) = &self.handovers
             {
                 let (answer, answered) = tokio::sync::oneshot::channel();
@@ -425,19 +477,25 @@ impl LeaderElector {
                 .unwrap_or_else(|_| Outcome::Failed("no answer before the renew deadline".into()));
             let now = Instant::now();
             match outcome {
-                Outcome::Leading { took_over } => {
+                Outcome::Leading {
+                    took_over,
+                    holders_wait,
+                } => {
                     if last_renewal.is_none() {
                         let wait = if took_over {
-                            self.takeover_wait
+                            self.takeover_wait.max(holders_wait.unwrap_or_default())
                         } else {
                             Duration::ZERO
                         };
                         if !wait.is_zero() {
-                            info!(lease = %self.name, wait = ?wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
+                            info!(lease = %self.name, wait = ?wait, own = ?self.takeover_wait, holders = ?holders_wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
                         }
                         // From when the lease was judged expired (after the read), not
                         // from when the attempt began.
                         self.fence.not_before(now + wait);
+                        if !wait.is_zero() {
+                            self.show_wait(now + wait);
+                        }
                     }
                     last_renewal = Some(started);
                     self.fence.extend_to(started + self.renew_deadline);
@@ -479,8 +537,14 @@ impl LeaderElector {
                         self.release().await;
                         last_renewal = None;
                     } else {
+                        // The follower stopped publishing: the term ends whatever the campaign
+                        // says now (wanted again, the lease is taken up again as after a
+                        // takeover, with its wait).
                         warn!(lease = %self.name, "What was handed over did not drain; the lease expires instead of being released");
                         handover_failed = true;
+                        last_renewal = None;
+                        self.fence.revoke();
+                        self.set_leading(false);
                     }
                 }
             }
@@ -514,12 +578,22 @@ impl LeaderElector {
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(self.name.clone()),
+                    annotations: Some(
+                        [(
+                            DELIVERED_WITHIN_ANNOTATION.to_owned(),
+                            self.delivered_within_text(),
+                        )]
+                        .into(),
+                    ),
                     ..Default::default()
                 },
                 spec: Some(self.spec(now, now, 0)),
             };
             return match self.api.create(&PostParams::default(), &lease).await {
-                Ok(_) => Outcome::Leading { took_over: false },
+                Ok(_) => Outcome::Leading {
+                    took_over: false,
+                    holders_wait: None,
+                },
                 Err(kube::Error::Api(s)) if s.code == 409 => Outcome::NotLeading,
                 Err(e) => Outcome::Failed(format!("create lease: {e}")),
             };
@@ -553,7 +627,23 @@ impl LeaderElector {
         } else {
             (now, spec.lease_transitions.unwrap_or(0) + 1)
         };
+        // What the last holder said of its deliveries (a holder of another release: nothing).
+        let holders_wait = (!ours)
+            .then(|| {
+                lease
+                    .metadata
+                    .annotations
+                    .as_ref()?
+                    .get(DELIVERED_WITHIN_ANNOTATION)
+            })
+            .flatten()
+            .and_then(|v| humantime_serde::re::humantime::parse_duration(v).ok())
+            .map(|within| holders_wait(within, duration));
         lease.spec = Some(self.spec(acquired, now, transitions));
+        lease.metadata.annotations.get_or_insert_default().insert(
+            DELIVERED_WITHIN_ANNOTATION.to_owned(),
+            self.delivered_within_text(),
+        );
         // `replace` sends the resourceVersion we read: a concurrent writer makes it fail with 409.
         match self
             .api
@@ -562,6 +652,7 @@ impl LeaderElector {
         {
             Ok(_) => Outcome::Leading {
                 took_over: holder.is_some(),
+                holders_wait,
             },
             Err(kube::Error::Api(s)) if s.code == 409 => {
                 if ours {
@@ -574,6 +665,35 @@ impl LeaderElector {
         }
     }
 
+    fn delivered_within_text(&self) -> String {
+        humantime_serde::re::humantime::format_duration(self.delivered_within).to_string()
+    }
+
+    /// Counts `keb_takeover_wait_seconds` down to `until` while the fence waits for it, and
+    /// logs the end of the wait.
+    fn show_wait(&self, until: Instant) {
+        let (fence, name) = (self.fence.clone(), self.name.clone());
+        let gauge = self.wait_gauge.clone();
+        tokio::spawn(async move {
+            loop {
+                let left = until.saturating_duration_since(Instant::now());
+                if let Some(g) = &gauge {
+                    g.set(left.as_secs_f64());
+                }
+                if left.is_zero() || !fence.in_takeover_wait() {
+                    break;
+                }
+                tokio::time::sleep(left.min(Duration::from_millis(500))).await;
+            }
+            if let Some(g) = &gauge {
+                g.set(0.0);
+            }
+            if fence.is_valid() {
+                info!(lease = %name, "The takeover wait is over: publishing");
+            }
+        });
+    }
+
     fn spec(
         &self,
         acquired: jiff::Timestamp,
@@ -582,7 +702,7 @@ impl LeaderElector {
     ) -> LeaseSpec {
         LeaseSpec {
             holder_identity: Some(self.identity.clone()),
-            lease_duration_seconds: Some(self.lease_duration.as_secs().max(1) as i32),
+            lease_duration_seconds: Some(lease_seconds(self.lease_duration)),
             acquire_time: Some(MicroTime(acquired)),
             renew_time: Some(MicroTime(renewed)),
             lease_transitions: Some(transitions),
@@ -627,6 +747,14 @@ impl LeaderElector {
     }
 }
 
+/// `leaseDurationSeconds` for `duration`: whole seconds, rounded up (at least 1). Rounding
+/// down would let the others take the lease over before the holder's own deadline (a 4.5 s
+/// lease read as 4 s eats half a second of the margin `lease_duration - renew_deadline`).
+pub fn lease_seconds(duration: Duration) -> i32 {
+    let whole = duration.as_secs() + u64::from(duration.subsec_nanos() > 0);
+    whole.clamp(1, i32::MAX as u64) as i32
+}
+
 /// This replica's identity: the configured one, else `$POD_NAME`, else the host name.
 pub fn default_identity(cfg: &LeaderElectionConfig) -> String {
     cfg.identity
@@ -658,6 +786,14 @@ pub fn default_namespace(cfg: &LeaderElectionConfig) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lease_seconds_round_up() {
+        assert_eq!(lease_seconds(Duration::from_millis(4500)), 5);
+        assert_eq!(lease_seconds(Duration::from_secs(15)), 15);
+        assert_eq!(lease_seconds(Duration::from_millis(300)), 1);
+        assert_eq!(lease_seconds(Duration::ZERO), 1);
+    }
 
     #[test]
     fn the_takeover_wait_is_the_longest_delivery_beyond_the_lease_margin() {

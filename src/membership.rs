@@ -189,7 +189,7 @@ impl Membership {
         let name = self.lease_name();
         let spec = LeaseSpec {
             holder_identity: Some(self.identity.clone()),
-            lease_duration_seconds: Some(self.lease_duration.as_secs().max(1) as i32),
+            lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
             renew_time: Some(MicroTime(jiff::Timestamp::now())),
             ..Default::default()
         };

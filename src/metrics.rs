@@ -79,6 +79,10 @@ pub struct Metrics {
     pub informer_shard_server_side: IntGaugeVec,
     /// `keb_leader`: 1 while this replica publishes (it leads, or leader election is off).
     pub leader: IntGauge,
+    /// `keb_takeover_wait_seconds{lease}`: after this replica took a Lease over, the seconds
+    /// left before it publishes (the last holder's messages may still be delivered until
+    /// then); 0 otherwise.
+    pub takeover_wait: prometheus::GaugeVec,
     /// `keb_shard_owned{shard}`: 1 while this replica owns (holds the Lease of) the shard.
     pub shard_owned: IntGaugeVec,
     /// `keb_shard_handovers_total{shard,change}`: times this replica `acquired` a shard
@@ -268,6 +272,20 @@ impl Metrics {
                 "Objects compared with a route's checkpoint when it resumed, by outcome",
                 &["route", "outcome"],
             ),
+            takeover_wait: {
+                let g = prometheus::GaugeVec::new(
+                    Opts::new(
+                        "keb_takeover_wait_seconds",
+                        "Seconds left of the takeover wait after this replica took a Lease over (it publishes nothing until then)",
+                    ),
+                    &["lease"],
+                )
+                .expect("valid metric");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("unique metric");
+                g
+            },
             informer_last_event_age: {
                 let g = prometheus::GaugeVec::new(
                     Opts::new(

@@ -497,3 +497,74 @@ async fn a_version_switch_while_a_new_leader_waits_for_its_relist_deletes_nothin
         "only the delete was published after the takeover"
     );
 }
+
+/// The holder's timing travels with the Lease: a lease left by a holder whose messages may
+/// be delivered up to 8 s after its last renewal began (its `renew_deadline` plus a long
+/// `delivery_timeout`, written as `kube-event-bridge.io/delivered-within`) is taken over by
+/// an instance whose own settings need no wait (a stdout sink), and that instance still
+/// waits 8 s − 3 s (the lease's duration) before publishing: the metric and `/readyz` say so
+/// meanwhile, and the end is logged. The same lease without the annotation (a holder of an
+/// older release) is waited out with the taker's own settings: at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
+    for annotated in [true, false] {
+        let api = ApiServer::start().await;
+        api.create(typed(&configmap("ns", "a", "1")));
+        let renewed = jiff::Timestamp::now().to_string();
+        let mut lease = json!({
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "kube-event-bridge", "namespace": "kube-system"},
+            "spec": {"holderIdentity": "an-old-pod", "leaseDurationSeconds": 3,
+                     "acquireTime": renewed, "renewTime": renewed},
+        });
+        if annotated {
+            lease["metadata"]["annotations"] =
+                json!({"kube-event-bridge.io/delivered-within": "8s"});
+        }
+        api.create(lease);
+        let dir = tempfile::tempdir().unwrap();
+        let taker = Instance::start(&api, dir.path(), "taker").await;
+        let gauge = taker
+            .app
+            .metrics
+            .takeover_wait
+            .with_label_values(&["kube-event-bridge"]);
+        let took = wait::until(
+            "the lease taken over",
+            Duration::from_secs(15),
+            async || api.lease_holder().as_deref() == Some("taker"),
+        )
+        .await;
+        let taken_at = Instant::now();
+        let published = wait::until("a published", Duration::from_secs(20), async || {
+            !taker.published().is_empty()
+        });
+        if annotated {
+            // The wait shows while it lasts.
+            wait::until("the wait shown", Duration::from_secs(2), async || {
+                gauge.get() > 3.0
+            })
+            .await;
+            let (_, readyz) = support::http_get(taker.app.admin, "/readyz").await;
+            assert!(
+                readyz.contains("lease kube-event-bridge: taken over; publishing in"),
+                "{readyz}"
+            );
+            published.await;
+            let waited = taken_at.elapsed();
+            assert!(
+                waited >= Duration::from_millis(4_500),
+                "published {waited:?} after taking the lease over (after {took:?}); the old holder's messages may land until 5 s after"
+            );
+            assert_eq!(gauge.get(), 0.0, "the wait is over");
+        } else {
+            published.await;
+            let waited = taken_at.elapsed();
+            assert!(
+                waited < Duration::from_secs(3),
+                "no annotation, no wait of the taker's own: published after {waited:?}"
+            );
+        }
+        taker.stop().await;
+    }
+}

@@ -37,13 +37,16 @@ pub(super) fn liveness(sinks: Vec<Arc<dyn Sink>>) -> admin::Liveness {
 /// What `/readyz` answers: not ready while an informer has not synced (a forbidden one is
 /// only noted: it is retried and must not hold the rest back), a route waits for its
 /// checkpoint, the API server is unreachable or a sink is unhealthy; `pending` notes the
-/// kinds not served yet.
+/// kinds not served yet, and each Lease this replica took over and waits to publish under
+/// (`fences`, by Lease name).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn readiness(
     factory: Arc<SharedInformerFactory>,
     api_ok: Arc<AtomicBool>,
     sinks: Vec<Arc<dyn Sink>>,
     pending: Arc<std::sync::Mutex<Vec<String>>>,
     waiting: Vec<WaitingRoutes>,
+    fences: Vec<(String, crate::leader::Fence)>,
     sharded: bool,
     silent_after: Duration,
 ) -> admin::Readiness {
@@ -59,6 +62,14 @@ pub(super) fn readiness(
             })
             .collect();
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for (lease, fence) in &fences {
+            if let Some(left) = fence.takeover_left() {
+                notes.push(format!(
+                    "lease {lease}: taken over; publishing in {}s, once the last holder's messages are delivered or failed (the takeover wait)",
+                    left.as_secs_f64().ceil()
+                ));
+            }
+        }
         // Sharded, an informer that does not run is of a shard another replica owns (cold
         // standby); otherwise every informer runs.
         // A refusal is noted whether or not the informer synced: RBAC with `list` but not

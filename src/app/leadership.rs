@@ -90,15 +90,18 @@ type Draining = (Vec<Arc<RouteQueue>>, Vec<Arc<Checkpointer>>);
 impl Resources {
     /// The first step of handing this shard on (see [`hand_over`]): ends the term's pending
     /// switch-ons and switches every listener off, so that nothing more reaches the routes,
-    /// and runs out what stages in front of the queues hold. Returns the queues to drain and
-    /// the checkpointers to write; `None` when this replica publishes nothing (standing by,
-    /// or still in its takeover wait).
+    /// and runs out what stages in front of the queues hold. From here on the shard counts
+    /// as not leading: what discovery wires or switches meanwhile stays off. Returns the
+    /// queues to drain and the checkpointers to write; `None` when this replica publishes
+    /// nothing (standing by, or still in its takeover wait).
     fn stop_feeding(&mut self) -> Option<Draining> {
         if !self.leading {
             return None;
         }
+        self.leading = false;
         self.term.cancel();
         self.term = CancellationToken::new();
+        self.clear_waiting();
         for w in &self.wired {
             w.informers.iter().for_each(|i| i.deactivate_listeners());
         }
@@ -140,13 +143,29 @@ async fn hand_over(
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     for checkpointer in &checkpointers {
-        if let Err(err) = checkpointer.flush().await {
-            warn!(route = %checkpointer.route(), error = %err, "Handing a shard on: the checkpoint write failed; the lease expires instead");
-            return false;
+        match tokio::time::timeout_at(deadline, checkpointer.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                warn!(route = %checkpointer.route(), error = %err, "Handing a shard on: the checkpoint write failed; the lease expires instead");
+                return false;
+            }
+            Err(_) => {
+                warn!(route = %checkpointer.route(), "Handing a shard on: the checkpoint write did not finish in time; the lease expires instead");
+                return false;
+            }
         }
     }
-    // Nothing of the ending term is published from here on (the elector ends it next).
-    queues.iter().for_each(|q| q.set_active(false));
+    // Nothing of the ending term is published from here on (the elector ends it next); a
+    // route wired meanwhile must hold nothing either.
+    let resources = resources.lock().await;
+    let all = resources.queues();
+    if all.iter().any(|q| q.held() > 0) {
+        warn!(
+            "Handing a shard on: notifications arrived while the checkpoints were written; the lease expires instead"
+        );
+        return false;
+    }
+    all.iter().for_each(|q| q.set_active(false));
     info!(
         routes = queues.len(),
         "Handing a shard on: everything handed over was settled and checkpointed"
@@ -209,6 +228,8 @@ pub(super) fn follow(
                     )
                     .await;
                 }
+                // Asked in a term that ended since (the elector gave up waiting): nothing to do.
+                Some(answer) if answer.is_closed() => {}
                 Some(answer) => {
                     drained = hand_over(&resources, &fence, limit).await;
                     let _ = answer.send(drained);

@@ -242,6 +242,15 @@ impl App {
                 } else {
                     metrics.shard_owned.with_label_values(&[&shard.label()])
                 };
+                let longest = config
+                    .longest_delivery()
+                    .map(|(d, ..)| d)
+                    .unwrap_or_default();
+                let lease = if shard.is_whole() {
+                    le.lease_name.clone()
+                } else {
+                    format!("{}-shard-{}", le.lease_name, shard.label())
+                };
                 let elector = LeaderElector::new(
                     client.clone(),
                     le,
@@ -250,15 +259,15 @@ impl App {
                     fence,
                     config.takeover_wait(),
                     gauge,
-                );
+                )
+                .delivering_within(le, longest)
+                .takeover_gauge(metrics.takeover_wait.with_label_values(&[&lease]));
                 if shard.is_whole() {
                     elector
                 } else {
                     let (tx, rx) = watch::channel(false);
                     campaigns.push(tx);
-                    elector
-                        .for_lease(format!("{}-shard-{}", le.lease_name, shard.label()))
-                        .campaign_while(rx)
+                    elector.for_lease(lease).campaign_while(rx)
                 }
             });
             for (&index, why) in &resources.pending {
@@ -343,12 +352,19 @@ impl App {
         for part in &self.parts {
             waiting.push(part.resources.lock().await.waiting.clone());
         }
+        let fences = self
+            .parts
+            .iter()
+            .filter_map(|p| p.elector.as_ref())
+            .map(|e| (e.lease_name().to_owned(), e.fence()))
+            .collect();
         let readiness = health::readiness(
             self.factory.clone(),
             api_ok.clone(),
             self.sinks.clone(),
             pending_notes.clone(),
             waiting,
+            fences,
             self.membership.is_some(),
             {
                 // Two missed bookmarks (about a minute each) and some slack, or the stall

@@ -211,7 +211,7 @@ impl Config {
 
     /// The longest a message handed to a sink can take to be delivered (or fail for good):
     /// `kafka.delivery_timeout`, `nats.ack_timeout`; with the sink's index and setting.
-    fn longest_delivery(&self) -> Option<(std::time::Duration, usize, &'static str)> {
+    pub fn longest_delivery(&self) -> Option<(std::time::Duration, usize, &'static str)> {
         self.sinks
             .iter()
             .enumerate()
