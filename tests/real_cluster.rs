@@ -1105,3 +1105,106 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
     assert!(deduplicated.is_empty(), "{deduplicated:?}");
     assert!(filtered_out > 0 && resumed > 0, "the run exercised both");
 }
+
+/// A CRD deleted while nobody leads: the leader publishes ten Gadgets (checkpointed in
+/// JetStream KV) and is SIGKILLed, the CRD is deleted at once (the API server deletes the
+/// Gadgets with it), and the standby sees the kind go (its informers stop) before it takes
+/// the Lease over. Its resume begins on a kind known to be gone: it must complete as gone,
+/// a delete for every checkpointed Gadget, not wait for informers that will never sync
+/// (which published nothing: consumers kept ten Gadgets that no longer exist).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoint() {
+    let cluster = Cluster::start().await;
+    let ns = "crd-gone";
+    cluster.create_namespace(ns).await;
+    cluster
+        .install_crd(GROUP, "Gadget", "gadgets", true, &[("v1", true)])
+        .await;
+    for i in 0..10 {
+        cluster
+            .create("gadgets", gadget("v1", ns, &format!("g{i:02}"), i))
+            .await;
+    }
+    let nats = support::nats::NatsServer::start();
+    let mut sink = support::config::nats_sink("out", &nats.url(), json!({}));
+    sink["checkpoint_interval"] = json!("200ms");
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = cluster.kubeconfig();
+    let start = |identity: &str| {
+        let config = ConfigBuilder::new()
+            .cluster("crd-gone")
+            .grace_period("5s")
+            .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "1s"}))
+            .resource(
+                json!({"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}),
+            )
+            .sink(sink.clone())
+            .route("gadget", &["out"])
+            .fast_leader_election(identity, "200ms")
+            .value();
+        Replica::start(dir.path(), identity, &config, &kubeconfig)
+    };
+    let mut replicas: BTreeMap<String, Replica> = ["replica-a", "replica-b"]
+        .into_iter()
+        .map(|id| (id.to_owned(), start(id)))
+        .collect();
+    let read = async || -> Vec<Value> {
+        support::nats::read_stream(&nats.url(), support::config::NATS_STREAM)
+            .await
+            .iter()
+            .map(|m| serde_json::from_slice(&m.payload).unwrap())
+            .collect()
+    };
+    let mut leader = None;
+    wait::until(
+        "every Gadget published by a leader",
+        Patience::of(Duration::from_secs(90)),
+        async || {
+            leader = lease_holder(&cluster, "kube-event-bridge").await;
+            leader.is_some() && read().await.len() >= 10
+        },
+    )
+    .await;
+    // Checkpointed (every 200 ms), then the leader dies and the CRD goes with its objects.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let leader = leader.unwrap();
+    let killed = replicas.remove(&leader).unwrap();
+    killed.signal("KILL");
+    drop(killed);
+    cluster.delete_crd(GROUP, "gadgets").await;
+    let (standby, replica) = replicas.iter().next().unwrap();
+    wait::until(
+        "the standby sees the kind gone",
+        Patience::of(Duration::from_secs(60)),
+        async || replica.log().contains("No longer served"),
+    )
+    .await;
+    wait::until(
+        "the standby leads",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            lease_holder(&cluster, "kube-event-bridge").await.as_deref() == Some(standby.as_str())
+        },
+    )
+    .await;
+    wait::until(
+        "every Gadget's delete",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let events = read().await;
+            (0..10).all(|i| {
+                fold_in_order(&events)
+                    .get(&format!("{ns}/g{i:02}"))
+                    .is_some_and(Option::is_none)
+            })
+        },
+    )
+    .await;
+    let events = read().await;
+    let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
+    println!(
+        "CRD deleted while nobody led: {} messages, {deletes} deletes from the standby's resume",
+        events.len()
+    );
+    assert_eq!(deletes, 10, "one delete per Gadget");
+}

@@ -292,6 +292,7 @@ pub(super) async fn refresh(
                 }
                 let w = &mut resources.wired[j];
                 w.set_informers(Vec::new());
+                w.gone.store(true, std::sync::atomic::Ordering::SeqCst);
                 // Listeners that were off (a resume waiting for a relist) got no deletes.
                 for r in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
                     r.resumer.kind_gone();

@@ -58,6 +58,7 @@ impl Resources {
         // while no replica led: each cached object once, and what the first list has not
         // cached yet comes from it.
         queues.iter().for_each(|q| q.set_active(true));
+        self.end_gone_resumes();
         info!(
             informers = informers.len(),
             "Leading: relisting every informer before comparing with the checkpoints"
@@ -392,6 +393,7 @@ mod tests {
             }],
             current: tokio::sync::watch::Sender::new(Vec::new()),
             informers: Vec::new(),
+            gone: Default::default(),
         };
         Resources {
             wired: vec![wired],
