@@ -204,8 +204,8 @@ def check_kustomization(directory):
     if sharded:
         role = find(objects, "Role", "kube-event-bridge-leader-election")
         verbs = {v for r in (role[0]["rules"] if role else []) if not r.get("resourceNames") for v in r["verbs"]}
-        check(f"{label}: sharded: the Lease Role allows create, get, update and list on Leases (shard and membership Leases)",
-              {"create", "get", "update", "list"} <= verbs, f"verbs without resourceNames: {sorted(verbs)}")
+        check(f"{label}: sharded: the Lease Role allows create, get, update, list and delete on Leases (shard and membership Leases)",
+              {"create", "get", "update", "list", "delete"} <= verbs, f"verbs without resourceNames: {sorted(verbs)}")
 
     # Hardening.
     deployment = find(objects, "Deployment", "kube-event-bridge")[0]

@@ -274,6 +274,8 @@ pub struct LeaderElector {
     renew_deadline: Duration,
     retry_period: Duration,
     leading: watch::Sender<bool>,
+    // Terms begun so far (each change to leading), counted before the change is sent.
+    terms: std::sync::Arc<std::sync::atomic::AtomicU64>,
     fence: Fence,
     takeover_wait: Duration,
     gauge: IntGauge,
@@ -327,6 +329,7 @@ impl LeaderElector {
             renew_deadline: cfg.renew_deadline,
             retry_period: cfg.retry_period,
             leading: watch::channel(false).0,
+            terms: Default::default(),
             fence,
             takeover_wait,
             gauge,
@@ -388,6 +391,13 @@ impl LeaderElector {
         self.leading.subscribe()
     }
 
+    /// How many terms (changes to leading) have begun so far, counted before each change is
+    /// sent: a subscriber that sees a count more than one past the last it saw missed a whole
+    /// term (a loss and a regain reported as one change).
+    pub fn terms(&self) -> std::sync::Arc<std::sync::atomic::AtomicU64> {
+        self.terms.clone()
+    }
+
     /// The fence this candidate extends while it leads.
     pub fn fence(&self) -> Fence {
         self.fence.clone()
@@ -405,6 +415,9 @@ impl LeaderElector {
         self.gauge.set(leading as i64);
         let changed = self.leading.send_if_modified(|current| {
             let changed = *current != leading;
+            if changed && leading {
+                self.terms.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
             *current = leading;
             changed
         });

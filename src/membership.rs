@@ -8,6 +8,12 @@
 //! shards. A replica campaigns for the shards assigned to it and stops renewing the others;
 //! the shard Leases (see [`crate::leader`]) decide who actually owns each one, so replicas
 //! whose views differ for a moment cannot both publish a shard.
+//!
+//! Membership Leases are named after pods, which a Deployment renames at every rollout: a
+//! replica that leaves deletes its own, and every replica deletes those it has seen
+//! unrenewed for [`forgotten_after`] (with the resourceVersion it read as a precondition, so
+//! a renewal in between wins; a replica whose Lease was deleted while it lived creates it
+//! again at its next renewal).
 
 use std::{
     collections::{BTreeSet, HashMap},
@@ -20,12 +26,12 @@ use k8s_openapi::{
 };
 use kube::{
     Api, Client,
-    api::{ListParams, ObjectMeta, PostParams},
+    api::{DeleteParams, ListParams, ObjectMeta, PostParams, Preconditions},
 };
 use prometheus::IntGauge;
 use tokio::{sync::watch, time::Instant};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     leader::LeaderElectionConfig,
@@ -39,6 +45,13 @@ pub const MEMBER_LABEL: &str = "kube-event-bridge.io/members-of";
 /// with another number (a rollout that changes `sharding.shards`) split the objects
 /// differently, and both publishing would interleave two publishers per key.
 pub const SHARDS_ANNOTATION: &str = "kube-event-bridge.io/shards";
+
+/// How long a membership Lease must have gone unrenewed (as this replica saw it) before it
+/// deletes it: ten lease durations (its replica was counted out after one; a live replica
+/// whose Lease goes creates it again at its next renewal).
+pub fn forgotten_after(lease_duration: Duration) -> Duration {
+    lease_duration * 10
+}
 
 /// The shards assigned to `me` when `members` (sorted, `me` among them) share `shards`: each
 /// shard, in order, goes to the member with the highest rendezvous weight for it among those
@@ -87,6 +100,10 @@ pub struct Membership {
     replicas: IntGauge,
     // Per member lease name: the last record seen and when it was first seen.
     observed: HashMap<String, (Record, Instant)>,
+    // Unrenewed leases are deleted (until the API server refuses it: RBAC without delete).
+    collect: bool,
+    // How long a lease stays unrenewed before it is deleted (see `forgotten_after`).
+    forget_after: Duration,
 }
 
 /// What identifies a membership lease's renewal: its holder and renew time.
@@ -113,6 +130,8 @@ impl Membership {
             wanted: watch::channel(BTreeSet::new()).0,
             replicas,
             observed: HashMap::new(),
+            collect: true,
+            forget_after: forgotten_after(cfg.lease_duration),
         }
     }
 
@@ -231,10 +250,13 @@ impl Membership {
         let mut live = BTreeSet::from([self.identity.clone()]);
         let mut seen = HashMap::new();
         let mut other = None;
+        let mine = self.lease_name();
+        let mut forgotten = Vec::new();
         for lease in leases {
             let Some(name) = lease.metadata.name.clone() else {
                 continue;
             };
+            let rv = lease.metadata.resource_version.clone();
             let count = lease
                 .metadata
                 .annotations
@@ -262,14 +284,59 @@ impl Membership {
                     }
                 }
             }
+            if name != mine && now.duration_since(at) >= self.forget_after {
+                forgotten.push((name.clone(), rv));
+            }
             seen.insert(name, (record, at));
         }
         self.observed = seen;
+        for (name, rv) in forgotten {
+            self.forget(&name, rv).await;
+        }
         Ok((live.into_iter().collect(), other))
     }
 
+    /// Deletes the membership Lease `name`, left unrenewed (its replica is gone), unless it
+    /// changed since it was read at `rv`.
+    async fn forget(&mut self, name: &str, rv: Option<String>) {
+        if !self.collect {
+            return;
+        }
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                resource_version: rv,
+                uid: None,
+            }),
+            ..Default::default()
+        };
+        match self.api.delete(name, &params).await {
+            Ok(_) => {
+                info!(lease = %name, unrenewed_for = ?self.forget_after, "Deleted the membership Lease of a replica gone for good");
+                self.observed.remove(name);
+            }
+            Err(kube::Error::Api(s)) if s.code == 403 => {
+                warn!(lease = %name, "Cannot delete membership Leases (does the Role allow delete on leases?): those of replicas gone stay behind");
+                self.collect = false;
+            }
+            // Renewed or deleted meanwhile: looked at again at the next pass.
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => {}
+            Err(err) => {
+                debug!(lease = %name, error = %err, "Could not delete an unrenewed membership Lease; retrying later")
+            }
+        }
+    }
+
+    /// Deletes this replica's Lease (the others count it out at once); where the Role does
+    /// not allow that, empties its holder instead.
     async fn leave(&self) {
         let name = self.lease_name();
+        match self.api.delete(&name, &DeleteParams::default()).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(s)) if s.code == 404 => return,
+            Err(err) => {
+                debug!(error = %err, "Could not delete the membership Lease; emptying its holder instead");
+            }
+        }
         let Ok(Some(mut lease)) = self.api.get_opt(&name).await else {
             return;
         };

@@ -373,10 +373,12 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
     let stop = Arc::new(AtomicBool::new(false));
     let writer = tokio::spawn(write(api.clone(), 300, stop.clone()));
     tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut gone_members = Vec::new();
     let timings = match scenario {
         Scenario::Kill => {
             let victim = replicas.remove(1);
             let victim_id = victim.identity.clone();
+            gone_members.push(victim_id.clone());
             let killed_at = tokio::time::Instant::now();
             drop(victim);
             let gone = [victim_id];
@@ -401,6 +403,7 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
             let started = tokio::time::Instant::now();
             let leaving: Vec<Replica> = replicas.drain(0..3).collect();
             let gone: Vec<String> = leaving.iter().map(|r| r.identity.clone()).collect();
+            gone_members.extend(gone.iter().cloned());
             for mut r in leaving {
                 r.terminate();
             }
@@ -445,6 +448,33 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
     // Replicas that join or leave (SIGTERM) hand their shards on drained: the next owner
     // finds every message in the checkpoint and sends none again. (A SIGKILLed replica's
     // unwritten acknowledgements are sent again: duplicates are what a crash may cost.)
+    // No membership Lease of a replica gone is left behind: those that stopped deleted their
+    // own; a SIGKILLed one's is deleted by the others after ten lease durations.
+    let member = |id: &str| api.lease_holder_of(&format!("kube-event-bridge-member-{id}"));
+    let exists = |id: &str| {
+        api.get(
+            "coordination.k8s.io/v1",
+            "Lease",
+            "kube-system",
+            &format!("kube-event-bridge-member-{id}"),
+        )
+        .is_some()
+    };
+    let forgotten = if std::env::var("SHARDING_TEST_DEFAULT_LEASES").is_ok() {
+        Duration::from_secs(200)
+    } else {
+        Duration::from_secs(60)
+    };
+    wait::until(
+        "the membership Leases of the replicas gone deleted",
+        Patience::of(forgotten),
+        async || gone_members.iter().all(|id| !exists(id)),
+    )
+    .await;
+    assert!(
+        replicas.iter().all(|r| member(&r.identity).is_some()),
+        "the live replicas' membership Leases stay"
+    );
     if matches!(scenario, Scenario::Scale) {
         assert!(
             repeats.is_empty(),

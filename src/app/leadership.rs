@@ -195,10 +195,13 @@ pub(super) fn follow(
 ) -> JoinHandle<()> {
     let mut leading = elector.subscribe();
     let fence = elector.fence();
+    let terms = elector.terms();
     let mut requests = handovers.is_some().then(|| elector.handovers());
     tokio::spawn(async move {
         // The last term ended with a clean hand-over: nothing of it is in the sinks.
         let mut drained = false;
+        // What the last change seen said: leading, and the terms begun by then.
+        let mut seen = (false, 0u64);
         loop {
             let request = async {
                 match requests.as_mut() {
@@ -218,14 +221,26 @@ pub(super) fn follow(
             };
             match next {
                 None => {
-                    let was_drained = std::mem::take(&mut drained);
+                    // The count is read after the value: a later term can only make it larger
+                    // (and the queues go, which is always safe).
+                    let now = *leading.borrow_and_update();
+                    let term = terms.load(std::sync::atomic::Ordering::SeqCst);
+                    // A term of this shard ended with messages maybe still in the sinks: one
+                    // seen ending undrained, or one not seen at all (a loss and a regain as one
+                    // change). A plain acquisition leaves the sinks alone: the other shards'
+                    // messages are in them.
+                    let missed = term > seen.1 + u64::from(now) || (now && seen.0);
+                    let abandon = if now { missed } else { missed || !drained };
+                    drained = false;
+                    seen = (now, term);
                     follow_change(
+                        now,
                         &mut leading,
                         &resources,
                         &sinks,
                         &handovers,
                         &fence,
-                        was_drained,
+                        !abandon,
                     )
                     .await;
                 }
@@ -240,9 +255,11 @@ pub(super) fn follow(
     })
 }
 
-/// Applies one change of leadership (see [`follow`]); `drained`: the last term ended with a
-/// clean hand-over.
+/// Applies one change of leadership (see [`follow`]); `drained`: nothing of an ended term of
+/// this shard can be in the sinks (it ended with a clean hand-over, or it was abandoned
+/// already), so their queues are left alone.
 async fn follow_change(
+    now: bool,
     leading: &mut tokio::sync::watch::Receiver<bool>,
     resources: &tokio::sync::Mutex<Resources>,
     sinks: &[Arc<dyn crate::sinks::Sink>],
@@ -250,7 +267,6 @@ async fn follow_change(
     fence: &crate::leader::Fence,
     drained: bool,
 ) {
-    let now = *leading.borrow_and_update();
     if let Some(counters) = &handovers {
         counters[usize::from(!now)].inc();
     }

@@ -313,30 +313,9 @@ impl ApiServer {
     /// Deletes an object; watchers get its last state with the deletion's resourceVersion.
     pub fn delete(&self, api_version: &str, kind: &str, namespace: &str, name: &str) -> Value {
         let res = self.resource_of(api_version, kind);
-        let ns = if self.shared.def(res).namespaced {
-            namespace
-        } else {
-            ""
-        };
-        let mut store = self.shared.store.lock().unwrap();
-        let mut obj = Arc::unwrap_or_clone(
-            store
-                .objects
-                .remove(&(res, ns.to_owned(), name.to_owned()))
-                .unwrap_or_else(|| panic!("{namespace}/{name} does not exist")),
-        );
-        store.rv += 1;
-        obj["metadata"]["resourceVersion"] = json!(store.rv.to_string());
-        let ev = HistoryEvent {
-            rv: store.rv,
-            resource: res,
-            ty: "DELETED",
-            old: None,
-            obj: obj.clone(),
-        };
-        store.history.push(ev.clone());
-        let _ = self.shared.events.send(ev);
-        obj
+        self.shared
+            .remove(res, namespace, name, None)
+            .unwrap_or_else(|(_, reason, msg)| panic!("{reason}: {msg}"))
     }
 
     /// Forgets all history: watches from any earlier resourceVersion get ERROR 410.
@@ -707,6 +686,57 @@ impl Shared {
     /// Creates (`ADDED`) or replaces (`MODIFIED`) an object and records the watch event. With
     /// `check_rv`, a replace must carry the current resourceVersion (optimistic concurrency).
     /// Errors are (HTTP code, reason, message).
+    /// Removes object `namespace/name` of resource `res` (if its resourceVersion is
+    /// `precondition`, when given, as the real server checks a DeleteOptions' preconditions):
+    /// watchers get its last state with the deletion's resourceVersion.
+    fn remove(
+        &self,
+        res: usize,
+        namespace: &str,
+        name: &str,
+        precondition: Option<&str>,
+    ) -> Result<Value, (u16, &'static str, String)> {
+        let ns = if self.def(res).namespaced {
+            namespace
+        } else {
+            ""
+        };
+        let mut store = self.store.lock().unwrap();
+        let key = (res, ns.to_owned(), name.to_owned());
+        let Some(current) = store.objects.get(&key) else {
+            return Err((
+                404,
+                "NotFound",
+                format!("{namespace}/{name} does not exist"),
+            ));
+        };
+        if let Some(rv) = precondition
+            && current["metadata"]["resourceVersion"].as_str() != Some(rv)
+        {
+            return Err((
+                409,
+                "Conflict",
+                format!(
+                    "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {}",
+                    current["metadata"]["resourceVersion"]
+                ),
+            ));
+        }
+        let mut obj = Arc::unwrap_or_clone(store.objects.remove(&key).expect("present"));
+        store.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(store.rv.to_string());
+        let ev = HistoryEvent {
+            rv: store.rv,
+            resource: res,
+            ty: "DELETED",
+            old: None,
+            obj: obj.clone(),
+        };
+        store.history.push(ev.clone());
+        let _ = self.events.send(ev);
+        Ok(obj)
+    }
+
     fn apply(
         &self,
         ty: &'static str,
@@ -1209,7 +1239,8 @@ fn counted(shared: Arc<Shared>, response: Response<Body>) -> Response<Body> {
     Response::from_parts(parts, Body::from_stream(stream))
 }
 
-/// GET of one object, POST (create) on a collection, PUT (replace) of one object.
+/// GET of one object, POST (create) on a collection, PUT (replace) of one object, DELETE of
+/// one object (with a resourceVersion precondition, if the body's DeleteOptions has one).
 fn write_or_get(
     shared: &Shared,
     c: &Collection,
@@ -1277,6 +1308,14 @@ fn write_or_get(
                     },
                     &obj,
                 ),
+                Err(e) => failure(e),
+            }
+        }
+        ("DELETE", Some(name)) => {
+            let options: Value = serde_json::from_slice(body).unwrap_or_default();
+            let precondition = options["preconditions"]["resourceVersion"].as_str();
+            match shared.remove(c.resource, &ns, name, precondition) {
+                Ok(obj) => json_response(StatusCode::OK, &obj),
                 Err(e) => failure(e),
             }
         }
