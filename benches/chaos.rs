@@ -8,16 +8,17 @@
 //! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`,
 //! `zombie-leader` (two replicas with leader election, a 3 s lease; every 20 s the leader is
 //! frozen with SIGSTOP for 8 s, the other takes over, and the frozen one is thawed: it must
-//! publish nothing behind the new leader), `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
+//! publish nothing behind the new leader), `kafka-zombie-leader` (the same into Kafka), `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
 //! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
 //! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
 //! delete, and every patch applied to the object last read must give the new one), `model`
 //! (the model-based test of `tests/model.rs`, in this process: filters, `publish_if`, an
 //! `events` subset, a CRD wildcard, resume, leader handovers, version switches, discovery
 //! faults and watch 410s combined, case after case; see `tests/support/model.rs`). Every
-//! scenario exports to JetStream except `kafka-broker-down`, which exports to librdkafka's
-//! mock cluster (in this process, on a loopback port the service connects to), the one Kafka
-//! broker here that can be taken down and brought back with its data.
+//! scenario exports to JetStream except the `kafka-` ones, which export to Apache Kafka (a
+//! single KRaft node of the test support, from the jars `scripts/test` fetches; a topic of
+//! 12 partitions); `kafka-broker-down` stops the node (SIGTERM) and starts it again on its
+//! data.
 //!
 //! One line per scenario: changes made, messages the broker acknowledged (last process) and
 //! holds, `lost` (once the service caught up, the stream folded per object in the order the
@@ -33,7 +34,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use support::{api_server, config, nats, objects, wait};
+use support::{api_server, config, kafka, nats, objects, wait};
 
 use std::{
     collections::HashMap,
@@ -56,7 +57,7 @@ use serde_json::{Value, json};
 use wait::Patience;
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 11] = [
+const SCENARIOS: [&str; 12] = [
     "watch-drop",
     "gone-storm",
     "throttle",
@@ -67,6 +68,7 @@ const SCENARIOS: [&str; 11] = [
     "sigkill",
     "filter-churn",
     "zombie-leader",
+    "kafka-zombie-leader",
     "model",
 ];
 /// Namespaces the objects are spread over.
@@ -472,25 +474,26 @@ fn fold_by_order(truth: &Truth, last: &HashMap<String, (u64, bool)>, filtered: b
 /// Where the service exports to.
 enum Broker {
     Nats(NatsServer),
-    Kafka(rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>),
+    Kafka(kafka::Kafka),
 }
 
 const KAFKA_TOPIC: &str = "chaos-events";
-/// The mock cluster keeps at most 5 MB (and 100,000 messages) per partition and evicts older
-/// ones; 64 partitions hold a few minutes of this load. Evictions are reported.
-const KAFKA_PARTITIONS: i32 = 64;
+const KAFKA_PARTITIONS: i32 = 12;
+
+/// The fault of `scenario`: `kafka-X` is `X` into Kafka.
+fn fault(scenario: &str) -> &str {
+    scenario.strip_prefix("kafka-").unwrap_or(scenario)
+}
 
 impl Broker {
     fn start(kafka: bool) -> Self {
         if !kafka {
             return Self::Nats(NatsServer::start());
         }
-        let mock = rdkafka::mocking::MockCluster::new(1).unwrap();
-        mock.create_topic(KAFKA_TOPIC, KAFKA_PARTITIONS, 1).unwrap();
-        // The mock cluster answers no admin requests: the checkpoint topic exists beforehand.
-        mock.create_topic("kube-event-bridge.checkpoints", 1, 1)
-            .unwrap();
-        Self::Kafka(mock)
+        let node = tokio::task::block_in_place(kafka::Kafka::start);
+        // The service creates its checkpoint topic itself.
+        node.create_topic(KAFKA_TOPIC, KAFKA_PARTITIONS as u32);
+        Self::Kafka(node)
     }
 
     /// The service's sink.
@@ -506,21 +509,19 @@ impl Broker {
                 sink["nats"] = json!({"servers": [n.url()], "ack_timeout": "5s",
                     "stream": {"name": STREAM, "create": true, "subjects": ["k8s.>"], "duplicate_window": "30m"}});
             }
-            Self::Kafka(m) => {
+            Self::Kafka(k) => {
                 sink["name"] = json!("out");
                 sink["type"] = json!("kafka");
-                sink["kafka"] = json!({"brokers": [m.bootstrap_servers()], "topic": KAFKA_TOPIC,
+                sink["kafka"] = json!({"brokers": [k.brokers()], "topic": KAFKA_TOPIC,
                     "create_topics": null, "delivery_timeout": "5s"});
             }
         }
         sink
     }
 
-    fn kafka_client(
-        m: &rdkafka::mocking::MockCluster<'static, rdkafka::producer::DefaultProducerContext>,
-    ) -> rdkafka::ClientConfig {
+    fn kafka_client(k: &kafka::Kafka) -> rdkafka::ClientConfig {
         let mut c = rdkafka::ClientConfig::new();
-        c.set("bootstrap.servers", m.bootstrap_servers());
+        c.set("bootstrap.servers", k.brokers());
         c
     }
 
@@ -575,11 +576,7 @@ impl Broker {
     fn outage(&mut self, down: Duration) {
         tokio::task::block_in_place(|| match self {
             Self::Nats(n) => n.restart_after(down),
-            Self::Kafka(m) => {
-                m.broker_down(1).unwrap();
-                std::thread::sleep(down);
-                m.broker_up(1).unwrap();
-            }
+            Self::Kafka(k) => k.outage(down),
         });
     }
 }
@@ -624,7 +621,7 @@ fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
         message["include_old_object"] = json!(false);
     }
     let mut builder = ConfigBuilder::new();
-    if scenario == "zombie-leader" {
+    if fault(scenario) == "zombie-leader" {
         // A 3 s lease, renewed within 2 s: with the 5 s ack timeout, a 4 s takeover wait.
         builder = builder.set(
             "leader_election",
@@ -649,7 +646,7 @@ fn default_minutes(scenario: &str) -> f64 {
     match scenario {
         "watch-drop" => 10.0,
         "slow-sink" | "model" => 2.0,
-        "zombie-leader" => 3.0,
+        "zombie-leader" | "kafka-zombie-leader" => 3.0,
         "broker-down" | "kafka-broker-down" => 3.0,
         _ => 5.0,
     }
@@ -690,7 +687,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
     }
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(ApiServer::start().await);
-    let mut broker = Broker::start(scenario == "kafka-broker-down");
+    let mut broker = Broker::start(scenario.starts_with("kafka-"));
     let truth = Arc::new(Mutex::new(Truth::default()));
     {
         let mut t = truth.lock().unwrap();
@@ -721,7 +718,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
     };
     let mut service = replica("chaos-a");
     // `zombie-leader`: the second replica, and the one frozen now (since when).
-    let standby = if scenario == "zombie-leader" {
+    let standby = if fault(scenario) == "zombie-leader" {
         // Started once the first listens, so that the two get different admin ports.
         wait::until(
             "the first replica's admin port",
@@ -772,7 +769,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         }
         peak_held = peak_held.max(held);
         let since = last_fault.elapsed();
-        match scenario {
+        match fault(scenario) {
             "watch-drop" | "filter-churn" if since >= Duration::from_secs(5) => {
                 api.drop_watches();
                 faults.fetch_add(1, Ordering::Relaxed);
@@ -784,9 +781,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
                 faults.fetch_add(1, Ordering::Relaxed);
                 last_fault = Instant::now();
             }
-            "broker-down" | "kafka-broker-down"
-                if !fault_done && started.elapsed() >= duration / 4 =>
-            {
+            "broker-down" if !fault_done && started.elapsed() >= duration / 4 => {
                 let down = Duration::from_secs(60).min(duration / 2);
                 broker.outage(down);
                 faults.fetch_add(down.as_secs(), Ordering::Relaxed);
@@ -882,7 +877,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
             keep.display()
         );
     }
-    let extra = match scenario {
+    let extra = match fault(scenario) {
         "watch-drop" | "gone-storm" => format!("  faults {}", faults.load(Ordering::Relaxed)),
         "zombie-leader" => format!("  leaders frozen {}", faults.load(Ordering::Relaxed)),
         "filter-churn" => format!(
@@ -894,7 +889,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
             stream.patches,
             stream.patch_mismatches
         ),
-        "broker-down" | "kafka-broker-down" => {
+        "broker-down" => {
             format!("  down {} s", faults.load(Ordering::Relaxed))
         }
         "sigterm" | "sigkill" => format!("  exit {:?}", exits.first().copied().flatten()),
@@ -1012,7 +1007,7 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, of which 10 points touch only an annotation; 15% deletes; recreates), service binary → nats-server JetStream (Kafka: librdkafka's mock cluster); {} cores",
+        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, of which 10 points touch only an annotation; 15% deletes; recreates), service binary → nats-server JetStream (kafka-: Apache Kafka 4.3); {} cores",
         opts.rate,
         opts.objects,
         std::thread::available_parallelism().map_or(0, |n| n.get())

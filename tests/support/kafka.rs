@@ -104,6 +104,27 @@ code=$?
 [ "$code" = 137 ] && rm -rf "$KAFKA_DIR"
 exit "$code""#;
 
+/// Starts `kafka.Kafka` on the formatted `dir` under the [`WATCHDOG`]: the child and the
+/// pipe that keeps it alive.
+fn serve(dir: &Path) -> (Child, Option<ChildStdin>) {
+    // Native libraries the JVM unpacks (lz4, zstd, snappy) go to the node's directory,
+    // which the watchdog removes: a killed JVM cannot delete them from /tmp itself.
+    let mut server = Command::new("sh");
+    server
+        .args(["-c", WATCHDOG, "sh", "-Xmx512m", "-XX:-UsePerfData"])
+        .arg(format!("-Djava.io.tmpdir={}", dir.join("tmp").display()));
+    java(&mut server, &jars(), &dir.join("kafka.log"));
+    let mut child = server
+        .arg("kafka.Kafka")
+        .arg(dir.join("server.properties"))
+        .env("KAFKA_DIR", dir)
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("sh runs");
+    let lifeline = child.stdin.take();
+    (child, lifeline)
+}
+
 /// The node [`Kafka::shared`] hands out.
 static SHARED: OnceLock<Kafka> = OnceLock::new();
 
@@ -319,21 +340,7 @@ impl Kafka {
             "kafka-storage format failed: {}",
             std::fs::read_to_string(&log).unwrap_or_default()
         );
-        // Native libraries the JVM unpacks (lz4, zstd, snappy) go to the node's directory,
-        // which the watchdog removes: a killed JVM cannot delete them from /tmp itself.
-        let mut server = Command::new("sh");
-        server
-            .args(["-c", WATCHDOG, "sh", "-Xmx512m", "-XX:-UsePerfData"])
-            .arg(format!("-Djava.io.tmpdir={}", dir.join("tmp").display()));
-        java(&mut server, &jars, &log);
-        let mut child = server
-            .arg("kafka.Kafka")
-            .arg(&properties)
-            .env("KAFKA_DIR", &dir)
-            .stdin(Stdio::piped())
-            .spawn()
-            .expect("sh runs");
-        let lifeline = child.stdin.take();
+        let (child, lifeline) = serve(&dir);
         let mut kafka = Self {
             child,
             lifeline,
@@ -350,6 +357,28 @@ impl Kafka {
             kafka.started_in.as_secs_f64()
         );
         kafka
+    }
+
+    /// Stops the node (SIGTERM: a controlled shutdown, its data kept), leaves it down for
+    /// `down`, and starts it again on the same data and ports; returns once it answers.
+    /// Clients see a broker restart (a rolling update of the brokers, a node lost for a while).
+    pub fn outage(&mut self, down: Duration) {
+        let stopped = Command::new("pkill")
+            .args(["-TERM", "-P", &self.child.id().to_string()])
+            .status()
+            .expect("pkill runs");
+        assert!(stopped.success(), "no JVM under the watchdog to stop");
+        let exit = self.child.wait().unwrap();
+        assert_ne!(
+            exit.code(),
+            Some(137),
+            "the JVM was killed, its data removed"
+        );
+        drop(self.lifeline.take());
+        std::thread::sleep(down);
+        let begun = Instant::now();
+        (self.child, self.lifeline) = serve(&self.dir);
+        self.wait_until_it_answers(begun);
     }
 
     /// Polls a metadata request until the node names itself as a broker.
