@@ -309,7 +309,11 @@ pub async fn connect(cfg: &KubernetesConfig, metrics: &Metrics) -> Result<(Clien
 /// A client for `config` whose every request (list, watch, discovery, lease), and every retry
 /// of one, first takes a token of the `qps`/`burst` bucket of `cfg`, as client-go's rate
 /// limiter does, and whose 429 answers are counted with their Retry-After (and retried after
-/// it, as kube does by default).
+/// it, as kube does by default). Lease requests (leader election, shards, membership) take
+/// their tokens from a bucket of their own with the same settings, as a client-go leader
+/// elector has its own client: a replica that starts hundreds of lists at once (many shards
+/// of a wide selection) still renews its Leases in time. A request dropped while it waits for
+/// its token (a list given up on) gives the token back.
 ///
 /// Every read also times out after `watch_stall_timeout` without a byte (0: never): a watch
 /// that delivers neither an event nor a bookmark for that long fails and is re-watched (the
@@ -381,6 +385,21 @@ impl<Res>
     }
 }
 
+/// A token taken for a request that has not waited it out yet: dropped with the request, it
+/// goes back to the bucket.
+struct Refund(Arc<TokenBucket>);
+
+impl Drop for Refund {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+/// Whether `req` is about a Lease (leader election, shards, membership).
+fn is_lease<B>(req: &http::Request<B>) -> bool {
+    req.uri().path().starts_with("/apis/coordination.k8s.io/")
+}
+
 /// Whether `req` asks for a later page of a list (a GET with a `continue` token).
 fn continues_list<B>(req: &http::Request<B>) -> bool {
     req.method() == http::Method::GET
@@ -402,6 +421,7 @@ struct ApiMetrics {
 #[derive(Clone)]
 pub struct ApiLimitLayer {
     bucket: Arc<TokenBucket>,
+    leases: Arc<TokenBucket>,
     metrics: ApiMetrics,
 }
 
@@ -410,6 +430,7 @@ impl ApiLimitLayer {
     fn new(cfg: &KubernetesConfig, metrics: &Metrics) -> Self {
         Self {
             bucket: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
+            leases: Arc::new(TokenBucket::new(cfg.qps, cfg.burst)),
             metrics: ApiMetrics {
                 requests: metrics.api_requests.clone(),
                 throttled: metrics.api_throttled.clone(),
@@ -457,10 +478,15 @@ where
         // A paged list took its token with its first page; the later pages follow at the
         // pace the server answers them (throttled, a list of 100,000 objects at 500 a page
         // would spend two seconds waiting for tokens at 50 per second).
-        let wait = if continues_list(&req) {
-            Duration::ZERO
+        let bucket = if is_lease(&req) {
+            &self.layer.leases
         } else {
-            self.layer.bucket.reserve()
+            &self.layer.bucket
+        };
+        let (wait, mut refund) = if continues_list(&req) {
+            (Duration::ZERO, None)
+        } else {
+            (bucket.reserve(), Some(Refund(bucket.clone())))
         };
         // The inner future sends the request when first polled, after the wait.
         let sent = self.inner.call(req);
@@ -469,6 +495,10 @@ where
             if !wait.is_zero() {
                 m.waited.inc_by(wait.as_secs_f64());
                 tokio::time::sleep(wait).await;
+            }
+            // Waited out: the token is spent.
+            if let Some(r) = refund.take() {
+                std::mem::forget(r);
             }
             m.requests.inc();
             let response = sent.await?;
@@ -564,6 +594,43 @@ mod tests {
         assert_eq!(metrics.api_retry_after_seconds.get(), 18);
         // Waits: 100 + 200 + … + 1000 ms.
         assert!((metrics.api_client_wait_seconds.get() - 5.5).abs() < 1e-6);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn leases_have_a_bucket_of_their_own_and_dropped_requests_give_tokens_back() {
+        let metrics = Metrics::new();
+        let cfg = KubernetesConfig {
+            qps: 10.0,
+            burst: 1,
+            ..Default::default()
+        };
+        let layer = ApiLimitLayer::new(&cfg, &metrics);
+        let server = Server::default();
+        let mut service = layer.layer(server.clone());
+        let start = tokio::time::Instant::now();
+        let request = |uri: &str| http::Request::get(uri).body(0).unwrap();
+        // Fifty lists queue behind the bucket (5 s of tokens) …
+        let lists: Vec<_> = (0..50)
+            .map(|_| service.call(request("/api/v1/configmaps?limit=500")))
+            .collect();
+        // … and a lease renewal goes at once.
+        let lease = "/apis/coordination.k8s.io/v1/namespaces/ns/leases/kube-event-bridge";
+        service.call(request(lease)).await.unwrap();
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        // The lists are given up on (a term ended): their tokens come back, and the next list
+        // waits for one token, not behind fifty.
+        drop(lists);
+        tokio::time::advance(Duration::from_millis(100)).await;
+        let begun = tokio::time::Instant::now();
+        service
+            .call(request("/api/v1/configmaps?limit=500"))
+            .await
+            .unwrap();
+        assert!(
+            begun.elapsed() <= Duration::from_millis(100),
+            "{:?}",
+            begun.elapsed()
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -121,6 +121,13 @@ impl TokenBucket {
         }
     }
 
+    /// Gives back a token [`reserve`](Self::reserve) took, for a request dropped before its
+    /// wait ended (as Go's `Reservation.Cancel`): requests given up on leave no debt behind.
+    pub fn cancel(&self) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.0 = (s.0 + 1.0).min(self.burst);
+    }
+
     /// Full again, with no reservation outstanding.
     pub fn refill(&self) {
         *self.state.lock().unwrap_or_else(|e| e.into_inner()) = (self.burst, Instant::now());
