@@ -52,9 +52,10 @@ pub struct KubernetesConfig {
     /// deleted; a group whose discovery fails stops nothing.
     #[serde(default = "default_discovery_grace", with = "humantime_serde")]
     pub discovery_grace: Duration,
-    /// Requests per second to the API server, over every list, watch, discovery and lease
-    /// request (client-side rate limit, as client-go's QPS); a paged list counts once, its
-    /// later pages follow at the server's pace.
+    /// Requests per second to the API server, over every list, watch and discovery request
+    /// (client-side rate limit, as client-go's QPS), and as much again for Lease requests
+    /// (a bucket of their own); a paged list counts once, its later pages follow at the
+    /// server's pace.
     #[serde(default = "default_qps")]
     pub qps: f64,
     /// Requests the rate limit lets through at once.
