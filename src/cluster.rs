@@ -387,12 +387,24 @@ impl<Res>
 }
 
 /// A token taken for a request that has not waited it out yet: dropped with the request, it
-/// goes back to the bucket.
-struct Refund(Arc<TokenBucket>);
+/// goes back to the bucket. (Whole, unlike Go's `Reservation.Cancel`, which gives back only
+/// what later reservations did not count on: dropping requests from the middle of a long
+/// queue lets new ones overlap the waits of those still queued, up to about twice `qps` for
+/// as long as that queue lasts; the API server's 429s, counted and retried, bound it.)
+struct Refund(Option<Arc<TokenBucket>>);
+
+impl Refund {
+    /// The token is spent: nothing goes back.
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
 
 impl Drop for Refund {
     fn drop(&mut self) {
-        self.0.cancel();
+        if let Some(bucket) = self.0.take() {
+            bucket.cancel();
+        }
     }
 }
 
@@ -485,9 +497,9 @@ where
             &self.layer.bucket
         };
         let (wait, mut refund) = if continues_list(&req) {
-            (Duration::ZERO, None)
+            (Duration::ZERO, Refund(None))
         } else {
-            (bucket.reserve(), Some(Refund(bucket.clone())))
+            (bucket.reserve(), Refund(Some(bucket.clone())))
         };
         // The inner future sends the request when first polled, after the wait.
         let sent = self.inner.call(req);
@@ -498,9 +510,7 @@ where
                 tokio::time::sleep(wait).await;
             }
             // Waited out: the token is spent.
-            if let Some(r) = refund.take() {
-                std::mem::forget(r);
-            }
+            refund.disarm();
             m.requests.inc();
             let response = sent.await?;
             if response.status() == http::StatusCode::TOO_MANY_REQUESTS {

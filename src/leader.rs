@@ -245,8 +245,11 @@ pub fn takeover_wait(cfg: &LeaderElectionConfig, longest_delivery: Duration) -> 
 }
 
 /// The annotation a holder writes on its Lease at each renewal: how long after a renewal
-/// began its last message can still be delivered (`renew_deadline` plus its longest
-/// delivery), as a humantime duration (`35s`).
+/// began a message handed over under the Lease can still be delivered (`renew_deadline`
+/// plus its longest delivery, or more while its own takeover wait still covers an earlier
+/// holder's), as a humantime duration followed by `;` and the holder's identity
+/// (`35s;pod-a`): a value another holder left (a release without this annotation renewed the
+/// Lease since) is not taken for the current holder's.
 pub const DELIVERED_WITHIN_ANNOTATION: &str = "kube-event-bridge.io/delivered-within";
 
 /// How long a taker waits after taking a lease over from a holder whose messages may be
@@ -594,7 +597,7 @@ impl LeaderElector {
                     annotations: Some(
                         [(
                             DELIVERED_WITHIN_ANNOTATION.to_owned(),
-                            self.delivered_within_text(),
+                            self.delivered_within_text(Duration::ZERO),
                         )]
                         .into(),
                     ),
@@ -641,21 +644,30 @@ impl LeaderElector {
             (now, spec.lease_transitions.unwrap_or(0) + 1)
         };
         // What the last holder said of its deliveries (a holder of another release: nothing).
-        let holders_wait = (!ours)
-            .then(|| {
-                lease
-                    .metadata
-                    .annotations
-                    .as_ref()?
-                    .get(DELIVERED_WITHIN_ANNOTATION)
-            })
-            .flatten()
-            .and_then(|v| humantime_serde::re::humantime::parse_duration(v).ok())
-            .map(|within| holders_wait(within, duration));
+        // What the last holder said of its deliveries, if it said it (an earlier run of this
+        // identity counts: its messages may still be on their way too).
+        let holders_wait = holder.as_deref().and_then(|h| {
+            let (within, by) = lease
+                .metadata
+                .annotations
+                .as_ref()?
+                .get(DELIVERED_WITHIN_ANNOTATION)?
+                .rsplit_once(';')?;
+            (by == h).then_some(())?;
+            let within = humantime_serde::re::humantime::parse_duration(within.trim()).ok()?;
+            Some(holders_wait(within, duration))
+        });
+        // Taking it over, this holder waits for the last one's messages: the wait it owes
+        // is part of what it writes from the start.
+        let owed = if holder.is_some() && !*self.leading.borrow() {
+            self.takeover_wait.max(holders_wait.unwrap_or_default())
+        } else {
+            self.fence.takeover_left().unwrap_or_default()
+        };
         lease.spec = Some(self.spec(acquired, now, transitions));
         lease.metadata.annotations.get_or_insert_default().insert(
             DELIVERED_WITHIN_ANNOTATION.to_owned(),
-            self.delivered_within_text(),
+            self.delivered_within_text(owed),
         );
         // `replace` sends the resourceVersion we read: a concurrent writer makes it fail with 409.
         match self
@@ -678,8 +690,17 @@ impl LeaderElector {
         }
     }
 
-    fn delivered_within_text(&self) -> String {
-        humantime_serde::re::humantime::format_duration(self.delivered_within).to_string()
+    /// The annotation's value: this holder's own bound, or longer while the takeover wait it
+    /// `owed` (from this renewal on) still covers an earlier holder's messages, so that the
+    /// wait still owed travels on to whoever takes the Lease next. Rounded up to seconds.
+    fn delivered_within_text(&self, owed: Duration) -> String {
+        let within = self.delivered_within.max(owed);
+        let whole = Duration::from_millis(within.as_millis().div_ceil(1000) as u64 * 1000);
+        format!(
+            "{};{}",
+            humantime_serde::re::humantime::format_duration(whole),
+            self.identity
+        )
     }
 
     /// Counts `keb_takeover_wait_seconds` down to `until` while the fence waits for it, and

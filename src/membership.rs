@@ -46,6 +46,9 @@ pub const MEMBER_LABEL: &str = "kube-event-bridge.io/members-of";
 /// differently, and both publishing would interleave two publishers per key.
 pub const SHARDS_ANNOTATION: &str = "kube-event-bridge.io/shards";
 
+/// At most this many unrenewed membership Leases are deleted per pass.
+const FORGET_PER_PASS: usize = 5;
+
 /// How long a membership Lease must have gone unrenewed (as this replica saw it) before it
 /// deletes it: ten lease durations (its replica was counted out after one; a live replica
 /// whose Lease goes creates it again at its next renewal).
@@ -290,7 +293,9 @@ impl Membership {
             seen.insert(name, (record, at));
         }
         self.observed = seen;
-        for (name, rv) in forgotten {
+        // A few per pass: the first pass after an upgrade may find many, and the deletes share
+        // the Lease requests' token bucket with the renewals.
+        for (name, rv) in forgotten.into_iter().take(FORGET_PER_PASS) {
             self.forget(&name, rv).await;
         }
         Ok((live.into_iter().collect(), other))

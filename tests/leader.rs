@@ -504,10 +504,12 @@ async fn a_version_switch_while_a_new_leader_waits_for_its_relist_deletes_nothin
 /// an instance whose own settings need no wait (a stdout sink), and that instance still
 /// waits 8 s − 3 s (the lease's duration) before publishing: the metric and `/readyz` say so
 /// meanwhile, and the end is logged. The same lease without the annotation (a holder of an
-/// older release) is waited out with the taker's own settings: at once.
+/// older release), or with one another holder wrote (an older release renewed it since), is
+/// waited out with the taker's own settings: at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
-    for annotated in [true, false] {
+    for annotation in [Some("8s;an-old-pod"), None, Some("8s;another-pod")] {
+        let annotated = annotation == Some("8s;an-old-pod");
         let api = ApiServer::start().await;
         api.create(typed(&configmap("ns", "a", "1")));
         let renewed = jiff::Timestamp::now().to_string();
@@ -517,9 +519,9 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
             "spec": {"holderIdentity": "an-old-pod", "leaseDurationSeconds": 3,
                      "acquireTime": renewed, "renewTime": renewed},
         });
-        if annotated {
+        if let Some(value) = annotation {
             lease["metadata"]["annotations"] =
-                json!({"kube-event-bridge.io/delivered-within": "8s"});
+                json!({"kube-event-bridge.io/delivered-within": value});
         }
         api.create(lease);
         let dir = tempfile::tempdir().unwrap();
@@ -562,7 +564,7 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
             let waited = taken_at.elapsed();
             assert!(
                 waited < Duration::from_secs(3),
-                "no annotation, no wait of the taker's own: published after {waited:?}"
+                "no annotation of this holder ({annotation:?}), no wait of the taker's own: published after {waited:?}"
             );
         }
         taker.stop().await;

@@ -172,8 +172,6 @@ pub(super) struct Waiter {
     pub(super) listeners: String,
     /// Its kind's informers, followed: a version switch may replace them while it waits.
     pub(super) informers: tokio::sync::watch::Receiver<Vec<Arc<SharedIndexInformer>>>,
-    /// Whether its kind is gone (see `Wired::gone`).
-    pub(super) gone: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Marks `w`'s route as waiting for `why` and, unless its checkpoint is of another cluster,
@@ -227,11 +225,6 @@ pub(super) fn wait_for_checkpoint(
                     w.checkpointer.knows(checkpoint.as_ref());
                     drop(writes_held);
                     w.resumer.begin(checkpoint.clone());
-                    // Discovery marks a kind gone before it ends the resumes under way: a
-                    // resume begun since sees the mark.
-                    if w.gone.load(std::sync::atomic::Ordering::SeqCst) {
-                        w.resumer.kind_gone();
-                    }
                     if !cluster.is_empty() {
                         w.checkpointer.record_cluster(&cluster);
                     }

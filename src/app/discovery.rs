@@ -192,6 +192,25 @@ pub(super) async fn refresh(
                 resources.gone_since.remove(&i);
             }
         }
+        // Kinds gone before a resume of theirs began (this replica took the lease or the
+        // shard over after its informers stopped), still not served as discovery answers
+        // now: no informer of theirs will sync, and their checkpointed objects went with
+        // them.
+        if resources.leading {
+            for w in resources.wired.iter().filter(|w| {
+                w.index == index
+                    && w.gone
+                    && !unanswered.contains(&w.api_resource.group)
+                    && !want.iter().any(|(a, _)| same_kind(a, &w.api_resource))
+            }) {
+                for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
+                    if resume.resumer.is_resuming() {
+                        info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");
+                        resume.resumer.kind_gone();
+                    }
+                }
+            }
+        }
         for s in start {
             let mut switched = None;
             let (i, new, api_resource) = match s {
@@ -292,7 +311,7 @@ pub(super) async fn refresh(
                 }
                 let w = &mut resources.wired[j];
                 w.set_informers(Vec::new());
-                w.gone.store(true, std::sync::atomic::Ordering::SeqCst);
+                w.gone = true;
                 // Listeners that were off (a resume waiting for a relist) got no deletes.
                 for r in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
                     r.resumer.kind_gone();

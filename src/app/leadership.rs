@@ -58,7 +58,6 @@ impl Resources {
         // while no replica led: each cached object once, and what the first list has not
         // cached yet comes from it.
         queues.iter().for_each(|q| q.set_active(true));
-        self.end_gone_resumes();
         info!(
             informers = informers.len(),
             "Leading: relisting every informer before comparing with the checkpoints"
@@ -200,8 +199,11 @@ pub(super) fn follow(
     tokio::spawn(async move {
         // The last term ended with a clean hand-over: nothing of it is in the sinks.
         let mut drained = false;
-        // What the last change seen said: leading, and the terms begun by then.
+        // What the last change seen said: leading, and the terms begun by then; and whether
+        // this replica published in the term that began (not if it ended in its takeover
+        // wait).
         let mut seen = (false, 0u64);
+        let mut published = false;
         loop {
             let request = async {
                 match requests.as_mut() {
@@ -230,10 +232,14 @@ pub(super) fn follow(
                     // change). A plain acquisition leaves the sinks alone: the other shards'
                     // messages are in them.
                     let missed = term > seen.1 + u64::from(now) || (now && seen.0);
-                    let abandon = if now { missed } else { missed || !drained };
+                    let abandon = if now {
+                        missed
+                    } else {
+                        missed || (published && !drained)
+                    };
                     drained = false;
                     seen = (now, term);
-                    follow_change(
+                    published = follow_change(
                         now,
                         &mut leading,
                         &resources,
@@ -256,8 +262,9 @@ pub(super) fn follow(
 }
 
 /// Applies one change of leadership (see [`follow`]); `drained`: nothing of an ended term of
-/// this shard can be in the sinks (it ended with a clean hand-over, or it was abandoned
-/// already), so their queues are left alone.
+/// this shard can be in the sinks (it ended with a clean hand-over, it published nothing, or
+/// it was abandoned already), so their queues are left alone. Returns whether this replica
+/// publishes from now on.
 async fn follow_change(
     now: bool,
     leading: &mut tokio::sync::watch::Receiver<bool>,
@@ -266,7 +273,7 @@ async fn follow_change(
     handovers: &Option<[prometheus::IntCounter; 2]>,
     fence: &crate::leader::Fence,
     drained: bool,
-) {
+) -> bool {
     if let Some(counters) = &handovers {
         counters[usize::from(!now)].inc();
     }
@@ -288,10 +295,11 @@ async fn follow_change(
         }
         if !valid {
             warn!("Lost the lease during the takeover wait");
-            return;
+            return false;
         }
     }
     resources.lock().await.set_leading(now).await;
+    now
 }
 
 /// Turns the shards assigned to this replica (see [`crate::membership`]) into what each
@@ -409,7 +417,7 @@ mod tests {
             }],
             current: tokio::sync::watch::Sender::new(Vec::new()),
             informers: Vec::new(),
-            gone: Default::default(),
+            gone: false,
         };
         Resources {
             wired: vec![wired],

@@ -87,8 +87,9 @@ pub(super) struct Wired {
     pub(super) current: tokio::sync::watch::Sender<Vec<Arc<SharedIndexInformer>>>,
     /// Its kind is gone (discovery stopped its informers: its CRD was deleted) until it is
     /// served again. A resume that begins meanwhile (this replica became leader, or took the
-    /// shard, after the kind went) completes as gone: a delete for every checkpointed key.
-    pub(super) gone: Arc<std::sync::atomic::AtomicBool>,
+    /// shard, after the kind went) completes as gone at discovery's next look that still
+    /// finds the kind unserved: a delete for every checkpointed key.
+    pub(super) gone: bool,
 }
 
 impl Wired {
@@ -106,7 +107,7 @@ impl Wired {
             routes,
             informers: Vec::new(),
             current: tokio::sync::watch::Sender::new(Vec::new()),
-            gone: Default::default(),
+            gone: false,
         }
     }
 
@@ -201,7 +202,6 @@ impl Resources {
                     checkpointer: resume.checkpointer.clone(),
                     listeners: prefix.clone(),
                     informers: wired.current.subscribe(),
-                    gone: wired.gone.clone(),
                 },
                 why.clone(),
                 self.cluster.clone(),
@@ -213,24 +213,6 @@ impl Resources {
             refusals.push(why);
         }
         (refusals, prefixes)
-    }
-
-    /// Completes the resumes of kinds gone before they began (see [`Wired::gone`]): no
-    /// informer of theirs will sync, and their checkpointed objects are gone too. Call it
-    /// once the route queues take notifications.
-    pub(super) fn end_gone_resumes(&self) {
-        for w in self
-            .wired
-            .iter()
-            .filter(|w| w.gone.load(std::sync::atomic::Ordering::SeqCst))
-        {
-            for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
-                if resume.resumer.is_resuming() {
-                    tracing::info!(route = %resume.checkpointer.route(), "Its kind is no longer served: every object of the checkpoint is deleted");
-                    resume.resumer.kind_gone();
-                }
-            }
-        }
     }
 
     /// The listener name prefixes (`{route}@`) of the routes waiting for their checkpoint.
@@ -396,7 +378,7 @@ impl Wiring {
             })
             .collect();
         wired.set_informers(informers);
-        wired.gone.store(false, std::sync::atomic::Ordering::SeqCst);
+        wired.gone = false;
         for route in &wired.routes {
             for (informer, namespace) in wired.informers.iter().zip(&namespaces) {
                 let listener = ProcessorListener::new(
