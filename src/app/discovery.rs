@@ -18,7 +18,9 @@ use crate::{cluster, selection::resolve_all};
 /// that is down) stops nothing. Looks again at every change of a CRD (a watch of
 /// CustomResourceDefinitions, when the service account may), every
 /// `kubernetes.discovery_refresh`, and when a kind's grace ends.
-/// Every shard's wiring follows the same discovery: each is refreshed in turn.
+/// Every shard's wiring follows the same discovery: it is looked up once per pass (not once
+/// per shard: M times the requests, and shards that could wire different versions for a
+/// moment), and each shard is refreshed from that answer in turn.
 pub(super) async fn follow_discovery(
     shards: Vec<(Arc<Wiring>, Arc<tokio::sync::Mutex<Resources>>)>,
     notes: Arc<std::sync::Mutex<Vec<String>>>,
@@ -77,9 +79,10 @@ pub(super) async fn follow_discovery(
         }
         recheck = None;
         let mut pending = std::collections::BTreeSet::new();
+        let answers = look_up(&wiring).await;
         for (wiring, resources) in &shards {
             let mut resources = resources.lock().await;
-            if let Some(at) = refresh(wiring, &mut resources).await {
+            if let Some(at) = refresh(wiring, &mut resources, &answers).await {
                 recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
             }
             pending.extend(resources.pending.values().cloned());
@@ -145,12 +148,32 @@ fn plan(index: usize, want: &[(ApiResource, bool)], wired: &[(usize, &ApiResourc
     Plan { start, stop }
 }
 
-/// One look at discovery: see [`follow_discovery`]. A lookup that fails for another reason
-/// than "not served" changes nothing (the next one decides); neither does a group whose
-/// discovery failed. Returns when to look again for a kind whose grace is not over yet.
+/// What discovery answered for each configured resource (by index), in one pass.
+type Answers = Vec<Result<crate::selection::Selection, (bool, String)>>;
+
+/// Looks every configured resource up once: its selection, or whether it is not served
+/// (`true`) or the lookup failed (`false`), with the error.
+async fn look_up(wiring: &Wiring) -> Answers {
+    let mut answers = Vec::new();
+    for (index, r) in wiring.config.resources.iter().enumerate() {
+        answers.push(resolve_all(&wiring.client, index, r).await.map_err(|err| {
+            (
+                matches!(err, cluster::Error::NotServed { .. }),
+                err.to_string(),
+            )
+        }));
+    }
+    answers
+}
+
+/// One look at discovery (`answers`, see [`look_up`]) for one shard's resources: see
+/// [`follow_discovery`]. A lookup that fails for another reason than "not served" changes
+/// nothing (the next one decides); neither does a group whose discovery failed. Returns when
+/// to look again for a kind whose grace is not over yet.
 pub(super) async fn refresh(
     wiring: &Wiring,
     resources: &mut Resources,
+    answers: &Answers,
 ) -> Option<tokio::time::Instant> {
     let config = &wiring.config;
     let metrics = &wiring.metrics;
@@ -159,7 +182,7 @@ pub(super) async fn refresh(
     for (index, r) in config.resources.iter().enumerate() {
         let name = r.effective_name();
         let mut version_gone = None;
-        let (want, unanswered, not_served) = match resolve_all(&wiring.client, index, r).await {
+        let (want, unanswered, not_served) = match answers[index].clone() {
             Ok(selection) => (
                 selection
                     .kinds
@@ -169,11 +192,12 @@ pub(super) async fn refresh(
                 selection.unanswered,
                 None,
             ),
-            Err(err @ cluster::Error::NotServed { .. }) => {
-                (Vec::new(), Vec::new(), Some(err.to_string()))
-            }
-            Err(err) => {
-                warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
+            Err((true, not_served)) => (Vec::new(), Vec::new(), Some(not_served)),
+            Err((false, err)) => {
+                // One answer for every shard: said once.
+                if wiring.shard.index == 0 {
+                    warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
+                }
                 // Gone must be answered without a break.
                 let wired = &resources.wired;
                 resources.gone_since.retain(|&i, _| wired[i].index != index);
