@@ -51,9 +51,10 @@ pub const SHARDS_ANNOTATION: &str = "kube-event-bridge.io/shards";
 /// at most `lease_duration`. Every live member's Lease is counted from the first list (a
 /// Lease seen for the first time counts as renewed then), so waiting longer would only
 /// leave the shards the others hand it unowned: with the default settings a scale-out took
-/// a whole lease duration (15 s) before; now about 4 s. A claim made too early costs at
-/// most a hand-over later (drained: nothing is sent twice), and the shard Leases keep two
-/// replicas from ever publishing one shard.
+/// a whole lease duration (15 s) before; now about 4 s. A claim made too early costs a
+/// hand-over later (drained, so nothing is sent twice, unless the drain outlasts
+/// `shutdown.grace_period`: then the Lease expires as after a crash), and the shard Leases
+/// keep two replicas from ever publishing one shard.
 pub fn settle_time(lease_duration: Duration, retry_period: Duration) -> Duration {
     (retry_period * 2).min(lease_duration)
 }

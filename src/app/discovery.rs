@@ -79,9 +79,16 @@ pub(super) async fn follow_discovery(
         }
         recheck = None;
         let mut pending = std::collections::BTreeSet::new();
-        let answers = look_up(&wiring).await;
+        let mut answers = look_up(&wiring).await;
+        let mut looked = tokio::time::Instant::now();
         for (wiring, resources) in &shards {
             let mut resources = resources.lock().await;
+            // An answer older than a moment (the lock was held: a checkpoint load, a drain)
+            // is asked again: a kind may have come back meanwhile.
+            if looked.elapsed() > FRESH_FOR {
+                answers = look_up(wiring).await;
+                looked = tokio::time::Instant::now();
+            }
             if let Some(at) = refresh(wiring, &mut resources, &answers).await {
                 recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
             }
@@ -147,6 +154,9 @@ fn plan(index: usize, want: &[(ApiResource, bool)], wired: &[(usize, &ApiResourc
         .collect();
     Plan { start, stop }
 }
+
+/// How long one pass's discovery answer is applied to further shards before it is asked again.
+const FRESH_FOR: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// What discovery answered for each configured resource (by index), in one pass.
 type Answers = Vec<Result<crate::selection::Selection, (bool, String)>>;
@@ -226,7 +236,16 @@ pub(super) async fn refresh(
                     && w.gone
                     && !unanswered.contains(&w.api_resource.group)
                     && !want.iter().any(|(a, _)| same_kind(a, &w.api_resource))
+                    && w.routes
+                        .iter()
+                        .any(|r| r.resume.as_ref().is_some_and(|r| r.resumer.is_resuming()))
             }) {
+                // Deleting is for good: asked again now, under the lock (the pass's answer
+                // may predate a CRD created again).
+                match served_at(&wiring.client, &w.api_resource).await {
+                    Ok(versions) if versions.is_empty() => {}
+                    _ => continue,
+                }
                 for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
                     if resume.resumer.is_resuming() {
                         info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");
