@@ -821,6 +821,16 @@ async fn lease_holder(cluster: &Cluster, name: &str) -> Option<String> {
         .and_then(|l| l.spec?.holder_identity)
 }
 
+/// Waits until `identity` holds the Lease `kube-system/kube-event-bridge`.
+async fn leads(cluster: &Cluster, identity: &str, patience: Duration) {
+    wait::until(
+        &format!("{identity} leads"),
+        Patience::of(patience),
+        async || lease_holder(cluster, "kube-event-bridge").await.as_deref() == Some(identity),
+    )
+    .await;
+}
+
 /// Leader failover between two replicas on the real API server: the leader (holding the
 /// Lease in `kube-system`) is SIGKILLed while objects change at about 100 per second; the
 /// standby takes the Lease over and publishes what changed since the last checkpoint.
@@ -873,14 +883,7 @@ async fn failover(destination: Destination, cluster_name: &str) {
     killed.signal("KILL");
     drop(killed);
     let standby = replicas.keys().next().unwrap().clone();
-    wait::until(
-        "the standby leads",
-        Patience::of(Duration::from_secs(30)),
-        async || {
-            lease_holder(&cluster, "kube-event-bridge").await.as_deref() == Some(standby.as_str())
-        },
-    )
-    .await;
+    leads(&cluster, &standby, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let changes = writer.await.unwrap();
@@ -1024,14 +1027,7 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
         }
     }
     let standby = replicas.keys().next().unwrap().clone();
-    wait::until(
-        "the standby leads",
-        Patience::of(Duration::from_secs(30)),
-        async || {
-            lease_holder(&cluster, "kube-event-bridge").await.as_deref() == Some(standby.as_str())
-        },
-    )
-    .await;
+    leads(&cluster, &standby, Duration::from_secs(30)).await;
 
     let matching: BTreeMap<String, (String, String)> = {
         let all: Vec<ConfigMap> = api.list(&Default::default()).await.unwrap().items;
@@ -1125,8 +1121,8 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
             .create("gadgets", gadget("v1", ns, &format!("g{i:02}"), i))
             .await;
     }
-    let nats = support::nats::NatsServer::start();
-    let mut sink = support::config::nats_sink("out", &nats.url(), json!({}));
+    let destination = Destination::jetstream();
+    let mut sink = destination.sink();
     sink["checkpoint_interval"] = json!("200ms");
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = cluster.kubeconfig();
@@ -1148,13 +1144,7 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
         .into_iter()
         .map(|id| (id.to_owned(), start(id)))
         .collect();
-    let read = async || -> Vec<Value> {
-        support::nats::read_stream(&nats.url(), support::config::NATS_STREAM)
-            .await
-            .iter()
-            .map(|m| serde_json::from_slice(&m.payload).unwrap())
-            .collect()
-    };
+    let read = async || destination.read().await;
     let mut leader = None;
     wait::until(
         "every Gadget published by a leader",
@@ -1179,14 +1169,7 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
         async || replica.log().contains("No longer served"),
     )
     .await;
-    wait::until(
-        "the standby leads",
-        Patience::of(Duration::from_secs(60)),
-        async || {
-            lease_holder(&cluster, "kube-event-bridge").await.as_deref() == Some(standby.as_str())
-        },
-    )
-    .await;
+    leads(&cluster, standby, Duration::from_secs(60)).await;
     wait::until(
         "every Gadget's delete",
         Patience::of(Duration::from_secs(60)),

@@ -192,17 +192,25 @@ enum Start {
     OneFirst,
 }
 
+/// The `namespace/name` and resourceVersion of the object an event carries.
+fn key_and_version(e: &Value) -> (String, String) {
+    let meta = &e["data"]["object"]["metadata"];
+    let key = format!(
+        "{}/{}",
+        meta["namespace"].as_str().unwrap_or(""),
+        meta["name"].as_str().unwrap_or("")
+    );
+    (
+        key,
+        meta["resourceVersion"].as_str().unwrap_or("").to_owned(),
+    )
+}
+
 /// The `(key, resourceVersion, type)` of each message sent more than once.
 fn repeated(events: &[Value]) -> Vec<(String, String, String)> {
     let mut seen: HashMap<(String, String, String), usize> = HashMap::new();
     for e in events {
-        let meta = &e["data"]["object"]["metadata"];
-        let key = format!(
-            "{}/{}",
-            meta["namespace"].as_str().unwrap_or(""),
-            meta["name"].as_str().unwrap_or("")
-        );
-        let rv = meta["resourceVersion"].as_str().unwrap_or("").to_owned();
+        let (key, rv) = key_and_version(e);
         let ty = e["type"].as_str().unwrap_or("").to_owned();
         *seen.entry((key, rv, ty)).or_default() += 1;
     }
@@ -314,33 +322,19 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
     let first = read().await;
     let mut seen: HashMap<(String, String), usize> = HashMap::new();
     for e in &first {
-        let meta = &e["data"]["object"]["metadata"];
-        let key = format!(
-            "{}/{}",
-            meta["namespace"].as_str().unwrap_or(""),
-            meta["name"].as_str().unwrap_or("")
-        );
-        let rv = meta["resourceVersion"].as_str().unwrap_or("").to_owned();
-        *seen.entry((key, rv)).or_default() += 1;
+        *seen.entry(key_and_version(e)).or_default() += 1;
     }
     let duplicates = seen.values().filter(|&&c| c > 1).count();
     if duplicates > 0 {
         // What the copies were (type, id, time): which publisher sent the second.
-        let mut shown = 0;
-        for e in &first {
-            let meta = &e["data"]["object"]["metadata"];
-            let key = format!(
-                "{}/{}",
-                meta["namespace"].as_str().unwrap_or(""),
-                meta["name"].as_str().unwrap_or("")
-            );
-            let rv = meta["resourceVersion"].as_str().unwrap_or("").to_owned();
-            if seen[&(key.clone(), rv)] > 1 && shown < 6 {
-                shown += 1;
-                let mut head = e.clone();
-                head["data"]["object"] = Value::Null;
-                println!("duplicated {key}: {head}");
-            }
+        for e in first
+            .iter()
+            .filter(|e| seen[&key_and_version(e)] > 1)
+            .take(6)
+        {
+            let mut head = (*e).clone();
+            head["data"]["object"] = Value::Null;
+            println!("duplicated {}: {head}", key_and_version(e).0);
         }
         dump(&replicas);
     }
