@@ -252,11 +252,11 @@ fn shard_of(key: &str) -> u32 {
         .unwrap()
 }
 
+/// A message sent more than once: its `(key, resourceVersion, type)`.
+type Repeat = (String, String, String);
+
 /// Splits `repeats` into those in a shard of `lost` (excused) and the others.
-fn excuse(
-    repeats: Vec<(String, String, String)>,
-    lost: &HashSet<u32>,
-) -> (Vec<(String, String, String)>, Vec<(String, String, String)>) {
+fn excuse(repeats: Vec<Repeat>, lost: &HashSet<u32>) -> (Vec<Repeat>, Vec<Repeat>) {
     repeats
         .into_iter()
         .partition(|(key, _, _)| lost.contains(&shard_of(key)))
