@@ -298,6 +298,17 @@ async fn follow_change(
             return false;
         }
     }
+    if now {
+        // A transactional sink's producer for the term: it fences the last leader's before
+        // the checkpoints are read (what that one committed is in them, what it had not is
+        // aborted). On failure it is made again while the term lasts, and until then the
+        // routes' messages wait.
+        for sink in sinks {
+            if let Err(e) = sink.begin_term().await {
+                warn!(sink = %sink.name(), error = %e, "Could not start the term's transactions");
+            }
+        }
+    }
     resources.lock().await.set_leading(now).await;
     now
 }

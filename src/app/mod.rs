@@ -285,6 +285,11 @@ impl App {
             info!(lease = %le.lease_name, namespace = %namespace, identity = %identity, shards = shards.len(), takeover_wait = ?config.takeover_wait(), "Leader election on; standing by");
         } else {
             metrics.leader.set(1);
+            // A transactional sink's producer first: it fences an earlier process's, so the
+            // checkpoints read next hold everything that process committed.
+            for sink in sinks.values() {
+                sink.begin_term().await?;
+            }
             // This replica publishes from the start: resume before the first list. A checkpoint
             // of another cluster fails the start; one that cannot be read makes its route wait.
             for part in &parts {

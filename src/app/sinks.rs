@@ -51,7 +51,11 @@ pub(super) async fn open(config: &Config) -> Result<Opened, Error> {
             }
             SinkType::Kafka => {
                 let cfg = s.kafka.as_ref().expect("validated");
-                let sink = Arc::new(KafkaSink::connect(&s.name, cfg).await?);
+                let sink = Arc::new(
+                    KafkaSink::connect(&s.name, cfg)
+                        .await?
+                        .with_transactions(&config.cluster, cfg),
+                );
                 kafka_sinks.insert(s.name.clone(), sink.clone());
                 sink
             }

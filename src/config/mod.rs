@@ -248,6 +248,17 @@ impl Config {
                  through a Lease)",
             );
         }
+        if self.sharding.shards > 1 {
+            for (i, s) in self.sinks.iter().enumerate() {
+                if s.kafka.as_ref().is_some_and(|k| k.exactly_once) {
+                    p.add(
+                        format!("sinks[{i}].kafka.exactly_once"),
+                        "not available with sharding.shards > 1 yet (one transactional \
+                         producer per shard is not built): use one shard, or at-least-once",
+                    );
+                }
+            }
+        }
         if self.resources.is_empty() {
             p.add("resources", "at least one resource is required");
         }

@@ -62,6 +62,8 @@ pub struct Checkpointer {
     failures: IntCounter,
     // With leader election: records and writes only while it is valid.
     fence: Option<crate::leader::Fence>,
+    // The sink writes the checkpoint records in its transactions (see `in_transactions`).
+    transactional: bool,
 }
 
 /// What is not written yet, and which keys the store holds.
@@ -148,7 +150,38 @@ impl Checkpointer {
             lag,
             failures,
             fence: None,
+            transactional: false,
         }
+    }
+
+    /// The route's sink writes the checkpoint records itself, each in the transaction of the
+    /// message it is about ([`crate::sinks::Sink::in_transactions`]): this checkpointer
+    /// records nothing (a record written after the acknowledgement could land after a newer
+    /// message's own) and asks for no intents (a reader sees a message and its record
+    /// together); it still writes the cluster's identity, through the sink.
+    pub fn in_transactions(mut self, transactional: bool) -> Self {
+        self.transactional = transactional;
+        self
+    }
+
+    /// Whether the sink writes the records (see [`Self::in_transactions`]).
+    pub fn is_transactional(&self) -> bool {
+        self.transactional
+    }
+
+    /// The change of the checkpoint that settling `n` (about the object at `key`) makes.
+    pub fn change_of(key: &str, n: &Notification) -> Change {
+        let entry = match n.kind() {
+            NotificationKind::Delete { .. } => None,
+            NotificationKind::Add { obj, .. } | NotificationKind::Update { new: obj, .. } => {
+                Some(Entry {
+                    uid: obj.uid().unwrap_or_default().to_owned(),
+                    resource_version: resource_version(obj).to_owned(),
+                    pending: false,
+                })
+            }
+        };
+        (key.to_owned(), entry)
     }
 
     /// With leader election: records acknowledgements and writes only while `fence` is
@@ -225,6 +258,9 @@ impl Checkpointer {
         key: &str,
         obj: &ObjectRef,
     ) -> Option<futures::future::BoxFuture<'static, ()>> {
+        if self.transactional {
+            return None;
+        }
         let hash = key_hash(key);
         let target = {
             let mut p = self.lock();
@@ -284,7 +320,7 @@ impl Checkpointer {
     /// Remembers that the sink settled `n` (about the object at `key`); nothing while fenced
     /// (a deposed leader's late acknowledgement).
     pub fn record(&self, key: &str, n: &Notification) {
-        if self.fenced() {
+        if self.fenced() || self.transactional {
             return;
         }
         let change = match n.kind() {

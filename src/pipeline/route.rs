@@ -200,7 +200,8 @@ impl<'m> RouteBuilder<'m> {
                         .checkpoint_write_failures
                         .with_label_values(&[&name]),
                 )
-                .with_fence(self.fence.clone()),
+                .with_fence(self.fence.clone())
+                .in_transactions(self.delivery.sink.in_transactions()),
             )
         });
         let resumer = match (&checkpointer, self.resume) {

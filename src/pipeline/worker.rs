@@ -439,7 +439,7 @@ impl Route {
             }
             if !self.queue.publishes(n.event_type()) {
                 // A delete the route does not publish: it only settles the key.
-                self.settle(key, &n);
+                self.settle(key, &n, false);
                 continue;
             }
             if !self.queue.may_hand_over() {
@@ -463,7 +463,7 @@ impl Route {
             }
             match self.submit(key, &n).await {
                 Submitted::Settled => {
-                    self.settle(key, &n);
+                    self.settle(key, &n, false);
                 }
                 Submitted::Pending(ack) => {
                     handed.pending = Some((n, ack));
@@ -500,9 +500,10 @@ impl Route {
                 None => pending.ack.await,
             };
             self.metrics.in_flight.dec();
+            let delivered = result.is_ok();
             match self.acknowledged(key, &n, &pending.message, result).await {
                 Outcome::Settled => {
-                    self.settle(key, &n);
+                    self.settle(key, &n, delivered);
                 }
                 Outcome::Retry => {
                     rest.push_front(n);
@@ -513,22 +514,34 @@ impl Route {
         (rest, failed)
     }
 
-    /// Settles `n`, recording it in the checkpoint: delivered, failed for good, or a delete
+    /// Settles `n`, recording it in the checkpoint: `delivered`, failed for good, or a delete
     /// the route does not publish (the checkpoint forgets the key).
-    fn settle(&self, key: &str, n: &Notification) {
-        if let Some(c) = &self.checkpointer {
-            c.record(key, n);
-        }
+    fn settle(&self, key: &str, n: &Notification, delivered: bool) {
+        self.record(key, n, delivered);
         self.queue.settle(1);
+    }
+
+    /// Records the settlement of `n` in the checkpoint. A sink that writes the checkpoint in
+    /// its transactions wrote a delivered message's record with it; it writes the others'
+    /// here, before the key's next message.
+    fn record(&self, key: &str, n: &Notification, delivered: bool) {
+        let Some(c) = &self.checkpointer else {
+            return;
+        };
+        if !c.is_transactional() {
+            c.record(key, n);
+        } else if !delivered {
+            let change = super::Checkpointer::change_of(key, n);
+            self.delivery.sink.settle_silently(c.route(), change);
+        }
     }
 
     /// Fails the front notification of `batch` for good after `max_retries`.
     async fn give_up(&self, key: &str, batch: &mut VecDeque<Notification>) {
         let queue = self.queue.queue();
         let n = batch.pop_front().expect("a failed notification");
-        if let Some(c) = &self.checkpointer {
-            c.record(key, &n); // settled for good: a restart must not re-send it
-        }
+        // Settled for good: a restart must not re-send it.
+        self.record(key, &n, false);
         self.failed(FailureReason::MaxRetries);
         error!(sink = %self.delivery.sink.name(), resource = %self.resource, key,
                retries = queue.num_requeues(&Key::from(key)), "Giving up on a notification after max_retries");
@@ -675,7 +688,15 @@ impl Route {
             }
             let started = std::time::Instant::now();
             self.metrics.in_flight.inc();
-            let err = match sink.submit(&message).await {
+            let handed = match &self.checkpointer {
+                Some(c) if c.is_transactional() => {
+                    let change = super::Checkpointer::change_of(key, n);
+                    sink.submit_settling(&message, c.route(), Some(change))
+                        .await
+                }
+                _ => sink.submit(&message).await,
+            };
+            let err = match handed {
                 Ok(ack) => {
                     if trim != Trim::None {
                         debug!(sink = %sink.name(), key, step = trim.as_str(), size = message.wire_size(),

@@ -186,6 +186,38 @@ pub trait Sink: Send + Sync {
     fn abandoned(&self) -> u64 {
         0
     }
+    /// Whether the sink writes its routes' checkpoint records itself, in the transaction of
+    /// the messages they are about (Kafka with `exactly_once`): the pipeline then hands each
+    /// message's record over with it ([`Self::submit_settling`]) and every other settlement
+    /// through [`Self::settle_silently`], and writes no checkpoint of its own.
+    fn in_transactions(&self) -> bool {
+        false
+    }
+    /// [`Self::submit`], with the change of route `route`'s checkpoint that the message's
+    /// acknowledgement settles: written in the same transaction, so a reader sees both or
+    /// neither. The default ignores the change.
+    fn submit_settling<'a>(
+        &'a self,
+        message: &'a Message,
+        route: &'a str,
+        change: Option<checkpoint::Change>,
+    ) -> BoxFuture<'a, Result<Ack>> {
+        let _ = (route, change);
+        self.submit(message)
+    }
+    /// A change of route `route`'s checkpoint settled without a message (a delete the route
+    /// does not publish, a message failed for good), written in the open transaction, before
+    /// any message handed over after this call; an aborted transaction's are written again in
+    /// the next. The default does nothing.
+    fn settle_silently(&self, route: &str, change: checkpoint::Change) {
+        let _ = (route, change);
+    }
+    /// This replica starts publishing (it became leader, or it runs without leader election):
+    /// a transactional sink makes its producer for the term here, fencing the last leader's,
+    /// before the checkpoints are read. The default does nothing.
+    fn begin_term(&self) -> BoxFuture<'_, Result<()>> {
+        async { Ok(()) }.boxed()
+    }
     /// Why the sink can never publish again in this process (for `/healthz`: the pod is
     /// restarted and resumes from its checkpoint), or `None`.
     fn broken(&self) -> Option<String> {

@@ -575,3 +575,64 @@ pub fn consume_until(
     }
     out
 }
+
+/// Every record of `topic` from its first offset to its end, as a consumer with
+/// `isolation.level` `read_committed` (`committed`: what transactions committed, and every
+/// non-transactional record) or `read_uncommitted` (aborted and open transactions' records
+/// too) reads it. The end: every partition reported its end (`PartitionEOF`, at the last
+/// stable offset for `read_committed`) once: what the topic held then (records that arrive
+/// later may or may not be in).
+pub fn read_topic(brokers: &str, topic: &str, committed: bool) -> Vec<Record> {
+    let isolation = if committed {
+        "read_committed"
+    } else {
+        "read_uncommitted"
+    };
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", "test-reader")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set("isolation.level", isolation)
+        .create()
+        .unwrap();
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let partitions: Vec<i32> = metadata.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| p.id())
+        .collect();
+    let mut assignment = rdkafka::TopicPartitionList::new();
+    for p in &partitions {
+        assignment
+            .add_partition_offset(topic, *p, rdkafka::Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&assignment).unwrap();
+    let mut at_end = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while at_end.len() < partitions.len() {
+        assert!(Instant::now() < deadline, "reading {topic} did not end");
+        match consumer.poll(Duration::from_millis(100)) {
+            None => {}
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                at_end.insert(p);
+            }
+            Some(Err(e)) => panic!("reading {topic}: {e}"),
+            Some(Ok(m)) => {
+                use rdkafka::Message as _;
+                out.push(Record {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+                    value: m.payload().map(<[u8]>::to_vec),
+                    headers: Vec::new(),
+                });
+            }
+        }
+    }
+    out
+}

@@ -4,7 +4,8 @@
 //! acknowledged, so compaction forgets it.
 //!
 //! Writes go through the sink's own idempotent acks=all producer and complete when every
-//! record's delivery report arrived. A load reads the topic from its first offset to its end
+//! record's delivery report arrived. With `exactly_once`, every record goes in the sink's
+//! transactions instead (see [`super::transactions`]); reads are `read_committed` always. A load reads the topic from its first offset to its end
 //! ([`super::reader`]), last record per key winning.
 
 use std::collections::HashMap;
@@ -18,10 +19,13 @@ use rdkafka::{
 };
 use tracing::info;
 
+use std::sync::Arc;
+
 use super::{
     KafkaSink, KafkaSinkConfig,
     client::{KafkaClient, KafkaContext},
     reader::{TIMEOUT, read_to_end},
+    transactions::{CheckpointRecord, Transactions},
 };
 use crate::{
     sinks,
@@ -33,6 +37,16 @@ pub struct KafkaCheckpointStore {
     topic: String,
     producer: FutureProducer<KafkaContext>,
     consumer: KafkaClient,
+    // With `exactly_once`: writes go in the sink's open transaction.
+    transactions: Option<Arc<Transactions>>,
+}
+
+/// The record of `change` to the checkpoint of `route`: key `["route", "namespace/name"]`,
+/// value the entry (`None`: a tombstone).
+pub(super) fn record_of(route: &str, (key, entry): Change) -> CheckpointRecord {
+    let k = serde_json::to_string(&(route, &key)).expect("strings serialize");
+    let v = entry.map(|e| serde_json::to_string(&e).expect("strings serialize"));
+    (k, v)
 }
 
 impl KafkaCheckpointStore {
@@ -45,6 +59,7 @@ impl KafkaCheckpointStore {
         };
         let consumer = sink.client().clone();
         let producer = sink.producer().clone();
+        let transactions = sink.transactions().cloned();
         let exists = {
             let (producer, topic) = (producer.clone(), topic.clone());
             tokio::task::spawn_blocking(move || {
@@ -66,6 +81,7 @@ impl KafkaCheckpointStore {
                 topic,
                 producer,
                 consumer,
+                transactions,
             });
         }
         let admin = tokio::task::spawn_blocking({
@@ -100,6 +116,7 @@ impl KafkaCheckpointStore {
             topic,
             producer,
             consumer,
+            transactions,
         })
     }
 
@@ -172,6 +189,7 @@ impl CheckpointStore for KafkaCheckpointStore {
                 topic: self.topic.clone(),
                 producer: self.producer.clone(),
                 consumer: self.consumer.clone(),
+                transactions: None,
             };
             let mut read = tokio::task::spawn_blocking(move || this.read_all())
                 .await
@@ -201,14 +219,14 @@ impl CheckpointStore for KafkaCheckpointStore {
 
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
         async move {
-            let records: Vec<(String, Option<String>)> = changes
-                .into_iter()
-                .map(|(key, entry)| {
-                    let k = serde_json::to_string(&(route, &key)).expect("strings serialize");
-                    let v = entry.map(|e| serde_json::to_string(&e).expect("strings serialize"));
-                    (k, v)
-                })
-                .collect();
+            let records: Vec<CheckpointRecord> =
+                changes.into_iter().map(|c| record_of(route, c)).collect();
+            if let Some(t) = &self.transactions {
+                // With the sink's next commit (only the cluster's identity is written so: the
+                // messages' records travel with them).
+                records.into_iter().for_each(|r| t.settle(r));
+                return Ok(());
+            }
             let sends = records.iter().map(|(k, v)| {
                 let mut record = FutureRecord::<String, String>::to(&self.topic).key(k);
                 if let Some(v) = v {

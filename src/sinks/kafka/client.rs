@@ -142,6 +142,25 @@ impl KafkaClient {
         Ok(producer)
     }
 
+    /// A transactional producer of the sink (its settings, and `transactional.id` `id`): not
+    /// initialised yet. Blocking like [`KafkaClient::producer`].
+    pub fn transactional_producer(
+        &self,
+        id: &str,
+        timeout: std::time::Duration,
+    ) -> Result<FutureProducer<KafkaContext>, String> {
+        self.warm_token()?;
+        let mut config = self.config.clone();
+        config
+            .set("transactional.id", id)
+            .set("transaction.timeout.ms", timeout.as_millis().to_string());
+        let producer: FutureProducer<KafkaContext> = config
+            .create_with_context(self.context.clone())
+            .map_err(|e| format!("cannot create a transactional Kafka producer: {e}"))?;
+        self.authenticate(producer.client())?;
+        Ok(producer)
+    }
+
     /// An admin client (topic creation). Blocking like [`KafkaClient::producer`].
     pub fn admin(&self) -> Result<AdminClient<KafkaContext>, String> {
         let admin: AdminClient<KafkaContext> = self

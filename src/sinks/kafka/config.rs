@@ -67,6 +67,23 @@ pub struct KafkaSinkConfig {
     /// of `create_topics`, else 1).
     #[serde(default = "default_checkpoint_topic")]
     pub checkpoint_topic: String,
+    /// Exactly-once delivery to `read_committed` consumers: the sink writes through a
+    /// transactional producer (`transactional.id` `kube-event-bridge.{cluster}.{sink}`, the
+    /// same on every replica, so a new leader's producer fences the last one's), and each
+    /// message's checkpoint record goes in the same transaction as the message. Needs
+    /// Apache Kafka 0.11 or newer (any current Kafka, MSK, Confluent, Strimzi) and the
+    /// `WRITE` and `DESCRIBE` ACLs on that transactional id. Off by default (at least once).
+    #[serde(default)]
+    pub exactly_once: bool,
+    /// With `exactly_once`: how often the open transaction is committed. A message's
+    /// acknowledgement (and the next message of the same object) waits for its commit.
+    #[serde(default = "default_transaction_interval", with = "humantime_serde")]
+    pub transaction_interval: Duration,
+    /// With `exactly_once`: `transaction.timeout.ms`. The broker aborts a transaction left
+    /// open this long (a replica killed mid-transaction that no new leader replaced);
+    /// `read_committed` consumers of its partitions wait until then.
+    #[serde(default = "default_transaction_timeout", with = "humantime_serde")]
+    pub transaction_timeout: Duration,
 }
 
 /// What a `kafka` sink writes.
@@ -293,6 +310,12 @@ fn default_linger() -> Duration {
 fn default_delivery_timeout() -> Duration {
     Duration::from_secs(30)
 }
+fn default_transaction_interval() -> Duration {
+    Duration::from_millis(100)
+}
+fn default_transaction_timeout() -> Duration {
+    Duration::from_secs(60)
+}
 fn default_checkpoint_topic() -> String {
     "kube-event-bridge.checkpoints".into()
 }
@@ -316,6 +339,8 @@ pub const RESERVED_PROPERTIES: &[&str] = &[
     "sasl.mechanism",
     "sasl.mechanisms",
     "security.protocol",
+    "transactional.id",
+    "transaction.timeout.ms",
 ];
 
 /// Whether `topic` is a valid Kafka topic name.
@@ -406,6 +431,35 @@ impl KafkaSinkConfig {
         if let Some(sasl) = &self.sasl {
             for (path, reason) in sasl.validate() {
                 err(&format!("sasl.{path}"), reason);
+            }
+        }
+        if self.exactly_once {
+            if self.transaction_interval < Duration::from_millis(10) {
+                err(
+                    "transaction_interval",
+                    "must be at least 10ms (each commit is a round trip to the brokers)".into(),
+                );
+            }
+            if self.transaction_timeout < Duration::from_secs(1)
+                || self.transaction_timeout < self.transaction_interval * 2
+                || self.transaction_timeout > Duration::from_secs(900)
+            {
+                err(
+                    "transaction_timeout",
+                    "must be between 1s (and twice transaction_interval) and 15m (the \
+                     brokers' default transaction.max.timeout.ms)"
+                        .into(),
+                );
+            }
+            if self.delivery_timeout > self.transaction_timeout {
+                err(
+                    "delivery_timeout",
+                    format!(
+                        "must not exceed transaction_timeout ({:?}) with exactly_once: a record \
+                         may not outlive its transaction",
+                        self.transaction_timeout
+                    ),
+                );
             }
         }
         if let Some(t) = &self.create_topics {

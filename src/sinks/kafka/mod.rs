@@ -8,6 +8,7 @@ mod config;
 mod oauth;
 pub mod reader;
 mod sink;
+mod transactions;
 
 pub use checkpoint::KafkaCheckpointStore;
 pub use client::{KafkaClient, KafkaContext, client_config};

@@ -2,8 +2,9 @@
 //! store and the `state` command need (a compacted topic folded into its last value per key).
 //!
 //! # Recovery
-//! The end of a read is each partition's high watermark as it was when the read began, and
-//! also quiet: a read that has reached every watermark ends once nothing arrived for
+//! Reads are `read_committed`: a transaction's records once it committed, never an aborted
+//! one's. The end of a read is each partition's high watermark as it was when the read began
+//! (or the end the broker reports: with transactions, the last stable offset), and also quiet: a read that has reached every watermark ends once nothing arrived for
 //! [`QUIET`] (some Kafka-protocol brokers report the watermark of a multi-record batch late or
 //! early; nothing is taken as the end while records still come). A read that receives nothing
 //! at all for [`STALL`] before the watermarks is an error naming how far it got: a partial
@@ -94,6 +95,9 @@ pub fn consumer(client: impl Into<KafkaClient>) -> Result<ReaderConsumer, String
     config
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
+        // What a transaction committed, never what one aborted or has not committed yet
+        // (exactly-once sinks): the end of a partition is its last stable offset.
+        .set("isolation.level", "read_committed")
         .set("group.id", "kube-event-bridge-reader");
     client
         .create(&config, |c: &ReaderConsumer| c.client())
@@ -108,6 +112,21 @@ pub fn read_to_end(
     client: impl Into<KafkaClient>,
     topics: &[String],
     mut each: impl FnMut(Record),
+) -> Result<(), String> {
+    let client = client.into();
+    // One topic at a time: the end of a partition (`PartitionEOF`) names no topic, and with
+    // transactions it is how a read ends (the commit markers after the last record leave its
+    // next offset below the high watermark).
+    for topic in topics {
+        read_topic_to_end(&client, std::slice::from_ref(topic), &mut each)?;
+    }
+    Ok(())
+}
+
+fn read_topic_to_end(
+    client: &KafkaClient,
+    topics: &[String],
+    each: &mut impl FnMut(Record),
 ) -> Result<(), String> {
     let consumer = consumer(client)?;
     let mut assignment = TopicPartitionList::new();

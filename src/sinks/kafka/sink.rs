@@ -68,6 +68,8 @@ pub struct KafkaSink {
     // Leadership terms ended so far (see `abandon_queued`): a hand-over waiting for room in
     // librdkafka's queue gives up when its term ends.
     terms_ended: AtomicU64,
+    // With `exactly_once`.
+    transactions: Option<Arc<super::transactions::Transactions>>,
     // Held (shared) around each hand-over to librdkafka and (exclusive) around an
     // abandonment's count and purge: a record is either purged with the count already
     // raised, or sent after the purge (never purged by an abandonment its worker did not
@@ -149,7 +151,30 @@ impl KafkaSink {
             brokers,
             terms_ended: Default::default(),
             abandoning: Default::default(),
+            transactions: None,
         })
+    }
+
+    /// With `exactly_once` in `cfg`: publishes in transactions of `transactional.id`
+    /// `kube-event-bridge.{cluster}.{sink}` (see [`super::transactions`]).
+    pub fn with_transactions(mut self, cluster: &str, cfg: &KafkaSinkConfig) -> Self {
+        if cfg.exactly_once {
+            self.transactions = Some(super::transactions::Transactions::new(
+                &self.name,
+                format!("kube-event-bridge.{cluster}.{}", self.name),
+                (*self.client).clone(),
+                cfg.checkpoint_topic.clone(),
+                cfg.transaction_interval,
+                cfg.transaction_timeout,
+                self.max_message_bytes,
+            ));
+        }
+        self
+    }
+
+    /// The transactions, with `exactly_once` (for the checkpoint store's writes).
+    pub(super) fn transactions(&self) -> Option<&Arc<super::transactions::Transactions>> {
+        self.transactions.as_ref()
     }
 
     /// The sink's producer (idempotent, acks=all), shared with its checkpoint store.
@@ -256,6 +281,83 @@ impl KafkaSink {
         Ok(())
     }
 
+    /// See [`Sink::submit`]; with transactions, `checkpoint` goes in the message's transaction.
+    async fn hand_over(
+        &self,
+        m: &Message,
+        checkpoint: Option<super::transactions::CheckpointRecord>,
+    ) -> Result<Ack> {
+        let topic = self.topic_for(m);
+        if !is_valid_topic(&topic) {
+            return Err(Error::InvalidDestination {
+                destination: topic,
+                reason: "Kafka topics hold letters, digits, `.`, `_` and `-`, at most 249".into(),
+            });
+        }
+        let key = self.key_for(m);
+        let mut record = FutureRecord::to(&topic)
+            .key(&key)
+            .headers(self.headers_for(m));
+        let tombstone = self.mode == KafkaMode::State && m.payload.is_empty();
+        if !tombstone {
+            record = record.payload(&m.payload[..]);
+        }
+        let size = m.payload.len();
+        let max = self.max_message_bytes;
+        if let Some(t) = &self.transactions {
+            return t.submit(record, checkpoint, &topic, size).await;
+        }
+        let mut waited = Duration::ZERO;
+        let term = self.terms_ended.load(Ordering::SeqCst);
+        let delivery = loop {
+            let sent = {
+                let _sending = self.abandoning.read().unwrap_or_else(|e| e.into_inner());
+                self.producer.send_result(record)
+            };
+            match sent {
+                Ok(delivery) => break delivery,
+                // The local queue is full: reports are on their way; wait for room, as
+                // any producer must, but not forever.
+                Err((e, r))
+                    if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull)
+                        && waited < QUEUE_FULL_PATIENCE =>
+                {
+                    record = r;
+                    tokio::time::sleep(QUEUE_FULL_PAUSE).await;
+                    waited += QUEUE_FULL_PAUSE;
+                    if self.terms_ended.load(Ordering::SeqCst) != term {
+                        return Err(Error::Unavailable(
+                            "the leadership term ended while waiting for room in the queue".into(),
+                        ));
+                    }
+                }
+                Err((_, _)) if let Some(cause) = fatal(&self.producer) => {
+                    return Err(Error::Unavailable(cause));
+                }
+                Err((e, _)) => return Err(classify(e, &topic, size, max)),
+            }
+        };
+        let producer = self.producer.clone();
+        let (name, logged) = (self.name.clone(), self.fatal_logged.clone());
+        Ok(Box::pin(async move {
+            match delivery.await {
+                Ok(Ok(_)) => Ok(()),
+                // A fatal error stops the producer for good: the message stays with the
+                // route (retried, never lost) and readiness names the cause.
+                Ok(Err(_)) if let Some(cause) = fatal(&producer) => {
+                    if !logged.swap(true, Ordering::SeqCst) {
+                        error!(sink = %name, cause = %cause, "The Kafka producer failed for good; nothing is published until the process restarts (readiness says so)");
+                    }
+                    Err(Error::Unavailable(cause))
+                }
+                Ok(Err((e, _))) => Err(classify(e, &topic, size, max)),
+                Err(_) => Err(Error::Unavailable(
+                    "the producer dropped the message".into(),
+                )),
+            }
+        }) as Ack)
+    }
+
     fn key_for(&self, m: &Message) -> String {
         match &self.key {
             Some(t) => t.render(m, |_, v, out| out.push_str(v)),
@@ -305,7 +407,12 @@ fn fatal(producer: &FutureProducer<KafkaContext>) -> Option<String> {
 }
 
 /// What a librdkafka error means for a record of `size` bytes to `topic`.
-fn classify(err: KafkaError, topic: &str, size: usize, max_message_bytes: usize) -> Error {
+pub(super) fn classify(
+    err: KafkaError,
+    topic: &str,
+    size: usize,
+    max_message_bytes: usize,
+) -> Error {
     let code = err.rdkafka_error_code();
     match code {
         Some(RDKafkaErrorCode::MessageSizeTooLarge) => Error::TooLarge {
@@ -385,75 +492,35 @@ impl Sink for KafkaSink {
     /// Enqueues the record in librdkafka (waiting while its local queue is full) and returns
     /// its delivery report. With idempotence, records of one partition keep their order.
     fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
+        self.hand_over(m, None).boxed()
+    }
+
+    fn in_transactions(&self) -> bool {
+        self.transactions.is_some()
+    }
+
+    fn submit_settling<'a>(
+        &'a self,
+        message: &'a Message,
+        route: &'a str,
+        change: Option<crate::sinks::checkpoint::Change>,
+    ) -> BoxFuture<'a, Result<Ack>> {
+        let record = change.map(|c| super::checkpoint::record_of(route, c));
+        self.hand_over(message, record).boxed()
+    }
+
+    fn settle_silently(&self, route: &str, change: crate::sinks::checkpoint::Change) {
+        if let Some(t) = &self.transactions {
+            t.settle(super::checkpoint::record_of(route, change));
+        }
+    }
+
+    fn begin_term(&self) -> BoxFuture<'_, Result<()>> {
         async move {
-            let topic = self.topic_for(m);
-            if !is_valid_topic(&topic) {
-                return Err(Error::InvalidDestination {
-                    destination: topic,
-                    reason: "Kafka topics hold letters, digits, `.`, `_` and `-`, at most 249"
-                        .into(),
-                });
+            match &self.transactions {
+                Some(t) => t.begin_term().await,
+                None => Ok(()),
             }
-            let key = self.key_for(m);
-            let mut record = FutureRecord::to(&topic)
-                .key(&key)
-                .headers(self.headers_for(m));
-            let tombstone = self.mode == KafkaMode::State && m.payload.is_empty();
-            if !tombstone {
-                record = record.payload(&m.payload[..]);
-            }
-            let size = m.payload.len();
-            let max = self.max_message_bytes;
-            let mut waited = Duration::ZERO;
-            let term = self.terms_ended.load(Ordering::SeqCst);
-            let delivery = loop {
-                let sent = {
-                    let _sending = self.abandoning.read().unwrap_or_else(|e| e.into_inner());
-                    self.producer.send_result(record)
-                };
-                match sent {
-                    Ok(delivery) => break delivery,
-                    // The local queue is full: reports are on their way; wait for room, as
-                    // any producer must, but not forever.
-                    Err((e, r))
-                        if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull)
-                            && waited < QUEUE_FULL_PATIENCE =>
-                    {
-                        record = r;
-                        tokio::time::sleep(QUEUE_FULL_PAUSE).await;
-                        waited += QUEUE_FULL_PAUSE;
-                        if self.terms_ended.load(Ordering::SeqCst) != term {
-                            return Err(Error::Unavailable(
-                                "the leadership term ended while waiting for room in the queue"
-                                    .into(),
-                            ));
-                        }
-                    }
-                    Err((_, _)) if let Some(cause) = fatal(&self.producer) => {
-                        return Err(Error::Unavailable(cause));
-                    }
-                    Err((e, _)) => return Err(classify(e, &topic, size, max)),
-                }
-            };
-            let producer = self.producer.clone();
-            let (name, logged) = (self.name.clone(), self.fatal_logged.clone());
-            Ok(Box::pin(async move {
-                match delivery.await {
-                    Ok(Ok(_)) => Ok(()),
-                    // A fatal error stops the producer for good: the message stays with the
-                    // route (retried, never lost) and readiness names the cause.
-                    Ok(Err(_)) if let Some(cause) = fatal(&producer) => {
-                        if !logged.swap(true, Ordering::SeqCst) {
-                            error!(sink = %name, cause = %cause, "The Kafka producer failed for good; nothing is published until the process restarts (readiness says so)");
-                        }
-                        Err(Error::Unavailable(cause))
-                    }
-                    Ok(Err((e, _))) => Err(classify(e, &topic, size, max)),
-                    Err(_) => Err(Error::Unavailable(
-                        "the producer dropped the message".into(),
-                    )),
-                }
-            }) as Ack)
         }
         .boxed()
     }
@@ -461,6 +528,9 @@ impl Sink for KafkaSink {
     fn flush(&self) -> BoxFuture<'_, Result<()>> {
         let producer = self.producer.clone();
         async move {
+            if let Some(t) = &self.transactions {
+                t.commit().await;
+            }
             tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
                 .await
                 .map_err(|e| Error::Unavailable(e.to_string()))?
@@ -480,6 +550,9 @@ impl Sink for KafkaSink {
         self.terms_ended.fetch_add(1, Ordering::SeqCst);
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue());
+        if let Some(t) = &self.transactions {
+            t.end_term();
+        }
     }
 
     fn broken(&self) -> Option<String> {
@@ -495,6 +568,9 @@ impl Sink for KafkaSink {
     fn health(&self) -> std::result::Result<(), String> {
         if let Some(broken) = self.broken() {
             return Err(broken);
+        }
+        if let Some(problem) = self.transactions.as_ref().and_then(|t| t.problem()) {
+            return Err(problem);
         }
         if self.healthy.load(Ordering::Relaxed) {
             Ok(())
