@@ -1,7 +1,8 @@
 //! The whole pipeline into Kafka (delivered = delivery report) against a plain rdkafka
 //! producer with the sink's own settings sending the same pre-encoded bytes, for ~1 KB and
 //! ~10 KB objects: `BENCH_RUNS` rounds (3 by default), each running every side once in a
-//! rotating order; each run's rate, then medians and spread, are printed.
+//! rotating order; each run's rate, then medians and spread, are printed. On Apache Kafka a
+//! fourth side runs the bridge with `exactly_once` (and resume): its cost as a ratio.
 //! Brokers: Apache Kafka (a single KRaft node, started here from the jars `scripts/test`
 //! copies) and librdkafka's in-process mock cluster.
 //!
@@ -46,6 +47,14 @@ fn sink_config(brokers: &str) -> SinkConfig {
     .unwrap()
 }
 
+/// The bridge side's mode: resume off or on, or exactly once (resume on, transactions).
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Plain,
+    Resume,
+    ExactlyOnce,
+}
+
 /// The librdkafka settings of the bridge's producer, which the raw producer uses as well.
 fn producer_settings(brokers: &str) -> ClientConfig {
     kube_event_bridge::sinks::kafka::client_config(
@@ -61,16 +70,24 @@ async fn bridge(
     size: usize,
     metrics: &Metrics,
     run: usize,
-    resume: bool,
+    mode: Mode,
 ) -> Figures {
-    let cfg = sink_config(brokers);
+    let mut cfg = sink_config(brokers);
+    if mode == Mode::ExactlyOnce {
+        cfg.kafka.as_mut().unwrap().exactly_once = true;
+    }
     // Built before the clock starts, as raw's messages are encoded before it starts.
     let notes: Vec<_> = notifications(events, support::objects(), size).collect();
     let kafka = KafkaSink::connect("kafka", cfg.kafka.as_ref().unwrap())
         .await
+        .unwrap()
+        .with_transactions("bench", cfg.kafka.as_ref().unwrap(), metrics);
+    // The term's transactional producer, made before the clock starts.
+    kube_event_bridge::sinks::Sink::begin_term(&kafka)
+        .await
         .unwrap();
     let name = format!("kafka-{run}");
-    let store: Option<Arc<dyn CheckpointStore>> = if resume {
+    let store: Option<Arc<dyn CheckpointStore>> = if mode != Mode::Plain {
         let store = KafkaCheckpointStore::open("kafka", cfg.kafka.as_ref().unwrap(), &kafka)
             .await
             .unwrap();
@@ -155,7 +172,7 @@ fn main() {
         .collect();
     settings.sort();
     println!(
-        "kafka bench: {} pipeline workers (BENCH_WORKERS); events over {} objects (BENCH_OBJECTS); 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on) and raw once, in an order that rotates each round; medians and spread printed",
+        "kafka bench: {} pipeline workers (BENCH_WORKERS); events over {} objects (BENCH_OBJECTS); 2 runtime threads; {rounds} rounds, each running bridge (resume off), bridge (resume on), raw and (Apache Kafka only) bridge (exactly once) once, in an order that rotates each round; medians and spread printed",
         support::workers(),
         support::objects()
     );
@@ -180,23 +197,33 @@ fn main() {
     .into_iter()
     .filter(|(broker, _)| only.as_deref().is_none_or(|o| broker.contains(o)))
     {
+        let mock_broker = broker.contains("mock");
         println!("{broker}:");
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
             // Interleaved: every round runs each side once, the order rotating, so that no
             // side gains from going later (warm caches, a broker's growing log).
-            let (mut off, mut on, mut raw_runs) =
-                (Runs::default(), Runs::default(), Runs::default());
+            let (mut off, mut on, mut raw_runs, mut eos) = (
+                Runs::default(),
+                Runs::default(),
+                Runs::default(),
+                Runs::default(),
+            );
+            // Exactly once on Apache Kafka only: the mock cluster neither fences nor hides
+            // aborted records.
+            let sides = if mock_broker { 3 } else { 4 };
             let mut lines = Vec::new();
             for round in 0..rounds {
-                for side in (0..3).map(|k| (k + round) % 3) {
+                for side in (0..sides).map(|k| (k + round) % sides) {
                     run += 1;
+                    let bridge = |mode| bridge(&brokers, events, size, &metrics, run, mode);
                     let f = match side {
-                        0 => runtime.block_on(bridge(&brokers, events, size, &metrics, run, false)),
-                        1 => runtime.block_on(bridge(&brokers, events, size, &metrics, run, true)),
-                        _ => runtime.block_on(raw(&brokers, events, size)),
+                        0 => runtime.block_on(bridge(Mode::Plain)),
+                        1 => runtime.block_on(bridge(Mode::Resume)),
+                        2 => runtime.block_on(raw(&brokers, events, size)),
+                        _ => runtime.block_on(bridge(Mode::ExactlyOnce)),
                     };
-                    lines.push(format!("{}:{:.0}", ["off", "on", "raw"][side], f.rate()));
-                    [&mut off, &mut on, &mut raw_runs][side].0.push(f);
+                    lines.push(format!("{}:{:.0}", ["off", "on", "raw", "eos"][side], f.rate()));
+                    [&mut off, &mut on, &mut raw_runs, &mut eos][side].0.push(f);
                 }
             }
             println!(
@@ -208,6 +235,9 @@ fn main() {
             off.print("bridge");
             on.print("resume");
             raw_runs.print("raw");
+            if !eos.0.is_empty() {
+                eos.print("exactly once");
+            }
             println!(
                 "    ratio bridge/raw: {:.2} (medians)",
                 off.median_rate() / raw_runs.median_rate()
@@ -216,6 +246,13 @@ fn main() {
                 "    ratio resume on/off: {:.2} (medians; checkpoint of 10,000 keys written every second, final write included)",
                 on.median_rate() / off.median_rate()
             );
+            if !eos.0.is_empty() {
+                println!(
+                    "    ratio exactly once/resume on: {:.2}, exactly once/raw: {:.2} (medians; a transaction committed every 100 ms, each message's checkpoint record in it)",
+                    eos.median_rate() / on.median_rate(),
+                    eos.median_rate() / raw_runs.median_rate()
+                );
+            }
         }
     }
 }

@@ -45,6 +45,9 @@ pub struct Metrics {
     pub sink_failed: IntCounterVec,
     /// `keb_sink_bytes_total{sink,resource}`: payload bytes acknowledged.
     pub sink_bytes: IntCounterVec,
+    /// `keb_kafka_transactions_total{sink,outcome}`: transactions of an `exactly_once` Kafka
+    /// sink, `committed` or `aborted` (their messages are sent again).
+    pub kafka_transactions: IntCounterVec,
     /// `keb_sink_in_flight{sink}`: publishes waiting for the destination's acknowledgement.
     pub sink_in_flight: IntGaugeVec,
     /// `keb_sink_publish_duration_seconds{sink}`: publish call to acknowledgement.
@@ -251,6 +254,11 @@ impl Metrics {
                 "keb_sink_bytes_total",
                 "Payload bytes acknowledged by the sink",
                 &["sink", "resource"],
+            ),
+            kafka_transactions: counter(
+                "keb_kafka_transactions_total",
+                "Transactions of an exactly-once Kafka sink, committed or aborted",
+                &["sink", "outcome"],
             ),
             sink_in_flight: gauge(
                 "keb_sink_in_flight",

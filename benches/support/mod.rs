@@ -135,6 +135,35 @@ impl<S: Sink> Sink for Timed<S> {
         }
         .boxed()
     }
+    fn in_transactions(&self) -> bool {
+        self.inner.in_transactions()
+    }
+    fn submit_settling<'a>(
+        &'a self,
+        m: &'a Message,
+        route: &'a str,
+        change: Option<sinks::checkpoint::Change>,
+    ) -> BoxFuture<'a, sinks::Result<sinks::Ack>> {
+        async move {
+            let ack = self.inner.submit_settling(m, route, change).await?;
+            let (samples, received) = (self.samples.clone(), m.received);
+            Ok(Box::pin(async move {
+                ack.await?;
+                samples
+                    .lock()
+                    .unwrap()
+                    .push(received.elapsed().as_micros() as u32);
+                Ok(())
+            }) as sinks::Ack)
+        }
+        .boxed()
+    }
+    fn settle_silently(&self, route: &str, change: sinks::checkpoint::Change) {
+        self.inner.settle_silently(route, change)
+    }
+    fn begin_term(&self) -> BoxFuture<'_, sinks::Result<()>> {
+        self.inner.begin_term()
+    }
     fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
         self.inner.flush()
     }

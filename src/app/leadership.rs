@@ -298,19 +298,47 @@ async fn follow_change(
             return false;
         }
     }
-    if now {
-        // A transactional sink's producer for the term: it fences the last leader's before
-        // the checkpoints are read (what that one committed is in them, what it had not is
-        // aborted). On failure it is made again while the term lasts, and until then the
-        // routes' messages wait.
-        for sink in sinks {
-            if let Err(e) = sink.begin_term().await {
-                warn!(sink = %sink.name(), error = %e, "Could not start the term's transactions");
-            }
-        }
+    if now && !begin_term(sinks, leading, fence).await {
+        // Lost meanwhile: nothing of this term was published.
+        sinks.iter().for_each(|s| s.abandon_queued());
+        return false;
     }
     resources.lock().await.set_leading(now).await;
     now
+}
+
+/// Starts the term's transactions of every sink that has them (see
+/// [`crate::sinks::Sink::begin_term`]): a transactional producer fences the last leader's
+/// before the checkpoints are read, so what that one committed is in them and what it had not
+/// is aborted. A failure is tried again every second while this replica leads; the
+/// checkpoints are read (and anything published) only once every sink has started. Returns
+/// `false` when the lease was lost first.
+async fn begin_term(
+    sinks: &[Arc<dyn crate::sinks::Sink>],
+    leading: &tokio::sync::watch::Receiver<bool>,
+    fence: &crate::leader::Fence,
+) -> bool {
+    for sink in sinks {
+        let mut warned = false;
+        loop {
+            let still = || *leading.borrow() && !leading.has_changed().unwrap_or(true);
+            if !still() || !fence.is_valid() {
+                return false;
+            }
+            match sink.begin_term().await {
+                Ok(()) => break,
+                Err(e) => {
+                    if !warned {
+                        warn!(sink = %sink.name(), error = %e, "Could not start the term's transactions; trying again every second (nothing is published meanwhile)");
+                        warned = true;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+    // The lease may have gone while a producer was made (its fence outlived by a slow broker).
+    *leading.borrow() && !leading.has_changed().unwrap_or(true) && fence.is_valid()
 }
 
 /// Turns the shards assigned to this replica (see [`crate::membership`]) into what each

@@ -154,7 +154,7 @@ impl App {
             kafka_sinks,
             stores,
             deliveries,
-        } = sinks::open(&config).await?;
+        } = sinks::open(&config, &metrics).await?;
         // Which kinds each resource selects now (the same for every shard).
         let mut resolved = Vec::new();
         let mut pending = BTreeMap::new();

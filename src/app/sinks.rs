@@ -8,6 +8,7 @@ use tracing::info;
 use super::Error;
 use crate::{
     config::{Config, SinkType},
+    metrics::Metrics,
     pipeline::{Budget, Delivery},
     sinks::{
         CheckpointStore, Sink,
@@ -32,7 +33,7 @@ pub(super) struct Opened {
 
 /// Opens every sink of `config` (connecting to brokers), their checkpoint stores, and their
 /// deliveries.
-pub(super) async fn open(config: &Config) -> Result<Opened, Error> {
+pub(super) async fn open(config: &Config, metrics: &Metrics) -> Result<Opened, Error> {
     let mut sinks: HashMap<String, Arc<dyn Sink>> = HashMap::new();
     let mut kafka_sinks: HashMap<String, Arc<KafkaSink>> = HashMap::new();
     let mut nats_sinks: HashMap<String, Arc<NatsSink>> = HashMap::new();
@@ -54,7 +55,7 @@ pub(super) async fn open(config: &Config) -> Result<Opened, Error> {
                 let sink = Arc::new(
                     KafkaSink::connect(&s.name, cfg)
                         .await?
-                        .with_transactions(&config.cluster, cfg),
+                        .with_transactions(&config.cluster, cfg, metrics),
                 );
                 kafka_sinks.insert(s.name.clone(), sink.clone());
                 sink

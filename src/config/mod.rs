@@ -248,6 +248,15 @@ impl Config {
                  through a Lease)",
             );
         }
+        for (i, s) in self.sinks.iter().enumerate() {
+            if s.kafka.as_ref().is_some_and(|k| k.exactly_once) && !s.resume {
+                p.add(
+                    format!("sinks[{i}].resume"),
+                    "exactly_once needs resume (its checkpoint is what a restart or a new \
+                     leader resumes exactly after); set resume: true",
+                );
+            }
+        }
         if self.sharding.shards > 1 {
             for (i, s) in self.sinks.iter().enumerate() {
                 if s.kafka.as_ref().is_some_and(|k| k.exactly_once) {
@@ -672,6 +681,47 @@ mod tests {
             errors_of(v).contains(
                 &"sinks[0].nats: only a sink of type nats takes this section".to_string()
             )
+        );
+    }
+
+    #[test]
+    fn exactly_once_settings_are_checked() {
+        let mut v = minimal();
+        v["sinks"] = json!([{"name": "out", "type": "kafka", "kafka": {
+            "brokers": ["k:9092"],
+            "exactly_once": true,
+            "transaction_interval": "1ms",
+            "transaction_timeout": "20s",
+            "delivery_timeout": "30s",
+            "properties": {"transactional.id": "mine"},
+        }}]);
+        v["leader_election"] = json!({"enabled": true, "identity": "a"});
+        v["sharding"] = json!({"shards": 4});
+        let e = errors_of(v.clone());
+        for expected in [
+            "sinks[0].kafka.transaction_interval: must be at least 10ms",
+            "sinks[0].kafka.transaction_timeout: must exceed transaction_interval + delivery_timeout",
+            "sinks[0].kafka.properties.transactional.id: set by the sink itself",
+            "sinks[0].kafka.exactly_once: not available with sharding.shards > 1 yet",
+        ] {
+            assert!(
+                e.iter().any(|l| l.starts_with(expected)),
+                "{expected:?} not in {e:?}"
+            );
+        }
+        // Off, none of it applies.
+        v["sinks"][0]["kafka"]["exactly_once"] = json!(false);
+        v["sinks"][0]["kafka"]["properties"] = json!({});
+        assert!(Config::from_value(v.clone()).is_ok());
+        // Without resume every restart would send everything again.
+        v["sharding"] = json!({"shards": 1});
+        v["sinks"][0]["kafka"] = json!({"brokers": ["k:9092"], "exactly_once": true});
+        v["sinks"][0]["resume"] = json!(false);
+        let e = errors_of(v);
+        assert!(
+            e.iter()
+                .any(|l| l.starts_with("sinks[0].resume: exactly_once needs resume")),
+            "{e:?}"
         );
     }
 

@@ -451,13 +451,19 @@ impl KafkaSinkConfig {
                         .into(),
                 );
             }
-            if self.delivery_timeout > self.transaction_timeout {
+            // A transaction stays open for its interval, the deliveries of its last records
+            // and the commit call: the broker must not abort it meanwhile.
+            let longest = self.transaction_interval
+                + self.delivery_timeout
+                + super::transactions::CALL_TIMEOUT;
+            if self.transaction_timeout <= longest {
                 err(
-                    "delivery_timeout",
+                    "transaction_timeout",
                     format!(
-                        "must not exceed transaction_timeout ({:?}) with exactly_once: a record \
-                         may not outlive its transaction",
-                        self.transaction_timeout
+                        "must exceed transaction_interval + delivery_timeout + {:?} ({:?}) \
+                         with exactly_once: a transaction stays open that long at most",
+                        super::transactions::CALL_TIMEOUT,
+                        longest
                     ),
                 );
             }

@@ -156,8 +156,14 @@ impl KafkaSink {
     }
 
     /// With `exactly_once` in `cfg`: publishes in transactions of `transactional.id`
-    /// `kube-event-bridge.{cluster}.{sink}` (see [`super::transactions`]).
-    pub fn with_transactions(mut self, cluster: &str, cfg: &KafkaSinkConfig) -> Self {
+    /// `kube-event-bridge.{cluster}.{sink}` (see [`super::transactions`]), counted in
+    /// `metrics` (`keb_kafka_transactions_total`).
+    pub fn with_transactions(
+        mut self,
+        cluster: &str,
+        cfg: &KafkaSinkConfig,
+        metrics: &crate::metrics::Metrics,
+    ) -> Self {
         if cfg.exactly_once {
             self.transactions = Some(super::transactions::Transactions::new(
                 &self.name,
@@ -167,6 +173,11 @@ impl KafkaSink {
                 cfg.transaction_interval,
                 cfg.transaction_timeout,
                 self.max_message_bytes,
+                ["committed", "aborted"].map(|outcome| {
+                    metrics
+                        .kafka_transactions
+                        .with_label_values(&[self.name.as_str(), outcome])
+                }),
             ));
         }
         self
@@ -529,7 +540,7 @@ impl Sink for KafkaSink {
         let producer = self.producer.clone();
         async move {
             if let Some(t) = &self.transactions {
-                t.commit().await;
+                t.commit().await?;
             }
             tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
                 .await
@@ -542,7 +553,9 @@ impl Sink for KafkaSink {
     /// Purges the records still in librdkafka's local queue (`rd_kafka_purge`; those already
     /// in a request to a broker cannot be taken back).
     fn abandoned(&self) -> u64 {
+        // An aborted transaction fails every message in it: not their own failure.
         self.terms_ended.load(Ordering::SeqCst)
+            + self.transactions.as_ref().map_or(0, |t| t.aborts())
     }
 
     fn abandon_queued(&self) {
@@ -556,6 +569,9 @@ impl Sink for KafkaSink {
     }
 
     fn broken(&self) -> Option<String> {
+        if let Some(why) = self.transactions.as_ref().and_then(|t| t.broken()) {
+            return Some(why);
+        }
         fatal(&self.producer).map(|cause| {
             format!(
                 "sink {}: {cause}; it publishes nothing until the process restarts (what it \

@@ -6,29 +6,35 @@
 //! - **One producer per term.** [`Transactions::begin_term`] makes the term's producer
 //!   (`transactional.id` the same on every replica) and `init_transactions` fences every
 //!   earlier producer of that id: a deposed leader's open transaction is aborted, and its
-//!   later commits are refused. A standby never makes one (it would fence the leader).
-//!   [`Transactions::end_term`] drops it.
+//!   later commits are refused. Only `begin_term` makes one (a standby never calls it: it
+//!   would fence the leader); [`Transactions::end_term`] drops it.
 //! - **Acknowledged means committed.** A message's acknowledgement resolves when its
 //!   transaction commits; a `read_committed` reader sees the message and its checkpoint record
 //!   together or neither. So a new leader (or a restart) that loads the checkpoint after its
-//!   `init_transactions` resumes exactly after the last committed message: nothing is sent
-//!   twice, nothing lost.
-//! - **An abort sends again.** When a record of the transaction fails or the commit fails, the
-//!   transaction is aborted and every acknowledgement in it fails (a record's own final error,
-//!   such as too large, as itself; the others as unavailable): the pipeline sends them again
-//!   in the next one. Checkpoint records without a message ([`Transactions::settle`]) are
-//!   written again first.
-//! - **Fenced is final for the term.** A producer fenced by a newer one (another replica
-//!   leads) fails what it holds and is not made again until the next term: making it again
-//!   would fence the leader back.
-//! - **Order.** Records are produced under the state lock, a key's checkpoint records after
-//!   its message and every record of a term in one producer: a key's records keep their order
+//!   `init_transactions` resumes exactly after the last committed message.
+//! - **An abort sends again.** When a record of the transaction fails, its own checkpoint
+//!   record cannot be produced, or the broker asks for an abort, the transaction is aborted
+//!   and every acknowledgement in it fails: a record's own error as itself, the others as
+//!   [`Error::Unavailable`] counted in [`Transactions::aborts`] (the pipeline retries them
+//!   without counting a retry). Checkpoint records without a message
+//!   ([`Transactions::settle`]) are written again first in the next one.
+//! - **An unknown outcome stops the term.** A commit that neither succeeded nor was aborted
+//!   (fenced by a newer producer, a fatal producer error, a commit call that timed out) may
+//!   have been committed: sending its messages again would duplicate them. Its
+//!   acknowledgements fail, the producer goes, and nothing is produced until the next
+//!   `begin_term`, which resumes from the checkpoint; without leader election `/healthz`
+//!   fails ([`Transactions::broken`]) so the pod restarts.
+//! - **Order.** Records are produced under the state lock, a message's checkpoint record right
+//!   after it, and every record of a term by one producer: a key's records keep their order
 //!   in the checkpoint topic. A commit holds the gate exclusively: nothing is produced between
 //!   its flush and the next `begin_transaction`.
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex, Weak},
+    sync::{
+        Arc, Mutex, Weak,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -46,9 +52,9 @@ use super::{
 use crate::sinks::{Ack, Error, Result};
 
 /// How long `init_transactions`, a commit and an abort may take.
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// How often a term whose producer failed tries to make it again.
-const REMAKE_PERIOD: Duration = Duration::from_secs(1);
+pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many times a commit the broker answered with a retriable error is tried.
+const COMMIT_ATTEMPTS: usize = 3;
 
 /// A checkpoint record: key, and value (`None`: a tombstone).
 pub(super) type CheckpointRecord = (String, Option<String>);
@@ -65,24 +71,29 @@ pub(super) struct Transactions {
     // Shared by hand-overs, exclusive for a commit (and a term's start).
     gate: tokio::sync::RwLock<()>,
     state: Mutex<State>,
-    // Why transactions fail now (readiness), cleared by the next commit.
+    // Why transactions fail now (readiness), cleared by the next commit and a term's end.
     problem: Mutex<Option<String>>,
+    // Transactions aborted so far (see `aborts`).
+    aborted: AtomicU64,
+    // Transactions committed and aborted (`keb_kafka_transactions_total`).
+    outcomes: [prometheus::IntCounter; 2],
 }
 
 #[derive(Default)]
 struct State {
     producer: Option<FutureProducer<KafkaContext>>,
-    // A term is on: a producer lost to an error is made again (unless fenced).
+    // A term is on (between `begin_term` and `end_term`).
     wanted: bool,
-    // Fenced by a newer producer in this term.
-    fenced: bool,
-    // When a producer was last made (or tried).
-    made_at: Option<tokio::time::Instant>,
+    // Why nothing may be produced until the next term (see "An unknown outcome").
+    broken: Option<String>,
+    // Why the open transaction must be aborted (a message's checkpoint record could not be
+    // produced after it).
+    poisoned: Option<String>,
     // Messages of the open transaction.
     open: Vec<Handed>,
     // Checkpoint records without a message, in the open transaction.
     silent: Vec<(CheckpointRecord, DeliveryFuture)>,
-    // Checkpoint records not produced yet: before anything else is.
+    // Checkpoint records without a message not produced yet: before anything else is.
     backlog: VecDeque<CheckpointRecord>,
 }
 
@@ -96,8 +107,18 @@ struct Handed {
     size: usize,
 }
 
+/// How a commit attempt ended.
+enum Outcome {
+    Committed,
+    /// Aborted: nothing of it is visible; its messages may go again.
+    Aborted(String),
+    /// Maybe committed: nothing may go again in this term.
+    Unknown(String),
+}
+
 impl Transactions {
     /// The transactions of sink `sink`; the commit task runs while the returned value lives.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         sink: &str,
         id: String,
@@ -106,6 +127,7 @@ impl Transactions {
         interval: Duration,
         timeout: Duration,
         max_message_bytes: usize,
+        outcomes: [prometheus::IntCounter; 2],
     ) -> Arc<Self> {
         let this = Arc::new(Self {
             sink: sink.to_owned(),
@@ -118,6 +140,8 @@ impl Transactions {
             gate: tokio::sync::RwLock::new(()),
             state: Mutex::default(),
             problem: Mutex::default(),
+            aborted: AtomicU64::new(0),
+            outcomes,
         });
         tokio::spawn(commit_every_interval(Arc::downgrade(&this)));
         this
@@ -139,45 +163,49 @@ impl Transactions {
             .clone()
     }
 
+    /// Why nothing can be published until the next term (for `/healthz`), if so.
+    pub(super) fn broken(&self) -> Option<String> {
+        self.lock().broken.clone()
+    }
+
+    /// Transactions aborted so far: a failure of a message after it changed may be the abort,
+    /// not the message's own (see [`crate::sinks::Sink::abandoned`]).
+    pub(super) fn aborts(&self) -> u64 {
+        self.aborted.load(Ordering::SeqCst)
+    }
+
     /// A term begins: what the last one held fails, and this term's producer is made (fencing
-    /// every earlier producer of the id). An error leaves the commit task trying again.
+    /// every earlier producer of the id). On an error nothing is produced; the caller tries
+    /// again while the term lasts.
     pub(super) async fn begin_term(&self) -> Result<()> {
         let _closed = self.gate.write().await;
         let old = {
             let mut st = self.lock();
             fail_all(&mut st, "a new leadership term began");
             st.wanted = true;
-            st.fenced = false;
+            st.broken = None;
+            st.poisoned = None;
             st.producer.take()
         };
         dispose(old);
-        self.make().await
-    }
-
-    /// The term ended: what it holds fails and its producer goes.
-    pub(super) fn end_term(&self) {
-        let old = {
-            let mut st = self.lock();
-            st.wanted = false;
-            fail_all(&mut st, "the leadership term ended");
-            st.producer.take()
-        };
-        dispose(old);
-    }
-
-    /// Makes the term's producer (the gate held exclusively).
-    async fn make(&self) -> Result<()> {
-        self.lock().made_at = Some(tokio::time::Instant::now());
         let (client, id, timeout) = (self.client.clone(), self.id.clone(), self.timeout);
         let made = tokio::task::spawn_blocking(move || {
             let producer = client.transactional_producer(&id, timeout)?;
-            producer
+            let started = producer
                 .init_transactions(CALL_TIMEOUT)
-                .map_err(|e| format!("init_transactions: {e}{}", acl_hint(&e)))?;
-            producer
-                .begin_transaction()
-                .map_err(|e| format!("begin_transaction: {e}"))?;
-            Ok::<_, String>(producer)
+                .map_err(|e| format!("init_transactions: {e}{}", acl_hint(&e)))
+                .and_then(|()| {
+                    producer
+                        .begin_transaction()
+                        .map_err(|e| format!("begin_transaction: {e}"))
+                });
+            match started {
+                Ok(()) => Ok(producer),
+                Err(e) => {
+                    drop(producer);
+                    Err(e)
+                }
+            }
         })
         .await
         .map_err(|e| e.to_string())
@@ -202,11 +230,24 @@ impl Transactions {
                     "sink {}: cannot start transactions (transactional.id {}): {e}",
                     self.sink, self.id
                 );
-                warn!(sink = %self.sink, error = %e, "Cannot start transactions; trying again");
                 self.set_problem(Some(why.clone()));
                 Err(Error::Unavailable(why))
             }
         }
+    }
+
+    /// The term ended: what it holds fails and its producer goes.
+    pub(super) fn end_term(&self) {
+        let old = {
+            let mut st = self.lock();
+            st.wanted = false;
+            st.broken = None;
+            st.poisoned = None;
+            fail_all(&mut st, "the leadership term ended");
+            st.producer.take()
+        };
+        dispose(old);
+        self.set_problem(None);
     }
 
     /// Hands `record` to the open transaction with its checkpoint record, and returns the
@@ -224,7 +265,7 @@ impl Transactions {
     {
         let _open = self.gate.read().await;
         let mut st = self.lock();
-        let Some(producer) = st.producer.clone() else {
+        let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
             return Err(Error::Unavailable(self.no_producer(&st)));
         };
         self.produce_backlog(&producer, &mut st)?;
@@ -235,16 +276,19 @@ impl Transactions {
             }
             Err((e, _)) => return Err(classify(e, topic, size, self.max_message_bytes)),
         };
-        let checkpoint = checkpoint.and_then(|record| {
-            match self.send_checkpoint(&producer, &record) {
+        let checkpoint = match checkpoint {
+            None => None,
+            Some(record) => match self.send_checkpoint(&producer, &record) {
                 Ok(delivery) => Some(delivery),
-                // Produced before the commit, in this transaction still.
-                Err(_) => {
-                    st.backlog.push_back(record);
+                // The message is in the transaction without its record: it must not commit.
+                Err(e) => {
+                    st.poisoned.get_or_insert_with(|| {
+                        format!("a message's checkpoint record could not be produced: {e}")
+                    });
                     None
                 }
-            }
-        });
+            },
+        };
         let (done, acknowledged) = oneshot::channel();
         st.open.push(Handed {
             delivery,
@@ -270,14 +314,13 @@ impl Transactions {
             return;
         };
         let mut st = self.lock();
-        let Some(producer) = st.producer.clone() else {
-            st.backlog.push_back(record);
-            return;
+        let producer = match st.producer.clone() {
+            Some(p) if st.backlog.is_empty() && st.broken.is_none() => p,
+            _ => {
+                st.backlog.push_back(record);
+                return;
+            }
         };
-        if !st.backlog.is_empty() {
-            st.backlog.push_back(record);
-            return;
-        }
         match self.send_checkpoint(&producer, &record) {
             Ok(delivery) => st.silent.push((record, delivery)),
             Err(_) => st.backlog.push_back(record),
@@ -285,16 +328,10 @@ impl Transactions {
     }
 
     fn no_producer(&self, st: &State) -> String {
-        if st.fenced {
-            format!(
-                "sink {}: fenced: a newer producer of transactional.id {} took over (another \
-                 replica leads, or runs without leader election)",
-                self.sink, self.id
-            )
-        } else {
-            self.problem()
-                .unwrap_or_else(|| format!("sink {}: no transaction open (not leading)", self.sink))
-        }
+        st.broken
+            .clone()
+            .or_else(|| self.problem())
+            .unwrap_or_else(|| format!("sink {}: no transaction open (not leading)", self.sink))
     }
 
     fn send_checkpoint(
@@ -329,53 +366,39 @@ impl Transactions {
         Ok(())
     }
 
-    /// Commits the open transaction (also at shutdown), or makes the term's producer again
-    /// when it was lost.
-    pub(super) async fn commit(&self) {
+    /// Commits the open transaction (every interval, and at shutdown); an error says it was
+    /// not committed.
+    pub(super) async fn commit(&self) -> Result<()> {
         let _closed = self.gate.write().await;
-        let remake = {
-            let st = self.lock();
-            st.producer.is_none()
-                && st.wanted
-                && !st.fenced
-                && st.made_at.is_none_or(|at| at.elapsed() >= REMAKE_PERIOD)
-        };
-        if remake {
-            let _ = self.make().await;
-            return;
-        }
-        let (producer, open, silent) = {
+        let (producer, open, silent, poisoned) = {
             let mut st = self.lock();
-            let Some(producer) = st.producer.clone() else {
-                return;
+            let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
+                return match &st.broken {
+                    Some(why) => Err(Error::Unavailable(why.clone())),
+                    None => Ok(()),
+                };
             };
             if st.open.is_empty() && st.silent.is_empty() && st.backlog.is_empty() {
-                return;
+                return Ok(());
             }
-            if self.produce_backlog(&producer, &mut st).is_err() {
-                // Committed with the next: room comes as the records in flight are stored.
-                return;
-            }
+            // On failure committed with the next: room comes as the records in flight are
+            // stored.
+            self.produce_backlog(&producer, &mut st)?;
             (
                 producer,
                 std::mem::take(&mut st.open),
                 std::mem::take(&mut st.silent),
+                st.poisoned.take(),
             )
         };
+        // Every record's delivery first: a commit flushes them anyway, and a failed one
+        // names the cause.
         let mut results = Vec::with_capacity(open.len());
-        let mut failed = None;
+        let mut failed = poisoned;
         for h in open {
-            let own = match h.delivery.await {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err((e, _))) => Err(e),
-                Err(_) => Err(KafkaError::Canceled),
-            };
+            let own = delivered(h.delivery).await;
             let checkpoint = match h.checkpoint {
-                Some(d) => match d.await {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err((e, _))) => Err(e),
-                    Err(_) => Err(KafkaError::Canceled),
-                },
+                Some(d) => delivered(d).await,
                 None => Ok(()),
             };
             if failed.is_none() {
@@ -392,85 +415,147 @@ impl Transactions {
         }
         let mut silent_records = Vec::with_capacity(silent.len());
         for (record, delivery) in silent {
-            if failed.is_none() && !matches!(delivery.await, Ok(Ok(_))) {
+            if let Err(e) = delivered(delivery).await
+                && failed.is_none()
+            {
                 failed = Some(format!(
-                    "a checkpoint record of {} failed",
+                    "a checkpoint record of {} failed: {e}",
                     self.checkpoint_topic
                 ));
             }
             silent_records.push(record);
         }
-        let committed = match failed {
-            Some(why) => Err(why),
-            None => {
-                let producer = producer.clone();
-                tokio::task::spawn_blocking(move || producer.commit_transaction(CALL_TIMEOUT))
-                    .await
-                    .map_err(|e| e.to_string())
-                    .and_then(|c| c.map_err(|e| e.to_string()))
-            }
+        let outcome = match failed {
+            Some(why) => self.abort(&producer, why).await,
+            None => self.try_commit(&producer).await,
         };
-        match committed {
-            Ok(()) => {
+        let result = match outcome {
+            Outcome::Committed => {
+                self.outcomes[0].inc();
                 for (done, _, _, _) in results {
                     let _ = done.send(Ok(()));
                 }
                 self.set_problem(None);
-            }
-            Err(why) => {
-                let fatal = producer.client().fatal_error().is_some();
-                if fatal {
-                    error!(sink = %self.sink, transactional_id = %self.id, error = %why, "The transactional producer failed for good (fenced: another replica's producer of this transactional.id took over); nothing is published until the next term");
-                } else {
-                    warn!(sink = %self.sink, error = %why, messages = results.len(), "Transaction aborted; its messages are sent again");
+                let st = self.lock();
+                if let Some(p) = st.producer.as_ref().filter(|p| same(p, &producer))
+                    && let Err(e) = p.begin_transaction()
+                {
+                    drop(st);
+                    self.stop(&producer, format!("begin_transaction failed: {e}"));
                 }
-                let aborted = if fatal {
-                    false
-                } else {
-                    let producer = producer.clone();
-                    tokio::task::spawn_blocking(move || producer.abort_transaction(CALL_TIMEOUT))
-                        .await
-                        .is_ok_and(|a| a.is_ok())
-                };
+                Ok(())
+            }
+            Outcome::Aborted(why) => {
+                self.outcomes[1].inc();
+                // Counted before the acknowledgements fail: their workers see it changed.
+                self.aborted.fetch_add(1, Ordering::SeqCst);
+                warn!(sink = %self.sink, error = %why, messages = results.len(), "Transaction aborted; its messages are sent again");
                 let reason = format!("sink {}: transaction aborted: {why}", self.sink);
                 for (done, own, topic, size) in results {
-                    // A message's own final error (too large, denied) is its answer; every
-                    // other message of the transaction is sent again.
-                    let err =
-                        match own.map_err(|e| classify(e, &topic, size, self.max_message_bytes)) {
-                            Err(e) if !e.is_retriable() => e,
-                            _ => Error::Unavailable(reason.clone()),
-                        };
+                    // A message's own error is its answer (too large, denied: final; a
+                    // missing topic: retried with its backoff); every other message of the
+                    // transaction is sent again.
+                    let err = match own {
+                        Err(e) => classify(e, &topic, size, self.max_message_bytes),
+                        Ok(()) => Error::Unavailable(reason.clone()),
+                    };
                     let _ = done.send(Err(err));
                 }
-                self.set_problem(Some(reason));
+                self.set_problem(Some(reason.clone()));
                 let mut st = self.lock();
                 if st.producer.as_ref().is_some_and(|p| same(p, &producer)) {
-                    // Written again first, in the next transaction.
+                    // Written again first, in the next transaction (the gate is still held:
+                    // before anything settled after this).
                     for record in silent_records.into_iter().rev() {
                         st.backlog.push_front(record);
                     }
-                    if fatal || !aborted {
-                        st.fenced |= fatal;
-                        let old = st.producer.take();
+                    if let Err(e) = st.producer.as_ref().expect("checked").begin_transaction() {
                         drop(st);
-                        dispose(old);
-                        return;
+                        self.stop(&producer, format!("begin_transaction failed: {e}"));
                     }
                 }
+                Err(Error::Unavailable(reason))
+            }
+            Outcome::Unknown(why) => {
+                self.outcomes[1].inc();
+                self.aborted.fetch_add(1, Ordering::SeqCst);
+                let reason = format!(
+                    "sink {}: a transaction may or may not have been committed ({why}); \
+                     nothing is published until the next term resumes from the checkpoint",
+                    self.sink
+                );
+                for (done, _, _, _) in results {
+                    let _ = done.send(Err(Error::Unavailable(reason.clone())));
+                }
+                self.stop(&producer, reason.clone());
+                Err(Error::Unavailable(reason))
+            }
+        };
+        dispose(Some(producer));
+        result
+    }
+
+    /// Commits, trying a retriable failure again; an abortable one is aborted.
+    async fn try_commit(&self, producer: &FutureProducer<KafkaContext>) -> Outcome {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let p = producer.clone();
+            let committed =
+                tokio::task::spawn_blocking(move || p.commit_transaction(CALL_TIMEOUT)).await;
+            let e = match committed {
+                Ok(Ok(())) => return Outcome::Committed,
+                Ok(Err(e)) => e,
+                Err(e) => return Outcome::Unknown(format!("the commit task failed: {e}")),
+            };
+            match &e {
+                KafkaError::Transaction(r) if r.txn_requires_abort() => {
+                    return self.abort(producer, format!("commit: {e}")).await;
+                }
+                KafkaError::Transaction(r)
+                    if r.is_retriable() && !r.is_fatal() && attempt < COMMIT_ATTEMPTS =>
+                {
+                    warn!(sink = %self.sink, error = %e, attempt, "Commit failed; trying it again");
+                }
+                _ => return Outcome::Unknown(format!("commit: {e}")),
             }
         }
-        let st = self.lock();
-        if let Some(p) = st.producer.as_ref().filter(|p| same(p, &producer))
-            && let Err(e) = p.begin_transaction()
-        {
-            drop(st);
-            warn!(sink = %self.sink, error = %e, "begin_transaction failed; the producer is made again");
-            let mut st = self.lock();
+    }
+
+    /// Aborts the open transaction (nothing of it was committed: a commit was not asked for,
+    /// or the broker asked for the abort).
+    async fn abort(&self, producer: &FutureProducer<KafkaContext>, why: String) -> Outcome {
+        let p = producer.clone();
+        match tokio::task::spawn_blocking(move || p.abort_transaction(CALL_TIMEOUT)).await {
+            Ok(Ok(())) => Outcome::Aborted(why),
+            // Not committed, but the producer cannot go on (fenced, fatal): nothing of the
+            // transaction is visible, yet the term stops as for an unknown outcome.
+            Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+            Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
+        }
+    }
+
+    /// Stops publishing until the next term: `producer` (if still the term's) goes.
+    fn stop(&self, producer: &FutureProducer<KafkaContext>, why: String) {
+        let fenced = producer.client().fatal_error().is_some();
+        error!(sink = %self.sink, transactional_id = %self.id, fenced, error = %why, "Transactions stopped; nothing is published until the next term (or the restart /healthz asks for)");
+        let mut st = self.lock();
+        if st.producer.as_ref().is_some_and(|p| same(p, producer)) {
             let old = st.producer.take();
+            st.broken = Some(why.clone());
             drop(st);
             dispose(old);
         }
+        self.set_problem(Some(why));
+    }
+}
+
+/// A delivery report's result.
+async fn delivered(delivery: DeliveryFuture) -> std::result::Result<(), KafkaError> {
+    match delivery.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(e),
+        Err(_) => Err(KafkaError::Canceled),
     }
 }
 
@@ -484,8 +569,8 @@ fn fail_all(st: &mut State, why: &str) {
     st.backlog.clear();
 }
 
-/// Drops a producer off the async threads (a drop purges, flushes for up to 500 ms and joins
-/// its polling thread).
+/// Drops a producer off the async threads (a last drop purges, flushes for up to 500 ms and
+/// joins its polling thread).
 fn dispose(producer: Option<FutureProducer<KafkaContext>>) {
     if let Some(p) = producer {
         tokio::task::spawn_blocking(move || drop(p));
@@ -505,7 +590,8 @@ async fn commit_every_interval(this: Weak<Transactions>) {
         let Some(t) = this.upgrade() else {
             return;
         };
-        t.commit().await;
+        // A failure is logged and answered where it happens.
+        let _ = t.commit().await;
     }
 }
 
