@@ -222,7 +222,11 @@ fn main() {
                         2 => runtime.block_on(raw(&brokers, events, size)),
                         _ => runtime.block_on(bridge(Mode::ExactlyOnce)),
                     };
-                    lines.push(format!("{}:{:.0}", ["off", "on", "raw", "eos"][side], f.rate()));
+                    lines.push(format!(
+                        "{}:{:.0}",
+                        ["off", "on", "raw", "eos"][side],
+                        f.rate()
+                    ));
                     [&mut off, &mut on, &mut raw_runs, &mut eos][side].0.push(f);
                 }
             }

@@ -23,7 +23,7 @@ use support::{
     config::{ConfigBuilder, kafka_sink},
     differences, fold_in_order,
     kafka::{Kafka, read_topic},
-    objects::{configmap, typed},
+    objects::{configmap, configmap_with_data, typed},
     replica::Replica,
     wait::{self, Patience},
 };
@@ -194,7 +194,12 @@ async fn first_states(kafka: &Kafka, replicas: &[&Replica]) {
             .unwrap();
         if n < OBJECTS {
             for r in replicas {
-                if let Some(line) = r.log().lines().rev().find(|l| l.contains("WARN")) {
+                if let Some(line) = r
+                    .log()
+                    .lines()
+                    .rev()
+                    .find(|l| l.contains("WARN") || l.contains("ERROR"))
+                {
                     println!("{}: {line}", r.identity);
                 }
             }
@@ -310,4 +315,72 @@ async fn a_frozen_leader_is_fenced_by_the_next_ones_producer() {
     );
     assert_exactly_once(&kafka, &api, "a frozen leader thawed after b took over").await;
     drop((a, b));
+}
+
+/// A record the broker refuses (too large for the topic's `max.message.bytes`, which the
+/// producer cannot know) aborts its transaction: the other messages of that transaction go
+/// again in the next one, the refused one goes again trimmed, and a `read_committed` reader
+/// reads each object once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_the_broker_refuses_aborts_its_transaction_and_the_rest_goes_again_once() {
+    let kafka = Kafka::start();
+    kafka.create_topic_with(TOPIC, 3, &[("max.message.bytes", "6000")]);
+    let api = Arc::new(ApiServer::start().await);
+    for i in 0..OBJECTS {
+        let (ns, name) = name_of(i);
+        if i % 60 == 7 {
+            // Incompressible (the producer compresses with lz4).
+            let mut x = i as u64 + 1;
+            let big: String = (0..20_000)
+                .map(|_| {
+                    x = x
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    char::from(b'a' + (x >> 59) as u8 % 26)
+                })
+                .collect();
+            api.create(typed(&configmap_with_data(
+                &ns,
+                &name,
+                [("v", big.as_str())],
+            )));
+        } else {
+            api.create(typed(&configmap(&ns, &name, "0")));
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    // Batches below the topic's limit: only the big objects' records are refused (Kafka
+    // refuses a whole batch over `max.message.bytes`, and librdkafka does not split it).
+    let mut sink = eos_sink(&kafka, "500ms");
+    sink["kafka"]["properties"] = json!({"batch.size": "4000"});
+    let config = ConfigBuilder::new()
+        .configmaps()
+        .sink(sink)
+        .route("configmap", &["kafka"])
+        .value();
+    let replica = Replica::start(dir.path(), "one", &config, &kubeconfig);
+    first_states(&kafka, &[&replica]).await;
+    let events = assert_exactly_once(&kafka, &api, "records refused by the broker").await;
+    let truncated = events.iter().filter(|e| e["k8struncated"] == true).count();
+    assert_eq!(truncated, OBJECTS.div_ceil(60), "the big objects, trimmed");
+    let (_, metrics) = support::http_get(replica.admin().unwrap(), "/metrics").await;
+    let count = |outcome: &str| -> f64 {
+        let series =
+            format!("keb_kafka_transactions_total{{outcome=\"{outcome}\",sink=\"kafka\"}}");
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} not in the metrics"))
+    };
+    let (committed, aborted) = (count("committed"), count("aborted"));
+    println!("transactions: {committed} committed, {aborted} aborted");
+    assert!(
+        aborted >= 1.0,
+        "the refused records aborted their transactions"
+    );
+    let all = read_topic(&kafka.brokers(), TOPIC, false).len();
+    assert!(all > events.len(), "aborted copies are in the log: {all}");
+    drop(replica);
 }

@@ -52,11 +52,11 @@ pub(super) async fn open(config: &Config, metrics: &Metrics) -> Result<Opened, E
             }
             SinkType::Kafka => {
                 let cfg = s.kafka.as_ref().expect("validated");
-                let sink = Arc::new(
-                    KafkaSink::connect(&s.name, cfg)
-                        .await?
-                        .with_transactions(&config.cluster, cfg, metrics),
-                );
+                let sink = Arc::new(KafkaSink::connect(&s.name, cfg).await?.with_transactions(
+                    &config.cluster,
+                    cfg,
+                    metrics,
+                ));
                 kafka_sinks.insert(s.name.clone(), sink.clone());
                 sink
             }

@@ -790,6 +790,16 @@ impl Route {
                 Outcome::Retry
             }
             Err(err) if err.is_retriable() => {
+                if sent.trim > sent.forced {
+                    // It goes again as trimmed as it was (an aborted transaction fails a
+                    // message that fitted): not refused as too large a second time.
+                    let mut marks = self.lock_marks();
+                    marks
+                        .trim
+                        .insert(key.to_owned(), (sent.id.clone(), sent.trim));
+                    self.has_marks
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
+                }
                 self.failed(err.reason());
                 self.failing
                     .store(true, std::sync::atomic::Ordering::SeqCst);

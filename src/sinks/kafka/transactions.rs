@@ -38,6 +38,7 @@ use std::{
     time::Duration,
 };
 
+use futures::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
 use rdkafka::{
     error::{KafkaError, RDKafkaErrorCode},
     producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer},
@@ -55,6 +56,10 @@ use crate::sinks::{Ack, Error, Result};
 pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How many times a commit the broker answered with a retriable error is tried.
 const COMMIT_ATTEMPTS: usize = 3;
+
+/// A delivery awaited at a commit: the index of its message (`None`: a checkpoint record
+/// without one), whether it is the message itself, and its result.
+type Waiting = BoxFuture<'static, (Option<usize>, bool, std::result::Result<(), KafkaError>)>;
 
 /// A checkpoint record: key, and value (`None`: a tombstone).
 pub(super) type CheckpointRecord = (String, Option<String>);
@@ -391,42 +396,60 @@ impl Transactions {
                 st.poisoned.take(),
             )
         };
-        // Every record's delivery first: a commit flushes them anyway, and a failed one
-        // names the cause.
+        // Every record's delivery first (a commit flushes them anyway, and a failed one names
+        // the cause); at the first failure the transaction is aborted at once, which fails
+        // the records still waiting (librdkafka would hold them until their timeout).
+        let mut waiting = FuturesUnordered::new();
         let mut results = Vec::with_capacity(open.len());
-        let mut failed = poisoned;
-        for h in open {
-            let own = delivered(h.delivery).await;
-            let checkpoint = match h.checkpoint {
-                Some(d) => delivered(d).await,
-                None => Ok(()),
-            };
-            if failed.is_none() {
-                failed = match (&own, &checkpoint) {
-                    (Err(e), _) => Some(format!("a message to {} failed: {e}", h.topic)),
-                    (_, Err(e)) => Some(format!(
-                        "a checkpoint record of {} failed: {e}",
-                        self.checkpoint_topic
-                    )),
-                    _ => None,
-                };
+        for (i, h) in open.into_iter().enumerate() {
+            waiting.push(
+                Box::pin(async move { (Some(i), true, delivered(h.delivery).await) }) as Waiting,
+            );
+            if let Some(d) = h.checkpoint {
+                waiting.push(Box::pin(
+                    async move { (Some(i), false, delivered(d).await) },
+                ));
             }
-            results.push((h.done, own, h.topic, h.size));
+            results.push((h.done, Ok(()), h.topic, h.size));
         }
         let mut silent_records = Vec::with_capacity(silent.len());
         for (record, delivery) in silent {
-            if let Err(e) = delivered(delivery).await
-                && failed.is_none()
-            {
-                failed = Some(format!(
-                    "a checkpoint record of {} failed: {e}",
-                    self.checkpoint_topic
-                ));
-            }
+            waiting.push(Box::pin(
+                async move { (None, false, delivered(delivery).await) },
+            ));
             silent_records.push(record);
         }
-        let outcome = match failed {
-            Some(why) => self.abort(&producer, why).await,
+        let mut failed = poisoned;
+        let mut aborting = None;
+        while let Some((i, message, result)) = waiting.next().await {
+            let Err(e) = result else { continue };
+            if failed.is_none() {
+                failed = Some(match i.filter(|_| message) {
+                    Some(i) => format!("a message to {} failed: {e}", results[i].2),
+                    None => format!(
+                        "a checkpoint record of {} failed: {e}",
+                        self.checkpoint_topic
+                    ),
+                });
+            }
+            if let (Some(i), true) = (i, message) {
+                results[i].1 = Err(e);
+            }
+            if aborting.is_none()
+                && let Some(why) = failed.clone()
+            {
+                aborting = Some(self.abort_in_background(&producer, why));
+            }
+        }
+        if aborting.is_none()
+            && let Some(why) = failed.clone()
+        {
+            aborting = Some(self.abort_in_background(&producer, why));
+        }
+        let outcome = match aborting {
+            Some(aborted) => aborted
+                .await
+                .unwrap_or_else(|e| Outcome::Unknown(format!("the abort task failed: {e}"))),
             None => self.try_commit(&producer).await,
         };
         let result = match outcome {
@@ -525,14 +548,24 @@ impl Transactions {
     /// Aborts the open transaction (nothing of it was committed: a commit was not asked for,
     /// or the broker asked for the abort).
     async fn abort(&self, producer: &FutureProducer<KafkaContext>, why: String) -> Outcome {
+        self.abort_in_background(producer, why)
+            .await
+            .unwrap_or_else(|e| Outcome::Unknown(format!("the abort task failed: {e}")))
+    }
+
+    /// [`Self::abort`] on a blocking thread, started now (what it purges fails meanwhile).
+    fn abort_in_background(
+        &self,
+        producer: &FutureProducer<KafkaContext>,
+        why: String,
+    ) -> tokio::task::JoinHandle<Outcome> {
         let p = producer.clone();
-        match tokio::task::spawn_blocking(move || p.abort_transaction(CALL_TIMEOUT)).await {
-            Ok(Ok(())) => Outcome::Aborted(why),
+        tokio::task::spawn_blocking(move || match p.abort_transaction(CALL_TIMEOUT) {
+            Ok(()) => Outcome::Aborted(why),
             // Not committed, but the producer cannot go on (fenced, fatal): nothing of the
             // transaction is visible, yet the term stops as for an unknown outcome.
-            Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
-            Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
-        }
+            Err(e) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+        })
     }
 
     /// Stops publishing until the next term: `producer` (if still the term's) goes.
