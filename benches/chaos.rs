@@ -3,8 +3,9 @@
 //! steady workload changes them and a fault is injected; at the end every object's last state
 //! (or its delete) is looked up in the stream.
 //!
-//! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]`
-//! (`-- all 1`: every scenario for one minute). Scenarios: `watch-drop`, `gone-storm`,
+//! `cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate CHANGES_PER_S] [--objects N]
+//! [--exactly-once]` (`-- all 1`: every scenario for one minute; `--exactly-once`: the
+//! `kafka-` scenarios with `kafka.exactly_once`, every reader `read_committed`). Scenarios: `watch-drop`, `gone-storm`,
 //! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`,
 //! `zombie-leader` (two replicas with leader election, a 3 s lease; every 20 s the leader is
 //! frozen with SIGSTOP for 8 s, the other takes over, and the frozen one is thawed: it must
@@ -81,6 +82,8 @@ struct Options {
     minutes: Option<f64>,
     rate: u64,
     objects: usize,
+    /// `--exactly-once`: the `kafka-` scenarios' sink with `exactly_once` (read committed).
+    exactly_once: bool,
 }
 
 /// What the workload did, and each object's true last state: `Some(resourceVersion)`, or
@@ -604,8 +607,12 @@ async fn read_stream(url: &str) -> Stream {
     out
 }
 
-fn service_config(broker: &Broker, scenario: &str, rate: u64) -> Value {
+fn service_config(broker: &Broker, scenario: &str, opts: &Options) -> Value {
+    let rate = opts.rate;
     let mut sink = broker.sink();
+    if opts.exactly_once && matches!(broker, Broker::Kafka(_)) {
+        sink["kafka"]["exactly_once"] = json!(true);
+    }
     if scenario == "slow-sink" {
         // Ten times slower than the input.
         sink["rate_limit"] = json!({"qps": (rate / 10).max(1) as f64, "burst": 10});
@@ -708,7 +715,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         }
     }
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let config = service_config(&broker, scenario, opts.rate);
+    let config = service_config(&broker, scenario, opts);
     let replica = |identity: &str| {
         let mut config = config.clone();
         if let Some(le) = config.get_mut("leader_election") {
@@ -962,10 +969,12 @@ fn main() {
         minutes: None,
         rate: 5_000,
         objects: 20_000,
+        exactly_once: false,
     };
     while let Some(a) = args.next() {
         match a.as_str() {
             "--rate" => opts.rate = args.next().and_then(|v| v.parse().ok()).expect("--rate N"),
+            "--exactly-once" => opts.exactly_once = true,
             "--objects" => {
                 opts.objects = args
                     .next()
@@ -980,7 +989,7 @@ fn main() {
             }
             other => {
                 eprintln!(
-                    "unknown argument {other:?}; usage: cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate N] [--objects N]; scenarios: {}",
+                    "unknown argument {other:?}; usage: cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate N] [--objects N] [--exactly-once]; scenarios: {}",
                     SCENARIOS.join(", ")
                 );
                 std::process::exit(2);
@@ -1007,9 +1016,14 @@ fn main() {
         .build()
         .unwrap();
     println!(
-        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, of which 10 points touch only an annotation; 15% deletes; recreates), service binary → nats-server JetStream (kafka-: Apache Kafka 4.3); {} cores",
+        "chaos bench: {} changes/s over {} ConfigMaps (75% updates, of which 10 points touch only an annotation; 15% deletes; recreates), service binary → nats-server JetStream (kafka-: Apache Kafka 4.3{}); {} cores",
         opts.rate,
         opts.objects,
+        if opts.exactly_once {
+            ", exactly once, read committed"
+        } else {
+            ""
+        },
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     for s in list {

@@ -569,9 +569,10 @@ impl App {
                 flushed = false;
             }
         }
-        // Nothing of this process may reach a broker after the next leader's messages.
-        self.sinks.iter().for_each(|s| s.abandon_queued());
+        // Nothing of this process may reach a broker after the next leader's messages (the
+        // followers first: one starting a term would make a transactional producer again).
         follows.iter().for_each(|f| f.abort());
+        self.sinks.iter().for_each(|s| s.abandon_queued());
         let mut released = Vec::new();
         for (index, cancel, elector) in electors {
             if flushed && part_clean[index] {

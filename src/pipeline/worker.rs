@@ -461,7 +461,7 @@ impl Route {
                 handed.intent = Some(intent);
                 break;
             }
-            match self.submit(key, &n).await {
+            match self.submit(key, &n, term).await {
                 Submitted::Settled => {
                     self.settle(key, &n, false);
                 }
@@ -665,8 +665,8 @@ impl Route {
         .await;
     }
 
-    /// Encodes `n` and hands it to the sink.
-    async fn submit(&self, key: &str, n: &Notification) -> Submitted {
+    /// Encodes `n` and hands it to the sink, unless leadership term `term` ended meanwhile.
+    async fn submit(&self, key: &str, n: &Notification, term: u64) -> Submitted {
         let sink = &self.delivery.sink;
         if let Some(limit) = &self.delivery.publish_limit {
             let wait = limit.reserve();
@@ -682,8 +682,9 @@ impl Route {
             };
             trim = fitted;
             // Checked again right before the hand-over: the rate limit's wait, an encoding, or
-            // a freeze may have outlasted the lease.
-            if !self.queue.may_hand_over() {
+            // a freeze may have outlasted the lease, or its term (this replica may lead again
+            // already: the next term sends what it needs from the checkpoint).
+            if !self.queue.may_hand_over() || !self.queue.is_current(term) {
                 return Submitted::Fenced;
             }
             let started = std::time::Instant::now();

@@ -54,8 +54,9 @@ use crate::sinks::{Ack, Error, Result};
 
 /// How long `init_transactions`, a commit and an abort may take.
 pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How many times a commit the broker answered with a retriable error is tried.
-const COMMIT_ATTEMPTS: usize = 3;
+/// How long a commit or an abort the brokers answer with a retriable error (a timeout, no
+/// coordinator) is tried again.
+const RETRY_FOR: Duration = Duration::from_secs(120);
 
 /// A delivery awaited at a commit: the index of its message (`None`: a checkpoint record
 /// without one), whether it is the message itself, and its result.
@@ -518,30 +519,19 @@ impl Transactions {
         result
     }
 
-    /// Commits, trying a retriable failure again; an abortable one is aborted.
+    /// Commits, trying a retriable failure again (a commit that timed out may only be
+    /// retried: its outcome is the coordinator's); an abortable one is aborted.
     async fn try_commit(&self, producer: &FutureProducer<KafkaContext>) -> Outcome {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            let p = producer.clone();
-            let committed =
-                tokio::task::spawn_blocking(move || p.commit_transaction(CALL_TIMEOUT)).await;
-            let e = match committed {
-                Ok(Ok(())) => return Outcome::Committed,
-                Ok(Err(e)) => e,
-                Err(e) => return Outcome::Unknown(format!("the commit task failed: {e}")),
-            };
-            match &e {
-                KafkaError::Transaction(r) if r.txn_requires_abort() => {
-                    return self.abort(producer, format!("commit: {e}")).await;
-                }
-                KafkaError::Transaction(r)
-                    if r.is_retriable() && !r.is_fatal() && attempt < COMMIT_ATTEMPTS =>
-                {
-                    warn!(sink = %self.sink, error = %e, attempt, "Commit failed; trying it again");
-                }
-                _ => return Outcome::Unknown(format!("commit: {e}")),
+        match retrying(&self.sink, "commit", producer, |p| {
+            p.commit_transaction(CALL_TIMEOUT)
+        })
+        .await
+        {
+            Ok(()) => Outcome::Committed,
+            Err(ref e @ KafkaError::Transaction(ref r)) if r.txn_requires_abort() => {
+                self.abort(producer, format!("commit: {e}")).await
             }
+            Err(e) => Outcome::Unknown(format!("commit: {e}")),
         }
     }
 
@@ -553,18 +543,20 @@ impl Transactions {
             .unwrap_or_else(|e| Outcome::Unknown(format!("the abort task failed: {e}")))
     }
 
-    /// [`Self::abort`] on a blocking thread, started now (what it purges fails meanwhile).
+    /// [`Self::abort`] as a task, started now (what it purges fails meanwhile).
     fn abort_in_background(
         &self,
         producer: &FutureProducer<KafkaContext>,
         why: String,
     ) -> tokio::task::JoinHandle<Outcome> {
-        let p = producer.clone();
-        tokio::task::spawn_blocking(move || match p.abort_transaction(CALL_TIMEOUT) {
-            Ok(()) => Outcome::Aborted(why),
-            // Not committed, but the producer cannot go on (fenced, fatal): nothing of the
-            // transaction is visible, yet the term stops as for an unknown outcome.
-            Err(e) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+        let (sink, p) = (self.sink.clone(), producer.clone());
+        tokio::spawn(async move {
+            match retrying(&sink, "abort", &p, |p| p.abort_transaction(CALL_TIMEOUT)).await {
+                Ok(()) => Outcome::Aborted(why),
+                // Not committed, but the producer cannot go on (fenced, fatal): nothing of the
+                // transaction is visible, yet the term stops as for an unknown outcome.
+                Err(e) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+            }
         })
     }
 
@@ -580,6 +572,37 @@ impl Transactions {
             dispose(old);
         }
         self.set_problem(Some(why));
+    }
+}
+
+/// Calls `call` (a commit or an abort) on a blocking thread until it succeeds, fails other
+/// than retriably, or [`RETRY_FOR`] has passed (brokers down: the gate stays closed, so
+/// hand-overs wait meanwhile).
+async fn retrying(
+    sink: &str,
+    what: &str,
+    producer: &FutureProducer<KafkaContext>,
+    call: fn(&FutureProducer<KafkaContext>) -> rdkafka::error::KafkaResult<()>,
+) -> std::result::Result<(), KafkaError> {
+    let deadline = tokio::time::Instant::now() + RETRY_FOR;
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        let p = producer.clone();
+        let result = tokio::task::spawn_blocking(move || call(&p))
+            .await
+            .unwrap_or(Err(KafkaError::Canceled));
+        match result {
+            Err(KafkaError::Transaction(ref r))
+                if r.is_retriable() && !r.is_fatal() && tokio::time::Instant::now() < deadline =>
+            {
+                if attempt == 1 {
+                    warn!(sink, error = %KafkaError::Transaction(r.clone()), "Transaction {what} failed; trying it again");
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            other => return other,
+        }
     }
 }
 
