@@ -83,7 +83,7 @@ async fn bridge(
         .unwrap()
         .with_transactions("bench", cfg.kafka.as_ref().unwrap(), metrics);
     // The term's transactional producer, made before the clock starts.
-    kube_event_bridge::sinks::Sink::begin_term(&kafka)
+    kube_event_bridge::sinks::Sink::begin_term(&kafka, None)
         .await
         .unwrap();
     let name = format!("kafka-{run}");

@@ -161,8 +161,8 @@ impl<S: Sink> Sink for Timed<S> {
     fn settle_silently(&self, route: &str, change: sinks::checkpoint::Change) {
         self.inner.settle_silently(route, change)
     }
-    fn begin_term(&self) -> BoxFuture<'_, sinks::Result<()>> {
-        self.inner.begin_term()
+    fn begin_term(&self, until: Option<tokio::time::Instant>) -> BoxFuture<'_, sinks::Result<()>> {
+        self.inner.begin_term(until)
     }
     fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
         self.inner.flush()

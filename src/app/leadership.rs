@@ -325,7 +325,7 @@ async fn begin_term(
             if !still() || !fence.is_valid() {
                 return false;
             }
-            match sink.begin_term().await {
+            match sink.begin_term(fence.valid_until()).await {
                 Ok(()) => break,
                 Err(e) => {
                     if !warned {

@@ -288,7 +288,7 @@ impl App {
             // A transactional sink's producer first: it fences an earlier process's, so the
             // checkpoints read next hold everything that process committed.
             for sink in sinks.values() {
-                sink.begin_term().await?;
+                sink.begin_term(None).await?;
             }
             // This replica publishes from the start: resume before the first list. A checkpoint
             // of another cluster fails the start; one that cannot be read makes its route wait.

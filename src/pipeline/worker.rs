@@ -356,7 +356,7 @@ impl Route {
                     .await;
                 continue;
             }
-            let (mut batch, mut failed) = self.settle_ack(&key, &mut handed).await;
+            let (mut batch, mut failed) = self.settle_ack(&key, &mut handed, term).await;
             if !failed && !batch.is_empty() {
                 // The acknowledgement came: the next message of the key goes now.
                 handed = self.hand_over(&key, batch, term).await;
@@ -376,7 +376,7 @@ impl Route {
                     .max_retries
                     .is_some_and(|max| queue.num_requeues(&key) >= max)
             {
-                self.give_up(&key, &mut batch).await;
+                self.give_up(&key, &mut batch, term).await;
                 if !queue.is_shutting_down() {
                     // The rest (and what arrived meanwhile) goes on, without the delay earned
                     // by the one that failed; with nothing left the key is simply released.
@@ -439,7 +439,7 @@ impl Route {
             }
             if !self.queue.publishes(n.event_type()) {
                 // A delete the route does not publish: it only settles the key.
-                self.settle(key, &n, false);
+                self.settle(key, &n, false, term);
                 continue;
             }
             if !self.queue.may_hand_over() {
@@ -463,7 +463,7 @@ impl Route {
             }
             match self.submit(key, &n, term).await {
                 Submitted::Settled => {
-                    self.settle(key, &n, false);
+                    self.settle(key, &n, false, term);
                 }
                 Submitted::Pending(ack) => {
                     handed.pending = Some((n, ack));
@@ -491,6 +491,7 @@ impl Route {
         &self,
         key: &str,
         handed: &mut HandedOver,
+        term: u64,
     ) -> (VecDeque<Notification>, bool) {
         let mut rest = std::mem::take(&mut handed.rest);
         let mut failed = handed.failed;
@@ -503,7 +504,7 @@ impl Route {
             let delivered = result.is_ok();
             match self.acknowledged(key, &n, &pending.message, result).await {
                 Outcome::Settled => {
-                    self.settle(key, &n, delivered);
+                    self.settle(key, &n, delivered, term);
                 }
                 Outcome::Retry => {
                     rest.push_front(n);
@@ -516,32 +517,34 @@ impl Route {
 
     /// Settles `n`, recording it in the checkpoint: `delivered`, failed for good, or a delete
     /// the route does not publish (the checkpoint forgets the key).
-    fn settle(&self, key: &str, n: &Notification, delivered: bool) {
-        self.record(key, n, delivered);
+    fn settle(&self, key: &str, n: &Notification, delivered: bool, term: u64) {
+        self.record(key, n, delivered, term);
         self.queue.settle(1);
     }
 
     /// Records the settlement of `n` in the checkpoint. A sink that writes the checkpoint in
     /// its transactions wrote a delivered message's record with it; it writes the others'
-    /// here, before the key's next message.
-    fn record(&self, key: &str, n: &Notification, delivered: bool) {
+    /// here, before the key's next message, and only within leadership term `term` (a later
+    /// term resumes from what the checkpoint holds: an older term's record would take it
+    /// back).
+    fn record(&self, key: &str, n: &Notification, delivered: bool, term: u64) {
         let Some(c) = &self.checkpointer else {
             return;
         };
         if !c.is_transactional() {
             c.record(key, n);
-        } else if !delivered {
+        } else if !delivered && self.queue.is_current(term) {
             let change = super::Checkpointer::change_of(key, n);
             self.delivery.sink.settle_silently(c.route(), change);
         }
     }
 
     /// Fails the front notification of `batch` for good after `max_retries`.
-    async fn give_up(&self, key: &str, batch: &mut VecDeque<Notification>) {
+    async fn give_up(&self, key: &str, batch: &mut VecDeque<Notification>, term: u64) {
         let queue = self.queue.queue();
         let n = batch.pop_front().expect("a failed notification");
         // Settled for good: a restart must not re-send it.
-        self.record(key, &n, false);
+        self.record(key, &n, false, term);
         self.failed(FailureReason::MaxRetries);
         error!(sink = %self.delivery.sink.name(), resource = %self.resource, key,
                retries = queue.num_requeues(&Key::from(key)), "Giving up on a notification after max_retries");
@@ -791,6 +794,10 @@ impl Route {
                 Outcome::Retry
             }
             Err(err) if err.is_retriable() => {
+                if matches!(err, crate::sinks::Error::Aborted(_)) {
+                    // Not this message's failure: its retry counts nothing and waits no backoff.
+                    self.queue.queue().forget(&Key::from(key));
+                }
                 if sent.trim > sent.forced {
                     // It goes again as trimmed as it was (an aborted transaction fails a
                     // message that fitted): not refused as too large a second time.

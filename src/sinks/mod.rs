@@ -26,6 +26,10 @@ pub enum Error {
     /// pending acks); worth retrying.
     #[error("destination unavailable: {0}")]
     Unavailable(String),
+    /// The message was fine, but the transaction it went in was aborted (another record of it
+    /// failed) or none could be opened: sent again without counting as a retry of its own.
+    #[error("transaction aborted: {0}")]
+    Aborted(String),
     /// No acknowledgement in time; the message may or may not have been stored, so it is
     /// retried (with the same id, which brokers deduplicate).
     #[error("no acknowledgement in time: {0}")]
@@ -65,14 +69,17 @@ pub enum Error {
 impl Error {
     /// Whether publishing the same message again can succeed.
     pub fn is_retriable(&self) -> bool {
-        matches!(self, Self::Io(_) | Self::Unavailable(_) | Self::TimedOut(_))
+        matches!(
+            self,
+            Self::Io(_) | Self::Unavailable(_) | Self::Aborted(_) | Self::TimedOut(_)
+        )
     }
 
     /// The bounded `reason` of `keb_sink_failed_total` for this error.
     pub fn reason(&self) -> FailureReason {
         match self {
             Self::Io(_) => FailureReason::Io,
-            Self::Unavailable(_) => FailureReason::Unavailable,
+            Self::Unavailable(_) | Self::Aborted(_) => FailureReason::Unavailable,
             Self::TimedOut(_) => FailureReason::Timeout,
             Self::TooLarge { .. } => FailureReason::TooLarge,
             Self::InvalidDestination { .. } => FailureReason::InvalidDestination,
@@ -214,8 +221,10 @@ pub trait Sink: Send + Sync {
     }
     /// This replica starts publishing (it became leader, or it runs without leader election):
     /// a transactional sink makes its producer for the term here, fencing the last leader's,
-    /// before the checkpoints are read. The default does nothing.
-    fn begin_term(&self) -> BoxFuture<'_, Result<()>> {
+    /// before the checkpoints are read, and only while `until` (the lease's validity; `None`
+    /// without leader election) has not passed. The default does nothing.
+    fn begin_term(&self, until: Option<tokio::time::Instant>) -> BoxFuture<'_, Result<()>> {
+        let _ = until;
         async { Ok(()) }.boxed()
     }
     /// Why the sink can never publish again in this process (for `/healthz`: the pod is

@@ -526,10 +526,10 @@ impl Sink for KafkaSink {
         }
     }
 
-    fn begin_term(&self) -> BoxFuture<'_, Result<()>> {
+    fn begin_term(&self, until: Option<tokio::time::Instant>) -> BoxFuture<'_, Result<()>> {
         async move {
             match &self.transactions {
-                Some(t) => t.begin_term().await,
+                Some(t) => t.begin_term(until).await,
                 None => Ok(()),
             }
         }
@@ -553,9 +553,7 @@ impl Sink for KafkaSink {
     /// Purges the records still in librdkafka's local queue (`rd_kafka_purge`; those already
     /// in a request to a broker cannot be taken back).
     fn abandoned(&self) -> u64 {
-        // An aborted transaction fails every message in it: not their own failure.
         self.terms_ended.load(Ordering::SeqCst)
-            + self.transactions.as_ref().map_or(0, |t| t.aborts())
     }
 
     fn abandon_queued(&self) {

@@ -15,15 +15,16 @@
 //! - **An abort sends again.** When a record of the transaction fails, its own checkpoint
 //!   record cannot be produced, or the broker asks for an abort, the transaction is aborted
 //!   and every acknowledgement in it fails: a record's own error as itself, the others as
-//!   [`Error::Unavailable`] counted in [`Transactions::aborts`] (the pipeline retries them
-//!   without counting a retry). Checkpoint records without a message
+//!   [`Error::Aborted`] (the pipeline retries them without counting a retry). Checkpoint
+//!   records without a message
 //!   ([`Transactions::settle`]) are written again first in the next one.
-//! - **An unknown outcome stops the term.** A commit that neither succeeded nor was aborted
-//!   (fenced by a newer producer, a fatal producer error, a commit call that timed out) may
-//!   have been committed: sending its messages again would duplicate them. Its
-//!   acknowledgements fail, the producer goes, and nothing is produced until the next
-//!   `begin_term`, which resumes from the checkpoint; without leader election `/healthz`
-//!   fails ([`Transactions::broken`]) so the pod restarts.
+//! - **Retriable, then unknown.** A commit or abort the brokers answer retriably is tried
+//!   again until shortly before the broker would abort the transaction itself. A commit that
+//!   neither succeeded nor was aborted then (fenced by a newer producer, a fatal producer
+//!   error, still failing) may have been committed: sending its messages again would
+//!   duplicate them. Its acknowledgements fail, the producer goes, and nothing is produced
+//!   until the next `begin_term`, which resumes from the checkpoint; `/healthz` fails
+//!   ([`Transactions::broken`]) so the pod restarts.
 //! - **Order.** Records are produced under the state lock, a message's checkpoint record right
 //!   after it, and every record of a term by one producer: a key's records keep their order
 //!   in the checkpoint topic. A commit holds the gate exclusively: nothing is produced between
@@ -31,10 +32,7 @@
 
 use std::{
     collections::VecDeque,
-    sync::{
-        Arc, Mutex, Weak,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex, Weak},
     time::Duration,
 };
 
@@ -54,9 +52,9 @@ use crate::sinks::{Ack, Error, Result};
 
 /// How long `init_transactions`, a commit and an abort may take.
 pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a commit or an abort the brokers answer with a retriable error (a timeout, no
-/// coordinator) is tried again.
-const RETRY_FOR: Duration = Duration::from_secs(120);
+/// How long before the broker would abort a transaction itself (`transaction_timeout` after
+/// it began) a commit or an abort the brokers answer retriably stops being tried again.
+const MARGIN: Duration = Duration::from_secs(5);
 
 /// A delivery awaited at a commit: the index of its message (`None`: a checkpoint record
 /// without one), whether it is the message itself, and its result.
@@ -74,13 +72,12 @@ pub(super) struct Transactions {
     interval: Duration,
     timeout: Duration,
     max_message_bytes: usize,
-    // Shared by hand-overs, exclusive for a commit (and a term's start).
-    gate: tokio::sync::RwLock<()>,
+    // Shared by hand-overs, exclusive for a commit (and a term's start, whose producer is
+    // made under it even when the caller gives up: a shutdown waits for it).
+    gate: Arc<tokio::sync::RwLock<()>>,
     state: Mutex<State>,
     // Why transactions fail now (readiness), cleared by the next commit and a term's end.
     problem: Mutex<Option<String>>,
-    // Transactions aborted so far (see `aborts`).
-    aborted: AtomicU64,
     // Transactions committed and aborted (`keb_kafka_transactions_total`).
     outcomes: [prometheus::IntCounter; 2],
 }
@@ -101,6 +98,8 @@ struct State {
     silent: Vec<(CheckpointRecord, DeliveryFuture)>,
     // Checkpoint records without a message not produced yet: before anything else is.
     backlog: VecDeque<CheckpointRecord>,
+    // When the open transaction began: the broker aborts it `transaction_timeout` later.
+    opened_at: Option<tokio::time::Instant>,
 }
 
 /// A message of the open transaction.
@@ -143,10 +142,9 @@ impl Transactions {
             interval,
             timeout,
             max_message_bytes,
-            gate: tokio::sync::RwLock::new(()),
+            gate: Arc::new(tokio::sync::RwLock::new(())),
             state: Mutex::default(),
             problem: Mutex::default(),
-            aborted: AtomicU64::new(0),
             outcomes,
         });
         tokio::spawn(commit_every_interval(Arc::downgrade(&this)));
@@ -174,17 +172,12 @@ impl Transactions {
         self.lock().broken.clone()
     }
 
-    /// Transactions aborted so far: a failure of a message after it changed may be the abort,
-    /// not the message's own (see [`crate::sinks::Sink::abandoned`]).
-    pub(super) fn aborts(&self) -> u64 {
-        self.aborted.load(Ordering::SeqCst)
-    }
-
     /// A term begins: what the last one held fails, and this term's producer is made (fencing
-    /// every earlier producer of the id). On an error nothing is produced; the caller tries
-    /// again while the term lasts.
-    pub(super) async fn begin_term(&self) -> Result<()> {
-        let _closed = self.gate.write().await;
+    /// every earlier producer of the id), but only while `until` (the lease's validity) has
+    /// not passed: `init_transactions` is given no longer than that. On an error nothing is
+    /// produced; the caller tries again while the term lasts.
+    pub(super) async fn begin_term(&self, until: Option<tokio::time::Instant>) -> Result<()> {
+        let closed = self.gate.clone().write_owned().await;
         let old = {
             let mut st = self.lock();
             fail_all(&mut st, "a new leadership term began");
@@ -194,11 +187,25 @@ impl Transactions {
             st.producer.take()
         };
         dispose(old);
-        let (client, id, timeout) = (self.client.clone(), self.id.clone(), self.timeout);
+        let timeout = match until {
+            None => CALL_TIMEOUT,
+            Some(until) => {
+                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                if left < Duration::from_millis(100) {
+                    return Err(Error::Aborted("the lease is not valid any more".into()));
+                }
+                left.min(CALL_TIMEOUT)
+            }
+        };
+        let (client, id, txn_timeout) = (self.client.clone(), self.id.clone(), self.timeout);
+        // The gate goes with the blocking call: a caller that gives up (a shutdown) leaves it
+        // closed until the call returned, so nothing after it (a release of the lease, after
+        // the shutdown's commit) overtakes an init still on its way to the broker.
         let made = tokio::task::spawn_blocking(move || {
-            let producer = client.transactional_producer(&id, timeout)?;
+            let _closed = closed;
+            let producer = client.transactional_producer(&id, txn_timeout)?;
             let started = producer
-                .init_transactions(CALL_TIMEOUT)
+                .init_transactions(timeout)
                 .map_err(|e| format!("init_transactions: {e}{}", acl_hint(&e)))
                 .and_then(|()| {
                     producer
@@ -223,9 +230,10 @@ impl Transactions {
                     // The term ended meanwhile.
                     drop(st);
                     dispose(Some(producer));
-                    return Err(Error::Unavailable("the leadership term ended".into()));
+                    return Err(Error::Aborted("the leadership term ended".into()));
                 }
                 st.producer = Some(producer);
+                st.opened_at = Some(tokio::time::Instant::now());
                 drop(st);
                 self.set_problem(None);
                 info!(sink = %self.sink, transactional_id = %self.id, "Transactions on: earlier producers of this transactional.id are fenced");
@@ -271,14 +279,19 @@ impl Transactions {
     {
         let _open = self.gate.read().await;
         let mut st = self.lock();
+        // Not the message's failure (none is counted as its retry): no transaction open.
         let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
-            return Err(Error::Unavailable(self.no_producer(&st)));
+            return Err(Error::Aborted(self.no_producer(&st)));
         };
         self.produce_backlog(&producer, &mut st)?;
         let delivery = match producer.send_result(record) {
             Ok(delivery) => delivery,
             Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
                 return Err(Error::Unavailable("the producer's queue is full".into()));
+            }
+            // The transaction failed and waits for its abort (the next commit).
+            Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::State) => {
+                return Err(Error::Aborted(format!("the open transaction failed: {e}")));
             }
             Err((e, _)) => return Err(classify(e, topic, size, self.max_message_bytes)),
         };
@@ -376,7 +389,7 @@ impl Transactions {
     /// not committed.
     pub(super) async fn commit(&self) -> Result<()> {
         let _closed = self.gate.write().await;
-        let (producer, open, silent, poisoned) = {
+        let (producer, open, silent, poisoned, deadline) = {
             let mut st = self.lock();
             let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
                 return match &st.broken {
@@ -384,6 +397,9 @@ impl Transactions {
                     None => Ok(()),
                 };
             };
+            let deadline = st
+                .opened_at
+                .map(|at| at + self.timeout.saturating_sub(MARGIN));
             if st.open.is_empty() && st.silent.is_empty() && st.backlog.is_empty() {
                 return Ok(());
             }
@@ -395,6 +411,7 @@ impl Transactions {
                 std::mem::take(&mut st.open),
                 std::mem::take(&mut st.silent),
                 st.poisoned.take(),
+                deadline,
             )
         };
         // Every record's delivery first (a commit flushes them anyway, and a failed one names
@@ -436,22 +453,21 @@ impl Transactions {
             if let (Some(i), true) = (i, message) {
                 results[i].1 = Err(e);
             }
-            if aborting.is_none()
-                && let Some(why) = failed.clone()
-            {
-                aborting = Some(self.abort_in_background(&producer, why));
+            if aborting.is_none() && failed.is_some() {
+                aborting = Some(abort_in_background(&producer));
             }
         }
-        if aborting.is_none()
-            && let Some(why) = failed.clone()
-        {
-            aborting = Some(self.abort_in_background(&producer, why));
+        if aborting.is_none() && failed.is_some() {
+            aborting = Some(abort_in_background(&producer));
         }
-        let outcome = match aborting {
-            Some(aborted) => aborted
-                .await
-                .unwrap_or_else(|e| Outcome::Unknown(format!("the abort task failed: {e}"))),
-            None => self.try_commit(&producer).await,
+        let outcome = match (aborting, failed) {
+            (Some(aborting), Some(why)) => match aborting.await {
+                Ok(Ok(())) => Outcome::Aborted(why),
+                Ok(Err(e)) if is_retriable(&e) => self.abort(&producer, why, deadline).await,
+                Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+                Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
+            },
+            _ => self.try_commit(&producer, deadline).await,
         };
         let result = match outcome {
             Outcome::Committed => {
@@ -460,19 +476,20 @@ impl Transactions {
                     let _ = done.send(Ok(()));
                 }
                 self.set_problem(None);
-                let st = self.lock();
-                if let Some(p) = st.producer.as_ref().filter(|p| same(p, &producer))
-                    && let Err(e) = p.begin_transaction()
-                {
-                    drop(st);
-                    self.stop(&producer, format!("begin_transaction failed: {e}"));
+                let mut st = self.lock();
+                if let Some(p) = st.producer.clone().filter(|p| same(p, &producer)) {
+                    match p.begin_transaction() {
+                        Ok(()) => st.opened_at = Some(tokio::time::Instant::now()),
+                        Err(e) => {
+                            drop(st);
+                            self.stop(&producer, format!("begin_transaction failed: {e}"));
+                        }
+                    }
                 }
                 Ok(())
             }
             Outcome::Aborted(why) => {
                 self.outcomes[1].inc();
-                // Counted before the acknowledgements fail: their workers see it changed.
-                self.aborted.fetch_add(1, Ordering::SeqCst);
                 warn!(sink = %self.sink, error = %why, messages = results.len(), "Transaction aborted; its messages are sent again");
                 let reason = format!("sink {}: transaction aborted: {why}", self.sink);
                 for (done, own, topic, size) in results {
@@ -480,12 +497,13 @@ impl Transactions {
                     // missing topic: retried with its backoff); every other message of the
                     // transaction is sent again.
                     let err = match own {
-                        Err(e) => classify(e, &topic, size, self.max_message_bytes),
-                        Ok(()) => Error::Unavailable(reason.clone()),
+                        Err(e) if !is_consequence(&e) => {
+                            classify(e, &topic, size, self.max_message_bytes)
+                        }
+                        _ => Error::Aborted(reason.clone()),
                     };
                     let _ = done.send(Err(err));
                 }
-                self.set_problem(Some(reason.clone()));
                 let mut st = self.lock();
                 if st.producer.as_ref().is_some_and(|p| same(p, &producer)) {
                     // Written again first, in the next transaction (the gate is still held:
@@ -493,23 +511,29 @@ impl Transactions {
                     for record in silent_records.into_iter().rev() {
                         st.backlog.push_front(record);
                     }
-                    if let Err(e) = st.producer.as_ref().expect("checked").begin_transaction() {
-                        drop(st);
-                        self.stop(&producer, format!("begin_transaction failed: {e}"));
+                    match st.producer.as_ref().expect("checked").begin_transaction() {
+                        Ok(()) => {
+                            st.opened_at = Some(tokio::time::Instant::now());
+                            drop(st);
+                            self.set_problem(Some(reason.clone()));
+                        }
+                        Err(e) => {
+                            drop(st);
+                            self.stop(&producer, format!("begin_transaction failed: {e}"));
+                        }
                     }
                 }
                 Err(Error::Unavailable(reason))
             }
             Outcome::Unknown(why) => {
                 self.outcomes[1].inc();
-                self.aborted.fetch_add(1, Ordering::SeqCst);
                 let reason = format!(
                     "sink {}: a transaction may or may not have been committed ({why}); \
                      nothing is published until the next term resumes from the checkpoint",
                     self.sink
                 );
                 for (done, _, _, _) in results {
-                    let _ = done.send(Err(Error::Unavailable(reason.clone())));
+                    let _ = done.send(Err(Error::Aborted(reason.clone())));
                 }
                 self.stop(&producer, reason.clone());
                 Err(Error::Unavailable(reason))
@@ -519,45 +543,82 @@ impl Transactions {
         result
     }
 
-    /// Commits, trying a retriable failure again (a commit that timed out may only be
-    /// retried: its outcome is the coordinator's); an abortable one is aborted.
-    async fn try_commit(&self, producer: &FutureProducer<KafkaContext>) -> Outcome {
-        match retrying(&self.sink, "commit", producer, |p| {
-            p.commit_transaction(CALL_TIMEOUT)
-        })
-        .await
+    /// Commits, trying a retriable failure again until `deadline` (a commit that timed out may
+    /// only be retried: its outcome is the coordinator's); an abortable one is aborted.
+    async fn try_commit(
+        &self,
+        producer: &FutureProducer<KafkaContext>,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Outcome {
+        match self
+            .retrying("commit", producer, deadline, |p| {
+                p.commit_transaction(CALL_TIMEOUT)
+            })
+            .await
         {
             Ok(()) => Outcome::Committed,
             Err(ref e @ KafkaError::Transaction(ref r)) if r.txn_requires_abort() => {
-                self.abort(producer, format!("commit: {e}")).await
+                self.abort(producer, format!("commit: {e}"), deadline).await
             }
             Err(e) => Outcome::Unknown(format!("commit: {e}")),
         }
     }
 
     /// Aborts the open transaction (nothing of it was committed: a commit was not asked for,
-    /// or the broker asked for the abort).
-    async fn abort(&self, producer: &FutureProducer<KafkaContext>, why: String) -> Outcome {
-        self.abort_in_background(producer, why)
-            .await
-            .unwrap_or_else(|e| Outcome::Unknown(format!("the abort task failed: {e}")))
-    }
-
-    /// [`Self::abort`] as a task, started now (what it purges fails meanwhile).
-    fn abort_in_background(
+    /// or the broker asked for the abort), trying a retriable failure again until `deadline`.
+    async fn abort(
         &self,
         producer: &FutureProducer<KafkaContext>,
         why: String,
-    ) -> tokio::task::JoinHandle<Outcome> {
-        let (sink, p) = (self.sink.clone(), producer.clone());
-        tokio::spawn(async move {
-            match retrying(&sink, "abort", &p, |p| p.abort_transaction(CALL_TIMEOUT)).await {
-                Ok(()) => Outcome::Aborted(why),
-                // Not committed, but the producer cannot go on (fenced, fatal): nothing of the
-                // transaction is visible, yet the term stops as for an unknown outcome.
-                Err(e) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+        deadline: Option<tokio::time::Instant>,
+    ) -> Outcome {
+        match self
+            .retrying("abort", producer, deadline, |p| {
+                p.abort_transaction(CALL_TIMEOUT)
+            })
+            .await
+        {
+            Ok(()) => Outcome::Aborted(why),
+            // Not committed, but the producer cannot go on (fenced, fatal): nothing of the
+            // transaction is visible, yet the term stops as for an unknown outcome.
+            Err(e) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+        }
+    }
+
+    /// Calls `call` (a commit or an abort) on a blocking thread until it succeeds, fails other
+    /// than retriably, `deadline` (shortly before the broker aborts the transaction itself)
+    /// has passed, or `producer` is not the term's any more. Brokers down: the gate stays
+    /// closed, so hand-overs wait meanwhile.
+    async fn retrying(
+        &self,
+        what: &str,
+        producer: &FutureProducer<KafkaContext>,
+        deadline: Option<tokio::time::Instant>,
+        call: fn(&FutureProducer<KafkaContext>) -> rdkafka::error::KafkaResult<()>,
+    ) -> std::result::Result<(), KafkaError> {
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let p = producer.clone();
+            let result = tokio::task::spawn_blocking(move || call(&p))
+                .await
+                .unwrap_or(Err(KafkaError::Canceled));
+            let again = deadline.is_some_and(|d| tokio::time::Instant::now() < d)
+                && self
+                    .lock()
+                    .producer
+                    .as_ref()
+                    .is_some_and(|p| same(p, producer));
+            match result {
+                Err(ref e) if is_retriable(e) && again => {
+                    if attempt == 1 {
+                        warn!(sink = %self.sink, error = %e, "Transaction {what} failed; trying it again");
+                    }
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                other => return other,
             }
-        })
+        }
     }
 
     /// Stops publishing until the next term: `producer` (if still the term's) goes.
@@ -570,40 +631,35 @@ impl Transactions {
             st.broken = Some(why.clone());
             drop(st);
             dispose(old);
+            self.set_problem(Some(why));
         }
-        self.set_problem(Some(why));
     }
 }
 
-/// Calls `call` (a commit or an abort) on a blocking thread until it succeeds, fails other
-/// than retriably, or [`RETRY_FOR`] has passed (brokers down: the gate stays closed, so
-/// hand-overs wait meanwhile).
-async fn retrying(
-    sink: &str,
-    what: &str,
+/// Whether a commit or abort that failed so may be tried again.
+fn is_retriable(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(r) if r.is_retriable() && !r.is_fatal())
+}
+
+/// Whether a record's error is only the consequence of its transaction's failure (purged by
+/// the abort, refused while the transaction waited for it), not its own.
+fn is_consequence(e: &KafkaError) -> bool {
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            RDKafkaErrorCode::PurgeQueue
+                | RDKafkaErrorCode::PurgeInflight
+                | RDKafkaErrorCode::State
+        )
+    )
+}
+
+/// One abort call on a blocking thread, started now (what it purges fails meanwhile).
+fn abort_in_background(
     producer: &FutureProducer<KafkaContext>,
-    call: fn(&FutureProducer<KafkaContext>) -> rdkafka::error::KafkaResult<()>,
-) -> std::result::Result<(), KafkaError> {
-    let deadline = tokio::time::Instant::now() + RETRY_FOR;
-    let mut attempt = 0u32;
-    loop {
-        attempt += 1;
-        let p = producer.clone();
-        let result = tokio::task::spawn_blocking(move || call(&p))
-            .await
-            .unwrap_or(Err(KafkaError::Canceled));
-        match result {
-            Err(KafkaError::Transaction(ref r))
-                if r.is_retriable() && !r.is_fatal() && tokio::time::Instant::now() < deadline =>
-            {
-                if attempt == 1 {
-                    warn!(sink, error = %KafkaError::Transaction(r.clone()), "Transaction {what} failed; trying it again");
-                }
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            other => return other,
-        }
-    }
+) -> tokio::task::JoinHandle<rdkafka::error::KafkaResult<()>> {
+    let p = producer.clone();
+    tokio::task::spawn_blocking(move || p.abort_transaction(CALL_TIMEOUT))
 }
 
 /// A delivery report's result.
@@ -619,7 +675,7 @@ async fn delivered(delivery: DeliveryFuture) -> std::result::Result<(), KafkaErr
 /// checkpoint).
 fn fail_all(st: &mut State, why: &str) {
     for h in st.open.drain(..) {
-        let _ = h.done.send(Err(Error::Unavailable(why.to_owned())));
+        let _ = h.done.send(Err(Error::Aborted(why.to_owned())));
     }
     st.silent.clear();
     st.backlog.clear();
