@@ -612,6 +612,10 @@ fn service_config(broker: &Broker, scenario: &str, opts: &Options) -> Value {
     let mut sink = broker.sink();
     if opts.exactly_once && matches!(broker, Broker::Kafka(_)) {
         sink["kafka"]["exactly_once"] = json!(true);
+        // Longer than `kafka-broker-down`'s outage (up to 60 s): the open transaction's commit
+        // is tried until the brokers are back, instead of ending in an unknown outcome (which
+        // stops publishing until a restart).
+        sink["kafka"]["transaction_timeout"] = json!("2m");
     }
     if scenario == "slow-sink" {
         // Ten times slower than the input.
