@@ -598,12 +598,9 @@ impl Route {
             return (Trim::None, Trim::None);
         }
         let mut marks = self.lock_marks();
-        let trim = match marks.trim.get(key) {
-            Some((id, trim)) if *id == message_id(n) => {
-                let trim = *trim;
-                marks.trim.remove(key);
-                trim
-            }
+        // A mark of an older message of the key (a newer one took its place) goes too.
+        let trim = match marks.trim.remove(key) {
+            Some((id, trim)) if id == message_id(n) => trim,
             _ => Trim::None,
         };
         let forced = if marks.unpatched.contains(key)

@@ -185,6 +185,12 @@ impl CheckpointStore for KafkaCheckpointStore {
         routes: &'a [String],
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
+            if let Some(t) = &self.transactions {
+                // What the open transaction holds first (a route re-wired mid-term loads its
+                // checkpoint while others publish): a read_committed read would miss it, and
+                // the resume would send those objects again.
+                let _ = t.commit().await;
+            }
             let this = Self {
                 topic: self.topic.clone(),
                 producer: self.producer.clone(),
