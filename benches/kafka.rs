@@ -83,9 +83,13 @@ async fn bridge(
         .unwrap()
         .with_transactions("bench", cfg.kafka.as_ref().unwrap(), metrics);
     // The term's transactional producer, made before the clock starts.
-    kube_event_bridge::sinks::Sink::begin_term(&kafka, None)
-        .await
-        .unwrap();
+    kube_event_bridge::sinks::Sink::begin_term(
+        &kafka,
+        kube_event_bridge::shard::Shard::WHOLE,
+        None,
+    )
+    .await
+    .unwrap();
     let name = format!("kafka-{run}");
     let store: Option<Arc<dyn CheckpointStore>> = if mode != Mode::Plain {
         let store = KafkaCheckpointStore::open("kafka", cfg.kafka.as_ref().unwrap(), &kafka)

@@ -32,8 +32,9 @@ const TOPIC: &str = "k8s.test.core.configmaps";
 const CHECKPOINTS: &str = "kube-event-bridge.checkpoints";
 const OBJECTS: usize = 300;
 
+/// Twelve namespaces: with sharding (by namespace), every shard has objects.
 fn name_of(i: usize) -> (String, String) {
-    (format!("ns-{}", i % 3), format!("cm-{i:03}"))
+    (format!("ns-{}", i % 12), format!("cm-{i:03}"))
 }
 
 /// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
@@ -383,4 +384,72 @@ async fn a_record_the_broker_refuses_aborts_its_transaction_and_the_rest_goes_ag
     let all = read_topic(&kafka.brokers(), TOPIC, false).len();
     assert!(all > events.len(), "aborted copies are in the log: {all}");
     drop(replica);
+}
+
+/// Sharded (four shards, each with a transactional producer of its own, `transactional.id`
+/// ending in the shard): a replica alone owns every shard; two more join and it hands shards
+/// on drained; then one of them is SIGKILLed and the others take its shards over, fencing its
+/// producers. Objects change all along; a `read_committed` reader reads each change once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shards_handed_on_and_taken_over_deliver_each_change_once() {
+    const SHARDS: u32 = 4;
+    let kafka = Kafka::start();
+    kafka.create_topic(TOPIC, 3);
+    let api = seeded().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = api.write_kubeconfig(dir.path());
+    let sink = eos_sink(&kafka, "500ms");
+    let config = |identity: &str| {
+        ConfigBuilder::new()
+            .configmaps()
+            .sink(sink.clone())
+            .route("configmap", &["kafka"])
+            .fast_leader_election(identity, "200ms")
+            .set("sharding", json!({"shards": SHARDS}))
+            .value()
+    };
+    let holders = || {
+        (0..SHARDS)
+            .map(|s| api.lease_holder_of(&format!("kube-event-bridge-shard-{s}-of-{SHARDS}")))
+            .collect::<Vec<_>>()
+    };
+    let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(200));
+    let a = Replica::start(dir.path(), "a", &config("a"), &kubeconfig);
+    wait::until("a owns every shard", patience, async || {
+        holders().iter().all(|h| h.as_deref() == Some("a"))
+    })
+    .await;
+    first_states(&kafka, &[&a]).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = tokio::spawn(write(api.clone(), 30, stop.clone()));
+    let b = Replica::start(dir.path(), "b", &config("b"), &kubeconfig);
+    let c = Replica::start(dir.path(), "c", &config("c"), &kubeconfig);
+    wait::until("the shards spread over three", patience, async || {
+        let h = holders();
+        ["a", "b", "c"]
+            .iter()
+            .all(|id| h.iter().any(|x| x.as_deref() == Some(*id)))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    drop(b); // SIGKILL, its shards' transactions open
+    wait::until("a and c own every shard", patience, async || {
+        holders()
+            .iter()
+            .all(|h| matches!(h.as_deref(), Some("a" | "c")))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, Ordering::Relaxed);
+    let changes = writer.await.unwrap();
+    println!("{changes} changes");
+    for r in [&a, &c] {
+        assert!(
+            std::env::var("EOS_OFF").is_ok() || r.log().contains("Transactions on"),
+            "{} made transactional producers",
+            r.identity
+        );
+    }
+    assert_exactly_once(&kafka, &api, "sharded: hand-overs and a takeover").await;
+    drop((a, c));
 }

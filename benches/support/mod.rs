@@ -161,8 +161,18 @@ impl<S: Sink> Sink for Timed<S> {
     fn settle_silently(&self, route: &str, change: sinks::checkpoint::Change) {
         self.inner.settle_silently(route, change)
     }
-    fn begin_term(&self, until: Option<tokio::time::Instant>) -> BoxFuture<'_, sinks::Result<()>> {
-        self.inner.begin_term(until)
+    fn begin_term(
+        &self,
+        shard: kube_event_bridge::shard::Shard,
+        until: Option<tokio::time::Instant>,
+    ) -> BoxFuture<'_, sinks::Result<()>> {
+        self.inner.begin_term(shard, until)
+    }
+    fn end_term(&self, shard: kube_event_bridge::shard::Shard) {
+        self.inner.end_term(shard)
+    }
+    fn end_terms(&self) {
+        self.inner.end_terms()
     }
     fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
         self.inner.flush()

@@ -189,6 +189,7 @@ pub(super) fn follow(
     elector: &mut LeaderElector,
     resources: Arc<tokio::sync::Mutex<Resources>>,
     sinks: Vec<Arc<dyn crate::sinks::Sink>>,
+    shard: crate::shard::Shard,
     handovers: Option<[prometheus::IntCounter; 2]>,
     limit: std::time::Duration,
 ) -> JoinHandle<()> {
@@ -243,7 +244,7 @@ pub(super) fn follow(
                         now,
                         &mut leading,
                         &resources,
-                        &sinks,
+                        (&sinks, shard),
                         &handovers,
                         &fence,
                         !abandon,
@@ -269,7 +270,7 @@ async fn follow_change(
     now: bool,
     leading: &mut tokio::sync::watch::Receiver<bool>,
     resources: &tokio::sync::Mutex<Resources>,
-    sinks: &[Arc<dyn crate::sinks::Sink>],
+    (sinks, shard): (&[Arc<dyn crate::sinks::Sink>], crate::shard::Shard),
     handovers: &Option<[prometheus::IntCounter; 2]>,
     fence: &crate::leader::Fence,
     drained: bool,
@@ -283,6 +284,9 @@ async fn follow_change(
     if !drained {
         sinks.iter().for_each(|s| s.abandon_queued());
     }
+    // The shard's transactions of the last term go, drained or not (a drained term committed
+    // everything; the next one makes a producer of its own).
+    sinks.iter().for_each(|s| s.end_term(shard));
     if now {
         // The last term ends before the wait: nothing of it is published meanwhile.
         resources.lock().await.set_leading(false).await;
@@ -298,9 +302,12 @@ async fn follow_change(
             return false;
         }
     }
-    if now && !begin_term(sinks, leading, fence).await {
+    if now && !begin_term(sinks, shard, leading, fence).await {
         // Lost meanwhile: nothing of this term was published.
-        sinks.iter().for_each(|s| s.abandon_queued());
+        sinks.iter().for_each(|s| {
+            s.abandon_queued();
+            s.end_term(shard);
+        });
         return false;
     }
     resources.lock().await.set_leading(now).await;
@@ -315,6 +322,7 @@ async fn follow_change(
 /// `false` when the lease was lost first.
 async fn begin_term(
     sinks: &[Arc<dyn crate::sinks::Sink>],
+    shard: crate::shard::Shard,
     leading: &tokio::sync::watch::Receiver<bool>,
     fence: &crate::leader::Fence,
 ) -> bool {
@@ -325,7 +333,7 @@ async fn begin_term(
             if !still() || !fence.is_valid() {
                 return false;
             }
-            match sink.begin_term(fence.valid_until()).await {
+            match sink.begin_term(shard, fence.valid_until()).await {
                 Ok(()) => break,
                 Err(e) => {
                     if !warned {

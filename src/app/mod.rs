@@ -288,7 +288,7 @@ impl App {
             // A transactional sink's producer first: it fences an earlier process's, so the
             // checkpoints read next hold everything that process committed.
             for sink in sinks.values() {
-                sink.begin_term(None).await?;
+                sink.begin_term(crate::shard::Shard::WHOLE, None).await?;
             }
             // This replica publishes from the start: resume before the first list. A checkpoint
             // of another cluster fails the start; one that cannot be read makes its route wait.
@@ -452,6 +452,7 @@ impl App {
                 elector,
                 part.resources.clone(),
                 self.sinks.clone(),
+                shard,
                 handovers,
                 limit,
             ));
@@ -572,7 +573,10 @@ impl App {
         // Nothing of this process may reach a broker after the next leader's messages (the
         // followers first: one starting a term would make a transactional producer again).
         follows.iter().for_each(|f| f.abort());
-        self.sinks.iter().for_each(|s| s.abandon_queued());
+        self.sinks.iter().for_each(|s| {
+            s.abandon_queued();
+            s.end_terms();
+        });
         let mut released = Vec::new();
         for (index, cancel, elector) in electors {
             if flushed && part_clean[index] {

@@ -257,17 +257,6 @@ impl Config {
                 );
             }
         }
-        if self.sharding.shards > 1 {
-            for (i, s) in self.sinks.iter().enumerate() {
-                if s.kafka.as_ref().is_some_and(|k| k.exactly_once) {
-                    p.add(
-                        format!("sinks[{i}].kafka.exactly_once"),
-                        "not available with sharding.shards > 1 yet (one transactional \
-                         producer per shard is not built): use one shard, or at-least-once",
-                    );
-                }
-            }
-        }
         if self.resources.is_empty() {
             p.add("resources", "at least one resource is required");
         }
@@ -308,6 +297,18 @@ impl Config {
                     p.add(
                         format!("sinks[{i}].dead_letter"),
                         format!("no sink is named {dlq:?}"),
+                    );
+                } else if self
+                    .sinks
+                    .iter()
+                    .any(|d| &d.name == dlq && d.kafka.as_ref().is_some_and(|k| k.exactly_once))
+                {
+                    p.add(
+                        format!("sinks[{i}].dead_letter"),
+                        format!(
+                            "sink {dlq:?} has exactly_once: a dead-letter sink takes messages \
+                             of every shard outside any route's transaction; use a sink without it"
+                        ),
                     );
                 }
             }
@@ -702,13 +703,29 @@ mod tests {
             "sinks[0].kafka.transaction_interval: must be at least 10ms",
             "sinks[0].kafka.transaction_timeout: must exceed transaction_interval + delivery_timeout",
             "sinks[0].kafka.properties.transactional.id: set by the sink itself",
-            "sinks[0].kafka.exactly_once: not available with sharding.shards > 1 yet",
         ] {
             assert!(
                 e.iter().any(|l| l.starts_with(expected)),
                 "{expected:?} not in {e:?}"
             );
         }
+        // Sharded, it is fine; as a dead-letter sink it is not.
+        let mut d = minimal();
+        d["leader_election"] = json!({"enabled": true, "identity": "a"});
+        d["sharding"] = json!({"shards": 4});
+        d["sinks"] = json!([
+            {"name": "out", "type": "kafka", "dead_letter": "dlq",
+             "kafka": {"brokers": ["k:9092"], "exactly_once": true}},
+            {"name": "dlq", "type": "kafka",
+             "kafka": {"brokers": ["k:9092"], "exactly_once": true}},
+        ]);
+        let e = errors_of(d.clone());
+        assert!(
+            e.len() == 1 && e[0].starts_with("sinks[0].dead_letter: sink \"dlq\" has exactly_once"),
+            "{e:?}"
+        );
+        d["sinks"][1]["kafka"]["exactly_once"] = json!(false);
+        assert!(Config::from_value(d).is_ok());
         // Off, none of it applies.
         v["sinks"][0]["kafka"]["exactly_once"] = json!(false);
         v["sinks"][0]["kafka"]["properties"] = json!({});

@@ -219,14 +219,26 @@ pub trait Sink: Send + Sync {
     fn settle_silently(&self, route: &str, change: checkpoint::Change) {
         let _ = (route, change);
     }
-    /// This replica starts publishing (it became leader, or it runs without leader election):
-    /// a transactional sink makes its producer for the term here, fencing the last leader's,
+    /// This replica starts publishing shard `shard` (it became its leader, or it runs without
+    /// leader election): a transactional sink makes the shard's producer for the term here,
+    /// fencing the last leader's,
     /// before the checkpoints are read, and only while `until` (the lease's validity; `None`
     /// without leader election) has not passed. The default does nothing.
-    fn begin_term(&self, until: Option<tokio::time::Instant>) -> BoxFuture<'_, Result<()>> {
-        let _ = until;
+    fn begin_term(
+        &self,
+        shard: crate::shard::Shard,
+        until: Option<tokio::time::Instant>,
+    ) -> BoxFuture<'_, Result<()>> {
+        let _ = (shard, until);
         async { Ok(()) }.boxed()
     }
+    /// Shard `shard`'s term here ended (it may begin again): a transactional sink fails what
+    /// the term's transaction holds and drops its producer. The default does nothing.
+    fn end_term(&self, shard: crate::shard::Shard) {
+        let _ = shard;
+    }
+    /// Every term here ended (shutdown): [`Self::end_term`] of every shard.
+    fn end_terms(&self) {}
     /// Why the sink can never publish again in this process (for `/healthz`: the pod is
     /// restarted and resumes from its checkpoint), or `None`.
     fn broken(&self) -> Option<String> {

@@ -25,7 +25,7 @@ use super::{
     KafkaSink, KafkaSinkConfig,
     client::{KafkaClient, KafkaContext},
     reader::{TIMEOUT, read_to_end},
-    transactions::{CheckpointRecord, Transactions},
+    transactions::{CheckpointRecord, TransactionSet},
 };
 use crate::{
     sinks,
@@ -37,8 +37,8 @@ pub struct KafkaCheckpointStore {
     topic: String,
     producer: FutureProducer<KafkaContext>,
     consumer: KafkaClient,
-    // With `exactly_once`: writes go in the sink's open transaction.
-    transactions: Option<Arc<Transactions>>,
+    // With `exactly_once`: writes go in the sink's open transaction of the route's shard.
+    transactions: Option<Arc<TransactionSet>>,
 }
 
 /// The record of `change` to the checkpoint of `route`: key `["route", "namespace/name"]`,
@@ -185,8 +185,8 @@ impl CheckpointStore for KafkaCheckpointStore {
         routes: &'a [String],
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
-            if let Some(t) = &self.transactions {
-                // What the open transaction holds first (a route re-wired mid-term loads its
+            for t in self.transactions.iter().flat_map(|set| set.all()) {
+                // What the open transactions hold first (a route re-wired mid-term loads its
                 // checkpoint while others publish): a read_committed read would miss it, and
                 // the resume would send those objects again.
                 let _ = t.commit().await;
@@ -227,10 +227,12 @@ impl CheckpointStore for KafkaCheckpointStore {
         async move {
             let records: Vec<CheckpointRecord> =
                 changes.into_iter().map(|c| record_of(route, c)).collect();
-            if let Some(t) = &self.transactions {
-                // With the sink's next commit (only the cluster's identity is written so: the
-                // messages' records travel with them).
-                records.into_iter().for_each(|r| t.settle(r));
+            if let Some(set) = &self.transactions {
+                // With the shard's next commit (only the cluster's identity is written so: the
+                // messages' records travel with them); without its term, by the next term.
+                if let Some(t) = set.get(TransactionSet::key_of_route(route)) {
+                    records.into_iter().for_each(|r| t.settle(r));
+                }
                 return Ok(());
             }
             let sends = records.iter().map(|(k, v)| {

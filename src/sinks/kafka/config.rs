@@ -68,11 +68,12 @@ pub struct KafkaSinkConfig {
     #[serde(default = "default_checkpoint_topic")]
     pub checkpoint_topic: String,
     /// Exactly-once delivery to `read_committed` consumers: the sink writes through a
-    /// transactional producer (`transactional.id` `kube-event-bridge.{cluster}.{sink}`, the
-    /// same on every replica, so a new leader's producer fences the last one's), and each
-    /// message's checkpoint record goes in the same transaction as the message. Needs
-    /// Apache Kafka 0.11 or newer (any current Kafka, MSK, Confluent, Strimzi) and the
-    /// `WRITE` and `DESCRIBE` ACLs on that transactional id. Off by default (at least once).
+    /// transactional producer (`transactional.id` `kube-event-bridge.{cluster}.{sink}`, with
+    /// `.{shard}` per shard when sharded; the same on every replica, so a new leader's
+    /// producer fences the last one's), and each message's checkpoint record goes in the same
+    /// transaction as the message. Needs Apache Kafka 0.11 or newer (any current Kafka, MSK,
+    /// Confluent, Strimzi) and the `WRITE` and `DESCRIBE` ACLs on those transactional ids. Not
+    /// for a `dead_letter` sink. Off by default (at least once).
     #[serde(default)]
     pub exactly_once: bool,
     /// With `exactly_once`: how often the open transaction is committed. A message's

@@ -36,6 +36,7 @@ use super::{
     KafkaMode, KafkaSinkConfig,
     client::{KafkaClient, KafkaContext},
     is_valid_topic,
+    transactions::TransactionSet,
 };
 use crate::{
     message::Message,
@@ -69,7 +70,7 @@ pub struct KafkaSink {
     // librdkafka's queue gives up when its term ends.
     terms_ended: AtomicU64,
     // With `exactly_once`.
-    transactions: Option<Arc<super::transactions::Transactions>>,
+    transactions: Option<Arc<TransactionSet>>,
     // Held (shared) around each hand-over to librdkafka and (exclusive) around an
     // abandonment's count and purge: a record is either purged with the count already
     // raised, or sent after the purge (never purged by an abandonment its worker did not
@@ -156,7 +157,8 @@ impl KafkaSink {
     }
 
     /// With `exactly_once` in `cfg`: publishes in transactions of `transactional.id`
-    /// `kube-event-bridge.{cluster}.{sink}` (see [`super::transactions`]), counted in
+    /// `kube-event-bridge.{cluster}.{sink}` (`.{shard}` added with sharding: one producer per
+    /// shard; see [`super::transactions`]), counted in
     /// `metrics` (`keb_kafka_transactions_total`).
     pub fn with_transactions(
         mut self,
@@ -165,7 +167,7 @@ impl KafkaSink {
         metrics: &crate::metrics::Metrics,
     ) -> Self {
         if cfg.exactly_once {
-            self.transactions = Some(super::transactions::Transactions::new(
+            self.transactions = Some(Arc::new(TransactionSet::new(
                 &self.name,
                 format!("kube-event-bridge.{cluster}.{}", self.name),
                 (*self.client).clone(),
@@ -178,13 +180,13 @@ impl KafkaSink {
                         .kafka_transactions
                         .with_label_values(&[self.name.as_str(), outcome])
                 }),
-            ));
+            )));
         }
         self
     }
 
     /// The transactions, with `exactly_once` (for the checkpoint store's writes).
-    pub(super) fn transactions(&self) -> Option<&Arc<super::transactions::Transactions>> {
+    pub(super) fn transactions(&self) -> Option<&Arc<TransactionSet>> {
         self.transactions.as_ref()
     }
 
@@ -292,11 +294,13 @@ impl KafkaSink {
         Ok(())
     }
 
-    /// See [`Sink::submit`]; with transactions, `checkpoint` goes in the message's transaction.
+    /// See [`Sink::submit`]; with transactions, `checkpoint` goes in the message's transaction,
+    /// the one of shard `shard` (a [`TransactionSet`] key).
     async fn hand_over(
         &self,
         m: &Message,
         checkpoint: Option<super::transactions::CheckpointRecord>,
+        shard: &str,
     ) -> Result<Ack> {
         let topic = self.topic_for(m);
         if !is_valid_topic(&topic) {
@@ -315,7 +319,13 @@ impl KafkaSink {
         }
         let size = m.payload.len();
         let max = self.max_message_bytes;
-        if let Some(t) = &self.transactions {
+        if let Some(set) = &self.transactions {
+            let Some(t) = set.get(shard) else {
+                return Err(Error::Aborted(format!(
+                    "sink {}: no transaction open for this shard (not leading it)",
+                    self.name
+                )));
+            };
             return t.submit(record, checkpoint, &topic, size).await;
         }
         let mut waited = Duration::ZERO;
@@ -503,7 +513,7 @@ impl Sink for KafkaSink {
     /// Enqueues the record in librdkafka (waiting while its local queue is full) and returns
     /// its delivery report. With idempotence, records of one partition keep their order.
     fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
-        self.hand_over(m, None).boxed()
+        self.hand_over(m, None, "").boxed()
     }
 
     fn in_transactions(&self) -> bool {
@@ -517,19 +527,30 @@ impl Sink for KafkaSink {
         change: Option<crate::sinks::checkpoint::Change>,
     ) -> BoxFuture<'a, Result<Ack>> {
         let record = change.map(|c| super::checkpoint::record_of(route, c));
-        self.hand_over(message, record).boxed()
+        self.hand_over(message, record, TransactionSet::key_of_route(route))
+            .boxed()
     }
 
     fn settle_silently(&self, route: &str, change: crate::sinks::checkpoint::Change) {
-        if let Some(t) = &self.transactions {
+        // Without the shard's term nothing is written: the next term resumes from the
+        // checkpoint.
+        if let Some(t) = self
+            .transactions
+            .as_ref()
+            .and_then(|set| set.get(TransactionSet::key_of_route(route)))
+        {
             t.settle(super::checkpoint::record_of(route, change));
         }
     }
 
-    fn begin_term(&self, until: Option<tokio::time::Instant>) -> BoxFuture<'_, Result<()>> {
+    fn begin_term(
+        &self,
+        shard: crate::shard::Shard,
+        until: Option<tokio::time::Instant>,
+    ) -> BoxFuture<'_, Result<()>> {
         async move {
             match &self.transactions {
-                Some(t) => t.begin_term(until).await,
+                Some(set) => set.of(&TransactionSet::key(shard)).begin_term(until).await,
                 None => Ok(()),
             }
         }
@@ -539,7 +560,7 @@ impl Sink for KafkaSink {
     fn flush(&self) -> BoxFuture<'_, Result<()>> {
         let producer = self.producer.clone();
         async move {
-            if let Some(t) = &self.transactions {
+            for t in self.transactions.iter().flat_map(|set| set.all()) {
                 t.commit().await?;
             }
             tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
@@ -561,13 +582,31 @@ impl Sink for KafkaSink {
         self.terms_ended.fetch_add(1, Ordering::SeqCst);
         self.producer
             .purge(rdkafka::producer::PurgeConfig::default().queue());
-        if let Some(t) = &self.transactions {
+    }
+
+    fn end_term(&self, shard: crate::shard::Shard) {
+        if let Some(t) = self
+            .transactions
+            .as_ref()
+            .and_then(|set| set.get(&TransactionSet::key(shard)))
+        {
+            t.end_term();
+        }
+    }
+
+    fn end_terms(&self) {
+        for t in self.transactions.iter().flat_map(|set| set.all()) {
             t.end_term();
         }
     }
 
     fn broken(&self) -> Option<String> {
-        if let Some(why) = self.transactions.as_ref().and_then(|t| t.broken()) {
+        if let Some(why) = self
+            .transactions
+            .iter()
+            .flat_map(|set| set.all())
+            .find_map(|t| t.broken())
+        {
             return Some(why);
         }
         fatal(&self.producer).map(|cause| {
@@ -583,7 +622,12 @@ impl Sink for KafkaSink {
         if let Some(broken) = self.broken() {
             return Err(broken);
         }
-        if let Some(problem) = self.transactions.as_ref().and_then(|t| t.problem()) {
+        if let Some(problem) = self
+            .transactions
+            .iter()
+            .flat_map(|set| set.all())
+            .find_map(|t| t.problem())
+        {
             return Err(problem);
         }
         if self.healthy.load(Ordering::Relaxed) {

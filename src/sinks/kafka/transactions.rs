@@ -716,3 +716,134 @@ fn acl_hint(e: &KafkaError) -> &'static str {
         _ => "",
     }
 }
+
+/// The transactions of one sink: one producer per shard (the unit a hand-over moves, so one
+/// shard's new owner fences only that shard's last owner), each made as its shard's term
+/// begins. Without sharding there is one, of key `""`.
+pub(super) struct TransactionSet {
+    sink: String,
+    id: String,
+    client: KafkaClient,
+    checkpoint_topic: String,
+    interval: Duration,
+    timeout: Duration,
+    max_message_bytes: usize,
+    outcomes: [prometheus::IntCounter; 2],
+    by_shard: Mutex<std::collections::HashMap<String, Arc<Transactions>>>,
+}
+
+impl TransactionSet {
+    /// The transactions of sink `sink`, `transactional.id` `id` (with `.{shard}` when sharded).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        sink: &str,
+        id: String,
+        client: KafkaClient,
+        checkpoint_topic: String,
+        interval: Duration,
+        timeout: Duration,
+        max_message_bytes: usize,
+        outcomes: [prometheus::IntCounter; 2],
+    ) -> Self {
+        Self {
+            sink: sink.to_owned(),
+            id,
+            client,
+            checkpoint_topic,
+            interval,
+            timeout,
+            max_message_bytes,
+            outcomes,
+            by_shard: Mutex::default(),
+        }
+    }
+
+    fn map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, Arc<Transactions>>> {
+        self.by_shard.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The key of `shard`: its label, or `""` for the whole keyspace.
+    pub(super) fn key(shard: crate::shard::Shard) -> String {
+        if shard.is_whole() {
+            String::new()
+        } else {
+            shard.label()
+        }
+    }
+
+    /// The key of the shard route `route` (`{kind}[#{i}-of-{n}]/{sink}`) serves.
+    pub(super) fn key_of_route(route: &str) -> &str {
+        let kind = route.rsplit_once('/').map_or(route, |(kind, _)| kind);
+        match kind.rsplit_once('#') {
+            Some((_, label)) if label.contains("-of-") => label,
+            _ => "",
+        }
+    }
+
+    /// The transactions of shard `key`, made when asked for the first time.
+    pub(super) fn of(&self, key: &str) -> Arc<Transactions> {
+        self.map()
+            .entry(key.to_owned())
+            .or_insert_with(|| {
+                let id = if key.is_empty() {
+                    self.id.clone()
+                } else {
+                    format!("{}.{key}", self.id)
+                };
+                Transactions::new(
+                    &self.sink,
+                    id,
+                    self.client.clone(),
+                    self.checkpoint_topic.clone(),
+                    self.interval,
+                    self.timeout,
+                    self.max_message_bytes,
+                    self.outcomes.clone(),
+                )
+            })
+            .clone()
+    }
+
+    /// The transactions of shard `key`, if its term ever began here.
+    pub(super) fn get(&self, key: &str) -> Option<Arc<Transactions>> {
+        self.map().get(key).cloned()
+    }
+
+    /// Every shard's transactions.
+    pub(super) fn all(&self) -> Vec<Arc<Transactions>> {
+        self.map().values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::TransactionSet;
+    use crate::shard::Shard;
+
+    #[test]
+    fn a_route_names_the_shard_whose_transactions_it_writes_in() {
+        assert_eq!(TransactionSet::key_of_route("configmap/kafka"), "");
+        assert_eq!(
+            TransactionSet::key_of_route("configmap#3-of-12/kafka"),
+            "3-of-12"
+        );
+        assert_eq!(
+            TransactionSet::key_of_route("all/widgets.example.com#0-of-2/kafka"),
+            "0-of-2"
+        );
+        assert_eq!(
+            TransactionSet::key_of_route("all/widgets.example.com/kafka"),
+            ""
+        );
+        assert_eq!(TransactionSet::key(Shard::WHOLE), "");
+        assert_eq!(
+            TransactionSet::key(Shard {
+                index: 3,
+                count: 12
+            }),
+            "3-of-12"
+        );
+    }
+}
