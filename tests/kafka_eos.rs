@@ -175,6 +175,18 @@ fn eos_sink(kafka: &Kafka, interval: &str) -> Value {
     sink
 }
 
+/// A replica's config with leader election as `identity` (the tests' fast timings) and
+/// `shards` shards: ConfigMaps to `sink`.
+fn elected(sink: &Value, identity: &str, shards: u32) -> Value {
+    ConfigBuilder::new()
+        .configmaps()
+        .sink(sink.clone())
+        .route("configmap", &["kafka"])
+        .fast_leader_election(identity, "200ms")
+        .set("sharding", json!({ "shards": shards }))
+        .value()
+}
+
 async fn seeded() -> Arc<ApiServer> {
     let api = Arc::new(ApiServer::start().await);
     for i in 0..OBJECTS {
@@ -275,14 +287,7 @@ async fn a_frozen_leader_is_fenced_by_the_next_ones_producer() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
     let sink = eos_sink(&kafka, "1s");
-    let config = |identity: &str| {
-        ConfigBuilder::new()
-            .configmaps()
-            .sink(sink.clone())
-            .route("configmap", &["kafka"])
-            .fast_leader_election(identity, "200ms")
-            .value()
-    };
+    let config = |identity: &str| elected(&sink, identity, 1);
     let a = Replica::start(dir.path(), "a", &config("a"), &kubeconfig);
     let leads = |who: &str| api.lease_holder_of("kube-event-bridge").as_deref() == Some(who);
     wait::until(
@@ -399,15 +404,7 @@ async fn shards_handed_on_and_taken_over_deliver_each_change_once() {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
     let sink = eos_sink(&kafka, "500ms");
-    let config = |identity: &str| {
-        ConfigBuilder::new()
-            .configmaps()
-            .sink(sink.clone())
-            .route("configmap", &["kafka"])
-            .fast_leader_election(identity, "200ms")
-            .set("sharding", json!({"shards": SHARDS}))
-            .value()
-    };
+    let config = |identity: &str| elected(&sink, identity, SHARDS);
     let holders = || {
         (0..SHARDS)
             .map(|s| api.lease_holder_of(&format!("kube-event-bridge-shard-{s}-of-{SHARDS}")))

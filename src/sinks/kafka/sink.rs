@@ -167,19 +167,22 @@ impl KafkaSink {
         metrics: &crate::metrics::Metrics,
     ) -> Self {
         if cfg.exactly_once {
-            self.transactions = Some(Arc::new(TransactionSet::new(
-                &self.name,
-                format!("kube-event-bridge.{cluster}.{}", self.name),
-                (*self.client).clone(),
-                cfg.checkpoint_topic.clone(),
-                cfg.transaction_interval,
-                cfg.transaction_timeout,
-                self.max_message_bytes,
-                ["committed", "aborted"].map(|outcome| {
+            let settings = super::transactions::Settings {
+                sink: self.name.clone(),
+                client: (*self.client).clone(),
+                checkpoint_topic: cfg.checkpoint_topic.clone(),
+                interval: cfg.transaction_interval,
+                timeout: cfg.transaction_timeout,
+                max_message_bytes: self.max_message_bytes,
+                outcomes: ["committed", "aborted"].map(|outcome| {
                     metrics
                         .kafka_transactions
                         .with_label_values(&[self.name.as_str(), outcome])
                 }),
+            };
+            self.transactions = Some(Arc::new(TransactionSet::new(
+                settings,
+                format!("kube-event-bridge.{cluster}.{}", self.name),
             )));
         }
         self

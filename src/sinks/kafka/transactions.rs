@@ -63,23 +63,35 @@ type Waiting = BoxFuture<'static, (Option<usize>, bool, std::result::Result<(), 
 /// A checkpoint record: key, and value (`None`: a tombstone).
 pub(super) type CheckpointRecord = (String, Option<String>);
 
+/// What every producer of a sink's transactions is made with.
+#[derive(Clone)]
+pub(super) struct Settings {
+    /// The sink's name.
+    pub(super) sink: String,
+    /// Its clients' settings.
+    pub(super) client: KafkaClient,
+    /// Where the checkpoint records go.
+    pub(super) checkpoint_topic: String,
+    /// `transaction_interval`.
+    pub(super) interval: Duration,
+    /// `transaction_timeout`.
+    pub(super) timeout: Duration,
+    /// The producer's `message.max.bytes`.
+    pub(super) max_message_bytes: usize,
+    /// Transactions committed and aborted (`keb_kafka_transactions_total`).
+    pub(super) outcomes: [prometheus::IntCounter; 2],
+}
+
 /// See the module docs.
 pub(super) struct Transactions {
-    sink: String,
+    settings: Settings,
     id: String,
-    client: KafkaClient,
-    checkpoint_topic: String,
-    interval: Duration,
-    timeout: Duration,
-    max_message_bytes: usize,
     // Shared by hand-overs, exclusive for a commit (and a term's start, whose producer is
     // made under it even when the caller gives up: a shutdown waits for it).
     gate: Arc<tokio::sync::RwLock<()>>,
     state: Mutex<State>,
     // Why transactions fail now (readiness), cleared by the next commit and a term's end.
     problem: Mutex<Option<String>>,
-    // Transactions committed and aborted (`keb_kafka_transactions_total`).
-    outcomes: [prometheus::IntCounter; 2],
 }
 
 #[derive(Default)]
@@ -122,30 +134,15 @@ enum Outcome {
 }
 
 impl Transactions {
-    /// The transactions of sink `sink`; the commit task runs while the returned value lives.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        sink: &str,
-        id: String,
-        client: KafkaClient,
-        checkpoint_topic: String,
-        interval: Duration,
-        timeout: Duration,
-        max_message_bytes: usize,
-        outcomes: [prometheus::IntCounter; 2],
-    ) -> Arc<Self> {
+    /// Transactions of `transactional.id` `id`; the commit task runs while the returned
+    /// value lives.
+    pub(super) fn new(settings: Settings, id: String) -> Arc<Self> {
         let this = Arc::new(Self {
-            sink: sink.to_owned(),
+            settings,
             id,
-            client,
-            checkpoint_topic,
-            interval,
-            timeout,
-            max_message_bytes,
             gate: Arc::new(tokio::sync::RwLock::new(())),
             state: Mutex::default(),
             problem: Mutex::default(),
-            outcomes,
         });
         tokio::spawn(commit_every_interval(Arc::downgrade(&this)));
         this
@@ -197,7 +194,11 @@ impl Transactions {
                 left.min(CALL_TIMEOUT)
             }
         };
-        let (client, id, txn_timeout) = (self.client.clone(), self.id.clone(), self.timeout);
+        let (client, id, txn_timeout) = (
+            self.settings.client.clone(),
+            self.id.clone(),
+            self.settings.timeout,
+        );
         // The gate goes with the blocking call: a caller that gives up (a shutdown) leaves it
         // closed until the call returned, so nothing after it (a release of the lease, after
         // the shutdown's commit) overtakes an init still on its way to the broker.
@@ -236,13 +237,13 @@ impl Transactions {
                 st.opened_at = Some(tokio::time::Instant::now());
                 drop(st);
                 self.set_problem(None);
-                info!(sink = %self.sink, transactional_id = %self.id, "Transactions on: earlier producers of this transactional.id are fenced");
+                info!(sink = %self.settings.sink, transactional_id = %self.id, "Transactions on: earlier producers of this transactional.id are fenced");
                 Ok(())
             }
             Err(e) => {
                 let why = format!(
                     "sink {}: cannot start transactions (transactional.id {}): {e}",
-                    self.sink, self.id
+                    self.settings.sink, self.id
                 );
                 self.set_problem(Some(why.clone()));
                 Err(Error::Unavailable(why))
@@ -293,7 +294,7 @@ impl Transactions {
             Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::State) => {
                 return Err(Error::Aborted(format!("the open transaction failed: {e}")));
             }
-            Err((e, _)) => return Err(classify(e, topic, size, self.max_message_bytes)),
+            Err((e, _)) => return Err(classify(e, topic, size, self.settings.max_message_bytes)),
         };
         let checkpoint = match checkpoint {
             None => None,
@@ -350,7 +351,12 @@ impl Transactions {
         st.broken
             .clone()
             .or_else(|| self.problem())
-            .unwrap_or_else(|| format!("sink {}: no transaction open (not leading)", self.sink))
+            .unwrap_or_else(|| {
+                format!(
+                    "sink {}: no transaction open (not leading)",
+                    self.settings.sink
+                )
+            })
     }
 
     fn send_checkpoint(
@@ -358,7 +364,8 @@ impl Transactions {
         producer: &FutureProducer<KafkaContext>,
         (key, value): &CheckpointRecord,
     ) -> std::result::Result<DeliveryFuture, KafkaError> {
-        let mut record = FutureRecord::<String, String>::to(&self.checkpoint_topic).key(key);
+        let mut record =
+            FutureRecord::<String, String>::to(&self.settings.checkpoint_topic).key(key);
         if let Some(v) = value {
             record = record.payload(v);
         }
@@ -399,7 +406,7 @@ impl Transactions {
             };
             let deadline = st
                 .opened_at
-                .map(|at| at + self.timeout.saturating_sub(MARGIN));
+                .map(|at| at + self.settings.timeout.saturating_sub(MARGIN));
             if st.open.is_empty() && st.silent.is_empty() && st.backlog.is_empty() {
                 return Ok(());
             }
@@ -446,7 +453,7 @@ impl Transactions {
                     Some(i) => format!("a message to {} failed: {e}", results[i].2),
                     None => format!(
                         "a checkpoint record of {} failed: {e}",
-                        self.checkpoint_topic
+                        self.settings.checkpoint_topic
                     ),
                 });
             }
@@ -471,7 +478,7 @@ impl Transactions {
         };
         let result = match outcome {
             Outcome::Committed => {
-                self.outcomes[0].inc();
+                self.settings.outcomes[0].inc();
                 for (done, _, _, _) in results {
                     let _ = done.send(Ok(()));
                 }
@@ -489,16 +496,16 @@ impl Transactions {
                 Ok(())
             }
             Outcome::Aborted(why) => {
-                self.outcomes[1].inc();
-                warn!(sink = %self.sink, error = %why, messages = results.len(), "Transaction aborted; its messages are sent again");
-                let reason = format!("sink {}: transaction aborted: {why}", self.sink);
+                self.settings.outcomes[1].inc();
+                warn!(sink = %self.settings.sink, error = %why, messages = results.len(), "Transaction aborted; its messages are sent again");
+                let reason = format!("sink {}: transaction aborted: {why}", self.settings.sink);
                 for (done, own, topic, size) in results {
                     // A message's own error is its answer (too large, denied: final; a
                     // missing topic: retried with its backoff); every other message of the
                     // transaction is sent again.
                     let err = match own {
                         Err(e) if !is_consequence(&e) => {
-                            classify(e, &topic, size, self.max_message_bytes)
+                            classify(e, &topic, size, self.settings.max_message_bytes)
                         }
                         _ => Error::Aborted(reason.clone()),
                     };
@@ -526,11 +533,11 @@ impl Transactions {
                 Err(Error::Unavailable(reason))
             }
             Outcome::Unknown(why) => {
-                self.outcomes[1].inc();
+                self.settings.outcomes[1].inc();
                 let reason = format!(
                     "sink {}: a transaction may or may not have been committed ({why}); \
                      nothing is published until the next term resumes from the checkpoint",
-                    self.sink
+                    self.settings.sink
                 );
                 for (done, _, _, _) in results {
                     let _ = done.send(Err(Error::Aborted(reason.clone())));
@@ -612,7 +619,7 @@ impl Transactions {
             match result {
                 Err(ref e) if is_retriable(e) && again => {
                     if attempt == 1 {
-                        warn!(sink = %self.sink, error = %e, "Transaction {what} failed; trying it again");
+                        warn!(sink = %self.settings.sink, error = %e, "Transaction {what} failed; trying it again");
                     }
                     tokio::time::sleep(Duration::from_millis(500)).await;
                 }
@@ -624,7 +631,7 @@ impl Transactions {
     /// Stops publishing until the next term: `producer` (if still the term's) goes.
     fn stop(&self, producer: &FutureProducer<KafkaContext>, why: String) {
         let fenced = producer.client().fatal_error().is_some();
-        error!(sink = %self.sink, transactional_id = %self.id, fenced, error = %why, "Transactions stopped; nothing is published until the next term (or the restart /healthz asks for)");
+        error!(sink = %self.settings.sink, transactional_id = %self.id, fenced, error = %why, "Transactions stopped; nothing is published until the next term (or the restart /healthz asks for)");
         let mut st = self.lock();
         if st.producer.as_ref().is_some_and(|p| same(p, producer)) {
             let old = st.producer.take();
@@ -694,7 +701,7 @@ fn same(a: &FutureProducer<KafkaContext>, b: &FutureProducer<KafkaContext>) -> b
 }
 
 async fn commit_every_interval(this: Weak<Transactions>) {
-    let Some(interval) = this.upgrade().map(|t| t.interval) else {
+    let Some(interval) = this.upgrade().map(|t| t.settings.interval) else {
         return;
     };
     loop {
@@ -721,39 +728,18 @@ fn acl_hint(e: &KafkaError) -> &'static str {
 /// shard's new owner fences only that shard's last owner), each made as its shard's term
 /// begins. Without sharding there is one, of key `""`.
 pub(super) struct TransactionSet {
-    sink: String,
+    settings: Settings,
     id: String,
-    client: KafkaClient,
-    checkpoint_topic: String,
-    interval: Duration,
-    timeout: Duration,
-    max_message_bytes: usize,
-    outcomes: [prometheus::IntCounter; 2],
     by_shard: Mutex<std::collections::HashMap<String, Arc<Transactions>>>,
 }
 
 impl TransactionSet {
-    /// The transactions of sink `sink`, `transactional.id` `id` (with `.{shard}` when sharded).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn new(
-        sink: &str,
-        id: String,
-        client: KafkaClient,
-        checkpoint_topic: String,
-        interval: Duration,
-        timeout: Duration,
-        max_message_bytes: usize,
-        outcomes: [prometheus::IntCounter; 2],
-    ) -> Self {
+    /// The transactions of `settings`' sink, `transactional.id` `id` (with `.{shard}` when
+    /// sharded).
+    pub(super) fn new(settings: Settings, id: String) -> Self {
         Self {
-            sink: sink.to_owned(),
+            settings,
             id,
-            client,
-            checkpoint_topic,
-            interval,
-            timeout,
-            max_message_bytes,
-            outcomes,
             by_shard: Mutex::default(),
         }
     }
@@ -792,16 +778,7 @@ impl TransactionSet {
                 } else {
                     format!("{}.{key}", self.id)
                 };
-                Transactions::new(
-                    &self.sink,
-                    id,
-                    self.client.clone(),
-                    self.checkpoint_topic.clone(),
-                    self.interval,
-                    self.timeout,
-                    self.max_message_bytes,
-                    self.outcomes.clone(),
-                )
+                Transactions::new(self.settings.clone(), id)
             })
             .clone()
     }
