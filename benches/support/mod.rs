@@ -174,6 +174,12 @@ impl<S: Sink> Sink for Timed<S> {
     fn end_terms(&self) {
         self.inner.end_terms()
     }
+    fn commit_term(
+        &self,
+        shard: kube_event_bridge::shard::Shard,
+    ) -> BoxFuture<'_, sinks::Result<()>> {
+        self.inner.commit_term(shard)
+    }
     fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
         self.inner.flush()
     }

@@ -124,6 +124,7 @@ impl Resources {
 /// once.
 async fn hand_over(
     resources: &tokio::sync::Mutex<Resources>,
+    (sinks, shard): (&[Arc<dyn crate::sinks::Sink>], crate::shard::Shard),
     fence: &crate::leader::Fence,
     limit: std::time::Duration,
 ) -> bool {
@@ -151,6 +152,21 @@ async fn hand_over(
             }
             Err(_) => {
                 warn!(route = %checkpointer.route(), "Handing a shard on: the checkpoint write did not finish in time; the lease expires instead");
+                return false;
+            }
+        }
+    }
+    // A transactional sink's open transaction holds what was settled without a message (and
+    // the cluster's identity): committed before the next owner reads the checkpoint.
+    for sink in sinks {
+        match tokio::time::timeout_at(deadline, sink.commit_term(shard)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                warn!(sink = %sink.name(), error = %err, "Handing a shard on: the commit failed; the lease expires instead");
+                return false;
+            }
+            Err(_) => {
+                warn!(sink = %sink.name(), "Handing a shard on: the commit did not finish in time; the lease expires instead");
                 return false;
             }
         }
@@ -254,7 +270,7 @@ pub(super) fn follow(
                 // Asked in a term that ended since (the elector gave up waiting): nothing to do.
                 Some(answer) if answer.is_closed() => {}
                 Some(answer) => {
-                    drained = hand_over(&resources, &fence, limit).await;
+                    drained = hand_over(&resources, (&sinks, shard), &fence, limit).await;
                     let _ = answer.send(drained);
                 }
             }

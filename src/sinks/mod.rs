@@ -237,6 +237,13 @@ pub trait Sink: Send + Sync {
     fn end_term(&self, shard: crate::shard::Shard) {
         let _ = shard;
     }
+    /// Commits what shard `shard`'s term wrote so far (a drained hand-over, before it releases
+    /// the Lease: the next owner reads the checkpoint with everything in it). The default has
+    /// nothing to commit.
+    fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
+        let _ = shard;
+        async { Ok(()) }.boxed()
+    }
     /// Every term here ended (shutdown): [`Self::end_term`] of every shard.
     fn end_terms(&self) {}
     /// Why the sink can never publish again in this process (for `/healthz`: the pod is

@@ -230,7 +230,7 @@ impl CheckpointStore for KafkaCheckpointStore {
             if let Some(set) = &self.transactions {
                 // With the shard's next commit (only the cluster's identity is written so: the
                 // messages' records travel with them); without its term, by the next term.
-                if let Some(t) = set.get(TransactionSet::key_of_route(route)) {
+                if let Some(t) = set.get(set.key_of_route(route)) {
                     records.into_iter().for_each(|r| t.settle(r));
                 }
                 return Ok(());

@@ -4,12 +4,15 @@
 //! # Recovery
 //! Reads are `read_committed`: a transaction's records once it committed, never an aborted
 //! one's. The end of a read is each partition's high watermark as it was when the read began
-//! (or the end the broker reports: with transactions, the last stable offset), and also quiet: a read that has reached every watermark ends once nothing arrived for
-//! [`QUIET`] (some Kafka-protocol brokers report the watermark of a multi-record batch late or
-//! early; nothing is taken as the end while records still come). A read that receives nothing
-//! at all for [`STALL`] before the watermarks is an error naming how far it got: a partial
-//! read is never taken for the whole topic (a checkpoint missing its newest records would
-//! lose the deletes made while down, or delete live objects).
+//! (as a `read_uncommitted` client sees it), reached once the broker reports the partition's
+//! end (`PartitionEOF`, at its last stable offset) with that last stable offset at or past
+//! the watermark: every transaction open at the start has ended, committed or aborted, so
+//! nothing committed before the read began is missed, whichever producer's transaction
+//! held the others back. A read that receives nothing for [`STALL`] before that is an error
+//! naming how far it got (a transaction left open by a killed producer holds it back until
+//! a new producer of its id aborts it, or the broker does after its timeout): a partial read
+//! is never taken for the whole topic (a checkpoint missing its newest records would lose
+//! the deletes made while down, or delete live objects, or send again what was delivered).
 
 use std::{collections::HashMap, time::Duration};
 
@@ -23,7 +26,8 @@ use super::client::{KafkaClient, KafkaContext};
 
 /// How long the brokers get to answer metadata requests.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
-/// A read at every high watermark that receives nothing for this long is complete.
+/// A partition whose last stable offset reached the target, with nothing more arriving for
+/// this long, is read (what lay between was aborted).
 pub const QUIET: Duration = Duration::from_millis(500);
 /// A read that receives nothing at all for this long ends, whatever the watermarks say.
 pub const STALL: Duration = Duration::from_secs(10);
@@ -81,7 +85,12 @@ pub type ReaderConsumer = BaseConsumer<KafkaContext>;
 /// context does not log. Blocking with `OAUTHBEARER` (a token request, unless the newest token
 /// is young).
 pub fn consumer(client: impl Into<KafkaClient>) -> Result<ReaderConsumer, String> {
-    let client = client.into();
+    // What a transaction committed, never what one aborted or has not committed yet
+    // (exactly-once sinks).
+    reader(client.into(), "read_committed")
+}
+
+fn reader(client: KafkaClient, isolation: &str) -> Result<ReaderConsumer, String> {
     let mut config = client.config.clone();
     for producer_only in [
         "enable.idempotence",
@@ -95,9 +104,7 @@ pub fn consumer(client: impl Into<KafkaClient>) -> Result<ReaderConsumer, String
     config
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
-        // What a transaction committed, never what one aborted or has not committed yet
-        // (exactly-once sinks): the end of a partition is its last stable offset.
-        .set("isolation.level", "read_committed")
+        .set("isolation.level", isolation)
         .set("group.id", "kube-event-bridge-reader");
     client
         .create(&config, |c: &ReaderConsumer| c.client())
@@ -118,80 +125,112 @@ pub fn read_to_end(
     // transactions it is how a read ends (the commit markers after the last record leave its
     // next offset below the high watermark).
     for topic in topics {
-        read_topic_to_end(&client, std::slice::from_ref(topic), &mut each)?;
+        read_topic_to_end(&client, topic, &mut each)?;
     }
     Ok(())
 }
 
 fn read_topic_to_end(
     client: &KafkaClient,
-    topics: &[String],
+    topic: &str,
     each: &mut impl FnMut(Record),
 ) -> Result<(), String> {
     let consumer = consumer(client)?;
+    // The end: each partition's high watermark now, as a read_uncommitted client sees it. A
+    // read_committed one sees the last stable offset, which any open transaction holds back
+    // (another shard's, another replica's): reading only to there would miss what was
+    // committed after that transaction began.
+    let peek = uncommitted(client)?;
+    let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(|e| {
+        format!("metadata of {topic}: {e} (does this client have DESCRIBE and READ on it?)")
+    })?;
     let mut assignment = TopicPartitionList::new();
-    let mut high = HashMap::new();
-    for topic in topics {
-        let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(|e| {
-            format!("metadata of {topic}: {e} (does this client have DESCRIBE and READ on it?)")
-        })?;
-        for t in metadata.topics() {
-            if let Some(e) = t.error() {
-                return Err(format!("topic {topic}: {e:?}"));
+    let mut target = HashMap::new();
+    let mut done = std::collections::HashSet::new();
+    for t in metadata.topics() {
+        if let Some(e) = t.error() {
+            return Err(format!("topic {topic}: {e:?}"));
+        }
+        for p in t.partitions() {
+            let (low, high) = peek
+                .fetch_watermarks(topic, p.id(), TIMEOUT)
+                .map_err(|e| format!("watermarks of {topic}/{}: {e}", p.id()))?;
+            target.insert(p.id(), high);
+            if high <= low {
+                done.insert(p.id());
             }
-            for p in t.partitions() {
-                let (_, hi) = consumer
-                    .fetch_watermarks(topic, p.id(), TIMEOUT)
-                    .map_err(|e| format!("watermarks of {topic}/{}: {e}", p.id()))?;
-                high.insert((topic.clone(), p.id()), hi);
-                assignment
-                    .add_partition_offset(topic, p.id(), Offset::Beginning)
-                    .map_err(|e| e.to_string())?;
-            }
+            assignment
+                .add_partition_offset(topic, p.id(), Offset::Beginning)
+                .map_err(|e| e.to_string())?;
         }
     }
     consumer
         .assign(&assignment)
         .map_err(|e| format!("assign: {e}"))?;
-    let mut next: HashMap<(String, i32), i64> = high.keys().map(|k| (k.clone(), 0)).collect();
-    // Partitions the broker said were read to their end (a compacted topic can end in offsets
-    // that hold no record any more, so `next` may never reach the watermark). The EOF names a
-    // partition but not its topic: it counts only when one topic is read.
-    let mut at_end: std::collections::HashSet<(String, i32)> = Default::default();
+    // Whether a partition the consumer reached the end of (`PartitionEOF`: its last stable
+    // offset; a compacted partition can end in offsets that hold no record any more) is read
+    // to `target`: its last stable offset got there, every transaction open at the start over.
+    let stable = |p: i32| {
+        consumer
+            .fetch_watermarks(topic, p, TIMEOUT)
+            .is_ok_and(|(_, lso)| lso >= target[&p])
+    };
+    let mut next: HashMap<i32, i64> = HashMap::new();
+    // Partitions at their end whose last stable offset was still short of `target`, and when.
+    let mut waiting: HashMap<i32, std::time::Instant> = HashMap::new();
     let mut last_record = std::time::Instant::now();
     loop {
-        let done = next
-            .iter()
-            .all(|(k, n)| *n >= high[k] || at_end.contains(k));
-        if done && last_record.elapsed() >= QUIET {
+        if done.len() == target.len() {
             return Ok(());
         }
         if last_record.elapsed() >= STALL {
-            let behind: Vec<String> = next
+            let behind: Vec<String> = target
                 .iter()
-                .filter(|(k, n)| **n < high[*k])
-                .map(|((t, p), n)| format!("{t}/{p} at offset {n} of {}", high[&(t.clone(), *p)]))
+                .filter(|(p, _)| !done.contains(*p))
+                .map(|(p, t)| format!("{topic}/{p} at offset {} of {t}", next.get(p).unwrap_or(&0)))
                 .collect();
             return Err(format!(
-                "read stalled: nothing arrived for {STALL:?} before the end ({})",
+                "read stalled: nothing arrived for {STALL:?} before the end ({}; a transaction \
+                 open there holds read_committed readers back until it ends)",
                 behind.join(", ")
             ));
         }
         let Some(result) = consumer.poll(Duration::from_millis(100)) else {
+            // The last stable offset may have moved past aborted records only: nothing more
+            // arrives, and the partition is read once it reached the target a while ago.
+            waiting.retain(|&p, since| {
+                if since.elapsed() >= QUIET && stable(p) {
+                    done.insert(p);
+                    false
+                } else {
+                    true
+                }
+            });
             continue;
         };
         let m = match result {
             Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
-                if let [topic] = topics {
-                    at_end.insert((topic.clone(), p));
+                if stable(p) {
+                    done.insert(p);
+                    waiting.remove(&p);
+                } else {
+                    waiting.entry(p).or_insert_with(std::time::Instant::now);
                 }
                 continue;
             }
             other => other.map_err(|e| format!("read: {e}"))?,
         };
         last_record = std::time::Instant::now();
-        next.insert((m.topic().to_owned(), m.partition()), m.offset() + 1);
-        at_end.remove(&(m.topic().to_owned(), m.partition()));
+        next.insert(m.partition(), m.offset() + 1);
+        if let Some(since) = waiting.get_mut(&m.partition()) {
+            *since = last_record;
+        }
+        // A record past the target (committed after the read began) is kept too.
         each(Record::from(&m));
     }
+}
+
+/// A consumer like [`consumer`] that reads uncommitted (for the high watermark only).
+fn uncommitted(client: &KafkaClient) -> Result<ReaderConsumer, String> {
+    reader(client.clone(), "read_uncommitted")
 }

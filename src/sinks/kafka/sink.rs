@@ -530,8 +530,11 @@ impl Sink for KafkaSink {
         change: Option<crate::sinks::checkpoint::Change>,
     ) -> BoxFuture<'a, Result<Ack>> {
         let record = change.map(|c| super::checkpoint::record_of(route, c));
-        self.hand_over(message, record, TransactionSet::key_of_route(route))
-            .boxed()
+        let shard = self
+            .transactions
+            .as_ref()
+            .map_or("", |set| set.key_of_route(route));
+        self.hand_over(message, record, shard).boxed()
     }
 
     fn settle_silently(&self, route: &str, change: crate::sinks::checkpoint::Change) {
@@ -540,7 +543,7 @@ impl Sink for KafkaSink {
         if let Some(t) = self
             .transactions
             .as_ref()
-            .and_then(|set| set.get(TransactionSet::key_of_route(route)))
+            .and_then(|set| set.get(set.key_of_route(route)))
         {
             t.settle(super::checkpoint::record_of(route, change));
         }
@@ -595,6 +598,20 @@ impl Sink for KafkaSink {
         {
             t.end_term();
         }
+    }
+
+    fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
+        async move {
+            match self
+                .transactions
+                .as_ref()
+                .and_then(|set| set.get(&TransactionSet::key(shard)))
+            {
+                Some(t) => t.commit().await,
+                None => Ok(()),
+            }
+        }
+        .boxed()
     }
 
     fn end_terms(&self) {

@@ -251,7 +251,9 @@ impl Transactions {
         }
     }
 
-    /// The term ended: what it holds fails and its producer goes.
+    /// The term ended: what it holds fails and its producer goes, its open transaction
+    /// aborted (left open, it would hold `read_committed` readers of its partitions back
+    /// until the next owner's producer or the broker's timeout ended it).
     pub(super) fn end_term(&self) {
         let old = {
             let mut st = self.lock();
@@ -261,8 +263,23 @@ impl Transactions {
             fail_all(&mut st, "the leadership term ended");
             st.producer.take()
         };
-        dispose(old);
         self.set_problem(None);
+        if let Some(producer) = old {
+            // After a commit under way (its acknowledgements stand), under the gate.
+            let gate = self.gate.clone();
+            tokio::spawn(async move {
+                let closed = gate.write_owned().await;
+                let _ = tokio::task::spawn_blocking(move || {
+                    let _closed = closed;
+                    if producer.client().fatal_error().is_none() {
+                        // Nothing open (a commit ended it) is an error: nothing to do.
+                        let _ = producer.abort_transaction(CALL_TIMEOUT);
+                    }
+                    drop(producer);
+                })
+                .await;
+            });
+        }
     }
 
     /// Hands `record` to the open transaction with its checkpoint record, and returns the
@@ -643,6 +660,25 @@ impl Transactions {
     }
 }
 
+/// The key of the shard route `route` (`{kind}[#{i}-of-{n}]/{sink}`) of sink `sink` serves:
+/// `""` when the kind carries no shard label.
+fn key_of_route<'a>(route: &'a str, sink: &str) -> &'a str {
+    let kind = route
+        .strip_suffix(sink)
+        .and_then(|r| r.strip_suffix('/'))
+        .unwrap_or(route);
+    match kind.rsplit_once('#') {
+        Some((_, label))
+            if label
+                .split_once("-of-")
+                .is_some_and(|(i, n)| i.parse::<u32>().is_ok() && n.parse::<u32>().is_ok()) =>
+        {
+            label
+        }
+        _ => "",
+    }
+}
+
 /// Whether a commit or abort that failed so may be tried again.
 fn is_retriable(e: &KafkaError) -> bool {
     matches!(e, KafkaError::Transaction(r) if r.is_retriable() && !r.is_fatal())
@@ -759,13 +795,10 @@ impl TransactionSet {
         }
     }
 
-    /// The key of the shard route `route` (`{kind}[#{i}-of-{n}]/{sink}`) serves.
-    pub(super) fn key_of_route(route: &str) -> &str {
-        let kind = route.rsplit_once('/').map_or(route, |(kind, _)| kind);
-        match kind.rsplit_once('#') {
-            Some((_, label)) if label.contains("-of-") => label,
-            _ => "",
-        }
+    /// The key of the shard route `route` (`{kind}[#{i}-of-{n}]/{sink}`, this sink's)
+    /// serves.
+    pub(super) fn key_of_route<'a>(&self, route: &'a str) -> &'a str {
+        key_of_route(route, &self.settings.sink)
     }
 
     /// The transactions of shard `key`, made when asked for the first time.
@@ -801,19 +834,19 @@ mod tests {
 
     #[test]
     fn a_route_names_the_shard_whose_transactions_it_writes_in() {
-        assert_eq!(TransactionSet::key_of_route("configmap/kafka"), "");
+        use super::key_of_route;
+        assert_eq!(key_of_route("configmap/kafka", "kafka"), "");
+        assert_eq!(key_of_route("configmap#3-of-12/kafka", "kafka"), "3-of-12");
         assert_eq!(
-            TransactionSet::key_of_route("configmap#3-of-12/kafka"),
-            "3-of-12"
-        );
-        assert_eq!(
-            TransactionSet::key_of_route("all/widgets.example.com#0-of-2/kafka"),
+            key_of_route("all/widgets.example.com#0-of-2/kafka", "kafka"),
             "0-of-2"
         );
-        assert_eq!(
-            TransactionSet::key_of_route("all/widgets.example.com/kafka"),
-            ""
-        );
+        assert_eq!(key_of_route("all/widgets.example.com/kafka", "kafka"), "");
+        // A sink's name holding `/` or `#` is not read as the shard.
+        assert_eq!(key_of_route("cm#0-of-4/team/out", "team/out"), "0-of-4");
+        assert_eq!(key_of_route("cm#0-of-4/x#1-of-4/y", "x#1-of-4/y"), "0-of-4");
+        assert_eq!(key_of_route("x#1-of-2/out", "out"), "1-of-2");
+        assert_eq!(key_of_route("x#a-of-2/out", "out"), "");
         assert_eq!(TransactionSet::key(Shard::WHOLE), "");
         assert_eq!(
             TransactionSet::key(Shard {
