@@ -105,6 +105,21 @@ impl<S> Timed<S> {
     }
 }
 
+impl<S> Timed<S> {
+    /// `ack`, recording the time from `m`'s receipt to its acknowledgement.
+    fn timed(&self, ack: sinks::Ack, m: &Message) -> sinks::Ack {
+        let (samples, received) = (self.samples.clone(), m.received);
+        Box::pin(async move {
+            ack.await?;
+            samples
+                .lock()
+                .unwrap()
+                .push(received.elapsed().as_micros() as u32);
+            Ok(())
+        })
+    }
+}
+
 impl<S: Sink> Sink for Timed<S> {
     fn name(&self) -> &str {
         self.inner.name()
@@ -121,19 +136,7 @@ impl<S: Sink> Sink for Timed<S> {
         .boxed()
     }
     fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<sinks::Ack>> {
-        async move {
-            let ack = self.inner.submit(m).await?;
-            let (samples, received) = (self.samples.clone(), m.received);
-            Ok(Box::pin(async move {
-                ack.await?;
-                samples
-                    .lock()
-                    .unwrap()
-                    .push(received.elapsed().as_micros() as u32);
-                Ok(())
-            }) as sinks::Ack)
-        }
-        .boxed()
+        async move { Ok(self.timed(self.inner.submit(m).await?, m)) }.boxed()
     }
     fn in_transactions(&self) -> bool {
         self.inner.in_transactions()
@@ -146,15 +149,7 @@ impl<S: Sink> Sink for Timed<S> {
     ) -> BoxFuture<'a, sinks::Result<sinks::Ack>> {
         async move {
             let ack = self.inner.submit_settling(m, route, change).await?;
-            let (samples, received) = (self.samples.clone(), m.received);
-            Ok(Box::pin(async move {
-                ack.await?;
-                samples
-                    .lock()
-                    .unwrap()
-                    .push(received.elapsed().as_micros() as u32);
-                Ok(())
-            }) as sinks::Ack)
+            Ok(self.timed(ack, m))
         }
         .boxed()
     }
