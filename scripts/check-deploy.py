@@ -3,8 +3,8 @@
 the Dockerfile.
 
 - Renders each kustomization with the subset of kustomize this repository uses (resources,
-  namespace, configMapGenerator with create/replace, strategic-merge patches, images), since no
-  kustomize binary is installable here.
+  namespace, configMapGenerator with create/replace and labels, strategic-merge patches,
+  images), since no kustomize binary is installable here.
 - Validates every built-in object against the Kubernetes schemas (kubernetes-validate, strict,
   for the oldest supported Kubernetes), and the monitoring.coreos.com objects by hand.
 - Loads each generated config with `kube-event-bridge check-config`.
@@ -14,11 +14,17 @@ the Dockerfile.
   probes, resources, two replicas; three or more when sharded, with the Lease rules sharding needs).
 - Checks that the PrometheusRule carries exactly deploy/alerts/*.rules.yml, and runs
   `promtool check rules` and `hadolint`.
+- The Helm chart (deploy/helm/kube-event-bridge, with the Helm scripts/build-helm builds):
+  `helm lint --strict`; `helm template` of every example values file checked as above and
+  compared with its kustomization field by field (one source of truth, either way); the RBAC
+  it derives from config.resources (a custom kind, an unknown one, a wildcard); the values
+  schema refusing misspelt and mistyped values; its copies of the dashboard and alert rules.
 
 Prints one line per check and a closing `check-deploy: N passed, M failed`.
 """
 
 import copy
+import json
 import os
 import pathlib
 import subprocess
@@ -93,12 +99,15 @@ def render(directory):
             data[key] = (directory / file).read_text()
         existing = [o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == gen["name"]]
         behavior = gen.get("behavior", "create")
+        labels = gen.get("options", {}).get("labels")
         if behavior == "create":
             assert not existing, f"configMapGenerator {gen['name']} already exists"
-            objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"]}, "data": data})
+            objects.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": gen["name"], **({"labels": labels} if labels else {})}, "data": data})
         else:
             assert existing, f"configMapGenerator {gen['name']}: nothing to {behavior}"
             existing[0]["data"] = data if behavior == "replace" else {**existing[0]["data"], **data}
+            if labels:
+                existing[0]["metadata"]["labels"] = {**existing[0]["metadata"].get("labels", {}), **labels}
     for p in k.get("patches", []):
         patch = docs(directory / p["path"])[0]
         targets = [i for i, o in enumerate(objects) if o["kind"] == patch["kind"] and o["metadata"]["name"] == patch["metadata"]["name"]]
@@ -145,8 +154,15 @@ def check_kustomization(directory):
         objects = render(directory)
     except Exception as e:  # a broken kustomization is one failed check, not a crash
         check(f"{label}: renders", False, str(e))
-        return
+        return None
     check(f"{label}: renders ({len(objects)} objects)", True)
+    check_objects(label, objects, "kube-event-bridge-config")
+    return objects
+
+
+def check_objects(label, objects, config_map):
+    """What deploy/ and the Helm chart must both give: valid objects, a config that loads,
+    least-privilege RBAC, a hardened Deployment and monitoring that fits together."""
     for o in objects:
         what = f"{label}: {o['kind']} {o['metadata']['name']}"
         if o["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -158,7 +174,7 @@ def check_kustomization(directory):
             check(f"{what} matches the Kubernetes {KUBERNETES_VERSION} schema", False, str(e).splitlines()[0])
 
     # The config loads, and RBAC grants exactly what it needs.
-    cm = find(objects, "ConfigMap", "kube-event-bridge-config")[0]
+    cm = find(objects, "ConfigMap", config_map)[0]
     with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
         f.write(cm["data"]["config.yaml"])
         f.flush()
@@ -241,9 +257,170 @@ def check_kustomization(directory):
     check(f"{label}: PrometheusRule holds exactly deploy/alerts/kube-event-bridge.rules.yml", rule["spec"] == plain)
 
 
+# ---------------------------------------------------------------------------------------
+# The Helm chart (deploy/helm/kube-event-bridge), with the Helm that scripts/build-helm builds.
+
+CHART = ROOT / "deploy" / "helm" / "kube-event-bridge"
+EXAMPLES = ROOT / "deploy" / "helm" / "examples"
+# Each example values file and the kustomization it must equal, object by object.
+EXAMPLE_OF = {"stdout": "base", "kafka": "overlays/kafka", "nats": "overlays/nats", "sharded": "overlays/sharded"}
+MONITORING = ["--api-versions", "monitoring.coreos.com/v1/ServiceMonitor", "--api-versions", "monitoring.coreos.com/v1/PrometheusRule"]
+# Labels only Helm sets (chart, release, version): compared without them.
+HELM_LABELS = {"helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance", "app.kubernetes.io/version"}
+
+
+def helm_binary():
+    target = pathlib.Path(os.environ.get("CARGO_TARGET_DIR") or ROOT / "target")
+    exe = (target if target.is_absolute() else ROOT / target) / "helm" / "helm"
+    if not exe.exists():
+        subprocess.run([str(ROOT / "scripts" / "build-helm")], check=True)
+    return exe
+
+
+def helm(*args):
+    """Runs helm; returns (exit code, stdout, stderr)."""
+    env = dict(os.environ)
+    tmp = pathlib.Path(tempfile.gettempdir()) / "keb-helm-home"
+    env.update(HELM_CACHE_HOME=str(tmp / "cache"), HELM_CONFIG_HOME=str(tmp / "config"), HELM_DATA_HOME=str(tmp / "data"))
+    run = subprocess.run([str(helm_binary()), *args], capture_output=True, text=True, cwd=ROOT, env=env)
+    return run.returncode, run.stdout, run.stderr
+
+
+def template(*args):
+    """`helm template kube-event-bridge CHART -n kube-event-bridge ARGS`: its objects, or the error."""
+    code, out, err = helm("template", "kube-event-bridge", str(CHART), "--namespace", "kube-event-bridge", *args)
+    if code != 0:
+        return None, err.strip()
+    return [d for d in yaml.safe_load_all(out) if d], ""
+
+
+def normalized(o, helm_side):
+    """An object as compared across kustomize and Helm: without Helm's own labels and the
+    config checksum (kustomize's equivalent is the generated name's hash, which this
+    repository's renderer leaves out), RBAC rules sorted, the config parsed."""
+    o = copy.deepcopy(o)
+
+    def strip(node):
+        if isinstance(node, dict):
+            for key in ("labels", "matchLabels", "selector"):  # selector: a Service's
+                if isinstance(node.get(key), dict):
+                    for label in HELM_LABELS:
+                        node[key].pop(label, None)
+            for v in node.values():
+                strip(v)
+        elif isinstance(node, list):
+            for v in node:
+                strip(v)
+    strip(o)
+    template = o.get("spec", {}).get("template", {}).get("metadata", {})
+    template.get("annotations", {}).pop("checksum/config", None)
+    if template.get("annotations") == {}:
+        template.pop("annotations")
+    if o["kind"] in ("ClusterRole", "Role"):
+        o["rules"] = sorted(o["rules"], key=lambda r: yaml.safe_dump(r, sort_keys=True))
+    if o["kind"] == "ConfigMap" and "config.yaml" in o.get("data", {}):
+        o["data"]["config.yaml"] = yaml.safe_load(o["data"]["config.yaml"])
+    if o["kind"] not in CLUSTER_SCOPED:
+        o["metadata"].setdefault("namespace", "kube-event-bridge")
+    return o
+
+
+def differences(a, b, path=""):
+    """Field paths where a and b differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                out.append(f"{path}.{k}: {'only in Helm' if k not in a else 'only in kustomize'}")
+            else:
+                out += differences(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: kustomize {a!r}, Helm {b!r}"]
+
+
+def check_chart():
+    code, out, err = helm("lint", "--strict", str(CHART))
+    check("helm lint --strict deploy/helm/kube-event-bridge", code == 0, (out + err).strip())
+    for name, path in [("files/kube-event-bridge.json", ROOT / "dashboards" / "kube-event-bridge.json"),
+                       ("files/kube-event-bridge.rules.yml", ROOT / "deploy" / "alerts" / "kube-event-bridge.rules.yml")]:
+        check(f"chart: {name} is a copy of {path.relative_to(ROOT)}", (CHART / name).read_bytes() == path.read_bytes())
+
+    for example in sorted(EXAMPLES.glob("*.yaml")):
+        label = f"helm template -f {example.relative_to(ROOT)}"
+        code, out, err = helm("lint", "--strict", str(CHART), "-f", str(example))
+        check(f"helm lint --strict -f {example.relative_to(ROOT)}", code == 0, (out + err).strip())
+        objects, err = template("-f", str(example), *MONITORING)
+        if not check(f"{label}: renders", objects is not None, err):
+            continue
+        print(f"     {label}: " + ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects))
+        check_objects(label, objects, "kube-event-bridge-config")
+        dashboard = find(objects, "ConfigMap", "kube-event-bridge-dashboard")
+        check(f"{label}: the Grafana dashboard ConfigMap carries dashboards/kube-event-bridge.json, labelled for the sidecar",
+              bool(dashboard) and dashboard[0]["metadata"]["labels"].get("grafana_dashboard") == "1"
+              and json.loads(dashboard[0]["data"]["kube-event-bridge.json"]) == json.loads((ROOT / "dashboards" / "kube-event-bridge.json").read_text()))
+        # One source of truth: the same objects as the kustomization, field by field (Helm
+        # adds the dashboard; kustomize the Namespace, which `helm install --create-namespace`
+        # creates).
+        kustomized = render(ROOT / "deploy" / EXAMPLE_OF[example.stem])
+        ours = {(o["kind"], o["metadata"]["name"]): normalized(o, False) for o in kustomized if o["kind"] != "Namespace"}
+        theirs = {(o["kind"], o["metadata"]["name"]): normalized(o, True) for o in objects if o["metadata"]["name"] != "kube-event-bridge-dashboard"}
+        found = [f"{k}: only in kustomize" for k in ours.keys() - theirs.keys()] + [f"{k}: only in Helm" for k in theirs.keys() - ours.keys()]
+        for key in sorted(ours.keys() & theirs.keys()):
+            found += [f"{key[0]} {key[1]}{d}" for d in differences(ours[key], theirs[key])]
+        check(f"{label}: the same objects as deploy/{EXAMPLE_OF[example.stem]}, field by field", not found, "\n      " + "\n      ".join(found))
+
+    # Without the Prometheus Operator's CRDs, no ServiceMonitor or PrometheusRule.
+    objects, err = template()
+    check("helm template without monitoring.coreos.com/v1: no ServiceMonitor or PrometheusRule",
+          objects is not None and not [o for o in objects if o["apiVersion"].startswith("monitoring.coreos.com/")], err)
+
+    # RBAC from config.resources: a custom kind named in rbac.plurals, a kind the chart does
+    # not know (refused, named), and a wildcard selection (the wide role).
+    resources = ["--set", "config.resources[0].api_version=apps/v1", "--set", "config.resources[0].kind=Deployment",
+                 "--set", "config.resources[1].api_version=example.com/v1", "--set", "config.resources[1].kind=Widget",
+                 "--set", "config.routes[0].resource=deployment.apps", "--set", "config.routes[0].sinks[0]=stdout",
+                 "--set", "config.routes[1].resource=widget.example.com", "--set", "config.routes[1].sinks[0]=stdout"]
+    objects, err = template(*resources)
+    check("helm template: a custom kind without rbac.plurals is refused, naming it",
+          objects is None and "config.resources[1]" in err and "Widget" in err and "rbac.plurals" in err, err)
+    objects, err = template(*resources, "--set", "rbac.plurals.example\\.com/Widget=widgets")
+    if check("helm template: rbac.plurals names a custom kind's plural", objects is not None, err):
+        rules = find(objects, "ClusterRole")[0]["rules"]
+        print("     narrow selection (Deployments, Widgets): " + json.dumps([r for r in rules if r.get("verbs") == ["list", "watch"]]))
+        check("helm template: list and watch on exactly apps/deployments and example.com/widgets",
+              {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch"]} in rules
+              and {"apiGroups": ["example.com"], "resources": ["widgets"], "verbs": ["list", "watch"]} in rules)
+    objects, err = template("--set", "config.resources[0].api_version=*", "--set", "config.resources[0].kind=*",
+                            "--set", "config.resources[0].name=everything",
+                            "--set", "config.routes[0].resource=everything", "--set", "config.routes[0].sinks[0]=stdout")
+    if check("helm template: a wildcard selection renders", objects is not None, err):
+        rules = find(objects, "ClusterRole")[0]["rules"]
+        print("     wildcard selection (api_version: \"*\", kind: \"*\"): " + json.dumps([r for r in rules if r.get("verbs") == ["list", "watch"]]))
+        check("helm template: a wildcard selection gets list and watch on every resource, never other verbs",
+              {"apiGroups": ["*"], "resources": ["*"], "verbs": ["list", "watch"]} in rules
+              and all(set(r["verbs"]) <= {"list", "watch", "get"} for r in rules))
+
+    # values.schema.json: misspelt or mistyped values are refused with the schema's error.
+    for args, wanted in [(["--set", "replicaCont=3"], "additional properties 'replicaCont' not allowed"),
+                         (["--set", "config.sinks[0].name=k", "--set", "config.sinks[0].type=kafka", "--set", "config.sinks[0].kafka.brokerz=x"],
+                          "additional properties 'brokerz' not allowed"),
+                         (["--set", "config.log.format=yaml"], "/config/log/format"),
+                         (["--set", "config.shutdown.grace_period=25"], "/config/shutdown/grace_period")]:
+        objects, err = template(*args)
+        check(f"helm template {' '.join(args)}: refused by values.schema.json ({wanted})", objects is None and wanted in err, err)
+    # A route to a sink the config lacks (values merge map by map): refused at install.
+    objects, err = template("--set", "config.sinks[0].name=kafka", "--set", "config.sinks[0].type=kafka",
+                            "--set", "config.sinks[0].kafka.brokers[0]=kafka:9092")
+    check("helm template: a config.sinks without matching config.routes is refused, naming the route",
+          objects is None and "config.routes[0].sinks" in err and "stdout" in err, err)
+
+
 def main():
     for directory in [ROOT / "deploy" / "base", *sorted((ROOT / "deploy" / "overlays").iterdir())]:
         check_kustomization(directory)
+    check_chart()
     for rules in sorted((ROOT / "deploy" / "alerts").glob("*.rules.yml")):
         run = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
         check(f"promtool check rules {rules.relative_to(ROOT)}", run.returncode == 0, (run.stdout + run.stderr).strip())

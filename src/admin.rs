@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::metrics::Metrics;
 
 /// The admin HTTP server.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AdminConfig {
     /// Address to listen on; port 0 picks a free port (logged at start).

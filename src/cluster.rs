@@ -21,7 +21,7 @@ use crate::{metrics::Metrics, problems::Section, workqueue::TokenBucket};
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How to reach the Kubernetes API server.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesConfig {
     /// Path of a kubeconfig file; unset means `$KUBECONFIG`, then `~/.kube/config`, then in-cluster.
@@ -46,11 +46,13 @@ pub struct KubernetesConfig {
     /// How often discovery is asked again whether pending kinds are served now and watched
     /// kinds still are (besides at every CRD change, when CRDs may be watched).
     #[serde(default = "default_discovery_refresh", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub discovery_refresh: Duration,
     /// How long discovery must keep answering that a watched kind is gone (its CRD deleted,
     /// its version no longer served) before its informers stop and what they cache is
     /// deleted; a group whose discovery fails stops nothing.
     #[serde(default = "default_discovery_grace", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub discovery_grace: Duration,
     /// Requests per second to the API server, over every list, watch and discovery request
     /// (client-side rate limit, as client-go's QPS), and as much again for Lease requests
@@ -65,6 +67,7 @@ pub struct KubernetesConfig {
     /// its last resourceVersion and counted; 0 leaves it to kube's idle timeout (the watch
     /// timeout plus 5 s).
     #[serde(default = "default_watch_stall_timeout", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub watch_stall_timeout: Duration,
 }
 

@@ -60,7 +60,7 @@ use serde::{Deserialize, Serialize};
 use crate::problems::Section;
 
 /// Leader election on a `coordination.k8s.io/v1` Lease. Durations are client-go's defaults.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LeaderElectionConfig {
     /// Elect one leader among the replicas; only the leader publishes, standbys keep warm
@@ -78,13 +78,16 @@ pub struct LeaderElectionConfig {
     pub identity: Option<String>,
     /// How long a lease lasts without renewal before another replica may take it.
     #[serde(default = "default_lease_duration", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub lease_duration: Duration,
     /// How long the leader tries to renew before it stops publishing; below `lease_duration`,
     /// so that it stops before anyone else can start.
     #[serde(default = "default_renew_deadline", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub renew_deadline: Duration,
     /// Pause between attempts to acquire or renew the lease.
     #[serde(default = "default_retry_period", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub retry_period: Duration,
 }
 

@@ -65,6 +65,9 @@ enum Command {
         /// Config file (YAML).
         file: PathBuf,
     },
+    /// Print the JSON Schema of the config file (as `schemas/config.schema.json`): for
+    /// editors (`# yaml-language-server: $schema=…`) and for linting configs in CI.
+    Schema,
     /// Print the objects a sink's destination holds, like `kubectl get` or as JSON: a Kafka
     /// state topic (offset 0, last value per key, tombstones drop) or a JetStream stream (the
     /// newest event per object, deletes drop); with --check, how they differ from the
@@ -344,6 +347,13 @@ fn main() -> ExitCode {
                     ExitCode::FAILURE
                 }
             }
+        }
+        Command::Schema => {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&Config::json_schema()).expect("JSON")
+            );
+            ExitCode::SUCCESS
         }
         Command::Run { config } => {
             let config = match Config::load(&config) {

@@ -20,7 +20,7 @@ use crate::problems::Section;
 pub const MAX_SHARDS: u32 = 256;
 
 /// How a resource's objects are split among the replicas.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ShardingConfig {
     /// Number of shards, each owned through its own Lease by one replica at a time; the

@@ -52,7 +52,7 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// The whole configuration of one kube-event-bridge process.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Name of the cluster, used in each message's `source` and `k8scluster` attribute.
@@ -89,7 +89,7 @@ pub struct Config {
 }
 
 /// Logging.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LogConfig {
     /// `auto`: `json` when standard error is not a terminal (a pod's log, a file, a pipe),
@@ -123,7 +123,9 @@ impl LogConfig {
 }
 
 /// Log output format.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
     /// `json` unless standard error is a terminal.
@@ -136,11 +138,12 @@ pub enum LogFormat {
 }
 
 /// Shutdown behaviour.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ShutdownConfig {
     /// How long SIGTERM/SIGINT waits for pending notifications to be delivered before giving up.
     #[serde(default = "default_grace_period", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub grace_period: Duration,
 }
 
@@ -153,7 +156,7 @@ impl Default for ShutdownConfig {
 }
 
 /// Which resources go to which sinks.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
     /// Name of a resource (its `name`, or the default derived from kind and group).
@@ -196,6 +199,30 @@ impl Config {
             .map_err(load_err)?;
         let value: serde_json::Value = raw.try_deserialize().map_err(load_err)?;
         Self::from_value(value)
+    }
+
+    /// The JSON Schema (draft 2020-12) of the config file, derived from these types: every
+    /// field with its `///` line as description, its default, and `additionalProperties: false`
+    /// where unknown fields are refused. Published as `schemas/config.schema.json` (a test
+    /// keeps it current) for editors, CI linting and the Helm chart's `values.schema.json`. It
+    /// checks the shape only: what spans fields (routes naming resources, durations that must
+    /// fit each other) is [`Config::validate`]'s.
+    pub fn json_schema() -> serde_json::Value {
+        let mut schema = serde_json::to_value(schemars::schema_for!(Config)).expect("a schema");
+        schema["$id"] = "https://kube-event-bridge.io/schemas/config.schema.json".into();
+        schema["title"] = "kube-event-bridge config".into();
+        // serde's aliases are not in the derived schema: `apiVersion` (as in manifests) is
+        // `api_version`'s, and either one is required.
+        let resource = &mut schema["$defs"]["ResourceConfig"];
+        let mut alias = resource["properties"]["api_version"].clone();
+        alias["description"] = "Alias of `api_version`.".into();
+        resource["properties"]["apiVersion"] = alias;
+        resource["required"] = serde_json::json!(["kind"]);
+        resource["oneOf"] = serde_json::json!([
+            {"required": ["api_version"]},
+            {"required": ["apiVersion"]}
+        ]);
+        schema
     }
 
     /// Deserializes an already-parsed document and validates it.

@@ -11,7 +11,7 @@ use crate::{
 };
 
 /// One resource to watch.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ResourceConfig {
     /// Name that routes and metric labels use; defaults to the lower-case kind, with `.group`
@@ -44,6 +44,7 @@ pub struct ResourceConfig {
     /// Period of resync notifications (`synced`) for every cached object; unset or 0 disables
     /// them. At least 1s.
     #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "Option<String>")]
     pub resync_period: Option<Duration>,
     /// Which notification types to publish. They apply last: the filter and resume see every
     /// notification, and a `deleted` not published still removes the object from the route's
@@ -79,7 +80,9 @@ pub struct ResourceConfig {
 }
 
 /// Which kinds a `kind: "*"` selection takes by scope.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum ScopeSelection {
     /// Namespaced and cluster-scoped kinds.

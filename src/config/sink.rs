@@ -15,7 +15,7 @@ use crate::{
 };
 
 /// One sink: where notifications are published.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SinkConfig {
     /// Name that routes and metric labels use.
@@ -54,6 +54,7 @@ pub struct SinkConfig {
     pub resume: bool,
     /// How often acknowledged changes are written to the checkpoint.
     #[serde(default = "default_checkpoint_interval", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub checkpoint_interval: Duration,
     /// Settings of a `stdout` sink.
     #[serde(default)]
@@ -152,14 +153,16 @@ impl SinkConfig {
 
 /// Retries of failed publishes: client-go's default controller rate limiter, max of a per-object
 /// exponential backoff and an overall token bucket.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RetryConfig {
     /// First delay of an object's retries; it doubles with each failure.
     #[serde(default = "default_retry_base", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub base_delay: Duration,
     /// Longest delay of an object's retries.
     #[serde(default = "default_retry_max", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub max_delay: Duration,
     /// Retries per second over all objects of a route, after `burst`.
     #[serde(default = "default_retry_qps")]
@@ -186,7 +189,7 @@ impl Default for RetryConfig {
 }
 
 /// A publish rate limit.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RateLimitConfig {
     /// Publishes per second, sustained.
@@ -197,7 +200,7 @@ pub struct RateLimitConfig {
 }
 
 /// Sink types.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum SinkType {
     /// JSON lines on standard output or in a file; needs no broker.

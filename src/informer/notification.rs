@@ -162,7 +162,7 @@ fn event_type_of(kind: &NotificationKind) -> EventType {
 }
 
 /// A notification type. The discriminants index per-type arrays (metrics, filters).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum EventType {
     /// An object appeared (initial list or created).

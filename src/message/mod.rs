@@ -26,7 +26,7 @@ pub use transform::{REDACTED, object_transform, redact_secret};
 pub use trim::{Trim, reference_of};
 
 /// What goes into each message.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MessageConfig {
     /// Put the previous state in `data.oldObject` of update messages.
@@ -56,7 +56,9 @@ impl Default for MessageConfig {
 }
 
 /// What update messages carry besides the new object.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum DiffMode {
     /// Nothing more.
@@ -106,7 +108,17 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub const TYPE_PREFIX: &str = "io.github.kube-event-bridge.object";
 
 /// How a message carries its CloudEvent (CloudEvents' content modes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    serde::Serialize,
+    serde::Deserialize,
+    schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Encoding {
     /// The whole event as one JSON document (`application/cloudevents+json`).

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 /// A secret, read at start from a file or an environment variable. Secrets are never written
 /// inline in the config, so `check-config` and logs can show the config safely.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SecretRef {
     /// Read the secret from this file (surrounding whitespace is trimmed).

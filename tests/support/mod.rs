@@ -5,6 +5,7 @@
 pub mod api_server;
 pub mod cluster;
 pub mod config;
+pub mod deployed;
 pub mod kafka;
 pub mod loopback;
 pub mod model;

@@ -105,6 +105,14 @@ pub fn configmaps() -> ApiResource {
     core_resource("ConfigMap", "configmaps")
 }
 
+/// The Deployment resource (`apps/v1`, `deployments`).
+pub fn deployments() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("apps", "v1", "Deployment"),
+        "deployments",
+    )
+}
+
 /// A resource of the core group (`v1`): its kind and plural.
 pub fn core_resource(kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("", "v1", kind), plural)

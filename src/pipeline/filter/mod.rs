@@ -107,7 +107,9 @@ pub enum Error {
 }
 
 /// What an evaluation error of a resource's `filter` does.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum FilterErrorPolicy {
     /// Publish the notification.

@@ -13,7 +13,7 @@ use crate::{
 };
 
 /// Settings of a `kafka` sink.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSinkConfig {
     /// Bootstrap brokers, `host:port`.
@@ -42,11 +42,13 @@ pub struct KafkaSinkConfig {
     pub compression: Compression,
     /// How long the producer waits to fill a batch (`linger.ms`).
     #[serde(default = "default_linger", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub linger: Duration,
     /// How long the producer retries a message before reporting it failed
     /// (`message.timeout.ms`); the pipeline then retries it again with backoff. With leader
     /// election, a new leader waits this long less `lease_duration - renew_deadline`.
     #[serde(default = "default_delivery_timeout", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub delivery_timeout: Duration,
     /// Any other librdkafka producer property, passed through (`batch.size`,
     /// `queue.buffering.max.messages`, …). Secrets do not belong here: use `sasl` and `tls`.
@@ -79,16 +81,20 @@ pub struct KafkaSinkConfig {
     /// With `exactly_once`: how often the open transaction is committed. A message's
     /// acknowledgement (and the next message of the same object) waits for its commit.
     #[serde(default = "default_transaction_interval", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub transaction_interval: Duration,
     /// With `exactly_once`: `transaction.timeout.ms`. The broker aborts a transaction left
     /// open this long (a replica killed mid-transaction that no new leader replaced);
     /// `read_committed` consumers of its partitions wait until then.
     #[serde(default = "default_transaction_timeout", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub transaction_timeout: Duration,
 }
 
 /// What a `kafka` sink writes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum KafkaMode {
     /// Every notification, as a CloudEvent.
@@ -99,7 +105,9 @@ pub enum KafkaMode {
 }
 
 /// Producer compression codecs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Compression {
     /// No compression.
@@ -129,7 +137,7 @@ impl Compression {
 }
 
 /// TLS towards the brokers.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaTlsConfig {
     /// PEM file of the CA that signed the brokers' certificates; unset means the system roots.
@@ -147,7 +155,7 @@ pub struct KafkaTlsConfig {
 }
 
 /// SASL authentication.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaSaslConfig {
     /// `PLAIN`, `SCRAM-SHA-256`, `SCRAM-SHA-512` or `OAUTHBEARER`.
@@ -174,7 +182,7 @@ pub struct KafkaSaslConfig {
 }
 
 /// SASL mechanisms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 pub enum SaslMechanism {
     /// Clear-text user and password (use with TLS).
     #[serde(rename = "PLAIN")]
@@ -290,7 +298,7 @@ pub fn check_token_endpoint(url: &str) -> std::result::Result<http::Uri, String>
 }
 
 /// Topic creation at start.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaTopicsConfig {
     /// Partitions of each created topic.

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use crate::{message::Encoding, sinks::SecretRef};
 
 /// Settings of a `nats` sink.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NatsSinkConfig {
     /// Server URLs (`nats://host:4222`, `tls://host:4222`); several for a cluster. Credentials
@@ -31,9 +31,11 @@ pub struct NatsSinkConfig {
     pub max_in_flight: usize,
     /// How long to wait for a PubAck before the publish counts as failed (and is retried).
     #[serde(default = "default_ack_timeout", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub ack_timeout: Duration,
     /// How long the first connection may take before start fails.
     #[serde(default = "default_connect_timeout", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub connect_timeout: Duration,
     /// Credentials; at most one method.
     #[serde(default)]
@@ -52,7 +54,9 @@ pub struct NatsSinkConfig {
 }
 
 /// How a `nats` sink publishes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum NatsMode {
     /// JetStream publish, acknowledged by the stream.
@@ -63,7 +67,7 @@ pub enum NatsMode {
 }
 
 /// NATS credentials. Secrets come from files or environment variables, never inline.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NatsAuthConfig {
     /// A token.
@@ -84,7 +88,7 @@ pub struct NatsAuthConfig {
 }
 
 /// TLS towards the NATS servers.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NatsTlsConfig {
     /// PEM file of the CA that signed the servers' certificates; unset means the system roots.
@@ -99,7 +103,7 @@ pub struct NatsTlsConfig {
 }
 
 /// The JetStream stream a sink publishes into.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NatsStreamConfig {
     /// Stream name. At start the stream must exist (or be created) and cover the subjects.
@@ -119,6 +123,7 @@ pub struct NatsStreamConfig {
     pub storage: StreamStorage,
     /// Oldest message a created stream keeps; 0 means no limit.
     #[serde(default, with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub max_age: Duration,
     /// Most bytes a created stream keeps; unset means no limit.
     #[serde(default)]
@@ -128,11 +133,14 @@ pub struct NatsStreamConfig {
     pub replicas: usize,
     /// Window in which the server drops a message whose `Nats-Msg-Id` it has seen.
     #[serde(default = "default_duplicate_window", with = "humantime_serde")]
+    #[schemars(with = "String")]
     pub duplicate_window: Duration,
 }
 
 /// JetStream retention policies.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum StreamRetention {
     /// Keep messages up to the limits.
@@ -145,7 +153,9 @@ pub enum StreamRetention {
 }
 
 /// JetStream storage types.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum StreamStorage {
     /// On disk.
