@@ -347,11 +347,13 @@ def check_chart():
                        ("files/kube-event-bridge.rules.yml", ROOT / "deploy" / "alerts" / "kube-event-bridge.rules.yml")]:
         check(f"chart: {name} is a copy of {path.relative_to(ROOT)}", (CHART / name).read_bytes() == path.read_bytes())
 
-    for example in sorted(EXAMPLES.glob("*.yaml")):
-        label = f"helm template -f {example.relative_to(ROOT)}"
-        code, out, err = helm("lint", "--strict", str(CHART), "-f", str(example))
-        check(f"helm lint --strict -f {example.relative_to(ROOT)}", code == 0, (out + err).strip())
-        objects, err = template("-f", str(example), *MONITORING)
+    # The chart's defaults (no values file) are deploy/base's objects, as stdout.yaml's are.
+    for example in [None, *sorted(EXAMPLES.glob("*.yaml"))]:
+        values = ["-f", str(example)] if example else []
+        label = f"helm template -f {example.relative_to(ROOT)}" if example else "helm template (the chart's defaults)"
+        code, out, err = helm("lint", "--strict", str(CHART), *values)
+        check(f"helm lint --strict {' '.join(values)}".strip(), code == 0, (out + err).strip())
+        objects, err = template(*values, *MONITORING)
         if not check(f"{label}: renders", objects is not None, err):
             continue
         print(f"     {label}: " + ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objects))
@@ -363,13 +365,14 @@ def check_chart():
         # One source of truth: the same objects as the kustomization, field by field (Helm
         # adds the dashboard; kustomize the Namespace, which `helm install --create-namespace`
         # creates).
-        kustomized = render(ROOT / "deploy" / EXAMPLE_OF[example.stem])
+        kustomization = EXAMPLE_OF[example.stem] if example else "base"
+        kustomized = render(ROOT / "deploy" / kustomization)
         ours = {(o["kind"], o["metadata"]["name"]): normalized(o, False) for o in kustomized if o["kind"] != "Namespace"}
         theirs = {(o["kind"], o["metadata"]["name"]): normalized(o, True) for o in objects if o["metadata"]["name"] != "kube-event-bridge-dashboard"}
         found = [f"{k}: only in kustomize" for k in ours.keys() - theirs.keys()] + [f"{k}: only in Helm" for k in theirs.keys() - ours.keys()]
         for key in sorted(ours.keys() & theirs.keys()):
             found += [f"{key[0]} {key[1]}{d}" for d in differences(ours[key], theirs[key])]
-        check(f"{label}: the same objects as deploy/{EXAMPLE_OF[example.stem]}, field by field", not found, "\n      " + "\n      ".join(found))
+        check(f"{label}: the same objects as deploy/{kustomization}, field by field", not found, "\n      " + "\n      ".join(found))
 
     # Without the Prometheus Operator's CRDs, no ServiceMonitor or PrometheusRule.
     objects, err = template()
@@ -410,11 +413,36 @@ def check_chart():
                          (["--set", "config.shutdown.grace_period=25"], "/config/shutdown/grace_period")]:
         objects, err = template(*args)
         check(f"helm template {' '.join(args)}: refused by values.schema.json ({wanted})", objects is None and wanted in err, err)
-    # A route to a sink the config lacks (values merge map by map): refused at install.
-    objects, err = template("--set", "config.sinks[0].name=kafka", "--set", "config.sinks[0].type=kafka",
-                            "--set", "config.sinks[0].kafka.brokers[0]=kafka:9092")
-    check("helm template: a config.sinks without matching config.routes is refused, naming the route",
-          objects is None and "config.routes[0].sinks" in err and "stdout" in err, err)
+    # What spans fields or cannot work in a Deployment: refused at install, named.
+    for args, wanted in [
+        (["--set", "config.sinks[0].name=kafka", "--set", "config.sinks[0].type=kafka", "--set", "config.sinks[0].kafka.brokers[0]=kafka:9092"],
+         "config.routes[0].sinks: no sink named \"stdout\""),
+        (["--set", "config.resources[0].api_version=apps/v1", "--set", "config.resources[0].kind=Deployment"],
+         "config.routes[0].resource: no resource named \"configmap\""),
+        (["--set", "config.sinks[0].name=stdout", "--set", "config.sinks[0].type=nats", "--set", "config.sinks[0].nats.servers[0]=nats://u:pw@nats:4222"],
+         "config.sinks[0].nats.servers[0]: credentials in the URL"),
+        (["--set", "config.leader_election.enabled=false"], "every replica would publish everything"),
+        (["--set", "config.leader_election.identity=pod-a"], "config.leader_election.identity"),
+        (["--set", "config.admin.address=127.0.0.1:8080"], "loopback only"),
+        (["--set", "config.admin.address=0.0.0.0:0"], "port 0"),
+    ]:
+        objects, err = template(*args)
+        check(f"helm template {' '.join(args)}: refused ({wanted})", objects is None and wanted in err, err)
+    # A second release's Lease is its own; with a nameOverride the alerts follow the job label.
+    objects, err = template("--set", "fullnameOverride=other")
+    if check("helm template with fullnameOverride=other renders", objects is not None, err):
+        config = yaml.safe_load(find(objects, "ConfigMap", "other-config")[0]["data"]["config.yaml"])
+        names = [n for r in find(objects, "Role")[0]["rules"] for n in r.get("resourceNames", [])]
+        check("fullnameOverride=other: the config's Lease and the Role's are `other`",
+              config["leader_election"].get("lease_name") == "other" and names == ["other"], f"{config['leader_election']}, {names}")
+    objects, err = template("--set", "nameOverride=keb", *MONITORING)
+    if check("helm template with nameOverride=keb renders", objects is not None, err):
+        rules = yaml.safe_dump(find(objects, "PrometheusRule")[0]["spec"])
+        check("nameOverride=keb: the alerts select job=\"keb\", the ServiceMonitor's job label",
+              'job="keb"' in rules and 'job="kube-event-bridge"' not in rules)
+    objects, err = template("--set", "replicaCount=1")
+    check("helm template with one replica: no PodDisruptionBudget (it would block drains)",
+          objects is not None and not find(objects, "PodDisruptionBudget"), err)
 
 
 def main():

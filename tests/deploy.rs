@@ -502,4 +502,50 @@ async fn the_chart_installs_and_its_rbac_is_enough() {
     eprintln!("strategy after 1 → 4 shards: {after_change:?}, after 4 → 4: {after_same:?}");
     assert_eq!(after_change.as_deref(), Some("Recreate"));
     assert_eq!(after_same.as_deref(), Some("RollingUpdate"));
+
+    // The chart's sharded Lease Role is enough: a replica with the installed (4-shard) config
+    // takes every shard's Lease and its own membership Lease, refused nothing.
+    let nats = NatsServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let replica = Replica::start(
+        dir.path(),
+        "replica-3",
+        &installed_config(&admin, &nats.url(), "replica-3").await,
+        &kubeconfig,
+    );
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), DEPLOY_NAMESPACE);
+    let mut holders = Vec::new();
+    let held = wait::within(Patience::of(Duration::from_secs(60)), async || {
+        holders.clear();
+        for s in 0..4 {
+            let lease = leases
+                .get_opt(&format!("kube-event-bridge-shard-{s}-of-4"))
+                .await
+                .unwrap();
+            holders.push(lease.and_then(|l| l.spec?.holder_identity));
+        }
+        holders.iter().all(|h| h.as_deref() == Some("replica-3"))
+    })
+    .await;
+    let member = leases
+        .get_opt("kube-event-bridge-member-replica-3")
+        .await
+        .unwrap();
+    let refused = refusals(&replica);
+    eprintln!(
+        "sharded by the chart: shard Leases held by {holders:?}, membership Lease {}, {} log \
+         lines about refusals",
+        if member.is_some() {
+            "present"
+        } else {
+            "missing"
+        },
+        refused.len()
+    );
+    if !held {
+        dump(std::slice::from_ref(&replica));
+    }
+    assert!(held, "{holders:?}");
+    assert!(member.is_some());
+    assert!(refused.is_empty(), "{refused:#?}");
 }

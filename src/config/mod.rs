@@ -777,11 +777,13 @@ mod tests {
             "topic": "k8s.{name}",
             "mode": "state",
             "encoding": "binary",
-            "properties": {"acks": "1"},
+            "properties": {"acks": "1", "ssl.keystore.password": "s3cret"},
             "sasl": {"mechanism": "PLAIN", "username": "u", "password": {}},
         }}]);
         let e = errors_of(v);
+        assert!(!e.iter().any(|l| l.contains("s3cret")), "{e:?}");
         for expected in [
+            "sinks[0].kafka.properties.ssl.keystore.password: a secret may not be inline",
             "sinks[0].kafka.brokers: at least one broker is required",
             "sinks[0].kafka.topic: placeholder {name} is not allowed here",
             "sinks[0].kafka.encoding: state mode writes objects",

@@ -140,6 +140,7 @@ impl SharedInformerFactory {
             labels: key.label_selector.clone(),
             fields: key.field_selector.clone(),
             activity: Default::default(),
+            opened: Default::default(),
             transform: transform.unwrap_or_default(),
             shard: key.shard.filter(|s| !s.is_whole()).map(|shard| {
                 ShardFilter::new(

@@ -58,6 +58,9 @@ pub struct ListWatchConfig {
     pub shard: Option<ShardFilter>,
     /// When the API server was last heard from.
     pub activity: Activity,
+    /// Notified each time a watch request is accepted: a watch resumed after a failed start
+    /// yields no event until something changes, yet what failed (a 403, say) is over.
+    pub opened: Arc<tokio::sync::Notify>,
     /// What every object is rewritten with before it is handed on.
     pub transform: Transform,
 }
@@ -600,7 +603,10 @@ async fn step(
             }
         }
         State::InitListed { rv } => match watch(api, config, &rv, false).await {
-            Ok(stream) => (None, State::Watching { rv, stream }),
+            Ok(stream) => {
+                config.opened.notify_one();
+                (None, State::Watching { rv, stream })
+            }
             Err(err) => {
                 let next = if unavailable(&err) {
                     State::Empty

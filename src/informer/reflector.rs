@@ -199,6 +199,13 @@ impl Reflector {
         loop {
             let event = tokio::select! {
                 _ = cancel.cancelled() => break,
+                // A watch accepted again: a refusal or failure before it is over, though no
+                // event may come until something changes.
+                _ = self.config.opened.notified() => {
+                    self.set_problem(None);
+                    self.metrics.forbidden.set(0);
+                    continue;
+                }
                 event = stream.next() => event,
             };
             let Some(event) = event else { break };

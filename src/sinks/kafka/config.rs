@@ -352,6 +352,14 @@ pub const RESERVED_PROPERTIES: &[&str] = &[
     "transaction.timeout.ms",
 ];
 
+/// Whether a librdkafka property holds a secret (`ssl.keystore.password`, `ssl.key.pem`,
+/// `sasl.oauthbearer.client.secret`, `sasl.oauthbearer.config`): refused in `properties`.
+fn is_secret_property(name: &str) -> bool {
+    name.contains("password")
+        || name.contains("secret")
+        || matches!(name, "ssl.key.pem" | "sasl.oauthbearer.config")
+}
+
 /// Whether `topic` is a valid Kafka topic name.
 pub fn is_valid_topic(topic: &str) -> bool {
     !topic.is_empty()
@@ -426,6 +434,14 @@ impl KafkaSinkConfig {
                 err(
                     &format!("properties.{name}"),
                     "set by the sink itself (use brokers, sasl, tls)".into(),
+                );
+            } else if is_secret_property(name) {
+                err(
+                    &format!("properties.{name}"),
+                    "a secret may not be inline (the config is logged and stored in a \
+                     ConfigMap); use tls.key_file and tls.key_password, sasl.password or \
+                     sasl.oauthbearer with a file or environment variable"
+                        .into(),
                 );
             }
         }
