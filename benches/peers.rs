@@ -38,7 +38,8 @@
 //!
 //! `cargo bench --bench peers` (after scripts/build-realk8s and scripts/build-peers; defaults
 //! BENCH_OBJECTS=50000, BENCH_ROUNDS=2, BENCH_RATES=200,500, BENCH_STEADY_SECS=60,
-//! BENCH_RESTART_CHANGES=100, BENCH_TOOLS=bridge,collector,client-go).
+//! BENCH_RESTART_CHANGES=100, BENCH_TOOLS=bridge,collector,client-go;
+//! BENCH_BRIDGE_KUBERNETES='{"page_size": 0}' sets the bridge's `kubernetes` section).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -388,7 +389,14 @@ struct Setup<'a> {
 fn start(tool: Tool, s: &Setup) -> Process {
     match tool {
         Tool::Bridge => {
+            // BENCH_BRIDGE_KUBERNETES: JSON for the `kubernetes` section, to try list settings
+            // (`{"page_size": 0}`, `{"streaming_list": true}`).
+            let kubernetes: Value = std::env::var("BENCH_BRIDGE_KUBERNETES")
+                .ok()
+                .map(|j| serde_json::from_str(&j).expect("BENCH_BRIDGE_KUBERNETES is JSON"))
+                .unwrap_or_else(|| json!({}));
             let config = ConfigBuilder::new()
+                .kubernetes(kubernetes)
                 .resource(json!({"api_version": "v1", "kind": "ConfigMap"}))
                 .sink(json!({
                     "name": "kafka", "type": "kafka",
@@ -448,14 +456,10 @@ fn start(tool: Tool, s: &Setup) -> Process {
 // ---------------------------------------------------------------------------------------
 // The workload
 
-/// What the API server holds now: key → (uid, resourceVersion).
+/// What the API server holds now, in every namespace (what each tool watches; kube-system's
+/// ConfigMaps included): key → (uid, resourceVersion).
 async fn live(cluster: &Cluster) -> BTreeMap<String, (String, String)> {
-    cluster
-        .objects(&configmaps(), None)
-        .await
-        .into_iter()
-        .filter(|(k, _)| k.starts_with("peers-"))
-        .collect()
+    cluster.objects(&configmaps(), None).await
 }
 
 /// One write: its key, the resourceVersion it made (deletes: none), and when it was
@@ -499,25 +503,30 @@ async fn write(
                     let exists = world.exists.lock().unwrap()[i as usize];
                     let dice = rng.below(10);
                     let key = format!("{}/{}", namespace(i), name(i));
+                    // Only what the API server accepted is a write (none should fail: each
+                    // writer owns its objects, and World follows every change).
                     let rv = if !exists {
                         let made = api.create(&PostParams::default(), &object(i, round)).await;
                         world.exists.lock().unwrap()[i as usize] = true;
-                        made.ok().and_then(|o| o.metadata.resource_version)
+                        made.map(|o| o.metadata.resource_version)
                     } else if dice == 0 {
-                        let _ = api.delete(&name(i), &DeleteParams::default()).await;
+                        let gone = api.delete(&name(i), &DeleteParams::default()).await;
                         world.exists.lock().unwrap()[i as usize] = false;
-                        None
+                        gone.map(|_| None)
                     } else {
                         let made = api
                             .replace(&name(i), &PostParams::default(), &object(i, round))
                             .await;
-                        made.ok().and_then(|o| o.metadata.resource_version)
+                        made.map(|o| o.metadata.resource_version)
                     };
-                    writes.lock().unwrap().push(Write {
-                        key,
-                        rv,
-                        acked: Instant::now(),
-                    });
+                    match rv {
+                        Ok(rv) => writes.lock().unwrap().push(Write {
+                            key,
+                            rv,
+                            acked: Instant::now(),
+                        }),
+                        Err(e) => eprintln!("write of {key} refused: {e}"),
+                    }
                 }
             }
         })
@@ -534,7 +543,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Lags (ms) from each write's acknowledgement to the first arrival of what it made (a
 /// delete: the first delete of the key after the write was sent), and the writes never seen.
-fn lags(writes: &[Write], arrivals: &[Arrival]) -> (Vec<f64>, usize) {
+fn lags(writes: &[Write], arrivals: &[Arrival]) -> (Vec<f64>, Vec<String>) {
     let mut by_state: HashMap<(&str, &str), Instant> = HashMap::new();
     let mut deletes: HashMap<&str, Vec<Instant>> = HashMap::new();
     for a in arrivals {
@@ -544,7 +553,7 @@ fn lags(writes: &[Write], arrivals: &[Arrival]) -> (Vec<f64>, usize) {
             by_state.entry((&a.key, &a.rv)).or_insert(a.at);
         }
     }
-    let (mut out, mut unseen) = (Vec::new(), 0);
+    let (mut out, mut unseen) = (Vec::new(), Vec::new());
     for w in writes {
         let seen = match &w.rv {
             Some(rv) => by_state.get(&(w.key.as_str(), rv.as_str())).copied(),
@@ -557,7 +566,10 @@ fn lags(writes: &[Write], arrivals: &[Arrival]) -> (Vec<f64>, usize) {
         };
         match seen {
             Some(t) => out.push(t.saturating_duration_since(w.acked).as_secs_f64() * 1000.0),
-            None => unseen += 1,
+            None => unseen.push(match &w.rv {
+                Some(rv) => format!("{}@{rv}", w.key),
+                None => format!("{} deleted", w.key),
+            }),
         }
     }
     out.sort_by(f64::total_cmp);
@@ -606,14 +618,24 @@ async fn quiet(arrivals: &Arrivals, quiet: Duration, patience: Duration) {
 // ---------------------------------------------------------------------------------------
 // One run of one tool
 
+/// One rate of the steady phase.
+#[derive(Clone, Copy)]
+struct Steady {
+    achieved: f64,
+    p50: f64,
+    p99: f64,
+    cpu_ms: f64,
+    per_change: f64,
+}
+
 #[derive(Default, Clone)]
 struct Row {
     sync: Option<Duration>,
     sync_cpu: f64,
     sync_rss: f64,
     sync_bytes: u64,
-    /// Per rate: achieved rate, p50, p99 (ms), unseen writes, CPU ms per change, messages per change.
-    steady: Vec<(u64, f64, f64, f64, usize, f64, f64)>,
+    /// Per rate of BENCH_RATES.
+    steady: Vec<Steady>,
     restart: Option<(usize, usize, usize, usize, usize, usize, usize)>,
     fold: Option<String>,
     peak_rss: f64,
@@ -697,7 +719,11 @@ async fn run_tool(
         let took = began.elapsed();
         quiet(&arrivals, Duration::from_secs(3), Duration::from_secs(120)).await;
         let got = arrivals.since(from);
-        let (l, unseen) = lags(&writes, &got);
+        let (l, unseen_writes) = lags(&writes, &got);
+        let unseen = unseen_writes.len();
+        if unseen > 0 {
+            println!("    never seen, e.g. {:?}", &unseen_writes[..unseen.min(4)]);
+        }
         let achieved = writes.len() as f64 / took.as_secs_f64();
         let cpu_ms = (cpu_seconds(process.pid()) - cpu0) * 1000.0 / writes.len() as f64;
         let per_change = got.len() as f64 / writes.len() as f64;
@@ -707,15 +733,13 @@ async fn run_tool(
             percentile(&l, 0.5),
             percentile(&l, 0.99),
         );
-        row.steady.push((
-            rate,
+        row.steady.push(Steady {
             achieved,
-            percentile(&l, 0.5),
-            percentile(&l, 0.99),
-            unseen,
+            p50: percentile(&l, 0.5),
+            p99: percentile(&l, 0.99),
             cpu_ms,
             per_change,
-        ));
+        });
     }
     row.peak_rss = peak_rss_mib(process.pid());
 
@@ -723,7 +747,7 @@ async fn run_tool(
     if tool != Tool::ClientGo {
         process.stop();
         let before = live(cluster).await;
-        let keys: Vec<&String> = before.keys().collect();
+        let keys: Vec<&String> = before.keys().filter(|k| k.starts_with("peers-")).collect();
         let pick = |k: u64| keys[(k as usize * 7919) % keys.len()].clone();
         let mut deleted = Vec::new();
         let mut updated = Vec::new();
@@ -731,11 +755,14 @@ async fn run_tool(
             let key = pick(k);
             let (ns, nm) = key.split_once('/').unwrap();
             let api = api_of(ns);
+            let i: u64 = nm.trim_start_matches("cm-").parse().unwrap();
             if k % 2 == 0 && !deleted.contains(&key) && !updated.contains(&key) {
                 api.delete(nm, &DeleteParams::default()).await.unwrap();
+                if let Some(e) = world.exists.lock().unwrap().get_mut(i as usize) {
+                    *e = false;
+                }
                 deleted.push(key);
             } else if !deleted.contains(&key) && !updated.contains(&key) {
-                let i: u64 = nm.trim_start_matches("cm-").parse().unwrap();
                 api.replace(nm, &PostParams::default(), &object(i, 1_000_000 + k))
                     .await
                     .unwrap();
@@ -744,7 +771,7 @@ async fn run_tool(
         }
         let mut created = Vec::new();
         for k in 0..restart_changes {
-            let i = 10_000_000 + round * 100_000 + k;
+            let i = 10_000_000 + round * 100_000 + tool as u64 * 10_000 + k;
             let api = api_of(&namespace(i));
             api.create(&PostParams::default(), &object(i, 0))
                 .await
@@ -799,6 +826,21 @@ async fn run_tool(
         d.missing.len()
     );
     println!("  [{}] a consumer ends with: {f}", tool.label());
+    let all = arrivals.since(0);
+    for key in d
+        .lost_deletes
+        .iter()
+        .chain(&d.phantom_deletes)
+        .chain(&d.stale)
+        .take(4)
+    {
+        let history: Vec<String> = all
+            .iter()
+            .filter(|a| &a.key == key)
+            .map(|a| format!("{}{}", if a.deleted { "deleted@" } else { "" }, a.rv))
+            .collect();
+        println!("    {key}: {history:?}");
+    }
     row.fold = Some(f);
     row.peak_rss = row.peak_rss.max(peak_rss_mib(process.pid()));
     row.total_bytes = proxy.bytes() - bytes0;
@@ -913,10 +955,10 @@ async fn run() {
     );
     let med = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        if v.is_empty() {
-            f64::NAN
-        } else {
-            v[v.len() / 2]
+        match v.len() {
+            0 => f64::NAN,
+            n if n % 2 == 1 => v[n / 2],
+            n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
         }
     };
     for (tool, results) in &rows {
@@ -932,7 +974,7 @@ async fn run() {
             .collect());
         let mut cells = String::new();
         for (k, _) in rates.iter().enumerate() {
-            let of = |f: &dyn Fn(&(u64, f64, f64, f64, usize, f64, f64)) -> f64| {
+            let of = |f: &dyn Fn(&Steady) -> f64| {
                 med(results
                     .iter()
                     .filter_map(|r| r.steady.get(k).map(f))
@@ -940,11 +982,11 @@ async fn run() {
             };
             cells += &format!(
                 "{:.0}/s, {:.0}/{:.0}, {:.2}, {:.2} | ",
-                of(&|s| s.1),
-                of(&|s| s.2),
-                of(&|s| s.3),
-                of(&|s| s.5),
-                of(&|s| s.6)
+                of(&|s| s.achieved),
+                of(&|s| s.p50),
+                of(&|s| s.p99),
+                of(&|s| s.cpu_ms),
+                of(&|s| s.per_change)
             );
         }
         let restart = results.last().and_then(|r| r.restart).map_or(
