@@ -24,7 +24,10 @@
 //! 3. **A restart**: the tool stopped (SIGTERM), BENCH_RESTART_CHANGES deletes, updates and
 //!    creates each, the tool started again: how many of each arrive, and how many unchanged
 //!    objects are sent again.
-//! 4. **What a consumer ends with**: the topic folded by order per key against the API server
+//! 4. **A failover**, the bridge only (the collector v0.111's k8sobjects receiver has no
+//!    leader elector): two replicas with leader election, the leader SIGKILLed, the same
+//!    changes as 3.; when the survivor took the Lease and had published them.
+//! 5. **What a consumer ends with**: the topic folded by order per key against the API server
 //!    (lost deletes, phantom deletes, stale finals, missing).
 //!
 //! Settings, as each tool's docs recommend for production:
@@ -387,6 +390,12 @@ struct Setup<'a> {
 }
 
 fn start(tool: Tool, s: &Setup) -> Process {
+    start_as(tool, s, None)
+}
+
+/// `start`, for the bridge as replica `identity` with leader election (the defaults'
+/// timings, the Lease in kube-system).
+fn start_as(tool: Tool, s: &Setup, identity: Option<&str>) -> Process {
     match tool {
         Tool::Bridge => {
             // BENCH_BRIDGE_KUBERNETES: JSON for the `kubernetes` section, to try list settings
@@ -403,9 +412,12 @@ fn start(tool: Tool, s: &Setup) -> Process {
                     "kafka": {"brokers": [s.brokers], "topic": s.topic,
                               "checkpoint_topic": format!("{}.checkpoints", s.topic)},
                 }))
-                .route("configmap", &["kafka"])
-                .value();
-            Process::Bridge(Replica::start(s.dir, "bridge", &config, s.kubeconfig))
+                .route("configmap", &["kafka"]);
+            let (config, name) = match identity {
+                Some(id) => (config.leader_election(id), id),
+                None => (config, "bridge"),
+            };
+            Process::Bridge(Replica::start(s.dir, name, &config.value(), s.kubeconfig))
         }
         Tool::Collector => {
             let config = json!({
@@ -615,6 +627,93 @@ async fn quiet(arrivals: &Arrivals, quiet: Duration, patience: Duration) {
     }
 }
 
+/// Changes made while a tool is down: deletes, updates and creates, and what the API server
+/// held after them.
+struct Changes {
+    deleted: Vec<String>,
+    updated: Vec<String>,
+    created: Vec<String>,
+    after: BTreeMap<String, (String, String)>,
+}
+
+impl Changes {
+    /// `count` deletes, updates (of other objects) and creates; `salt` tells runs apart.
+    async fn make(
+        cluster: &Cluster,
+        api_of: &dyn Fn(&str) -> Api<ConfigMap>,
+        world: &World,
+        round: u64,
+        tool: Tool,
+        salt: u64,
+        count: u64,
+    ) -> Self {
+        let before = live(cluster).await;
+        let keys: Vec<&String> = before.keys().filter(|k| k.starts_with("peers-")).collect();
+        let pick = |k: u64| keys[((k + salt * 31) as usize * 7919) % keys.len()].clone();
+        let mut deleted = Vec::new();
+        let mut updated = Vec::new();
+        for k in 0..count * 2 {
+            let key = pick(k);
+            let (ns, nm) = key.split_once('/').unwrap();
+            let api = api_of(ns);
+            let i: u64 = nm.trim_start_matches("cm-").parse().unwrap();
+            if k % 2 == 0 && !deleted.contains(&key) && !updated.contains(&key) {
+                api.delete(nm, &DeleteParams::default()).await.unwrap();
+                if let Some(e) = world.exists.lock().unwrap().get_mut(i as usize) {
+                    *e = false;
+                }
+                deleted.push(key);
+            } else if !deleted.contains(&key) && !updated.contains(&key) {
+                api.replace(nm, &PostParams::default(), &object(i, 1_000_000 + k))
+                    .await
+                    .unwrap();
+                updated.push(key);
+            }
+        }
+        let mut created = Vec::new();
+        for k in 0..count {
+            let i = 10_000_000 + round * 100_000 + tool as u64 * 10_000 + salt * 1_000 + k;
+            let api = api_of(&namespace(i));
+            api.create(&PostParams::default(), &object(i, 0))
+                .await
+                .unwrap();
+            created.push(format!("{}/{}", namespace(i), name(i)));
+        }
+        let after = live(cluster).await;
+        Self {
+            deleted,
+            updated,
+            created,
+            after,
+        }
+    }
+
+    /// Of `got`: deletes, updates (to the final state) and creates delivered, and messages for
+    /// objects not changed.
+    fn delivered(&self, got: &[Arrival]) -> (usize, usize, usize, usize) {
+        let has =
+            |key: &String, deleted: bool| got.iter().any(|a| &a.key == key && a.deleted == deleted);
+        let deletes = self.deleted.iter().filter(|k| has(k, true)).count();
+        let updates = self
+            .updated
+            .iter()
+            .filter(|k| {
+                got.iter()
+                    .any(|a| &a.key == *k && Some(&a.rv) == self.after.get(*k).map(|s| &s.1))
+            })
+            .count();
+        let creates = self.created.iter().filter(|k| has(k, false)).count();
+        let touched: std::collections::HashSet<&String> = self
+            .deleted
+            .iter()
+            .chain(&self.updated)
+            .chain(&self.created)
+            .collect();
+        let replayed = got.iter().filter(|a| !touched.contains(&a.key)).count();
+        (deletes, updates, creates, replayed)
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // One run of one tool
 
@@ -746,57 +845,12 @@ async fn run_tool(
     // 3. A restart. client-go has no state to resume from: it is not restarted.
     if tool != Tool::ClientGo {
         process.stop();
-        let before = live(cluster).await;
-        let keys: Vec<&String> = before.keys().filter(|k| k.starts_with("peers-")).collect();
-        let pick = |k: u64| keys[(k as usize * 7919) % keys.len()].clone();
-        let mut deleted = Vec::new();
-        let mut updated = Vec::new();
-        for k in 0..restart_changes * 2 {
-            let key = pick(k);
-            let (ns, nm) = key.split_once('/').unwrap();
-            let api = api_of(ns);
-            let i: u64 = nm.trim_start_matches("cm-").parse().unwrap();
-            if k % 2 == 0 && !deleted.contains(&key) && !updated.contains(&key) {
-                api.delete(nm, &DeleteParams::default()).await.unwrap();
-                if let Some(e) = world.exists.lock().unwrap().get_mut(i as usize) {
-                    *e = false;
-                }
-                deleted.push(key);
-            } else if !deleted.contains(&key) && !updated.contains(&key) {
-                api.replace(nm, &PostParams::default(), &object(i, 1_000_000 + k))
-                    .await
-                    .unwrap();
-                updated.push(key);
-            }
-        }
-        let mut created = Vec::new();
-        for k in 0..restart_changes {
-            let i = 10_000_000 + round * 100_000 + tool as u64 * 10_000 + k;
-            let api = api_of(&namespace(i));
-            api.create(&PostParams::default(), &object(i, 0))
-                .await
-                .unwrap();
-            created.push(format!("{}/{}", namespace(i), name(i)));
-        }
-        let after = live(cluster).await;
+        let changes = Changes::make(cluster, &api_of, world, round, tool, 0, restart_changes).await;
         let from = arrivals.len();
         process = start(tool, &setup);
         quiet(&arrivals, Duration::from_secs(10), Duration::from_secs(300)).await;
-        let got = arrivals.since(from);
-        let has =
-            |key: &String, deleted: bool| got.iter().any(|a| &a.key == key && a.deleted == deleted);
-        let deletes = deleted.iter().filter(|k| has(k, true)).count();
-        let updates = updated
-            .iter()
-            .filter(|k| {
-                got.iter()
-                    .any(|a| &a.key == *k && Some(&a.rv) == after.get(*k).map(|s| &s.1))
-            })
-            .count();
-        let creates = created.iter().filter(|k| has(k, false)).count();
-        let touched: std::collections::HashSet<&String> =
-            deleted.iter().chain(&updated).chain(&created).collect();
-        let replayed = got.iter().filter(|a| !touched.contains(&a.key)).count();
+        let (deletes, updates, creates, replayed) = changes.delivered(&arrivals.since(from));
+        let (deleted, updated, created) = (&changes.deleted, &changes.updated, &changes.created);
         println!(
             "  [{}] restart: {deletes}/{} deletes, {updates}/{} updates, {creates}/{} creates delivered; {replayed} messages for unchanged objects",
             tool.label(),
@@ -813,6 +867,71 @@ async fn run_tool(
             created.len(),
             replayed,
         ));
+    }
+
+    // A failover, the bridge only (the collector v0.111's k8sobjects receiver has no leader
+    // elector: two replicas would both send everything). Two replicas with leader election;
+    // the leader is SIGKILLed and the same changes follow while nobody leads.
+    if tool == Tool::Bridge {
+        process.stop();
+        let a = start_as(tool, &setup, Some("replica-a"));
+        let b = start_as(tool, &setup, Some("replica-b"));
+        let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+            Api::namespaced(client.clone(), "kube-system");
+        let holder = async || {
+            leases
+                .get_opt("kube-event-bridge")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec?.holder_identity)
+        };
+        let mut leader = None;
+        let began = Instant::now();
+        while leader.is_none() && began.elapsed() < Duration::from_secs(120) {
+            leader = holder().await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        quiet(&arrivals, Duration::from_secs(5), Duration::from_secs(120)).await;
+        let leader = leader.expect("a leader");
+        let (mut dying, survivor) = match (leader.as_str(), a, b) {
+            ("replica-a", Process::Bridge(a), b) => (a, b),
+            (_, a, Process::Bridge(b)) => (b, a),
+            _ => unreachable!(),
+        };
+        let survivor_id = if leader == "replica-a" {
+            "replica-b"
+        } else {
+            "replica-a"
+        };
+        let from = arrivals.len();
+        let killed = Instant::now();
+        let _ = dying.child.kill();
+        let changes = Changes::make(cluster, &api_of, world, round, tool, 1, restart_changes).await;
+        let mut took_over = None;
+        while took_over.is_none() && killed.elapsed() < Duration::from_secs(300) {
+            if holder().await.as_deref() == Some(survivor_id) {
+                took_over = Some(killed.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // The new leader publishes after its takeover wait (the last leader's deliveries may
+        // land until then): wait for as many messages as changes, then for quiet.
+        let wanted = changes.deleted.len() + changes.updated.len() + changes.created.len();
+        let published = until(Duration::from_secs(300), || arrivals.len() - from >= wanted)
+            .await
+            .map(|_| killed.elapsed());
+        quiet(&arrivals, Duration::from_secs(5), Duration::from_secs(120)).await;
+        let (deletes, updates, creates, replayed) = changes.delivered(&arrivals.since(from));
+        println!(
+            "  [{}] failover: {survivor_id} took the Lease {took_over:?} and had published the changes {published:?} after the leader's SIGKILL; {deletes}/{} deletes, {updates}/{} updates, {creates}/{} creates delivered; {replayed} messages for unchanged objects",
+            tool.label(),
+            changes.deleted.len(),
+            changes.updated.len(),
+            changes.created.len()
+        );
+        drop(dying);
+        process = survivor;
     }
 
     // 4. What a consumer ends with.
