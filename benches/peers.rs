@@ -116,16 +116,6 @@ fn cpu_seconds(pid: u32) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// The peak RSS (VmHWM) of `pid`, in MiB.
-fn peak_rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
 /// A loopback TCP proxy in front of the API server that counts the bytes it sends back.
 struct CountingProxy {
     port: u16,
@@ -369,16 +359,7 @@ impl Process {
 }
 
 fn collector_binary() -> PathBuf {
-    let target = option_env!("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let bin = target.join("peers/otelcol-peers");
-    assert!(
-        bin.exists(),
-        "{} is missing: run scripts/build-peers",
-        bin.display()
-    );
-    bin
+    support::built_tool("peers/otelcol-peers", "scripts/build-peers")
 }
 
 /// Where a tool runs: its topic, its directory, the proxied kubeconfig.
@@ -788,7 +769,7 @@ async fn run_tool(
     .await;
     let _ = began;
     row.sync_cpu = cpu_seconds(process.pid());
-    row.sync_rss = peak_rss_mib(process.pid());
+    row.sync_rss = support::peak_rss_mib(process.pid());
     row.sync_bytes = proxy.bytes() - bytes0;
     println!(
         "  [{}] initial sync of {n}: {:?}, CPU {:.1} s, peak RSS {:.0} MiB, read {:.1} MiB",
@@ -840,7 +821,7 @@ async fn run_tool(
             per_change,
         });
     }
-    row.peak_rss = peak_rss_mib(process.pid());
+    row.peak_rss = support::peak_rss_mib(process.pid());
 
     // 3. A restart. client-go has no state to resume from: it is not restarted.
     if tool != Tool::ClientGo {
@@ -961,7 +942,7 @@ async fn run_tool(
         println!("    {key}: {history:?}");
     }
     row.fold = Some(f);
-    row.peak_rss = row.peak_rss.max(peak_rss_mib(process.pid()));
+    row.peak_rss = row.peak_rss.max(support::peak_rss_mib(process.pid()));
     row.total_bytes = proxy.bytes() - bytes0;
     process.stop();
     reader.abort();

@@ -56,16 +56,6 @@ fn object(i: u64, round: u64) -> ConfigMap {
     configmap_with_data(NS, &format!("cm-{i:06}"), data)
 }
 
-/// The peak RSS (VmHWM) of process `pid`, in MiB.
-fn peak_rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
-}
-
 /// Notifications the bridge holds now (summed over its routes).
 async fn held(admin: std::net::SocketAddr) -> u64 {
     let (_, body) = support::http_get(admin, "/metrics").await;
@@ -241,7 +231,7 @@ async fn run() {
     println!(
         "peak held by the bridge {} notifications; peak RSS: bridge {:.0} MiB, client-go {:.0} MiB",
         peak.load(Ordering::Relaxed),
-        peak_rss_mib(replica.child.id()),
-        peak_rss_mib(reference.pid()),
+        support::peak_rss_mib(replica.child.id()),
+        support::peak_rss_mib(reference.pid()),
     );
 }

@@ -35,16 +35,10 @@ const ADMIN_TOKEN: &str = "keb-test-admin-token";
 
 /// The multi-call binary `scripts/test` builds from `tests/realk8s`.
 pub fn realk8s() -> PathBuf {
-    let target = option_env!("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let bin = target.join("realk8s/realk8s");
-    assert!(
-        bin.exists(),
-        "{} is missing: scripts/test builds it (or scripts/build-realk8s alone)",
-        bin.display()
-    );
-    bin
+    super::built_tool(
+        "realk8s/realk8s",
+        "scripts/build-realk8s (scripts/test does)",
+    )
 }
 
 /// Writes a CA, an API server certificate signed by it and a service-account key pair into

@@ -390,18 +390,10 @@ pub fn refusals(replica: &Replica) -> Vec<String> {
         .map(str::to_owned)
         .collect()
 }
-/// The Helm binary `scripts/test` builds from `tests/helm` (`scripts/build-helm`).
+
+/// The Helm binary `scripts/test` builds from `tests/helm`.
 pub fn helm() -> PathBuf {
-    let target = option_env!("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
-    let bin = target.join("helm/helm");
-    assert!(
-        bin.exists(),
-        "{} is missing: scripts/test builds it (or scripts/build-helm alone)",
-        bin.display()
-    );
-    bin
+    super::built_tool("helm/helm", "scripts/build-helm (scripts/test does)")
 }
 
 /// Runs `helm ARGS` against `cluster` (its admin kubeconfig); returns its output, or panics

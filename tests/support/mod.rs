@@ -29,6 +29,27 @@ pub use api_server::ApiServer;
 use objects::{configmap, typed};
 use wait::PATIENCE;
 
+/// What `scripts/test` builds outside cargo (`realk8s/realk8s`, `helm/helm`,
+/// `peers/otelcol-peers`), under the target directory; panics naming the script to run.
+pub fn built_tool(relative: &str, script: &str) -> std::path::PathBuf {
+    let target = option_env!("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    let bin = target.join(relative);
+    assert!(bin.exists(), "{} is missing: run {script}", bin.display());
+    bin
+}
+
+/// The peak RSS (VmHWM) of process `pid`, in MiB.
+pub fn peak_rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
 /// A short description of a notification: `add ns/a v=1 initial`, `update ns/a v=1->2`,
 /// `sync ns/a v=2`, `delete ns/a v=2 final-state-unknown`.
 pub fn describe(n: &Notification) -> String {
