@@ -27,7 +27,8 @@ use super::Error;
 use crate::{
     informer::SharedIndexInformer,
     metrics::Metrics,
-    pipeline::checkpoint::{CLUSTER_KEY, Checkpoint},
+    pipeline::checkpoint::{CLUSTER_KEY, Change, Checkpoint, Entry},
+    shard::Shard,
     sinks::CheckpointStore,
 };
 
@@ -36,6 +37,188 @@ pub(super) struct Resume {
     pub(super) resumer: Arc<Resumer>,
     pub(super) checkpointer: Arc<Checkpointer>,
     pub(super) interval: Duration,
+    pub(super) family: Family,
+}
+
+/// Which kind, sink and shard a route serves: its name is `{base}/{sink}` in single-leader
+/// mode and `{base}#{i}-of-{m}/{sink}` with `m` shards. The routes of the same kind and sink
+/// under another shard count are its *family*: after a change of `sharding.shards` they hold
+/// what consumers have of this route's objects (see [`take_over`]).
+#[derive(Debug, Clone)]
+pub(super) struct Family {
+    pub(super) base: String,
+    pub(super) sink: String,
+    pub(super) shard: Shard,
+}
+
+impl Family {
+    /// The shard of `route` when it is of this family under another shard count.
+    pub(super) fn sibling(&self, route: &str) -> Option<Shard> {
+        let middle = route
+            .strip_prefix(self.base.as_str())?
+            .strip_suffix(self.sink.as_str())?
+            .strip_suffix('/')?;
+        let shard = if middle.is_empty() {
+            Shard::WHOLE
+        } else {
+            let (index, count) = middle.strip_prefix('#')?.split_once("-of-")?;
+            let shard = Shard {
+                index: index.parse().ok()?,
+                count: count.parse().ok()?,
+            };
+            (shard.count > 1 && shard.index < shard.count).then_some(shard)?
+        };
+        (shard.count != self.shard.count).then_some(shard)
+    }
+}
+
+/// What a route resumes from once its family's records are taken over.
+#[derive(Debug, Default, PartialEq)]
+pub(super) struct TakenOver {
+    /// The checkpoint to resume from.
+    pub(super) checkpoint: Option<Checkpoint>,
+    /// The writes that move the records: the winners into the route, and the removal of
+    /// every record of this route's shard from the others (with their cluster key once they
+    /// hold nothing else).
+    pub(super) writes: Vec<(String, Vec<Change>)>,
+    /// Entries taken from other routes.
+    pub(super) taken: usize,
+}
+
+/// Whether checkpoint entry `a` is newer than `b`: a greater resourceVersion (they are
+/// etcd revisions, compared as numbers), or the same one pending (a resume re-sends it). An
+/// entry whose resourceVersion is not a number is not newer.
+fn newer(a: &Entry, b: &Entry) -> bool {
+    match (
+        a.resource_version.parse::<u64>(),
+        b.resource_version.parse::<u64>(),
+    ) {
+        (Ok(x), Ok(y)) => x > y || (x == y && a.pending && !b.pending),
+        _ => false,
+    }
+}
+
+/// Takes over what the routes of `shard`'s family under other shard counts (`siblings`, their
+/// cluster keys removed) hold of its objects, into `own` (this route's checkpoint): per key,
+/// the newest entry. A change of `sharding.shards` so loses nothing: a key whose object was
+/// deleted while the count changed is in the checkpoint, so its delete is published, and
+/// an unchanged object is not replayed. Taking more than needed only costs duplicates (an
+/// entry of a key that is gone by now publishes its delete again), never a lost delete.
+pub(super) fn take_over(
+    route: &str,
+    shard: Shard,
+    own: Option<Checkpoint>,
+    siblings: Vec<(String, Checkpoint)>,
+) -> TakenOver {
+    if siblings.is_empty() {
+        return TakenOver {
+            checkpoint: own,
+            ..TakenOver::default()
+        };
+    }
+    let mut merged = own.unwrap_or_default();
+    let mut copied: BTreeMap<String, Entry> = BTreeMap::new();
+    let mut writes = Vec::new();
+    let mut taken = 0;
+    for (sibling, entries) in siblings {
+        let (ours, rest): (Vec<_>, Vec<_>) = entries
+            .into_iter()
+            .partition(|(key, _)| shard.holds_key(key));
+        let mut removed: Vec<Change> = Vec::new();
+        for (key, entry) in ours {
+            removed.push((key.clone(), None));
+            taken += 1;
+            if merged.get(&key).is_none_or(|have| newer(&entry, have)) {
+                merged.insert(key.clone(), entry.clone());
+                copied.insert(key, entry);
+            }
+        }
+        if rest.is_empty() {
+            removed.push((CLUSTER_KEY.to_owned(), None));
+        }
+        removed.sort_by(|a, b| a.0.cmp(&b.0));
+        writes.push((sibling, removed));
+    }
+    let copied: Vec<Change> = copied.into_iter().map(|(k, e)| (k, Some(e))).collect();
+    if !copied.is_empty() {
+        // Into the route first: a removal never lands before what it moved.
+        writes.insert(0, (route.to_owned(), copied));
+    }
+    TakenOver {
+        checkpoint: Some(merged),
+        writes,
+        taken,
+    }
+}
+
+/// Loads the checkpoints of `routes` (each with its family) from `store` in one pass, takes
+/// over their families' records (see [`take_over`]) and writes the moves. Per route, in
+/// order: its checkpoint, or why it cannot resume.
+async fn load_taking_over(
+    store: &dyn CheckpointStore,
+    routes: &[(&str, &Family)],
+    cluster: &str,
+) -> Vec<Result<Option<Checkpoint>, Refusal>> {
+    let wanted = |name: &str| {
+        routes
+            .iter()
+            .any(|(route, family)| *route == name || family.sibling(name).is_some())
+    };
+    let mut loaded = match store.load_where(&wanted).await {
+        Ok(loaded) => loaded,
+        Err(err) => {
+            let why = Refusal::Unreadable(format!("cannot read its checkpoint: {err}"));
+            return routes.iter().map(|_| Err(why.clone())).collect();
+        }
+    };
+    let mut out = Vec::new();
+    for (route, family) in routes {
+        let own = match check_cluster(route, store, loaded.remove(*route), cluster) {
+            Ok(own) => own,
+            Err(why) => {
+                out.push(Err(why));
+                continue;
+            }
+        };
+        let mut siblings = Vec::new();
+        let mut emptied = Vec::new();
+        let mut refused = None;
+        for (name, checkpoint) in loaded.iter().filter(|(n, _)| family.sibling(n).is_some()) {
+            match check_cluster(name, store, Some(checkpoint.clone()), cluster) {
+                Ok(Some(c)) if !c.is_empty() => siblings.push((name.clone(), c)),
+                // Only its cluster key is left (its records were taken over before).
+                Ok(_) if checkpoint.contains_key(CLUSTER_KEY) => emptied.push(name.clone()),
+                Ok(_) => {}
+                Err(why) => refused = Some(why),
+            }
+        }
+        if let Some(why) = refused {
+            out.push(Err(why));
+            continue;
+        }
+        siblings.sort_by(|a, b| a.0.cmp(&b.0));
+        let others: Vec<String> = siblings.iter().map(|(n, _)| n.clone()).collect();
+        let mut taken = take_over(route, family.shard, own, siblings);
+        taken.writes.extend(
+            emptied
+                .into_iter()
+                .map(|name| (name, vec![(CLUSTER_KEY.to_owned(), None)])),
+        );
+        if !taken.writes.is_empty() {
+            let moved = taken.writes.iter().map(|(_, c)| c.len()).sum::<usize>();
+            if let Err(err) = store.write_routes(route, taken.writes).await {
+                out.push(Err(Refusal::Unreadable(format!(
+                    "cannot take over the checkpoint records of {} (another shard count's \
+                     routes): {err}",
+                    others.join(", ")
+                ))));
+                continue;
+            }
+            info!(route, from = ?others, entries = taken.taken, writes = moved, "Took over the checkpoint records of this shard from the routes of another shard count");
+        }
+        out.push(Ok(taken.checkpoint));
+    }
+    out
 }
 
 /// Routes waiting for their checkpoint, with the reason (for `/readyz`).
@@ -100,28 +283,21 @@ pub(super) async fn resume_from_checkpoints(
     }
     let mut refused = Vec::new();
     for (store, group) in by_store {
-        let routes: Vec<String> = group
+        let routes: Vec<(&str, &Family)> = group
             .iter()
-            .map(|&i| resumes[i].checkpointer.route().to_owned())
+            .map(|&i| (resumes[i].checkpointer.route(), &resumes[i].family))
             .collect();
         // No write of these routes lands between the read and `knows` (see there).
         let _writes_held =
             futures::future::join_all(group.iter().map(|&i| resumes[i].checkpointer.hold_writes()))
                 .await;
         let started = std::time::Instant::now();
-        let mut loaded = match store.load_routes(&routes).await {
-            Ok(loaded) => loaded,
-            Err(err) => {
-                let why = Refusal::Unreadable(format!("cannot read its checkpoint: {err}"));
-                refused.extend(group.iter().map(|&i| (i, why.clone())));
-                continue;
-            }
-        };
+        let loaded = load_taking_over(store.as_ref(), &routes, cluster).await;
         let took = started.elapsed().as_secs_f64();
-        for i in group {
+        for (i, checkpoint) in group.into_iter().zip(loaded) {
             let r = resumes[i];
             let route = r.checkpointer.route();
-            match check_cluster(route, store.as_ref(), loaded.remove(route), cluster) {
+            match checkpoint {
                 Ok(checkpoint) => {
                     metrics
                         .checkpoint_load_seconds
@@ -172,6 +348,7 @@ pub(super) struct Waiter {
     pub(super) listeners: String,
     /// Its kind's informers, followed: a version switch may replace them while it waits.
     pub(super) informers: tokio::sync::watch::Receiver<Vec<Arc<SharedIndexInformer>>>,
+    pub(super) family: Family,
 }
 
 /// Marks `w`'s route as waiting for `why` and, unless its checkpoint is of another cluster,
@@ -204,12 +381,14 @@ pub(super) fn wait_for_checkpoint(
             // No write lands between the read and `knows` (see there).
             let writes_held = w.checkpointer.hold_writes().await;
             let started = std::time::Instant::now();
-            let loaded = match store.load(&w.resume_route).await {
-                Ok(cp) => check_cluster(&w.resume_route, store.as_ref(), cp, &cluster),
-                Err(err) => Err(Refusal::Unreadable(format!(
-                    "cannot read its checkpoint: {err}"
-                ))),
-            };
+            let loaded = load_taking_over(
+                store.as_ref(),
+                &[(w.resume_route.as_str(), &w.family)],
+                &cluster,
+            )
+            .await
+            .pop()
+            .expect("one per route");
             let mark =
                 |reason: Option<&str>| mark_waiting(&waiting, &metrics, &w.resume_route, reason);
             match loaded {
@@ -277,4 +456,157 @@ pub(super) fn start_error(refusals: &[Refusal]) -> Option<Error> {
         Refusal::OtherCluster(reason) => Some(Error::OtherCluster(reason.clone())),
         Refusal::Unreadable(_) => None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(rv: u64) -> Entry {
+        Entry {
+            uid: format!("uid-{rv}"),
+            resource_version: rv.to_string(),
+            pending: false,
+        }
+    }
+
+    fn family(base: &str, shard: Shard) -> Family {
+        Family {
+            base: base.into(),
+            sink: "team/out".into(),
+            shard,
+        }
+    }
+
+    #[test]
+    fn a_routes_family_is_its_kind_and_sink_under_other_shard_counts() {
+        let f = family("configmap", Shard { index: 1, count: 3 });
+        let s = |index, count| Some(Shard { index, count });
+        assert_eq!(f.sibling("configmap/team/out"), Some(Shard::WHOLE));
+        assert_eq!(f.sibling("configmap#0-of-2/team/out"), s(0, 2));
+        assert_eq!(f.sibling("configmap#11-of-12/team/out"), s(11, 12));
+        // The same count is not a sibling (its own shard or a peer's), nor other kinds or
+        // sinks, nor malformed names.
+        for other in [
+            "configmap#1-of-3/team/out",
+            "configmap#0-of-3/team/out",
+            "configmaps#0-of-2/team/out",
+            "configmap#0-of-2/out",
+            "configmap#0-of-2/team/out2",
+            "configmap#2-of-2/team/out",
+            "configmap#x-of-2/team/out",
+            "configmap#0-of-1/team/out",
+            "all/configmap#0-of-2/team/out",
+        ] {
+            assert_eq!(f.sibling(other), None, "{other}");
+        }
+        let whole = family("all/widgets.example.com", Shard::WHOLE);
+        assert_eq!(
+            whole.sibling("all/widgets.example.com#1-of-2/team/out"),
+            s(1, 2)
+        );
+        assert_eq!(whole.sibling("all/widgets.example.com/team/out"), None);
+    }
+
+    /// Two namespaces that fall into different shards of 2.
+    fn split_namespaces() -> (String, String) {
+        let two = |i| Shard { index: i, count: 2 };
+        let pick = |i| {
+            (0..)
+                .map(|n| format!("ns-{n}"))
+                .find(|ns| two(i).holds_namespace(ns))
+                .unwrap()
+        };
+        (pick(0), pick(1))
+    }
+
+    #[test]
+    fn a_new_shard_count_takes_over_its_keys_newest_first_and_removes_them_there() {
+        let (a, b) = split_namespaces();
+        let route = "configmap#0-of-2/out";
+        let shard = Shard { index: 0, count: 2 };
+        // Under 3 shards, then under 1 (left over from an earlier change), and its own.
+        let three: Checkpoint = [
+            (format!("{a}/x"), entry(10)),
+            (format!("{a}/y"), entry(7)),
+            (format!("{b}/z"), entry(9)),
+        ]
+        .into();
+        let one: Checkpoint = [(format!("{a}/x"), entry(5)), (format!("{a}/old"), entry(3))].into();
+        let own: Checkpoint = [(format!("{a}/y"), entry(8))].into();
+        let taken = take_over(
+            route,
+            shard,
+            Some(own),
+            vec![
+                ("configmap#2-of-3/out".into(), three),
+                ("configmap/out".into(), one),
+            ],
+        );
+        let checkpoint = taken.checkpoint.unwrap();
+        // Newest per key; the other shard's key is not taken.
+        assert_eq!(checkpoint[&format!("{a}/x")], entry(10));
+        assert_eq!(checkpoint[&format!("{a}/y")], entry(8));
+        assert_eq!(checkpoint[&format!("{a}/old")], entry(3));
+        assert!(!checkpoint.contains_key(&format!("{b}/z")));
+        assert_eq!(taken.taken, 4);
+        // The winners are written into the route first, then removed where they were; a
+        // route left with nothing loses its cluster key too.
+        assert_eq!(
+            taken.writes,
+            vec![
+                (
+                    route.to_owned(),
+                    vec![
+                        (format!("{a}/old"), Some(entry(3))),
+                        (format!("{a}/x"), Some(entry(10))),
+                    ]
+                ),
+                (
+                    "configmap#2-of-3/out".to_owned(),
+                    vec![(format!("{a}/x"), None), (format!("{a}/y"), None)]
+                ),
+                (
+                    "configmap/out".to_owned(),
+                    vec![
+                        (CLUSTER_KEY.to_owned(), None),
+                        (format!("{a}/old"), None),
+                        (format!("{a}/x"), None),
+                    ]
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn without_another_count_nothing_moves_and_a_pending_entry_wins_a_tie() {
+        let own: Checkpoint = [("ns/a".to_owned(), entry(4))].into();
+        let alone = take_over("cm/out", Shard::WHOLE, Some(own.clone()), vec![]);
+        assert_eq!(alone.checkpoint, Some(own.clone()));
+        assert!(alone.writes.is_empty());
+        assert_eq!(
+            take_over("cm/out", Shard::WHOLE, None, vec![]).checkpoint,
+            None
+        );
+        // A route with no checkpoint of its own resumes from its family's.
+        let pending = Entry {
+            pending: true,
+            ..entry(4)
+        };
+        let sibling: Checkpoint = [("ns/a".to_owned(), pending.clone())].into();
+        let taken = take_over(
+            "cm/out",
+            Shard::WHOLE,
+            Some(own),
+            vec![("cm#1-of-2/out".into(), sibling.clone())],
+        );
+        assert_eq!(taken.checkpoint.unwrap()["ns/a"], pending);
+        let fresh = take_over(
+            "cm/out",
+            Shard::WHOLE,
+            None,
+            vec![("cm#1-of-2/out".into(), sibling)],
+        );
+        assert_eq!(fresh.checkpoint.unwrap()["ns/a"], pending);
+    }
 }

@@ -476,6 +476,11 @@ mod tests {
                     resumer: built.resumer.unwrap(),
                     checkpointer: built.checkpointer.unwrap(),
                     interval: std::time::Duration::from_secs(1),
+                    family: crate::app::checkpoints::Family {
+                        base: "configmap".into(),
+                        sink: "out".into(),
+                        shard: crate::shard::Shard::WHOLE,
+                    },
                 }),
             }],
             current: tokio::sync::watch::Sender::new(Vec::new()),

@@ -15,7 +15,8 @@ use tokio_util::sync::CancellationToken;
 use super::{
     Error,
     checkpoints::{
-        Refusal, Resume, Waiter, WaitingRoutes, resume_from_checkpoints, wait_for_checkpoint,
+        Family, Refusal, Resume, Waiter, WaitingRoutes, resume_from_checkpoints,
+        wait_for_checkpoint,
     },
 };
 use crate::{
@@ -202,6 +203,7 @@ impl Resources {
                     checkpointer: resume.checkpointer.clone(),
                     listeners: prefix.clone(),
                     informers: wired.current.subscribe(),
+                    family: resume.family.clone(),
                 },
                 why.clone(),
                 self.cluster.clone(),
@@ -335,6 +337,11 @@ impl Wiring {
                     resumer,
                     checkpointer,
                     interval: sink_cfg.checkpoint_interval,
+                    family: Family {
+                        base: kind_name(r, &api_resource),
+                        sink: sink_name.clone(),
+                        shard: self.shard,
+                    },
                 }),
                 _ => None,
             };

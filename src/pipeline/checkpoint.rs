@@ -661,11 +661,11 @@ mod tests {
         fn describe(&self) -> String {
             self.inner.describe()
         }
-        fn load_routes<'a>(
+        fn load_where<'a>(
             &'a self,
-            routes: &'a [String],
+            wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
         ) -> futures::future::BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
-            self.inner.load_routes(routes)
+            self.inner.load_where(wanted)
         }
         fn write<'a>(
             &'a self,

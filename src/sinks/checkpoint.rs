@@ -54,14 +54,27 @@ pub trait CheckpointStore: Send + Sync {
     /// The store, for logs and errors (a file path, a topic, a bucket).
     fn describe(&self) -> String;
 
-    /// The checkpoints of `routes`, read in one pass over the store; a route the store has
-    /// never held one for is absent. A record of one of `routes` that cannot be read makes
-    /// the load an error naming the route and key (the checkpoint would be incomplete, and
-    /// a resume from it would lose or invent deletes).
+    /// The checkpoints of every route whose name `wanted` accepts, read in one pass over the
+    /// store; a route the store holds nothing for is absent. A record of an accepted route
+    /// that cannot be read makes the load an error naming the route and key (the checkpoint
+    /// would be incomplete, and a resume from it would lose or invent deletes).
+    fn load_where<'a>(
+        &'a self,
+        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>>;
+
+    /// The checkpoints of `routes`, read in one pass over the store (see
+    /// [`Self::load_where`]).
     fn load_routes<'a>(
         &'a self,
         routes: &'a [String],
-    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>>;
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
+        async move {
+            let wanted = |route: &str| routes.iter().any(|r| r == route);
+            self.load_where(&wanted).await
+        }
+        .boxed()
+    }
 
     /// The checkpoint of `route`, or `None` when the store has never held one for it.
     fn load<'a>(&'a self, route: &'a str) -> BoxFuture<'a, Result<Option<Checkpoint>>> {
@@ -76,4 +89,23 @@ pub trait CheckpointStore: Send + Sync {
 
     /// Applies `changes` to the checkpoint of `route` durably.
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>>;
+
+    /// Applies each route's changes durably, in order, on behalf of route `owner` (a
+    /// transactional store writes them all in `owner`'s transaction, so that they land
+    /// together or not at all): how a route takes over the records of routes that no longer
+    /// run (another shard count's) and removes them there.
+    fn write_routes<'a>(
+        &'a self,
+        owner: &'a str,
+        writes: Vec<(String, Vec<Change>)>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let _ = owner;
+        async move {
+            for (route, changes) in writes {
+                self.write(&route, changes).await?;
+            }
+            Ok(())
+        }
+        .boxed()
+    }
 }

@@ -150,14 +150,20 @@ impl Drop for NatsServer {
     }
 }
 
-/// Every message of `stream`, in stream order.
+/// Every message of `stream`, in stream order (none before it exists).
 pub async fn read_stream(
     url: &str,
     stream: &str,
 ) -> Vec<async_nats::jetstream::message::StreamMessage> {
     let client = async_nats::connect(url).await.unwrap();
     let js = async_nats::jetstream::new(client);
-    let mut s = js.get_stream(stream).await.unwrap();
+    let mut s = match js.get_stream(stream).await {
+        Ok(s) => s,
+        Err(e) if e.to_string().contains("stream not found") => {
+            return Vec::new();
+        }
+        Err(e) => panic!("cannot read stream {stream}: {e}"),
+    };
     let state = s.info().await.unwrap().state.clone();
     let mut out = Vec::new();
     if state.messages == 0 {

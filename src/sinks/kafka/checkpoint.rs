@@ -180,9 +180,9 @@ impl CheckpointStore for KafkaCheckpointStore {
         format!("topic {}", self.topic)
     }
 
-    fn load_routes<'a>(
+    fn load_where<'a>(
         &'a self,
-        routes: &'a [String],
+        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
             for t in self.transactions.iter().flat_map(|set| set.all()) {
@@ -208,8 +208,8 @@ impl CheckpointStore for KafkaCheckpointStore {
                      topic for checkpoints only) to go on"
                 )));
             }
-            for route in routes {
-                if let Some((key, e)) = read.corrupt.get(route).and_then(|c| c.iter().next()) {
+            for (route, corrupt) in read.corrupt.iter().filter(|(r, _)| wanted(r)) {
+                if let Some((key, e)) = corrupt.iter().next() {
                     return Err(self.error(format!(
                         "route {route}: the newest record of {key} is corrupt ({e}), so the \
                          checkpoint is incomplete; write a tombstone for that key to go on \
@@ -217,36 +217,58 @@ impl CheckpointStore for KafkaCheckpointStore {
                     )));
                 }
             }
-            read.routes.retain(|route, _| routes.contains(route));
+            read.routes.retain(|route, _| wanted(route));
             Ok(read.routes)
         }
         .boxed()
     }
 
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
-        async move {
-            let records: Vec<CheckpointRecord> =
-                changes.into_iter().map(|c| record_of(route, c)).collect();
-            if let Some(set) = &self.transactions {
-                // With the shard's next commit (only the cluster's identity is written so: the
-                // messages' records travel with them); without its term, by the next term.
-                if let Some(t) = set.get(set.key_of_route(route)) {
-                    records.into_iter().for_each(|r| t.settle(r));
-                }
-                return Ok(());
+        let records = changes.into_iter().map(|c| record_of(route, c)).collect();
+        self.send(route, records).boxed()
+    }
+
+    fn write_routes<'a>(
+        &'a self,
+        owner: &'a str,
+        writes: Vec<(String, Vec<Change>)>,
+    ) -> BoxFuture<'a, Result<()>> {
+        let records = writes
+            .into_iter()
+            .flat_map(|(route, changes)| {
+                changes
+                    .into_iter()
+                    .map(move |c| record_of(&route, c))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.send(owner, records).boxed()
+    }
+}
+
+impl KafkaCheckpointStore {
+    /// Writes `records` on behalf of route `owner`: with `exactly_once` in the open
+    /// transaction of its shard, otherwise straight, each acknowledged.
+    async fn send(&self, owner: &str, records: Vec<CheckpointRecord>) -> Result<()> {
+        if let Some(set) = &self.transactions {
+            // With the shard's next commit (only the cluster's identity and records taken
+            // over from other shard counts are written so: the messages' records travel with
+            // them); without its term, by the next term.
+            if let Some(t) = set.get(set.key_of_route(owner)) {
+                records.into_iter().for_each(|r| t.settle(r));
             }
-            let sends = records.iter().map(|(k, v)| {
-                let mut record = FutureRecord::<String, String>::to(&self.topic).key(k);
-                if let Some(v) = v {
-                    record = record.payload(v);
-                }
-                self.producer.send(record, Timeout::After(TIMEOUT))
-            });
-            for result in futures::future::join_all(sends).await {
-                result.map_err(|(e, _)| self.error(e))?;
-            }
-            Ok(())
+            return Ok(());
         }
-        .boxed()
+        let sends = records.iter().map(|(k, v)| {
+            let mut record = FutureRecord::<String, String>::to(&self.topic).key(k);
+            if let Some(v) = v {
+                record = record.payload(v);
+            }
+            self.producer.send(record, Timeout::After(TIMEOUT))
+        });
+        for result in futures::future::join_all(sends).await {
+            result.map_err(|(e, _)| self.error(e))?;
+        }
+        Ok(())
     }
 }

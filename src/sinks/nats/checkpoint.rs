@@ -131,6 +131,30 @@ impl CheckpointStore for NatsCheckpointStore {
         format!("bucket {}", self.bucket)
     }
 
+    fn load_where<'a>(
+        &'a self,
+        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
+        async move {
+            // Which routes there are is known only from the keys: one pass over the bucket.
+            let prefix = format!("$KV.{}.", self.bucket);
+            let mut all: HashMap<String, Checkpoint> = HashMap::new();
+            self.read_last(
+                &format!("{prefix}>"),
+                |subject| {
+                    let rest = subject.strip_prefix(&prefix)?;
+                    let (route, key) = rest.split_once('.')?;
+                    let route = unescape(route)?;
+                    wanted(&route).then_some((route, key.to_owned()))
+                },
+                &mut all,
+            )
+            .await?;
+            Ok(all)
+        }
+        .boxed()
+    }
+
     fn load_routes<'a>(
         &'a self,
         routes: &'a [String],
@@ -182,15 +206,33 @@ impl CheckpointStore for NatsCheckpointStore {
 impl NatsCheckpointStore {
     /// The checkpoint of one route, `None` when the bucket holds nothing for it.
     async fn load_route(&self, route: &str) -> Result<Option<Checkpoint>> {
-        use jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
         let prefix = format!("$KV.{}.{}.", self.bucket, escape(route));
-        // The newest record of every key of the route; `num_pending` says how many there
-        // are, so the read knows its end (a KV watch would have to guess it from quiet).
+        let mut all = HashMap::new();
+        self.read_last(
+            &format!("{prefix}>"),
+            |subject| Some((route.to_owned(), subject.strip_prefix(&prefix)?.to_owned())),
+            &mut all,
+        )
+        .await?;
+        Ok(all.remove(route))
+    }
+
+    /// Reads the newest record of every key under `filter` into `into`: `route_key` names
+    /// the route and the escaped key of a subject (`None`: not wanted, skipped unread).
+    async fn read_last(
+        &self,
+        filter: &str,
+        route_key: impl Fn(&str) -> Option<(String, String)>,
+        into: &mut HashMap<String, Checkpoint>,
+    ) -> Result<()> {
+        use jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+        // The newest record of every key; `num_pending` says how many there are, so the
+        // read knows its end (a KV watch would have to guess it from quiet).
         let (_conn, kv) = self.kv().await?;
         let consumer = kv
             .stream
             .create_consumer(pull::Config {
-                filter_subject: format!("{prefix}>"),
+                filter_subject: filter.to_owned(),
                 deliver_policy: DeliverPolicy::LastPerSubject,
                 ack_policy: AckPolicy::None,
                 inactive_threshold: std::time::Duration::from_secs(60),
@@ -200,27 +242,25 @@ impl NatsCheckpointStore {
             .map_err(|e| self.error(e))?;
         let pending = consumer.cached_info().num_pending;
         if pending == 0 {
-            return Ok(None);
+            return Ok(());
         }
         let mut messages = consumer.messages().await.map_err(|e| self.error(e))?;
-        let mut checkpoint = Checkpoint::new();
         for _ in 0..pending {
             let message = messages
                 .next()
                 .await
                 .ok_or_else(|| self.error("the read ended early"))?
                 .map_err(|e| self.error(e))?;
-            let raw = message
-                .subject
-                .as_str()
-                .strip_prefix(&prefix)
-                .unwrap_or_default();
+            let Some((route, raw)) = route_key(message.subject.as_str()) else {
+                continue;
+            };
             let deleted = message
                 .headers
                 .as_ref()
                 .and_then(|h| h.get("KV-Operation"))
                 .is_some_and(|op| matches!(op.as_str(), "DEL" | "PURGE"));
-            match unescape(raw) {
+            let checkpoint = into.entry(route.clone()).or_default();
+            match unescape(&raw) {
                 None => {
                     return Err(self.error(format!(
                         "route {route}: the key of {} cannot be read, so the checkpoint is \
@@ -245,7 +285,7 @@ impl NatsCheckpointStore {
                 },
             }
         }
-        Ok(Some(checkpoint))
+        Ok(())
     }
 }
 

@@ -92,21 +92,21 @@ impl CheckpointStore for FileCheckpointStore {
         format!("file {}", self.path.display())
     }
 
-    fn load_routes<'a>(
+    fn load_where<'a>(
         &'a self,
-        routes: &'a [String],
+        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
             // Always from disk: a new leader must see what the previous one wrote.
             let mut cached = self.routes.lock().await;
             let all = self.read().await?;
-            let wanted = routes
+            let found = all
                 .iter()
-                .filter_map(|r| all.get(r).map(|c| (r, c)))
+                .filter(|(r, _)| wanted(r))
                 .map(|(r, c)| Ok((r.clone(), self.decode(r, c)?)))
                 .collect::<Result<_>>();
             *cached = Some(all);
-            wanted
+            found
         }
         .boxed()
     }
