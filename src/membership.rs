@@ -46,6 +46,10 @@ pub const MEMBER_LABEL: &str = "kube-event-bridge.io/members-of";
 /// differently, and both publishing would interleave two publishers per key.
 pub const SHARDS_ANNOTATION: &str = "kube-event-bridge.io/shards";
 
+/// The single-leader Lease's holder while sharded replicas publish: this, then their shard
+/// count (`kube-event-bridge.io/shards-12`). No pod is named so.
+pub const GROUP_HOLDER_PREFIX: &str = "kube-event-bridge.io/shards-";
+
 /// How long a replica that just started looks at the membership before it claims shards:
 /// two `retry_period`s (replicas started with it write their Leases at their first pass),
 /// at most `lease_duration`. Every live member's Lease is counted from the first list (a
@@ -120,6 +124,11 @@ pub struct Membership {
     collect: bool,
     // How long a lease stays unrenewed before it is deleted (see `forgotten_after`).
     forget_after: Duration,
+    // The single-leader Lease (`lease_name`) as last seen, and when it was first seen so.
+    group_seen: Option<(Record, Instant)>,
+    // How long a replica waits before it claims shards after another count's or a single
+    // leader's replicas stopped publishing (their messages may still be on their way).
+    takeover_wait: Duration,
 }
 
 /// What identifies a membership lease's renewal: its holder and renew time.
@@ -148,6 +157,104 @@ impl Membership {
             observed: HashMap::new(),
             collect: true,
             forget_after: forgotten_after(cfg.lease_duration),
+            group_seen: None,
+            takeover_wait: Duration::ZERO,
+        }
+    }
+
+    /// After the replicas of another shard count or a single leader stop publishing, claims
+    /// shards only `wait` later (the longest a message of theirs may still be on its way: the
+    /// takeover wait).
+    pub fn takeover_wait(mut self, wait: Duration) -> Self {
+        self.takeover_wait = wait;
+        self
+    }
+
+    /// The holder the sharded replicas write into the single-leader Lease: their group.
+    fn group_holder(&self) -> String {
+        format!("{GROUP_HOLDER_PREFIX}{}", self.shards.len())
+    }
+
+    /// Holds the single-leader Lease (`lease_name`) for this replica's group (the sharded
+    /// replicas of its shard count), so that a single-leader replica (`sharding.shards: 1`, of
+    /// this release or an older one, whose elector reads that Lease) stands by while they
+    /// publish, and they stand by while it leads. Returns the live holder of another
+    /// group or a single leader, if any; an expired one is taken over (then this replica
+    /// waits its takeover wait before claiming, see [`Self::takeover_wait`]).
+    async fn hold_group(&mut self) -> Result<Option<String>, kube::Error> {
+        let now = Instant::now();
+        let ours = self.group_holder();
+        let current = self.api.get_opt(&self.group).await?;
+        let record: Record = current
+            .as_ref()
+            .and_then(|l| l.spec.as_ref())
+            .map(|s| {
+                (
+                    s.holder_identity.clone().filter(|h| !h.is_empty()),
+                    s.renew_time.as_ref().map(|t| t.0),
+                )
+            })
+            .unwrap_or_default();
+        let at = match self.group_seen.take() {
+            Some((r, at)) if r == record => at,
+            _ => now,
+        };
+        self.group_seen = Some((record.clone(), at));
+        let unrenewed = now.duration_since(at);
+        let foreign = record.0.as_ref().filter(|h| **h != ours).cloned();
+        if let Some(holder) = &foreign
+            && unrenewed < self.lease_duration
+        {
+            return Ok(Some(holder.clone()));
+        }
+        // Ours already, free, or expired: renewed (by any member of the group: once per
+        // third of a lease duration is enough).
+        if foreign.is_none() && record.0.is_some() && unrenewed < self.lease_duration / 3 {
+            return Ok(None);
+        }
+        let spec = LeaseSpec {
+            holder_identity: Some(ours.clone()),
+            lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
+            renew_time: Some(MicroTime(jiff::Timestamp::now())),
+            ..Default::default()
+        };
+        let result = match current {
+            Some(mut lease) => {
+                lease.spec = Some(spec);
+                self.api
+                    .replace(&self.group, &PostParams::default(), &lease)
+                    .await
+                    .map(|_| ())
+            }
+            None => {
+                let lease = Lease {
+                    metadata: ObjectMeta {
+                        name: Some(self.group.clone()),
+                        ..Default::default()
+                    },
+                    spec: Some(spec),
+                };
+                self.api
+                    .create(&PostParams::default(), &lease)
+                    .await
+                    .map(|_| ())
+            }
+        };
+        match result {
+            Ok(()) => {
+                if let Some(holder) = foreign {
+                    info!(lease = %self.group, previous = %holder, wait = ?self.takeover_wait, "Took the single-leader Lease over for this replica's shard count after its holder stopped renewing it");
+                }
+                Ok(None)
+            }
+            // Another member renewed it at the same moment: still ours.
+            Err(kube::Error::Api(s)) if s.code == 409 && record.0.as_deref() == Some(&ours) => {
+                Ok(None)
+            }
+            // Taken by someone else at the same moment (it was free or expired): looked at
+            // again at the next pass.
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(Some(String::new())),
+            Err(err) => Err(err),
         }
     }
 
@@ -168,6 +275,9 @@ impl Membership {
         let started = Instant::now();
         let mut list_failed = false;
         let mut conflict_logged = false;
+        // Claims wait until then after a conflict ended (see `takeover_wait`).
+        let mut claim_after = started;
+        let mut conflicted = false;
         loop {
             match self.members().await {
                 Ok((members, other)) => {
@@ -179,14 +289,40 @@ impl Membership {
                         warn!(error = %err, "Cannot renew the membership lease; retrying");
                     }
                     self.replicas.set(members.len() as i64);
+                    let other = match self.hold_group().await {
+                        Ok(None) => other,
+                        // Taken by someone else at the moment it was free: nothing changes
+                        // until the next pass tells who.
+                        Ok(Some(holder)) if holder.is_empty() => {
+                            tokio::select! {
+                                _ = cancel.cancelled() => break,
+                                _ = tokio::time::sleep(self.retry_period) => {}
+                            }
+                            continue;
+                        }
+                        Ok(Some(holder)) => Some((holder, format!("lease {}", self.group))),
+                        Err(err) => {
+                            warn!(error = %err, lease = %self.group, "Cannot read or renew the single-leader Lease: claiming nothing until it can (does the Role allow get and update on it?)");
+                            Some((String::new(), format!("lease {}", self.group)))
+                        }
+                    };
+                    if other.is_some() {
+                        conflicted = true;
+                    } else if conflicted {
+                        conflicted = false;
+                        claim_after = Instant::now() + self.takeover_wait;
+                        info!(wait = ?self.takeover_wait, "No replica of another shard count or single leader publishes any more: claiming shards after the takeover wait");
+                    }
                     // Until replicas started with it had a moment to write their Leases, a
                     // replica that just started would count itself alone and claim every
                     // shard (see `settle_time`).
-                    if started.elapsed() >= settle_time(self.lease_duration, self.retry_period) {
+                    if started.elapsed() >= settle_time(self.lease_duration, self.retry_period)
+                        && (other.is_some() || Instant::now() >= claim_after)
+                    {
                         let mine = match &other {
                             Some((who, count)) => {
                                 if !conflict_logged {
-                                    warn!(replica = %who, shards = count, ours = self.shards.len(), "A live replica splits the objects into another number of shards: claiming nothing until it is gone (change sharding.shards with strategy Recreate)");
+                                    warn!(replica = %who, shards = count, ours = self.shards.len(), "A live replica of another shard count, or a single leader, publishes: claiming nothing until it is gone (its routes' checkpoints are then taken over)");
                                     conflict_logged = true;
                                 }
                                 BTreeSet::new()

@@ -639,3 +639,156 @@ async fn a_change_of_the_shard_count_loses_no_delete_and_replays_nothing() {
         report.push(changes);
     }
 }
+
+/// A replica of `shards` shard(s) publishing ConfigMaps to `sink`, fast Leases in kube-system.
+fn counted_config(identity: &str, shards: u32, sink: &Value) -> Value {
+    ConfigBuilder::new()
+        .resource(json!({"name": "configmap", "api_version": "v1", "kind": "ConfigMap"}))
+        .sink(sink.clone())
+        .route_each_resource_to(&["nats"])
+        .grace_period("5s")
+        .fast_leader_election(identity, "250ms")
+        .set("sharding", json!({"shards": shards}))
+        .value()
+}
+
+/// A rollout between single-leader mode and sharding, both ways, with the two kinds of
+/// replica running side by side: the newcomers stand by while the others publish (the
+/// sharded replicas hold the single-leader Lease for their group, and see a single leader's),
+/// take over when they stop, and the stream ends with the API server's objects, no message
+/// sent twice. Before this guard, both published every object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_leader_and_sharded_replicas_never_publish_together() {
+    let cluster = Cluster::start().await;
+    let client = cluster.client().await;
+    let namespaces: Vec<String> = spread_namespaces().into_iter().take(4).collect();
+    for ns in &namespaces {
+        cluster.create_namespace(ns).await;
+    }
+    let api = |ns: &str| -> Api<ConfigMap> { Api::namespaced(client.clone(), ns) };
+    let names: Vec<(String, String)> = (0..24)
+        .map(|i| (namespaces[i % 4].clone(), format!("cm-{i:02}")))
+        .collect();
+    for (ns, name) in &names {
+        api(ns)
+            .create(&PostParams::default(), &configmap(ns, name, "0"))
+            .await
+            .unwrap();
+    }
+    let nats = NatsServer::start();
+    let url = nats.url();
+    let dir = tempfile::tempdir().unwrap();
+    let sink = nats_sink("nats", &url, json!({}));
+    let kubeconfig = cluster.kubeconfig();
+    let folds = async |replicas: &[&Replica], what: &str| {
+        let ok = wait::within(Patience::of(Duration::from_secs(90)), async || {
+            compare(&cluster, &read(&url).await, "ConfigMap", &configmaps())
+                .await
+                .is_empty()
+        })
+        .await;
+        if !ok {
+            replicas.iter().for_each(|r| dump(std::slice::from_ref(*r)));
+            let d = compare(&cluster, &read(&url).await, "ConfigMap", &configmaps()).await;
+            panic!("{what}: {}", counts(&d));
+        }
+    };
+    let mut change = 0;
+    let mut update = async |from: usize, n: usize| {
+        for (ns, name) in names.iter().skip(from).take(n) {
+            change += 1;
+            api(ns)
+                .replace(
+                    name,
+                    &PostParams::default(),
+                    &configmap(ns, name, &change.to_string()),
+                )
+                .await
+                .unwrap();
+        }
+    };
+    // A single leader publishes; a sharded replica joins and stands by.
+    let mut single = Replica::start(
+        dir.path(),
+        "single",
+        &counted_config("single", 1, &sink),
+        &kubeconfig,
+    );
+    folds(&[&single], "the single leader's first states").await;
+    let mut sharded = Replica::start(
+        dir.path(),
+        "sharded",
+        &counted_config("sharded", 2, &sink),
+        &kubeconfig,
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    update(0, 6).await;
+    folds(&[&single, &sharded], "updates while both run").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let standby = sharded.published().await;
+    // The single leader stops; deletes while the sharded replica takes over.
+    single.terminate();
+    for (ns, name) in names.iter().take(3) {
+        api(ns)
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    folds(&[&sharded], "the deletes after the single leader stopped").await;
+    // And back: a single-leader replica joins and stands by; the sharded one stops.
+    let mut back = Replica::start(
+        dir.path(),
+        "back",
+        &counted_config("back", 1, &sink),
+        &kubeconfig,
+    );
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    update(6, 6).await;
+    folds(&[&sharded, &back], "updates while both run again").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let standby_back = back.published().await;
+    sharded.terminate();
+    for (ns, name) in names.iter().skip(3).take(3) {
+        api(ns)
+            .delete(name, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    update(12, 4).await;
+    folds(&[&back], "the changes after the sharded replica stopped").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    back.terminate();
+    let events = read(&url).await;
+    let mut seen: HashMap<(String, String, String), usize> = HashMap::new();
+    for e in events.iter().filter(|e| e["k8skind"] == "ConfigMap") {
+        let key = (
+            support::event_type(e).to_owned(),
+            e["subject"].as_str().unwrap().to_owned(),
+            e["k8sresourceversion"].as_str().unwrap_or("").to_owned(),
+        );
+        *seen.entry(key).or_default() += 1;
+    }
+    let twice: Vec<_> = seen
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(k, _)| k)
+        .collect();
+    let d = compare(&cluster, &events, "ConfigMap", &configmaps()).await;
+    eprintln!(
+        "single → sharded → single: {} messages, published by the standbys while the others \
+         ran: {standby} and {standby_back}, sent twice: {}, {}",
+        events.len(),
+        twice.len(),
+        counts(&d)
+    );
+    assert_eq!(
+        standby, 0,
+        "the sharded replica published beside the single leader"
+    );
+    assert_eq!(
+        standby_back, 0,
+        "the single leader published beside the sharded replica"
+    );
+    assert!(twice.is_empty(), "{twice:?}");
+    assert!(d.is_empty(), "{d:?}");
+}

@@ -310,7 +310,8 @@ impl App {
                     identity.clone(),
                     shards.clone(),
                     metrics.shard_replicas.clone(),
-                ),
+                )
+                .takeover_wait(config.takeover_wait()),
                 campaigns,
             )
         });
