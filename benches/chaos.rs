@@ -9,7 +9,13 @@
 //! `throttle`, `broker-down`, `kafka-broker-down`, `slow-sink`, `sigterm`, `sigkill`,
 //! `zombie-leader` (two replicas with leader election, a 3 s lease; every 20 s the leader is
 //! frozen with SIGSTOP for 8 s, the other takes over, and the frozen one is thawed: it must
-//! publish nothing behind the new leader), `kafka-zombie-leader` (the same into Kafka), `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
+//! publish nothing behind the new leader), `kafka-zombie-leader` (the same into Kafka),
+//! `shard-churn` (replicas sharing 6 shards with 3 s Leases: 3 replicas, 5 after a sixth of
+//! the time, 2 (three SIGTERMed) after two sixths, a rolling update to 4 shards after three,
+//! whose new replicas take over the old count's checkpoints (with Kafka it also lowers
+//! `kafka.delivery_timeout` to 10 s: the old replicas' messages must still be waited out),
+//! one SIGKILLed and replaced after four, a third added after five), `kafka-shard-churn` (the
+//! same into Kafka), `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
 //! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
 //! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
 //! delete, and every patch applied to the object last read must give the new one), `model`
@@ -58,7 +64,7 @@ use serde_json::{Value, json};
 use wait::Patience;
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 12] = [
+const SCENARIOS: [&str; 14] = [
     "watch-drop",
     "gone-storm",
     "throttle",
@@ -70,8 +76,12 @@ const SCENARIOS: [&str; 12] = [
     "filter-churn",
     "zombie-leader",
     "kafka-zombie-leader",
+    "shard-churn",
+    "kafka-shard-churn",
     "model",
 ];
+/// `shard-churn`'s shard count, and the one its rolling update moves to.
+const CHURN_SHARDS: (u32, u32) = (6, 4);
 /// Namespaces the objects are spread over.
 const NAMESPACES: usize = 20;
 /// The slow sink's cap on held notifications, and the RSS it must stay under.
@@ -227,7 +237,8 @@ impl Service {
         let admin = support::loopback::free_port();
         let mut config = config.clone();
         config["admin"] = json!({"address": format!("127.0.0.1:{admin}")});
-        let path = dir.join("config.yaml");
+        // A file per process: replicas started together must not read each other's.
+        let path = dir.join(format!("config-{admin}.yaml"));
         std::fs::write(&path, serde_json::to_string(&config).unwrap()).unwrap();
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -632,6 +643,15 @@ fn service_config(broker: &Broker, scenario: &str, opts: &Options) -> Value {
         message["include_old_object"] = json!(false);
     }
     let mut builder = ConfigBuilder::new();
+    if fault(scenario) == "shard-churn" {
+        builder = builder
+            .set(
+                "leader_election",
+                json!({"enabled": true, "namespace": "kube-system", "lease_duration": "3s",
+                       "renew_deadline": "2s", "retry_period": "200ms"}),
+            )
+            .set("sharding", json!({"shards": CHURN_SHARDS.0}));
+    }
     if fault(scenario) == "zombie-leader" {
         // A 3 s lease, renewed within 2 s: with the 5 s ack timeout, a 4 s takeover wait.
         builder = builder.set(
@@ -658,6 +678,7 @@ fn default_minutes(scenario: &str) -> f64 {
         "watch-drop" => 10.0,
         "slow-sink" | "model" => 2.0,
         "zombie-leader" | "kafka-zombie-leader" => 3.0,
+        "shard-churn" | "kafka-shard-churn" => 4.0,
         "broker-down" | "kafka-broker-down" => 3.0,
         _ => 5.0,
     }
@@ -744,6 +765,47 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let mut frozen: Option<(bool, Instant)> = None;
     let mut peak_rss: f64 = 0.0;
     let mut exits = Vec::new();
+    // `shard-churn`: the replicas beside `service`, how many were started in all, and the
+    // config of the rolling update (the other shard count; with Kafka, a lower
+    // `delivery_timeout`: the old pods' messages must still be waited out).
+    let mut churn: Vec<Service> = Vec::new();
+    let mut started_replicas = 1;
+    let mut churn_step = 0;
+    let rolled = {
+        let mut c = config.clone();
+        if let Some(sharding) = c.get_mut("sharding") {
+            sharding["shards"] = json!(CHURN_SHARDS.1);
+        }
+        if let Some(kafka) = c.pointer_mut("/sinks/0/kafka") {
+            kafka["delivery_timeout"] = json!("10s");
+        }
+        c
+    };
+    let start_replica = async |config: &Value, n: usize| {
+        let mut config = config.clone();
+        config["leader_election"]["identity"] = json!(format!("churn-{n}"));
+        let s = Service::start(dir.path(), &config, &kubeconfig);
+        // Listening before the next one picks a free port.
+        wait::until(
+            "a replica's admin port",
+            Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100)),
+            async || s.metrics().await.is_some(),
+        )
+        .await;
+        s
+    };
+    if fault(scenario) == "shard-churn" {
+        wait::until(
+            "the first replica's admin port",
+            Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100)),
+            async || service.metrics().await.is_some(),
+        )
+        .await;
+        for _ in 0..2 {
+            churn.push(start_replica(&config, started_replicas).await);
+            started_replicas += 1;
+        }
+    }
     // The initial list goes out before the load starts.
     let first_list = opts.objects as u64 / 2;
     wait::until(
@@ -773,7 +835,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         tokio::time::sleep(Duration::from_millis(250)).await;
         service.sample_rss();
         let mut held = 0.0;
-        for s in std::iter::once(&service).chain(&standby) {
+        for s in std::iter::once(&service).chain(&standby).chain(&churn) {
             if let Some(m) = s.metrics().await {
                 held += metric_sum(&m, "keb_listener_buffered_notifications");
             }
@@ -817,6 +879,55 @@ async fn run(scenario: &str, opts: &Options) -> String {
                     _ => {}
                 }
             }
+            // 3 replicas → 5 → 2 → a rolling update to another shard count (and, with Kafka, a
+            // lower `delivery_timeout`) → one SIGKILLed and replaced → 3.
+            "shard-churn" if started.elapsed() >= duration * (churn_step + 1) / 6 => {
+                churn_step += 1;
+                let mut stop = |s: &mut Service, signal: &str| {
+                    exits.push(s.signal(signal));
+                    peak_rss = peak_rss.max(s.peak_rss_mib);
+                };
+                match churn_step {
+                    1 => {
+                        for _ in 0..2 {
+                            churn.push(start_replica(&config, started_replicas).await);
+                            started_replicas += 1;
+                        }
+                    }
+                    2 => {
+                        for mut s in churn.drain(..3) {
+                            stop(&mut s, "TERM");
+                        }
+                    }
+                    3 => {
+                        let new = start_replica(&rolled, started_replicas).await;
+                        started_replicas += 1;
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                        let mut old = std::mem::replace(&mut service, new);
+                        stop(&mut old, "TERM");
+                        let new = start_replica(&rolled, started_replicas).await;
+                        started_replicas += 1;
+                        tokio::time::sleep(Duration::from_secs(10)).await;
+                        for mut s in churn.drain(..) {
+                            stop(&mut s, "TERM");
+                        }
+                        churn.push(new);
+                    }
+                    4 => {
+                        for mut s in churn.drain(..) {
+                            stop(&mut s, "KILL");
+                        }
+                        churn.push(start_replica(&rolled, started_replicas).await);
+                        started_replicas += 1;
+                    }
+                    5 => {
+                        churn.push(start_replica(&rolled, started_replicas).await);
+                        started_replicas += 1;
+                    }
+                    _ => {}
+                }
+                faults.fetch_add(1, Ordering::Relaxed);
+            }
             "sigterm" | "sigkill" if !fault_done && started.elapsed() >= duration / 2 => {
                 let signal = if scenario == "sigterm" {
                     "TERM"
@@ -843,10 +954,17 @@ async fn run(scenario: &str, opts: &Options) -> String {
     load.await.unwrap();
     api.throttle_every(None);
     // Caught up: the service holds nothing and the stream stopped growing.
-    let services: Vec<&Service> = std::iter::once(&service).chain(&standby).collect();
+    let services: Vec<&Service> = std::iter::once(&service)
+        .chain(&standby)
+        .chain(&churn)
+        .collect();
     let caught_up = catch_up(&services, &broker, Duration::from_secs(300)).await;
     service.sample_rss();
     peak_rss = peak_rss.max(service.peak_rss_mib);
+    for s in &mut churn {
+        s.sample_rss();
+        peak_rss = peak_rss.max(s.peak_rss_mib);
+    }
     let (p99, acked, suppressed) = match service.metrics().await {
         Some(m) => (
             histogram_p99(&m, "keb_end_to_end_latency_seconds"),
@@ -904,6 +1022,10 @@ async fn run(scenario: &str, opts: &Options) -> String {
             format!("  down {} s", faults.load(Ordering::Relaxed))
         }
         "sigterm" | "sigkill" => format!("  exit {:?}", exits.first().copied().flatten()),
+        "shard-churn" => format!(
+            "  steps {}  replicas started {started_replicas}  exits {exits:?}",
+            faults.load(Ordering::Relaxed)
+        ),
         "slow-sink" => format!(
             "  rss cap {SLOW_RSS_CAP_MIB} MiB: {}",
             if peak_rss <= SLOW_RSS_CAP_MIB {

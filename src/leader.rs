@@ -151,6 +151,28 @@ pub struct Fence(std::sync::Arc<FenceTimes>);
 pub struct FenceTimes {
     from: std::sync::atomic::AtomicU64,
     until: std::sync::atomic::AtomicU64,
+    // A deadline shared with other fences that this one never outlasts (see `Fence::capped`).
+    cap: Option<FenceCap>,
+}
+
+/// A deadline several fences share and never outlast: the sharded replicas' hold on the
+/// single-leader Lease (see [`crate::membership`]), which every shard's fence is capped by,
+/// so that no shard publishes once a single leader could have taken that Lease over.
+#[derive(Debug, Clone, Default)]
+pub struct FenceCap(std::sync::Arc<std::sync::atomic::AtomicU64>);
+
+impl FenceCap {
+    /// Fences capped by it are valid until `deadline` at most (until extended again).
+    pub fn extend_to(&self, deadline: Instant) {
+        self.0.fetch_max(
+            since_base(deadline).max(1),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+    }
+
+    fn get(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 /// The instant fence deadlines count from.
@@ -164,6 +186,15 @@ fn since_base(t: Instant) -> u64 {
 }
 
 impl Fence {
+    /// A fence that is never valid past `cap`'s deadline (held back, not lost, while it has
+    /// lapsed).
+    pub fn capped(cap: FenceCap) -> Self {
+        Self(std::sync::Arc::new(FenceTimes {
+            cap: Some(cap),
+            ..FenceTimes::default()
+        }))
+    }
+
     /// Whether a message may be handed over (or a checkpoint written) now.
     pub fn is_valid(&self) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
@@ -172,12 +203,13 @@ impl Fence {
         let until = self.0.until.load(SeqCst);
         let from = self.0.from.load(SeqCst);
         let now = since_base(Instant::now());
-        until > 0 && from <= now && now < until
+        until > 0 && from <= now && now < until && self.0.cap.as_ref().is_none_or(|c| now < c.get())
     }
 
     /// Until when it is valid, if it is valid now.
     pub fn valid_until(&self) -> Option<Instant> {
         let until = self.0.until.load(std::sync::atomic::Ordering::SeqCst);
+        let until = self.0.cap.as_ref().map_or(until, |c| until.min(c.get()));
         self.is_valid()
             .then(|| fence_base() + Duration::from_nanos(until))
     }
@@ -231,8 +263,12 @@ impl Fence {
             if until == 0 || now >= until {
                 return false;
             }
-            // Short steps: a loss (revoke) ends the wait within one.
-            let left = Duration::from_nanos(from.saturating_sub(now));
+            // Short steps: a loss (revoke) ends the wait within one. Past `from`, only a
+            // lapsed cap holds it back: it is looked at again every 100 ms.
+            let left = match from.saturating_sub(now) {
+                0 => Duration::from_millis(100),
+                n => Duration::from_nanos(n),
+            };
             tokio::time::sleep(left.clamp(Duration::from_millis(1), Duration::from_millis(100)))
                 .await;
         }
@@ -260,6 +296,28 @@ pub const DELIVERED_WITHIN_ANNOTATION: &str = "kube-event-bridge.io/delivered-wi
 /// `lease_duration` (the taker judged it expired at least that long after that renewal).
 pub fn holders_wait(delivered_within: Duration, lease_duration: Duration) -> Duration {
     delivered_within.saturating_sub(lease_duration)
+}
+
+/// What `lease`'s [`DELIVERED_WITHIN_ANNOTATION`] says, if `holder` wrote it.
+pub fn delivered_within_of(lease: &Lease, holder: &str) -> Option<Duration> {
+    let (within, by) = lease
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(DELIVERED_WITHIN_ANNOTATION)?
+        .rsplit_once(';')?;
+    (by == holder).then_some(())?;
+    humantime_serde::re::humantime::parse_duration(within.trim()).ok()
+}
+
+/// The [`DELIVERED_WITHIN_ANNOTATION`] value `holder` writes: `within` rounded up to whole
+/// seconds, tagged with it.
+pub fn delivered_within_text(within: Duration, holder: &str) -> String {
+    let whole = Duration::from_millis(within.as_millis().div_ceil(1000) as u64 * 1000);
+    format!(
+        "{};{holder}",
+        humantime_serde::re::humantime::format_duration(whole)
+    )
 }
 
 /// A request to hand a lease on: the follower stops publishing, drains what it handed over and
@@ -649,17 +707,10 @@ impl LeaderElector {
         // What the last holder said of its deliveries (a holder of another release: nothing).
         // What the last holder said of its deliveries, if it said it (an earlier run of this
         // identity counts: its messages may still be on their way too).
-        let holders_wait = holder.as_deref().and_then(|h| {
-            let (within, by) = lease
-                .metadata
-                .annotations
-                .as_ref()?
-                .get(DELIVERED_WITHIN_ANNOTATION)?
-                .rsplit_once(';')?;
-            (by == h).then_some(())?;
-            let within = humantime_serde::re::humantime::parse_duration(within.trim()).ok()?;
-            Some(holders_wait(within, duration))
-        });
+        let holders_wait = holder
+            .as_deref()
+            .and_then(|h| delivered_within_of(&lease, h))
+            .map(|within| holders_wait(within, duration));
         // Taking it over, this holder waits for the last one's messages: the wait it owes
         // is part of what it writes from the start.
         let owed = if holder.is_some() && !*self.leading.borrow() {
@@ -697,13 +748,7 @@ impl LeaderElector {
     /// `owed` (from this renewal on) still covers an earlier holder's messages, so that the
     /// wait still owed travels on to whoever takes the Lease next. Rounded up to seconds.
     fn delivered_within_text(&self, owed: Duration) -> String {
-        let within = self.delivered_within.max(owed);
-        let whole = Duration::from_millis(within.as_millis().div_ceil(1000) as u64 * 1000);
-        format!(
-            "{};{}",
-            humantime_serde::re::humantime::format_duration(whole),
-            self.identity
-        )
+        delivered_within_text(self.delivered_within.max(owed), &self.identity)
     }
 
     /// Counts `keb_takeover_wait_seconds` down to `until` while the fence waits for it, and

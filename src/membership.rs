@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::{
-    leader::LeaderElectionConfig,
+    leader::{FenceCap, LeaderElectionConfig},
     shard::{Shard, fnv1a64},
 };
 
@@ -49,6 +49,11 @@ pub const SHARDS_ANNOTATION: &str = "kube-event-bridge.io/shards";
 /// The single-leader Lease's holder while sharded replicas publish: this, then their shard
 /// count (`kube-event-bridge.io/shards-12`). No pod is named so.
 pub const GROUP_HOLDER_PREFIX: &str = "kube-event-bridge.io/shards-";
+
+/// On the single-leader Lease, written by the sharded replica that took it over from an
+/// expired holder: how long every member waits, from when it first sees this, before it
+/// claims shards (the last holder's messages may still be on their way).
+pub const GROUP_WAIT_ANNOTATION: &str = "kube-event-bridge.io/group-takeover-wait";
 
 /// How long a replica that just started looks at the membership before it claims shards:
 /// two `retry_period`s (replicas started with it write their Leases at their first pass),
@@ -124,11 +129,35 @@ pub struct Membership {
     collect: bool,
     // How long a lease stays unrenewed before it is deleted (see `forgotten_after`).
     forget_after: Duration,
-    // The single-leader Lease (`lease_name`) as last seen, and when it was first seen so.
-    group_seen: Option<(Record, Instant)>,
+    // The single-leader Lease (`lease_name`) as last seen, when it was first seen so, and
+    // when the read that saw it started.
+    group_seen: Option<(Record, Instant, Instant)>,
     // How long a replica waits before it claims shards after another count's or a single
     // leader's replicas stopped publishing (their messages may still be on their way).
     takeover_wait: Duration,
+    // What this replica writes as the group's `delivered-within` (renew deadline plus its
+    // longest delivery): a single leader taking the Lease over waits it out.
+    delivered_within: Duration,
+    renew_deadline: Duration,
+    // The deadline every shard's fence is capped by: a confirmed hold on the group Lease
+    // plus `renew_deadline`.
+    cap: FenceCap,
+    // No shard is claimed before then (a takeover wait of the group, or after a conflict).
+    claim_after: Option<Instant>,
+    // Whether the last look saw the group's takeover wait annotation.
+    group_wait_seen: bool,
+}
+
+/// The group's hold on the single-leader Lease, as one pass found it.
+#[derive(Debug, PartialEq)]
+enum Group {
+    /// Held for this group, and confirmed (the fences' cap extended).
+    Ours,
+    /// Held, live, by a single leader or another count's group.
+    Held(String),
+    /// Not known this pass (an error, or a write that lost a race): claims stay as they
+    /// are, and the fences' cap lapses unless a later pass confirms the hold in time.
+    Unknown(String),
 }
 
 /// What identifies a membership lease's renewal: its holder and renew time.
@@ -159,7 +188,26 @@ impl Membership {
             forget_after: forgotten_after(cfg.lease_duration),
             group_seen: None,
             takeover_wait: Duration::ZERO,
+            delivered_within: cfg.renew_deadline,
+            renew_deadline: cfg.renew_deadline,
+            cap: FenceCap::default(),
+            claim_after: None,
+            group_wait_seen: false,
         }
+    }
+
+    /// Caps every shard's fence: valid only while this replica's group is confirmed to hold
+    /// the single-leader Lease (see [`Self::hold_group`]).
+    pub fn capping(mut self, cap: FenceCap) -> Self {
+        self.cap = cap;
+        self
+    }
+
+    /// Writes `within` (renew deadline plus the longest delivery) as the group's
+    /// `delivered-within`, which a single leader taking the Lease over waits out.
+    pub fn delivering_within(mut self, within: Duration) -> Self {
+        self.delivered_within = within;
+        self
     }
 
     /// After the replicas of another shard count or a single leader stop publishing, claims
@@ -176,86 +224,173 @@ impl Membership {
     }
 
     /// Holds the single-leader Lease (`lease_name`) for this replica's group (the sharded
-    /// replicas of its shard count), so that a single-leader replica (`sharding.shards: 1`, of
-    /// this release or an older one, whose elector reads that Lease) stands by while they
-    /// publish, and they stand by while it leads. Returns the live holder of another
-    /// group or a single leader, if any; an expired one is taken over (then this replica
-    /// waits its takeover wait before claiming, see [`Self::takeover_wait`]).
-    async fn hold_group(&mut self) -> Result<Option<String>, kube::Error> {
-        let now = Instant::now();
+    /// replicas of its shard count), so that a single-leader replica (`sharding.shards: 1`,
+    /// of this release or an older one, whose elector reads that Lease) stands by while they
+    /// publish, and they stand by while it leads.
+    ///
+    /// - A live foreign holder (renewed within its `leaseDurationSeconds`, as this replica
+    ///   saw it) is [`Group::Held`]: claim nothing.
+    /// - Otherwise the hold is confirmed: by seeing another member's renewal since the last
+    ///   look (it was written after that look started), or by renewing it. Each confirmation
+    ///   extends every shard fence's cap to its start plus `renew_deadline`: a single leader
+    ///   takes the Lease over at least `lease_duration` after the last renewal, so no shard
+    ///   of this replica publishes by then.
+    /// - Taking it over from an expired holder writes [`GROUP_WAIT_ANNOTATION`] (the
+    ///   takeover wait, and the last holder's `delivered-within` beyond the lease duration,
+    ///   whichever is longer); every member waits that long from when it first sees the
+    ///   annotation before claiming, and one whose wait is over removes it.
+    async fn hold_group(&mut self) -> Group {
         let ours = self.group_holder();
-        let current = self.api.get_opt(&self.group).await?;
-        let record: Record = current
-            .as_ref()
-            .and_then(|l| l.spec.as_ref())
-            .map(|s| {
-                (
-                    s.holder_identity.clone().filter(|h| !h.is_empty()),
-                    s.renew_time.as_ref().map(|t| t.0),
-                )
-            })
-            .unwrap_or_default();
-        let at = match self.group_seen.take() {
-            Some((r, at)) if r == record => at,
-            _ => now,
-        };
-        self.group_seen = Some((record.clone(), at));
-        let unrenewed = now.duration_since(at);
-        let foreign = record.0.as_ref().filter(|h| **h != ours).cloned();
-        if let Some(holder) = &foreign
-            && unrenewed < self.lease_duration
-        {
-            return Ok(Some(holder.clone()));
-        }
-        // Ours already, free, or expired: renewed (by any member of the group: once per
-        // third of a lease duration is enough).
-        if foreign.is_none() && record.0.is_some() && unrenewed < self.lease_duration / 3 {
-            return Ok(None);
-        }
-        let spec = LeaseSpec {
-            holder_identity: Some(ours.clone()),
-            lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
-            renew_time: Some(MicroTime(jiff::Timestamp::now())),
-            ..Default::default()
-        };
-        let result = match current {
-            Some(mut lease) => {
-                lease.spec = Some(spec);
-                self.api
-                    .replace(&self.group, &PostParams::default(), &lease)
-                    .await
-                    .map(|_| ())
+        for attempt in 0..2 {
+            let start = Instant::now();
+            let current = match tokio::time::timeout(
+                self.renew_deadline,
+                self.api.get_opt(&self.group),
+            )
+            .await
+            {
+                Ok(Ok(lease)) => lease,
+                Ok(Err(err)) => return Group::Unknown(err.to_string()),
+                Err(_) => return Group::Unknown("the read timed out".into()),
+            };
+            let spec = current
+                .as_ref()
+                .and_then(|l| l.spec.clone())
+                .unwrap_or_default();
+            let record: Record = (
+                spec.holder_identity.clone().filter(|h| !h.is_empty()),
+                spec.renew_time.as_ref().map(|t| t.0),
+            );
+            let previous = self.group_seen.take();
+            let at = match &previous {
+                Some((r, at, _)) if *r == record => *at,
+                _ => start,
+            };
+            self.group_seen = Some((record.clone(), at, start));
+            let duration = spec
+                .lease_duration_seconds
+                .map_or(
+                    self.lease_duration,
+                    |s| Duration::from_secs(s.max(1) as u64),
+                );
+            let foreign = record.0.clone().filter(|h| *h != ours);
+            if let Some(holder) = &foreign
+                && start.duration_since(at) < duration
+            {
+                return Group::Held(holder.clone());
             }
-            None => {
-                let lease = Lease {
-                    metadata: ObjectMeta {
-                        name: Some(self.group.clone()),
-                        ..Default::default()
-                    },
-                    spec: Some(spec),
-                };
-                self.api
-                    .create(&PostParams::default(), &lease)
-                    .await
-                    .map(|_| ())
+            let wait = current
+                .as_ref()
+                .and_then(|l| l.metadata.annotations.as_ref()?.get(GROUP_WAIT_ANNOTATION))
+                .and_then(|w| humantime_serde::re::humantime::parse_duration(w).ok());
+            if foreign.is_none() {
+                self.note_group_wait(wait, start);
             }
-        };
-        match result {
-            Ok(()) => {
-                if let Some(holder) = foreign {
-                    info!(lease = %self.group, previous = %holder, wait = ?self.takeover_wait, "Took the single-leader Lease over for this replica's shard count after its holder stopped renewing it");
+            // Another member renewed it since this replica's last look, which started
+            // before that renewal: confirmed, no write needed.
+            if let Some((seen, _, looked)) = &previous
+                && foreign.is_none()
+                && record.0.is_some()
+                && *seen != record
+                && wait.is_none_or(|_| !self.group_wait_over(start))
+            {
+                self.cap.extend_to(*looked + self.renew_deadline);
+                return Group::Ours;
+            }
+            let mut lease = current.unwrap_or_else(|| Lease {
+                metadata: ObjectMeta {
+                    name: Some(self.group.clone()),
+                    ..Default::default()
+                },
+                spec: None,
+            });
+            let now = MicroTime(jiff::Timestamp::now());
+            let owed = foreign.as_deref().map(|h| {
+                let holders = crate::leader::delivered_within_of(&lease, h)
+                    .map(|w| crate::leader::holders_wait(w, duration))
+                    .unwrap_or_default();
+                self.takeover_wait.max(holders)
+            });
+            lease.spec = Some(LeaseSpec {
+                holder_identity: Some(ours.clone()),
+                lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
+                renew_time: Some(now.clone()),
+                acquire_time: if record.0.as_deref() == Some(ours.as_str()) {
+                    spec.acquire_time.clone()
+                } else {
+                    Some(now.clone())
+                },
+                lease_transitions: Some(
+                    spec.lease_transitions.unwrap_or(0) + i32::from(record.0 != Some(ours.clone())),
+                ),
+                ..Default::default()
+            });
+            let annotations = lease.metadata.annotations.get_or_insert_default();
+            annotations.insert(
+                crate::leader::DELIVERED_WITHIN_ANNOTATION.to_owned(),
+                crate::leader::delivered_within_text(self.delivered_within, &ours),
+            );
+            match owed {
+                Some(owed) => {
+                    annotations.insert(
+                        GROUP_WAIT_ANNOTATION.to_owned(),
+                        format!("{}s", owed.as_millis().div_ceil(1000)),
+                    );
                 }
-                Ok(None)
+                None if wait.is_some() && self.group_wait_over(start) => {
+                    annotations.remove(GROUP_WAIT_ANNOTATION);
+                }
+                None => {}
             }
-            // Another member renewed it at the same moment: still ours.
-            Err(kube::Error::Api(s)) if s.code == 409 && record.0.as_deref() == Some(&ours) => {
-                Ok(None)
+            let exists = lease.metadata.resource_version.is_some();
+            let write = async {
+                if exists {
+                    self.api
+                        .replace(&self.group, &PostParams::default(), &lease)
+                        .await
+                        .map(|_| ())
+                } else {
+                    self.api
+                        .create(&PostParams::default(), &lease)
+                        .await
+                        .map(|_| ())
+                }
+            };
+            match tokio::time::timeout(self.renew_deadline, write).await {
+                Ok(Ok(())) => {
+                    self.cap.extend_to(start + self.renew_deadline);
+                    self.group_seen =
+                        Some(((Some(ours.clone()), Some(now.0)), Instant::now(), start));
+                    if let (Some(holder), Some(owed)) = (&foreign, owed) {
+                        info!(lease = %self.group, previous = %holder, wait = ?owed, "Took the single-leader Lease over for this replica's shard count after its holder stopped renewing it: claiming shards after the wait");
+                        self.note_group_wait(Some(owed), start);
+                    }
+                    return Group::Ours;
+                }
+                // Written by someone else since the read: read again, once.
+                Ok(Err(kube::Error::Api(s))) if s.code == 409 && attempt == 0 => continue,
+                Ok(Err(err)) => return Group::Unknown(err.to_string()),
+                Err(_) => return Group::Unknown("the write timed out".into()),
             }
-            // Taken by someone else at the same moment (it was free or expired): looked at
-            // again at the next pass.
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(Some(String::new())),
-            Err(err) => Err(err),
         }
+        Group::Unknown("the Lease changed under two writes in a row".into())
+    }
+
+    /// Notes the group's takeover wait `wait` as seen at `at`: no shard is claimed until it
+    /// has passed from this replica's first sighting of it.
+    fn note_group_wait(&mut self, wait: Option<Duration>, at: Instant) {
+        if let Some(wait) = wait
+            && self.claim_after.is_none_or(|c| c < at)
+            && !self.group_wait_seen
+        {
+            self.claim_after = Some(at + wait);
+        }
+        self.group_wait_seen = wait.is_some();
+    }
+
+    /// Whether this replica's wait for the group's takeover is over.
+    fn group_wait_over(&self, now: Instant) -> bool {
+        self.claim_after.is_none_or(|c| now >= c)
     }
 
     /// The shards this replica should own, now and on every change (empty until it has
@@ -275,11 +410,20 @@ impl Membership {
         let started = Instant::now();
         let mut list_failed = false;
         let mut conflict_logged = false;
-        // Claims wait until then after a conflict ended (see `takeover_wait`).
-        let mut claim_after = started;
+        let mut unknown_logged = false;
+        let mut unknown_since: Option<Instant> = None;
         let mut conflicted = false;
         loop {
-            match self.members().await {
+            // First, and bounded: the shards' fences are capped by it, whatever the rest does.
+            let group = self.hold_group().await;
+            let members = tokio::time::timeout(self.renew_deadline, self.members())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(kube::Error::Service(
+                        "listing the membership leases timed out".into(),
+                    ))
+                });
+            match members {
                 Ok((members, other)) => {
                     list_failed = false;
                     // Renewed only while this replica sees the others: one that cannot list
@@ -289,35 +433,57 @@ impl Membership {
                         warn!(error = %err, "Cannot renew the membership lease; retrying");
                     }
                     self.replicas.set(members.len() as i64);
-                    let other = match self.hold_group().await {
-                        Ok(None) => other,
-                        // Taken by someone else at the moment it was free: nothing changes
-                        // until the next pass tells who.
-                        Ok(Some(holder)) if holder.is_empty() => {
-                            tokio::select! {
-                                _ = cancel.cancelled() => break,
-                                _ = tokio::time::sleep(self.retry_period) => {}
-                            }
-                            continue;
+                    let now = Instant::now();
+                    let (other, own_trouble) = match group {
+                        Group::Ours => {
+                            (unknown_since, unknown_logged) = (None, false);
+                            (other, false)
                         }
-                        Ok(Some(holder)) => Some((holder, format!("lease {}", self.group))),
-                        Err(err) => {
-                            warn!(error = %err, lease = %self.group, "Cannot read or renew the single-leader Lease: claiming nothing until it can (does the Role allow get and update on it?)");
-                            Some((String::new(), format!("lease {}", self.group)))
+                        Group::Held(holder) => {
+                            (unknown_since, unknown_logged) = (None, false);
+                            (Some((holder, format!("lease {}", self.group))), false)
+                        }
+                        Group::Unknown(why) => {
+                            let since = *unknown_since.get_or_insert(now);
+                            if now.duration_since(since) < self.renew_deadline {
+                                // Claims stay as they are (their fences' cap lapses if this
+                                // lasts): a moment's error hands nothing over.
+                                if !unknown_logged {
+                                    warn!(lease = %self.group, error = %why, "Cannot confirm this replica's group holds the single-leader Lease; its shards publish nothing until it can");
+                                    unknown_logged = true;
+                                }
+                                tokio::select! {
+                                    _ = cancel.cancelled() => break,
+                                    _ = tokio::time::sleep(self.retry_period) => {}
+                                }
+                                continue;
+                            }
+                            // For longer: its shards go to replicas that can (does the Role
+                            // allow get and update on it?).
+                            (
+                                Some((
+                                    format!("unconfirmed: {why}"),
+                                    format!("lease {}", self.group),
+                                )),
+                                true,
+                            )
                         }
                     };
-                    if other.is_some() {
+                    if own_trouble {
+                        // This replica's own trouble: no takeover wait once it is over.
+                    } else if other.is_some() {
                         conflicted = true;
                     } else if conflicted {
                         conflicted = false;
-                        claim_after = Instant::now() + self.takeover_wait;
+                        let after = now + self.takeover_wait;
+                        self.claim_after = Some(self.claim_after.map_or(after, |c| c.max(after)));
                         info!(wait = ?self.takeover_wait, "No replica of another shard count or single leader publishes any more: claiming shards after the takeover wait");
                     }
                     // Until replicas started with it had a moment to write their Leases, a
                     // replica that just started would count itself alone and claim every
                     // shard (see `settle_time`).
                     if started.elapsed() >= settle_time(self.lease_duration, self.retry_period)
-                        && (other.is_some() || Instant::now() >= claim_after)
+                        && (other.is_some() || self.group_wait_over(Instant::now()))
                     {
                         let mine = match &other {
                             Some((who, count)) => {

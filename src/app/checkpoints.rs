@@ -116,6 +116,7 @@ pub(super) fn take_over(
             ..TakenOver::default()
         };
     }
+    let had_own = own.is_some();
     let mut merged = own.unwrap_or_default();
     let mut copied: BTreeMap<String, Entry> = BTreeMap::new();
     let mut writes = Vec::new();
@@ -145,26 +146,26 @@ pub(super) fn take_over(
         writes.insert(0, (route.to_owned(), copied));
     }
     TakenOver {
-        checkpoint: Some(merged),
+        // A route with no checkpoint that took nothing over starts as one would: its first
+        // list is the objects' initial adds.
+        checkpoint: (had_own || taken > 0).then_some(merged),
         writes,
         taken,
     }
 }
 
-/// Loads the checkpoints of `routes` (each with its family) from `store` in one pass, takes
-/// over their families' records (see [`take_over`]) and writes the moves. Per route, in
-/// order: its checkpoint, or why it cannot resume.
+/// Loads the checkpoints of `routes` (each with its family and checkpointer) from `store`,
+/// takes over their families' records (see [`take_over`]) and writes the moves (only while
+/// the route's fence is valid: a deposed owner moves nothing). Per route, in order: its
+/// checkpoint, or why it cannot resume.
 async fn load_taking_over(
     store: &dyn CheckpointStore,
-    routes: &[(&str, &Family)],
+    routes: &[(&str, &Family, &Checkpointer)],
     cluster: &str,
 ) -> Vec<Result<Option<Checkpoint>, Refusal>> {
-    let wanted = |name: &str| {
-        routes
-            .iter()
-            .any(|(route, family)| *route == name || family.sibling(name).is_some())
-    };
-    let mut loaded = match store.load_where(&wanted).await {
+    let names: Vec<String> = routes.iter().map(|(r, ..)| (*r).to_owned()).collect();
+    let siblings = |name: &str| routes.iter().any(|(_, f, _)| f.sibling(name).is_some());
+    let mut loaded = match store.load_family(&names, &siblings).await {
         Ok(loaded) => loaded,
         Err(err) => {
             let why = Refusal::Unreadable(format!("cannot read its checkpoint: {err}"));
@@ -172,7 +173,7 @@ async fn load_taking_over(
         }
     };
     let mut out = Vec::new();
-    for (route, family) in routes {
+    for (route, family, checkpointer) in routes {
         let own = match check_cluster(route, store, loaded.remove(*route), cluster) {
             Ok(own) => own,
             Err(why) => {
@@ -182,19 +183,17 @@ async fn load_taking_over(
         };
         let mut siblings = Vec::new();
         let mut emptied = Vec::new();
-        let mut refused = None;
         for (name, checkpoint) in loaded.iter().filter(|(n, _)| family.sibling(n).is_some()) {
             match check_cluster(name, store, Some(checkpoint.clone()), cluster) {
                 Ok(Some(c)) if !c.is_empty() => siblings.push((name.clone(), c)),
                 // Only its cluster key is left (its records were taken over before).
                 Ok(_) if checkpoint.contains_key(CLUSTER_KEY) => emptied.push(name.clone()),
                 Ok(_) => {}
-                Err(why) => refused = Some(why),
+                // Not this cluster's: another cluster sharing the store, with another count.
+                Err(why) => {
+                    warn!(route, other = %name, reason = why.reason(), "Not taking over the checkpoint of another cluster's route")
+                }
             }
-        }
-        if let Some(why) = refused {
-            out.push(Err(why));
-            continue;
         }
         siblings.sort_by(|a, b| a.0.cmp(&b.0));
         let others: Vec<String> = siblings.iter().map(|(n, _)| n.clone()).collect();
@@ -204,8 +203,17 @@ async fn load_taking_over(
                 .into_iter()
                 .map(|name| (name, vec![(CLUSTER_KEY.to_owned(), None)])),
         );
+        taken.writes.retain(|(_, changes)| !changes.is_empty());
         if !taken.writes.is_empty() {
-            let moved = taken.writes.iter().map(|(_, c)| c.len()).sum::<usize>();
+            if checkpointer.is_fenced() {
+                out.push(Err(Refusal::Unreadable(
+                    "its lease lapsed while it took over another shard count's checkpoint \
+                     records"
+                        .into(),
+                )));
+                continue;
+            }
+            let writes = taken.writes.iter().map(|(_, c)| c.len()).sum::<usize>();
             if let Err(err) = store.write_routes(route, taken.writes).await {
                 out.push(Err(Refusal::Unreadable(format!(
                     "cannot take over the checkpoint records of {} (another shard count's \
@@ -214,7 +222,9 @@ async fn load_taking_over(
                 ))));
                 continue;
             }
-            info!(route, from = ?others, entries = taken.taken, writes = moved, "Took over the checkpoint records of this shard from the routes of another shard count");
+            if taken.taken > 0 {
+                info!(route, from = ?others, entries = taken.taken, writes, "Took over the checkpoint records of this shard from the routes of another shard count");
+            }
         }
         out.push(Ok(taken.checkpoint));
     }
@@ -283,9 +293,12 @@ pub(super) async fn resume_from_checkpoints(
     }
     let mut refused = Vec::new();
     for (store, group) in by_store {
-        let routes: Vec<(&str, &Family)> = group
+        let routes: Vec<(&str, &Family, &Checkpointer)> = group
             .iter()
-            .map(|&i| (resumes[i].checkpointer.route(), &resumes[i].family))
+            .map(|&i| {
+                let r = resumes[i];
+                (r.checkpointer.route(), &r.family, r.checkpointer.as_ref())
+            })
             .collect();
         // No write of these routes lands between the read and `knows` (see there).
         let _writes_held =
@@ -383,7 +396,7 @@ pub(super) fn wait_for_checkpoint(
             let started = std::time::Instant::now();
             let loaded = load_taking_over(
                 store.as_ref(),
-                &[(w.resume_route.as_str(), &w.family)],
+                &[(w.resume_route.as_str(), &w.family, w.checkpointer.as_ref())],
                 &cluster,
             )
             .await
@@ -608,5 +621,16 @@ mod tests {
             vec![("cm#1-of-2/out".into(), sibling)],
         );
         assert_eq!(fresh.checkpoint.unwrap()["ns/a"], pending);
+        // Nothing of its shard elsewhere either: its first list is initial adds.
+        let (a, b) = split_namespaces();
+        let elsewhere: Checkpoint = [(format!("{b}/x"), entry(4))].into();
+        let none = take_over(
+            "cm#0-of-2/out",
+            Shard { index: 0, count: 2 },
+            None,
+            vec![("cm/out".into(), elsewhere)],
+        );
+        assert_eq!(none.checkpoint, None);
+        assert!(!a.is_empty());
     }
 }

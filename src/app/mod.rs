@@ -194,8 +194,17 @@ impl App {
         let (namespace, identity) = (leader::default_namespace(le), leader::default_identity(le));
         let mut parts = Vec::new();
         let mut campaigns = Vec::new();
+        // Sharded: every shard's fence is capped by the group's hold on the single-leader
+        // Lease (see `Membership::hold_group`).
+        let cap = crate::leader::FenceCap::default();
         for shard in shards.iter().copied() {
-            let fence = le.enabled.then(crate::leader::Fence::default);
+            let fence = le.enabled.then(|| {
+                if shards.len() > 1 {
+                    crate::leader::Fence::capped(cap.clone())
+                } else {
+                    crate::leader::Fence::default()
+                }
+            });
             let wiring = Arc::new(Wiring {
                 config: config.clone(),
                 client: client.clone(),
@@ -311,7 +320,15 @@ impl App {
                     shards.clone(),
                     metrics.shard_replicas.clone(),
                 )
-                .takeover_wait(config.takeover_wait()),
+                .takeover_wait(config.takeover_wait())
+                .capping(cap.clone())
+                .delivering_within(
+                    le.renew_deadline
+                        + config
+                            .longest_delivery()
+                            .map(|(d, ..)| d)
+                            .unwrap_or_default(),
+                ),
                 campaigns,
             )
         });

@@ -38,12 +38,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::informer::{Notification, NotificationKind, ObjectRef, resource_version};
-pub use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result};
-
-/// The key under which a route's checkpoint records the cluster it belongs to (the uid of
-/// its `kube-system` namespace) as the entry's uid. No object has this key: `:` is not allowed
-/// in names.
-pub const CLUSTER_KEY: &str = ":cluster";
+pub use crate::sinks::checkpoint::{
+    CLUSTER_KEY, Change, Checkpoint, CheckpointStore, Entry, Error, Result,
+};
 
 /// Records one route's acknowledgements and writes them to its store. See the module docs.
 pub struct Checkpointer {
@@ -194,6 +191,11 @@ impl Checkpointer {
 
     fn fenced(&self) -> bool {
         self.fence.as_ref().is_some_and(|f| !f.is_valid())
+    }
+
+    /// Whether its lease lapsed (with leader election): it writes nothing then.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced()
     }
 
     /// A leadership term ended: what it recorded and did not write is dropped, never written
@@ -661,11 +663,12 @@ mod tests {
         fn describe(&self) -> String {
             self.inner.describe()
         }
-        fn load_where<'a>(
+        fn load_family<'a>(
             &'a self,
-            wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
+            routes: &'a [String],
+            also: &'a (dyn Fn(&str) -> bool + Send + Sync),
         ) -> futures::future::BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
-            self.inner.load_where(wanted)
+            self.inner.load_family(routes, also)
         }
         fn write<'a>(
             &'a self,

@@ -25,6 +25,11 @@ pub enum Error {
     NotLeading,
 }
 
+/// The key under which a route's checkpoint records the cluster it belongs to (the uid of
+/// its `kube-system` namespace) as the entry's uid. No object has this key: `:` is not allowed
+/// in names.
+pub const CLUSTER_KEY: &str = ":cluster";
+
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -54,26 +59,24 @@ pub trait CheckpointStore: Send + Sync {
     /// The store, for logs and errors (a file path, a topic, a bucket).
     fn describe(&self) -> String;
 
-    /// The checkpoints of every route whose name `wanted` accepts, read in one pass over the
-    /// store; a route the store holds nothing for is absent. A record of an accepted route
-    /// that cannot be read makes the load an error naming the route and key (the checkpoint
-    /// would be incomplete, and a resume from it would lose or invent deletes).
-    fn load_where<'a>(
+    /// The checkpoints of `routes` and of every other route whose name `also` accepts, read
+    /// together; a route the store holds nothing for is absent. A record of one of them that
+    /// cannot be read makes the load an error naming the route and key (the checkpoint
+    /// would be incomplete, and a resume from it would lose or invent deletes). A store that
+    /// cannot list its routes cheaply (NATS) finds the others by their [`CLUSTER_KEY`]
+    /// record.
+    fn load_family<'a>(
         &'a self,
-        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
+        routes: &'a [String],
+        also: &'a (dyn Fn(&str) -> bool + Send + Sync),
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>>;
 
-    /// The checkpoints of `routes`, read in one pass over the store (see
-    /// [`Self::load_where`]).
+    /// The checkpoints of `routes`, read together (see [`Self::load_family`]).
     fn load_routes<'a>(
         &'a self,
         routes: &'a [String],
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
-        async move {
-            let wanted = |route: &str| routes.iter().any(|r| r == route);
-            self.load_where(&wanted).await
-        }
-        .boxed()
+        self.load_family(routes, &|_| false)
     }
 
     /// The checkpoint of `route`, or `None` when the store has never held one for it.

@@ -180,11 +180,13 @@ impl CheckpointStore for KafkaCheckpointStore {
         format!("topic {}", self.topic)
     }
 
-    fn load_where<'a>(
+    fn load_family<'a>(
         &'a self,
-        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
+        routes: &'a [String],
+        also: &'a (dyn Fn(&str) -> bool + Send + Sync),
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
+            let wanted = |route: &str| routes.iter().any(|r| r == route) || also(route);
             for t in self.transactions.iter().flat_map(|set| set.all()) {
                 // What the open transactions hold first (a route re-wired mid-term loads its
                 // checkpoint while others publish): a read_committed read would miss it, and
@@ -233,16 +235,27 @@ impl CheckpointStore for KafkaCheckpointStore {
         owner: &'a str,
         writes: Vec<(String, Vec<Change>)>,
     ) -> BoxFuture<'a, Result<()>> {
-        let records = writes
-            .into_iter()
-            .flat_map(|(route, changes)| {
-                changes
-                    .into_iter()
-                    .map(move |c| record_of(&route, c))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        self.send(owner, records).boxed()
+        async move {
+            if self.transactions.is_none() {
+                // Route after route, each acknowledged before the next is sent: a removal
+                // never lands without what it moved.
+                for (route, changes) in writes {
+                    self.write(&route, changes).await?;
+                }
+                return Ok(());
+            }
+            let records = writes
+                .into_iter()
+                .flat_map(|(route, changes)| {
+                    changes
+                        .into_iter()
+                        .map(move |c| record_of(&route, c))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            self.send(owner, records).await
+        }
+        .boxed()
     }
 }
 

@@ -19,7 +19,7 @@ use super::{
 };
 use crate::{
     sinks,
-    sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result},
+    sinks::checkpoint::{CLUSTER_KEY, Change, Checkpoint, CheckpointStore, Entry, Error, Result},
 };
 
 /// Writes waiting for their acknowledgement at once.
@@ -131,33 +131,10 @@ impl CheckpointStore for NatsCheckpointStore {
         format!("bucket {}", self.bucket)
     }
 
-    fn load_where<'a>(
-        &'a self,
-        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
-    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
-        async move {
-            // Which routes there are is known only from the keys: one pass over the bucket.
-            let prefix = format!("$KV.{}.", self.bucket);
-            let mut all: HashMap<String, Checkpoint> = HashMap::new();
-            self.read_last(
-                &format!("{prefix}>"),
-                |subject| {
-                    let rest = subject.strip_prefix(&prefix)?;
-                    let (route, key) = rest.split_once('.')?;
-                    let route = unescape(route)?;
-                    wanted(&route).then_some((route, key.to_owned()))
-                },
-                &mut all,
-            )
-            .await?;
-            Ok(all)
-        }
-        .boxed()
-    }
-
-    fn load_routes<'a>(
+    fn load_family<'a>(
         &'a self,
         routes: &'a [String],
+        also: &'a (dyn Fn(&str) -> bool + Send + Sync),
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
             // One consumer per route, each filtered to the route's keys: no route's read
@@ -166,6 +143,15 @@ impl CheckpointStore for NatsCheckpointStore {
             for route in routes {
                 if let Some(checkpoint) = self.load_route(route).await? {
                     all.insert(route.clone(), checkpoint);
+                }
+            }
+            // The others by their cluster key: one subject per route, listed by the server.
+            for route in self.routes_with_cluster_key().await? {
+                if also(&route)
+                    && !routes.contains(&route)
+                    && let Some(checkpoint) = self.load_route(&route).await?
+                {
+                    all.insert(route, checkpoint);
                 }
             }
             Ok(all)
@@ -204,6 +190,27 @@ impl CheckpointStore for NatsCheckpointStore {
 }
 
 impl NatsCheckpointStore {
+    /// Every route that holds (or held: a delete marker counts) a [`CLUSTER_KEY`] record.
+    async fn routes_with_cluster_key(&self) -> Result<Vec<String>> {
+        let (_conn, kv) = self.kv().await?;
+        let prefix = format!("$KV.{}.", self.bucket);
+        let suffix = format!(".{}", escape(CLUSTER_KEY));
+        let subjects: Vec<(String, usize)> = kv
+            .stream
+            .info_with_subjects(format!("{prefix}*{suffix}"))
+            .await
+            .map_err(|e| self.error(e))?
+            .try_collect()
+            .await
+            .map_err(|e| self.error(e))?;
+        Ok(subjects
+            .into_iter()
+            .filter_map(|(subject, _)| {
+                unescape(subject.strip_prefix(&prefix)?.strip_suffix(&suffix)?)
+            })
+            .collect())
+    }
+
     /// The checkpoint of one route, `None` when the bucket holds nothing for it.
     async fn load_route(&self, route: &str) -> Result<Option<Checkpoint>> {
         let prefix = format!("$KV.{}.{}.", self.bucket, escape(route));

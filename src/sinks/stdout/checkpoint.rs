@@ -92,11 +92,13 @@ impl CheckpointStore for FileCheckpointStore {
         format!("file {}", self.path.display())
     }
 
-    fn load_where<'a>(
+    fn load_family<'a>(
         &'a self,
-        wanted: &'a (dyn Fn(&str) -> bool + Send + Sync),
+        routes: &'a [String],
+        also: &'a (dyn Fn(&str) -> bool + Send + Sync),
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
+            let wanted = |route: &str| routes.iter().any(|r| r == route) || also(route);
             // Always from disk: a new leader must see what the previous one wrote.
             let mut cached = self.routes.lock().await;
             let all = self.read().await?;
