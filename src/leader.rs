@@ -206,6 +206,16 @@ impl Fence {
         until > 0 && from <= now && now < until && self.0.cap.as_ref().is_none_or(|c| now < c.get())
     }
 
+    /// Whether the lease is held and past its takeover wait, whatever the cap says: a lapsed
+    /// cap holds publishing back but loses nothing.
+    pub fn is_held(&self) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        let until = self.0.until.load(SeqCst);
+        let from = self.0.from.load(SeqCst);
+        let now = since_base(Instant::now());
+        until > 0 && from <= now && now < until
+    }
+
     /// Until when it is valid, if it is valid now.
     pub fn valid_until(&self) -> Option<Instant> {
         let until = self.0.until.load(std::sync::atomic::Ordering::SeqCst);

@@ -144,8 +144,8 @@ pub struct Membership {
     cap: FenceCap,
     // No shard is claimed before then (a takeover wait of the group, or after a conflict).
     claim_after: Option<Instant>,
-    // Whether the last look saw the group's takeover wait annotation.
-    group_wait_seen: bool,
+    // The tag of the group's takeover wait last applied.
+    group_wait_tag: Option<String>,
 }
 
 /// The group's hold on the single-leader Lease, as one pass found it.
@@ -192,7 +192,7 @@ impl Membership {
             renew_deadline: cfg.renew_deadline,
             cap: FenceCap::default(),
             claim_after: None,
-            group_wait_seen: false,
+            group_wait_tag: None,
         }
     }
 
@@ -228,17 +228,22 @@ impl Membership {
     /// of this release or an older one, whose elector reads that Lease) stands by while they
     /// publish, and they stand by while it leads.
     ///
-    /// - A live foreign holder (renewed within its `leaseDurationSeconds`, as this replica
-    ///   saw it) is [`Group::Held`]: claim nothing.
+    /// - A live foreign holder (its record seen unchanged for less than its
+    ///   `leaseDurationSeconds`, timed from when the read that first showed it returned) is
+    ///   [`Group::Held`]: claim nothing.
     /// - Otherwise the hold is confirmed: by seeing another member's renewal since the last
-    ///   look (it was written after that look started), or by renewing it. Each confirmation
-    ///   extends every shard fence's cap to its start plus `renew_deadline`: a single leader
-    ///   takes the Lease over at least `lease_duration` after the last renewal, so no shard
-    ///   of this replica publishes by then.
+    ///   look (with linearizable reads it was written after that look started), or by
+    ///   renewing it (written after the request started). Each confirmation extends every
+    ///   shard fence's cap to that start plus `renew_deadline`: a single leader takes the
+    ///   Lease over at the earliest `lease_duration` after the last renewal, so no shard of
+    ///   this replica publishes by then. A member renews when no other did since its last
+    ///   look, when the confirmation it saw would lapse before its next look, or when its own
+    ///   `delivered-within` is longer than the one on the Lease.
     /// - Taking it over from an expired holder writes [`GROUP_WAIT_ANNOTATION`] (the
-    ///   takeover wait, and the last holder's `delivered-within` beyond the lease duration,
-    ///   whichever is longer); every member waits that long from when it first sees the
-    ///   annotation before claiming, and one whose wait is over removes it.
+    ///   takeover wait, or the last holder's `delivered-within` beyond the lease duration if
+    ///   longer), tagged with the takeover. Every member waits that long from when it first
+    ///   sees a tag before it claims shards or extends the cap, and one whose wait is over
+    ///   removes it.
     async fn hold_group(&mut self) -> Group {
         let ours = self.group_holder();
         for attempt in 0..2 {
@@ -253,6 +258,7 @@ impl Membership {
                 Ok(Err(err)) => return Group::Unknown(err.to_string()),
                 Err(_) => return Group::Unknown("the read timed out".into()),
             };
+            let seen = Instant::now();
             let spec = current
                 .as_ref()
                 .and_then(|l| l.spec.clone())
@@ -264,7 +270,7 @@ impl Membership {
             let previous = self.group_seen.take();
             let at = match &previous {
                 Some((r, at, _)) if *r == record => *at,
-                _ => start,
+                _ => seen,
             };
             self.group_seen = Some((record.clone(), at, start));
             let duration = spec
@@ -275,27 +281,46 @@ impl Membership {
                 );
             let foreign = record.0.clone().filter(|h| *h != ours);
             if let Some(holder) = &foreign
-                && start.duration_since(at) < duration
+                && seen.duration_since(at) < duration
             {
                 return Group::Held(holder.clone());
             }
-            let wait = current
-                .as_ref()
-                .and_then(|l| l.metadata.annotations.as_ref()?.get(GROUP_WAIT_ANNOTATION))
-                .and_then(|w| humantime_serde::re::humantime::parse_duration(w).ok());
-            if foreign.is_none() {
-                self.note_group_wait(wait, start);
+            let annotation = |name: &str| {
+                current
+                    .as_ref()
+                    .and_then(|l| l.metadata.annotations.as_ref()?.get(name).cloned())
+            };
+            // The group's takeover wait, under this group only (another holder's is stale).
+            let wait = annotation(GROUP_WAIT_ANNOTATION)
+                .filter(|_| foreign.is_none() && record.0.is_some())
+                .and_then(|w| {
+                    let (wait, tag) = w.split_once(';')?;
+                    let wait = humantime_serde::re::humantime::parse_duration(wait).ok()?;
+                    Some((wait.min(crate::leader::MAX_TAKEOVER_WAIT), tag.to_owned()))
+                });
+            if let Some((wait, tag)) = &wait {
+                self.note_group_wait(*wait, tag, seen);
             }
-            // Another member renewed it since this replica's last look, which started
-            // before that renewal: confirmed, no write needed.
-            if let Some((seen, _, looked)) = &previous
+            let wait_over = self.group_wait_over(Instant::now());
+            // Another member renewed it since this replica's last look.
+            if let Some((before, _, looked)) = &previous
+                && *before != record
                 && foreign.is_none()
                 && record.0.is_some()
-                && *seen != record
-                && wait.is_none_or(|_| !self.group_wait_over(start))
             {
-                self.cap.extend_to(*looked + self.renew_deadline);
-                return Group::Ours;
+                if wait_over {
+                    self.cap.extend_to(*looked + self.renew_deadline);
+                }
+                let lasts = *looked + self.renew_deadline
+                    > Instant::now() + self.retry_period * 2 + self.renew_deadline / 10;
+                let theirs = current
+                    .as_ref()
+                    .and_then(|l| crate::leader::delivered_within_of(l, &ours))
+                    .unwrap_or_default();
+                let remove = wait.is_some() && wait_over;
+                if lasts && theirs >= self.delivered_within && !remove {
+                    return Group::Ours;
+                }
             }
             let mut lease = current.unwrap_or_else(|| Lease {
                 metadata: ObjectMeta {
@@ -304,40 +329,47 @@ impl Membership {
                 },
                 spec: None,
             });
-            let now = MicroTime(jiff::Timestamp::now());
+            // Microseconds, as the API server keeps it: the next look compares it exactly.
+            let now = jiff::Timestamp::from_microsecond(jiff::Timestamp::now().as_microsecond())
+                .expect("now is in range");
+            let transitions =
+                spec.lease_transitions.unwrap_or(0) + i32::from(record.0.as_deref() != Some(&ours));
             let owed = foreign.as_deref().map(|h| {
                 let holders = crate::leader::delivered_within_of(&lease, h)
                     .map(|w| crate::leader::holders_wait(w, duration))
-                    .unwrap_or_default();
+                    .unwrap_or_default()
+                    .min(crate::leader::MAX_TAKEOVER_WAIT);
                 self.takeover_wait.max(holders)
             });
+            let within = crate::leader::delivered_within_of(&lease, &ours)
+                .unwrap_or_default()
+                .max(self.delivered_within);
             lease.spec = Some(LeaseSpec {
                 holder_identity: Some(ours.clone()),
                 lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
-                renew_time: Some(now.clone()),
+                renew_time: Some(MicroTime(now)),
                 acquire_time: if record.0.as_deref() == Some(ours.as_str()) {
                     spec.acquire_time.clone()
                 } else {
-                    Some(now.clone())
+                    Some(MicroTime(now))
                 },
-                lease_transitions: Some(
-                    spec.lease_transitions.unwrap_or(0) + i32::from(record.0 != Some(ours.clone())),
-                ),
+                lease_transitions: Some(transitions),
                 ..Default::default()
             });
             let annotations = lease.metadata.annotations.get_or_insert_default();
             annotations.insert(
                 crate::leader::DELIVERED_WITHIN_ANNOTATION.to_owned(),
-                crate::leader::delivered_within_text(self.delivered_within, &ours),
+                crate::leader::delivered_within_text(within, &ours),
             );
+            let tag = transitions.to_string();
             match owed {
                 Some(owed) => {
                     annotations.insert(
                         GROUP_WAIT_ANNOTATION.to_owned(),
-                        format!("{}s", owed.as_millis().div_ceil(1000)),
+                        format!("{}s;{tag}", owed.as_millis().div_ceil(1000)),
                     );
                 }
-                None if wait.is_some() && self.group_wait_over(start) => {
+                None if foreign.is_some() || record.0.is_none() || wait_over => {
                     annotations.remove(GROUP_WAIT_ANNOTATION);
                 }
                 None => {}
@@ -358,12 +390,14 @@ impl Membership {
             };
             match tokio::time::timeout(self.renew_deadline, write).await {
                 Ok(Ok(())) => {
-                    self.cap.extend_to(start + self.renew_deadline);
                     self.group_seen =
-                        Some(((Some(ours.clone()), Some(now.0)), Instant::now(), start));
+                        Some(((Some(ours.clone()), Some(now)), Instant::now(), start));
                     if let (Some(holder), Some(owed)) = (&foreign, owed) {
                         info!(lease = %self.group, previous = %holder, wait = ?owed, "Took the single-leader Lease over for this replica's shard count after its holder stopped renewing it: claiming shards after the wait");
-                        self.note_group_wait(Some(owed), start);
+                        self.note_group_wait(owed, &tag, seen);
+                    }
+                    if self.group_wait_over(Instant::now()) {
+                        self.cap.extend_to(start + self.renew_deadline);
                     }
                     return Group::Ours;
                 }
@@ -376,16 +410,15 @@ impl Membership {
         Group::Unknown("the Lease changed under two writes in a row".into())
     }
 
-    /// Notes the group's takeover wait `wait` as seen at `at`: no shard is claimed until it
-    /// has passed from this replica's first sighting of it.
-    fn note_group_wait(&mut self, wait: Option<Duration>, at: Instant) {
-        if let Some(wait) = wait
-            && self.claim_after.is_none_or(|c| c < at)
-            && !self.group_wait_seen
-        {
-            self.claim_after = Some(at + wait);
+    /// Notes the group's takeover wait `wait`, tagged `tag`, first seen at `at`: no shard is
+    /// claimed (and the cap not extended) until it has passed from this replica's first
+    /// sighting of the tag.
+    fn note_group_wait(&mut self, wait: Duration, tag: &str, at: Instant) {
+        if self.group_wait_tag.as_deref() != Some(tag) {
+            let after = at + wait;
+            self.claim_after = Some(self.claim_after.map_or(after, |c| c.max(after)));
+            self.group_wait_tag = Some(tag.to_owned());
         }
-        self.group_wait_seen = wait.is_some();
     }
 
     /// Whether this replica's wait for the group's takeover is over.
@@ -416,6 +449,7 @@ impl Membership {
         loop {
             // First, and bounded: the shards' fences are capped by it, whatever the rest does.
             let group = self.hold_group().await;
+            let held = matches!(group, Group::Held(_));
             let members = tokio::time::timeout(self.renew_deadline, self.members())
                 .await
                 .unwrap_or_else(|_| {
@@ -429,8 +463,12 @@ impl Membership {
                     // Renewed only while this replica sees the others: one that cannot list
                     // them (RBAC without `list`) would be counted by the others and assigned
                     // shards it never campaigns for.
-                    if let Err(err) = self.renew().await {
-                        warn!(error = %err, "Cannot renew the membership lease; retrying");
+                    match tokio::time::timeout(self.renew_deadline, self.renew()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(err)) => {
+                            warn!(error = %err, "Cannot renew the membership lease; retrying")
+                        }
+                        Err(_) => warn!("Renewing the membership lease timed out; retrying"),
                     }
                     self.replicas.set(members.len() as i64);
                     let now = Instant::now();
@@ -486,6 +524,13 @@ impl Membership {
                         && (other.is_some() || self.group_wait_over(Instant::now()))
                     {
                         let mine = match &other {
+                            Some((why, lease)) if own_trouble => {
+                                if !conflict_logged {
+                                    warn!(lease = %lease, reason = %why, "This replica cannot confirm its group holds the single-leader Lease: handing its shards on");
+                                    conflict_logged = true;
+                                }
+                                BTreeSet::new()
+                            }
                             Some((who, count)) => {
                                 if !conflict_logged {
                                     warn!(replica = %who, shards = count, ours = self.shards.len(), "A live replica of another shard count, or a single leader, publishes: claiming nothing until it is gone (its routes' checkpoints are then taken over)");
@@ -509,6 +554,14 @@ impl Membership {
                     }
                 }
                 Err(err) => {
+                    if held {
+                        // Whatever the membership says, a live foreign holder means none.
+                        self.wanted.send_if_modified(|w| {
+                            let changed = !w.is_empty();
+                            w.clear();
+                            changed
+                        });
+                    }
                     if !list_failed {
                         warn!(error = %err, "Cannot list the membership leases: not renewing this replica's, so the others count it out and share the shards it does not hold (does its Role allow list on leases?)");
                     }

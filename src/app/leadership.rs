@@ -133,7 +133,7 @@ async fn hand_over(
     };
     let deadline = tokio::time::Instant::now() + limit;
     while queues.iter().any(|q| q.held() > 0) {
-        if tokio::time::Instant::now() >= deadline || !fence.is_valid() {
+        if tokio::time::Instant::now() >= deadline || !fence.is_held() {
             let held: usize = queues.iter().map(|q| q.held()).sum();
             warn!(
                 held,
@@ -346,7 +346,9 @@ async fn begin_term(
         let mut warned = false;
         loop {
             let still = || *leading.borrow() && !leading.has_changed().unwrap_or(true);
-            if !still() || !fence.is_valid() {
+            // A lapsed cap (sharded: the group's hold unconfirmed for a moment) is waited
+            // out; only a lost lease ends the term.
+            if !still() || !fence.wait_valid().await {
                 return false;
             }
             match sink.begin_term(shard, fence.valid_until()).await {
@@ -362,7 +364,7 @@ async fn begin_term(
         }
     }
     // The lease may have gone while a producer was made (its fence outlived by a slow broker).
-    *leading.borrow() && !leading.has_changed().unwrap_or(true) && fence.is_valid()
+    *leading.borrow() && !leading.has_changed().unwrap_or(true) && fence.wait_valid().await
 }
 
 /// Turns the shards assigned to this replica (see [`crate::membership`]) into what each

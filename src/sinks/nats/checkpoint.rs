@@ -139,12 +139,7 @@ impl CheckpointStore for NatsCheckpointStore {
         async move {
             // One consumer per route, each filtered to the route's keys: no route's read
             // walks another's records.
-            let mut all = HashMap::new();
-            for route in routes {
-                if let Some(checkpoint) = self.load_route(route).await? {
-                    all.insert(route.clone(), checkpoint);
-                }
-            }
+            let mut all = self.load_routes(routes).await?;
             // The others by their cluster key: one subject per route, listed by the server.
             for route in self.routes_with_cluster_key().await? {
                 if also(&route)
@@ -152,6 +147,22 @@ impl CheckpointStore for NatsCheckpointStore {
                     && let Some(checkpoint) = self.load_route(&route).await?
                 {
                     all.insert(route, checkpoint);
+                }
+            }
+            Ok(all)
+        }
+        .boxed()
+    }
+
+    fn load_routes<'a>(
+        &'a self,
+        routes: &'a [String],
+    ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
+        async move {
+            let mut all = HashMap::new();
+            for route in routes {
+                if let Some(checkpoint) = self.load_route(route).await? {
+                    all.insert(route.clone(), checkpoint);
                 }
             }
             Ok(all)
