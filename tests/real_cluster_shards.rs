@@ -551,14 +551,7 @@ async fn a_change_of_the_shard_count_loses_no_delete_and_replays_nothing() {
     let mut report = Vec::new();
     for (run, shards) in [2u32, 3, 1, 2].into_iter().enumerate() {
         let identity = format!("run-{run}-of-{shards}");
-        let config = ConfigBuilder::new()
-            .resource(json!({"name": "configmap", "api_version": "v1", "kind": "ConfigMap"}))
-            .sink(sink.clone())
-            .route_each_resource_to(&["nats"])
-            .grace_period("5s")
-            .fast_leader_election(&identity, "250ms")
-            .set("sharding", json!({"shards": shards}))
-            .value();
+        let config = counted_config(&identity, shards, &sink);
         // The replica creates the stream.
         let before = if run == 0 { 0 } else { read(&url).await.len() };
         let mut replica = Replica::start(dir.path(), &identity, &config, &cluster.kubeconfig());
