@@ -1451,3 +1451,120 @@ async fn a_fatal_producer_error_fails_readiness_naming_it() {
     );
     running.stop().await;
 }
+
+/// A checkpoint read ends while other producers keep writing the topic, as the owners of
+/// other shards do: two transactional producers commit (and now and then abort) batches on
+/// every partition all along, holding a transaction open most of the time, and an idempotent
+/// one writes without a pause. The read ends, and it holds every record acknowledged before
+/// it began and none that was aborted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_ends_while_other_producers_keep_committing() {
+    use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
+    use std::sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    };
+    let topics = Topics::of("busy-read");
+    let topic = topics.topic("checkpoints");
+    Kafka::shared().create_topic(&topic, 3);
+    let committed: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let aborted: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let (stop, half) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let writers: Vec<_> = (0..3)
+        .map(|w| {
+            let (brokers, topic) = (topics.brokers.clone(), topic.clone());
+            let (committed, aborted) = (committed.clone(), aborted.clone());
+            let (stop, half) = (stop.clone(), half.clone());
+            // Writer 2 is idempotent, without transactions or pauses.
+            let transactional = w < 2;
+            std::thread::spawn(move || {
+                let mut config = rdkafka::ClientConfig::new();
+                config.set("bootstrap.servers", &brokers);
+                if transactional {
+                    config.set("transactional.id", format!("busy-read-{w}"));
+                } else {
+                    config.set("enable.idempotence", "true").set("linger.ms", "0");
+                }
+                let p: ThreadedProducer<_> = config.create().unwrap();
+                if transactional {
+                    p.init_transactions(Duration::from_secs(30)).unwrap();
+                }
+                let mut n = 0u64;
+                // The transactional writers stop half way: the idempotent one alone never
+                // leaves the end of a partition still for long.
+                while !stop.load(Ordering::Relaxed) && !(transactional && half.load(Ordering::Relaxed)) {
+                    if !transactional {
+                        let keys: Vec<_> = (n..n + 10).map(|n| format!("w{w}-{n}")).collect();
+                        n += 10;
+                        for key in &keys {
+                            p.send(BaseRecord::to(&topic).key(key).payload("x"))
+                                .map_err(|(e, _)| e)
+                                .unwrap();
+                        }
+                        p.flush(Duration::from_secs(30)).unwrap();
+                        committed.lock().unwrap().extend(keys);
+                        continue;
+                    }
+                    p.begin_transaction().unwrap();
+                    let mut keys = Vec::new();
+                    for _ in 0..30 {
+                        let key = format!("w{w}-{n}");
+                        n += 1;
+                        p.send(BaseRecord::to(&topic).key(&key).payload("x"))
+                            .map_err(|(e, _)| e)
+                            .unwrap();
+                        keys.push(key);
+                    }
+                    // Held open a while, as a shard's transaction is.
+                    std::thread::sleep(Duration::from_millis(40));
+                    p.flush(Duration::from_secs(30)).unwrap();
+                    if n % 7 == 0 {
+                        p.abort_transaction(Duration::from_secs(30)).unwrap();
+                        aborted.lock().unwrap().extend(keys);
+                    } else {
+                        p.commit_transaction(Duration::from_secs(30)).unwrap();
+                        committed.lock().unwrap().extend(keys);
+                    }
+                }
+            })
+        })
+        .collect();
+    wait::until("the writers committed", PATIENCE, async || {
+        committed.lock().unwrap().len() > 300
+    })
+    .await;
+    for round in 0..6 {
+        if round == 3 {
+            half.store(true, Ordering::Relaxed);
+        }
+        let before = committed.lock().unwrap().clone();
+        let (brokers, topic) = (topics.brokers.clone(), topic.clone());
+        let read = tokio::time::timeout(
+            Duration::from_secs(90),
+            tokio::task::spawn_blocking(move || {
+                let mut keys = HashSet::new();
+                kube_event_bridge::sinks::kafka::reader::read_to_end(
+                    rdkafka::ClientConfig::new().set("bootstrap.servers", &brokers),
+                    &[topic],
+                    |r| {
+                        keys.insert(String::from_utf8(r.key).unwrap());
+                    },
+                )
+                .map(|()| keys)
+            }),
+        )
+        .await
+        .expect("the read ended while the writers went on")
+        .unwrap()
+        .unwrap();
+        let missing: Vec<_> = before.difference(&read).collect();
+        assert!(missing.is_empty(), "committed before the read began: {missing:?}");
+        let phantom: Vec<_> = aborted.lock().unwrap().intersection(&read).cloned().collect();
+        assert!(phantom.is_empty(), "aborted records read: {phantom:?}");
+        println!("read {} keys ({} committed before the read)", read.len(), before.len());
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.join().unwrap();
+    }
+}

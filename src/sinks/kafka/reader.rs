@@ -4,11 +4,13 @@
 //! # Recovery
 //! Reads are `read_committed`: a transaction's records once it committed, never an aborted
 //! one's. The end of a read is each partition's high watermark as it was when the read began
-//! (as a `read_uncommitted` client sees it), reached once the broker reports the partition's
-//! end (`PartitionEOF`, at its last stable offset) with that last stable offset at or past
-//! the watermark: every transaction open at the start has ended, committed or aborted, so
+//! (as a `read_uncommitted` client sees it), reached once a record at or past the
+//! watermark's last offset arrives, or the broker reports the partition's end
+//! (`PartitionEOF`, at its last stable offset) with that last stable offset at or past the
+//! watermark: every transaction open at the start has ended, committed or aborted, so
 //! nothing committed before the read began is missed, whichever producer's transaction
-//! held the others back. A read that receives nothing for [`STALL`] before that is an error
+//! held the others back. (The first is how a read ends while other writers keep the
+//! partition busy: the consumer then need never find itself at its end.) A read that receives nothing for [`STALL`] before that is an error
 //! naming how far it got (a transaction left open by a killed producer holds it back until
 //! a new producer of its id aborts it, or the broker does after its timeout): a partial read
 //! is never taken for the whole topic (a checkpoint missing its newest records would lose
@@ -179,9 +181,23 @@ fn read_topic_to_end(
     // Partitions at their end whose last stable offset was still short of `target`, and when.
     let mut waiting: HashMap<i32, std::time::Instant> = HashMap::new();
     let mut last_record = std::time::Instant::now();
+    let mut last_look = std::time::Instant::now();
     loop {
         if done.len() == target.len() {
             return Ok(());
+        }
+        // Looked at every `QUIET`, whatever arrives meanwhile: with other partitions busy,
+        // `poll` may never come back empty.
+        if last_look.elapsed() >= QUIET {
+            last_look = std::time::Instant::now();
+            waiting.retain(|&p, since| {
+                if since.elapsed() >= QUIET && stable(p) {
+                    done.insert(p);
+                    false
+                } else {
+                    true
+                }
+            });
         }
         if last_record.elapsed() >= STALL {
             let behind: Vec<String> = target
@@ -195,17 +211,9 @@ fn read_topic_to_end(
                 behind.join(", ")
             ));
         }
+        // Nothing may arrive when the last stable offset moved past aborted records only: the
+        // partition is read once it reached the target a while ago (above).
         let Some(result) = consumer.poll(Duration::from_millis(100)) else {
-            // The last stable offset may have moved past aborted records only: nothing more
-            // arrives, and the partition is read once it reached the target a while ago.
-            waiting.retain(|&p, since| {
-                if since.elapsed() >= QUIET && stable(p) {
-                    done.insert(p);
-                    false
-                } else {
-                    true
-                }
-            });
             continue;
         };
         let m = match result {
@@ -221,12 +229,22 @@ fn read_topic_to_end(
             other => other.map_err(|e| format!("read: {e}"))?,
         };
         last_record = std::time::Instant::now();
-        next.insert(m.partition(), m.offset() + 1);
-        if let Some(since) = waiting.get_mut(&m.partition()) {
+        let p = m.partition();
+        next.insert(p, m.offset() + 1);
+        if let Some(since) = waiting.get_mut(&p) {
             *since = last_record;
         }
         // A record past the target (committed after the read began) is kept too.
         each(Record::from(&m));
+        // A record at the target's last offset or past it ends the partition: a read_committed
+        // consumer receives records in offset order and only below the last stable offset, so
+        // every transaction open before it has ended and everything committed below it was
+        // received. Under a steady stream of writes this is how a read ends: the consumer may
+        // never find itself at the end (`PartitionEOF`) while records keep arriving.
+        if m.offset() + 1 >= target[&p] {
+            done.insert(p);
+            waiting.remove(&p);
+        }
     }
 }
 
