@@ -324,6 +324,7 @@ async fn sync(
             page_size: page_size as u32,
             streaming_list,
             watch_timeout_seconds: 290,
+            max_concurrent_lists: 16,
         },
         metrics,
     );

@@ -63,6 +63,12 @@ pub struct KubernetesConfig {
     /// Requests the rate limit lets through at once.
     #[serde(default = "default_burst")]
     pub burst: u32,
+    /// Lists (first lists and relists, paged or streaming) in flight at once over every
+    /// informer of the replica; the others wait their turn. A replica that takes many
+    /// shards at once, or starts a wide selection, then holds a few lists in memory at a
+    /// time rather than all of them. Watches are not counted.
+    #[serde(default = "default_max_concurrent_lists")]
+    pub max_concurrent_lists: u32,
     /// A watch that delivers neither an event nor a bookmark for this long is restarted from
     /// its last resourceVersion and counted; 0 leaves it to kube's idle timeout (the watch
     /// timeout plus 5 s).
@@ -84,6 +90,7 @@ impl Default for KubernetesConfig {
             discovery_grace: default_discovery_grace(),
             qps: default_qps(),
             burst: default_burst(),
+            max_concurrent_lists: default_max_concurrent_lists(),
             watch_stall_timeout: default_watch_stall_timeout(),
         }
     }
@@ -106,6 +113,9 @@ impl KubernetesConfig {
         }
         if self.burst == 0 {
             p.add("burst", "must be at least 1");
+        }
+        if self.max_concurrent_lists == 0 {
+            p.add("max_concurrent_lists", "must be at least 1");
         }
         let stall = self.watch_stall_timeout;
         if !stall.is_zero() && stall < Duration::from_secs(1) {
@@ -136,6 +146,11 @@ fn default_qps() -> f64 {
 // Lets about a hundred informers start their lists at once.
 fn default_burst() -> u32 {
     100
+}
+// Enough for the kinds of a typical selection to list together; a wide selection over many
+// shards queues.
+fn default_max_concurrent_lists() -> u32 {
+    16
 }
 // The API server sends a bookmark about every minute: two missed, plus some slack.
 fn default_watch_stall_timeout() -> Duration {

@@ -70,6 +70,7 @@ fn start(server: &ApiServer, probes: &[Probe], streaming_list: bool) -> Running 
             page_size: 10,
             streaming_list,
             watch_timeout_seconds: 290,
+            max_concurrent_lists: 16,
         },
         metrics.clone(),
     );
@@ -411,6 +412,7 @@ async fn factory_hands_out_one_informer_per_key() {
             page_size: 500,
             streaming_list: false,
             watch_timeout_seconds: 290,
+            max_concurrent_lists: 16,
         },
         Arc::new(Metrics::new()),
     );
@@ -485,4 +487,62 @@ async fn garbage_on_the_watch_is_counted_and_the_watch_recovers_with_the_cache_i
         assert!(l.is_empty(), "no phantom notification after {bad:?}");
     }
     assert_eq!(relists(&r), 0, "garbage is not a reason to relist");
+}
+
+/// `max_concurrent_lists` caps the lists in flight over every informer of a factory (a
+/// replica taking many shards at once lists a few at a time): eight informers, one per
+/// namespace, whose lists take two pages each and whose every page the server answers 100 ms
+/// late. With a cap of 2 the server never answers more than two list requests at once, and
+/// every informer still gets all its objects; with the default 16 more than two list together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_in_flight_are_capped_over_every_informer_of_a_factory() {
+    for cap in [2u32, 16] {
+        let server = ApiServer::start().await;
+        for ns in 0..8 {
+            for i in 0..15 {
+                server.create(typed(&configmap(&format!("ns-{ns}"), &format!("cm-{i}"), "1")));
+            }
+        }
+        server.delay_lists(Some(Duration::from_millis(100)));
+        let factory = SharedInformerFactory::new(
+            server.client(),
+            WatchOptions {
+                page_size: 10,
+                streaming_list: false,
+                watch_timeout_seconds: 290,
+                max_concurrent_lists: cap,
+            },
+            Arc::new(Metrics::new()),
+        );
+        let collectors: Vec<Arc<Collector>> = (0..8)
+            .map(|ns| {
+                let informer = factory.informer_for(
+                    &configmaps(),
+                    key(Some(&format!("ns-{ns}"))),
+                    None,
+                );
+                let l = Collector::new();
+                informer.add_listener(Arc::new(ProcessorListener::new(
+                    "l",
+                    ALL,
+                    None,
+                    l.clone(),
+                )));
+                l
+            })
+            .collect();
+        let cancel = CancellationToken::new();
+        factory.start(&cancel);
+        for l in &collectors {
+            assert_eq!(take(l, 15).await.len(), 15);
+        }
+        cancel.cancel();
+        let most = server.most_lists_in_flight();
+        println!("max_concurrent_lists {cap}: at most {most} list requests answered at once");
+        if cap == 2 {
+            assert_eq!(most, 2, "the cap was reached, never passed");
+        } else {
+            assert!(most > 2, "without a low cap the lists overlap ({most})");
+        }
+    }
 }

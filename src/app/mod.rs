@@ -146,6 +146,7 @@ impl App {
                 page_size: k.page_size,
                 streaming_list: k.streaming_list,
                 watch_timeout_seconds: k.watch_timeout_seconds,
+                max_concurrent_lists: k.max_concurrent_lists,
             },
             metrics.clone(),
         ));

@@ -74,6 +74,8 @@ pub struct WatchOptions {
     pub streaming_list: bool,
     /// Server-side timeout of each watch request, in seconds.
     pub watch_timeout_seconds: u32,
+    /// Lists in flight at once over every informer of the factory.
+    pub max_concurrent_lists: u32,
 }
 
 /// Hands out shared informers and starts them. See the module docs.
@@ -84,12 +86,17 @@ pub struct SharedInformerFactory {
     informers: Mutex<Vec<(InformerKey, Arc<SharedIndexInformer>)>>,
     // The shard filters of sharded informers, by informer name.
     shard_filters: Mutex<Vec<(String, ShardFilter)>>,
+    // One permit per list in flight (`max_concurrent_lists`).
+    lists: Arc<tokio::sync::Semaphore>,
 }
 
 impl SharedInformerFactory {
     /// A factory whose informers use `client` and list/watch with `options`.
     pub fn new(client: Client, options: WatchOptions, metrics: Arc<Metrics>) -> Self {
         Self {
+            lists: Arc::new(tokio::sync::Semaphore::new(
+                options.max_concurrent_lists.max(1) as usize,
+            )),
             client,
             options,
             metrics,
@@ -142,6 +149,7 @@ impl SharedInformerFactory {
             activity: Default::default(),
             opened: Default::default(),
             transform: transform.unwrap_or_default(),
+            lists: Some(self.lists.clone()),
             shard: key.shard.filter(|s| !s.is_whole()).map(|shard| {
                 ShardFilter::new(
                     shard,

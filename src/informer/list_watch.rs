@@ -63,6 +63,10 @@ pub struct ListWatchConfig {
     pub opened: Arc<tokio::sync::Notify>,
     /// What every object is rewritten with before it is handed on.
     pub transform: Transform,
+    /// Permits for lists in flight, shared by the informers of a factory: a list takes one
+    /// before its first request and holds it until its last object is handed on (or it
+    /// fails). `None`: no cap.
+    pub lists: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 /// When the list+watch last heard from the API server: a list page, a watch event or a
@@ -298,6 +302,18 @@ impl Requests {
 
 type WatchStream = watch_events::Events;
 
+/// A list's place among the lists in flight; `None` without a cap.
+type Permit = Option<tokio::sync::OwnedSemaphorePermit>;
+
+/// Waits for a place among the lists in flight.
+async fn list_permit(config: &ListWatchConfig) -> Permit {
+    match &config.lists {
+        // Never closed.
+        Some(lists) => lists.clone().acquire_owned().await.ok(),
+        None => None,
+    }
+}
+
 enum State {
     Empty,
     InitPage {
@@ -307,9 +323,12 @@ enum State {
         /// The page after `objects`, fetched and decoded on a task of its own while they are
         /// handed on (dropping the state cancels it).
         next: Option<NextPage>,
+        /// Its place among the lists in flight ([`ListWatchConfig::lists`]).
+        permit: Permit,
     },
     InitialWatch {
         stream: WatchStream,
+        permit: Permit,
     },
     InitListed {
         rv: String,
@@ -474,13 +493,18 @@ async fn step(
     }
     match state {
         State::Empty if config.streaming => {
+            let permit = list_permit(config).await;
             relists.list_starts();
             match watch(api, config, "", true).await {
-                Ok(stream) => (Some(Ok(Event::Init)), State::InitialWatch { stream }),
+                Ok(stream) => (
+                    Some(Ok(Event::Init)),
+                    State::InitialWatch { stream, permit },
+                ),
                 Err(err) => (Some(Err(Error::WatchStartFailed(err))), State::Empty),
             }
         }
         State::Empty => {
+            let permit = list_permit(config).await;
             relists.list_starts();
             (
                 Some(Ok(Event::Init)),
@@ -489,6 +513,7 @@ async fn step(
                     objects: VecDeque::new(),
                     last_rv: None,
                     next: None,
+                    permit,
                 },
             )
         }
@@ -497,6 +522,7 @@ async fn step(
             mut objects,
             last_rv,
             next,
+            permit,
         } => {
             if let Some(object) = objects.pop_front() {
                 return (
@@ -506,6 +532,7 @@ async fn step(
                         objects,
                         last_rv,
                         next,
+                        permit,
                     },
                 );
             }
@@ -561,6 +588,7 @@ async fn step(
                             objects: items.into(),
                             last_rv,
                             next,
+                            permit,
                         },
                     )
                 }
@@ -568,15 +596,15 @@ async fn step(
                 Err(err) => (Some(Err(Error::InitialListFailed(err))), State::Empty),
             }
         }
-        State::InitialWatch { mut stream } => {
+        State::InitialWatch { mut stream, permit } => {
             match next_or_relist(&mut stream, relists, &config.activity).await {
                 None => (None, State::Empty),
                 Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => (
                     Some(Ok(Event::InitApply(obj))),
-                    State::InitialWatch { stream },
+                    State::InitialWatch { stream, permit },
                 ),
                 // The API server never sends these during the initial events.
-                Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream }),
+                Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream, permit }),
                 Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
                     if bm
                         .metadata
@@ -591,7 +619,7 @@ async fn step(
                             },
                         )
                     } else {
-                        (None, State::InitialWatch { stream })
+                        (None, State::InitialWatch { stream, permit })
                     }
                 }
                 // The initial events are a whole or nothing: any error starts them over.

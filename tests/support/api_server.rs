@@ -131,6 +131,8 @@ struct Faults {
     bookmark_interval: Option<Duration>,
     block_watches: bool,
     fail_next_lists: u32,
+    // Each list request (every page) is answered this much later.
+    list_delay: Option<Duration>,
     // Every n-th list or watch request gets 429 with Retry-After; with the count so far.
     throttle_every: Option<u32>,
     throttle_seen: u32,
@@ -182,6 +184,9 @@ struct Shared {
     addr: Mutex<Option<SocketAddr>>,
     // Bytes of list and watch responses sent.
     bytes_sent: std::sync::atomic::AtomicU64,
+    // List requests being answered now, and the most at any moment.
+    lists_in_flight: std::sync::atomic::AtomicU32,
+    most_lists_in_flight: std::sync::atomic::AtomicU32,
 }
 
 /// A running test server; stops when dropped.
@@ -249,6 +254,8 @@ impl ApiServer {
             counts: Mutex::default(),
             addr: Mutex::default(),
             bytes_sent: Default::default(),
+            lists_in_flight: Default::default(),
+            most_lists_in_flight: Default::default(),
         });
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -628,6 +635,18 @@ impl ApiServer {
             .as_str()
             .filter(|h| !h.is_empty())
             .map(str::to_owned)
+    }
+
+    /// Every list request (each page) is answered `delay` later; `None`: at once.
+    pub fn delay_lists(&self, delay: Option<Duration>) {
+        self.shared.faults.lock().unwrap().list_delay = delay;
+    }
+
+    /// The most list requests (pages) that were being answered at one moment.
+    pub fn most_lists_in_flight(&self) -> u32 {
+        self.shared
+            .most_lists_in_flight
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The next `n` list requests get 429 with Retry-After.
@@ -1338,6 +1357,20 @@ fn list_item(def: &ResourceDef, obj: &Value) -> Value {
 }
 
 async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) -> Response<Body> {
+    use std::sync::atomic::Ordering::SeqCst;
+    struct InFlight<'a>(&'a Shared);
+    impl Drop for InFlight<'_> {
+        fn drop(&mut self) {
+            self.0.lists_in_flight.fetch_sub(1, SeqCst);
+        }
+    }
+    let now = shared.lists_in_flight.fetch_add(1, SeqCst) + 1;
+    shared.most_lists_in_flight.fetch_max(now, SeqCst);
+    let _in_flight = InFlight(&shared);
+    let delay = shared.faults.lock().unwrap().list_delay;
+    if let Some(delay) = delay {
+        tokio::time::sleep(delay).await;
+    }
     {
         let mut faults = shared.faults.lock().unwrap();
         if faults.fail_next_lists > 0 {
