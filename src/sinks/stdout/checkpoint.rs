@@ -12,17 +12,19 @@ use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error
 
 /// The checkpoint store of a file sink: one JSON document beside the output file
 /// (`<path>.checkpoint`), `{"route": {"namespace/name": {"uid", "resourceVersion"}}}`,
-/// replaced atomically (written to a temporary file, synced, renamed) at each write. A file
-/// or a record that cannot be read makes the load of the routes it concerns an error (the
-/// checkpoint would be incomplete); a rewrite keeps such records as they are.
+/// replaced atomically (written to a temporary file, synced, renamed) at each write. A write
+/// holds an exclusive lock on `<path>.checkpoint.lock` while it reads the document again,
+/// changes its own route's records and replaces it, so that processes sharing the file
+/// (sharded replicas on one volume, each writing its shards' routes) never undo each other's
+/// writes. A file or a record that cannot be read makes the load of the routes it concerns
+/// an error (the checkpoint would be incomplete); a rewrite keeps such records as they are.
 pub struct FileCheckpointStore {
     path: PathBuf,
     /// The output file: synced to disk before each checkpoint write, so that a checkpoint
     /// never claims a line a node crash could still lose.
     output: PathBuf,
-    // The whole document as last read or written, records as read (a corrupt one is kept,
-    // not dropped); every write rewrites the file from it, and every load reads it again.
-    routes: tokio::sync::Mutex<Option<Document>>,
+    // One write at a time in this process (the file lock serialises processes).
+    writing: tokio::sync::Mutex<()>,
 }
 
 type Document = HashMap<String, HashMap<String, serde_json::Value>>;
@@ -35,13 +37,20 @@ impl FileCheckpointStore {
         Self {
             path: PathBuf::from(name),
             output: output.to_owned(),
-            routes: tokio::sync::Mutex::new(None),
+            writing: tokio::sync::Mutex::new(()),
         }
     }
 
     /// The checkpoint file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// `<path>` with `suffix` appended.
+    fn beside_it(&self, suffix: &str) -> PathBuf {
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(suffix);
+        PathBuf::from(name)
     }
 
     fn error(&self, reason: impl std::fmt::Display) -> Error {
@@ -51,19 +60,19 @@ impl FileCheckpointStore {
         }
     }
 
-    /// Reads the file (none: an empty document).
-    async fn read(&self) -> Result<Document> {
-        let text = match tokio::fs::read(&self.path).await {
+    /// Reads the file (none: an empty document); blocking.
+    fn read(path: &Path) -> std::result::Result<Document, String> {
+        let text = match std::fs::read(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
-            Err(e) => return Err(self.error(e)),
+            Err(e) => return Err(e.to_string()),
         };
         serde_json::from_slice(&text).map_err(|e| {
-            self.error(format!(
+            format!(
                 "the file is not a checkpoint document ({e}), so every checkpoint in it is \
                  unknown; remove it to start over without checkpoints (every object is then \
                  published as added, and deletes made while down are not)"
-            ))
+            )
         })
     }
 
@@ -99,36 +108,23 @@ impl CheckpointStore for FileCheckpointStore {
     ) -> BoxFuture<'a, Result<HashMap<String, Checkpoint>>> {
         async move {
             let wanted = |route: &str| routes.iter().any(|r| r == route) || also(route);
-            // Always from disk: a new leader must see what the previous one wrote.
-            let mut cached = self.routes.lock().await;
-            let all = self.read().await?;
-            let found = all
-                .iter()
+            // Always from disk: a new owner must see what the previous one wrote.
+            let path = self.path.clone();
+            let all = tokio::task::spawn_blocking(move || Self::read(&path))
+                .await
+                .map_err(|e| self.error(e))?
+                .map_err(|e| self.error(e))?;
+            all.iter()
                 .filter(|(r, _)| wanted(r))
                 .map(|(r, c)| Ok((r.clone(), self.decode(r, c)?)))
-                .collect::<Result<_>>();
-            *cached = Some(all);
-            found
+                .collect::<Result<_>>()
         }
         .boxed()
     }
 
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
         async move {
-            let mut routes = self.routes.lock().await;
-            if routes.is_none() {
-                *routes = Some(self.read().await?);
-            }
-            let all = routes.as_mut().expect("loaded above");
-            let entries = all.entry(route.to_owned()).or_default();
-            for (key, entry) in changes {
-                match entry {
-                    Some(e) => {
-                        entries.insert(key, serde_json::to_value(e).expect("an entry is JSON"))
-                    }
-                    None => entries.remove(&key),
-                };
-            }
+            let _one_at_a_time = self.writing.lock().await;
             // What the checkpoint will claim is on disk first (the sink flushes each line
             // to the operating system only).
             match tokio::fs::File::open(&self.output).await {
@@ -140,18 +136,46 @@ impl CheckpointStore for FileCheckpointStore {
                     return Err(self.error(format!("cannot open {}: {e}", self.output.display())));
                 }
             }
-            let bytes = serde_json::to_vec(all).map_err(|e| self.error(e))?;
-            let mut tmp = self.path.as_os_str().to_owned();
-            tmp.push(".tmp");
-            let tmp = PathBuf::from(tmp);
-            let write = async {
-                use tokio::io::AsyncWriteExt;
-                let mut f = tokio::fs::File::create(&tmp).await?;
-                f.write_all(&bytes).await?;
-                f.sync_all().await?;
-                tokio::fs::rename(&tmp, &self.path).await
-            };
-            write.await.map_err(|e| self.error(e))
+            let changes: Vec<(String, Option<serde_json::Value>)> = changes
+                .into_iter()
+                .map(|(key, entry)| {
+                    (key, entry.map(|e| serde_json::to_value(e).expect("an entry is JSON")))
+                })
+                .collect();
+            let (path, lock, tmp) = (
+                self.path.clone(),
+                self.beside_it(".lock"),
+                self.beside_it(".tmp"),
+            );
+            let route = route.to_owned();
+            tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
+                use std::io::Write;
+                let lock = std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&lock)
+                    .map_err(|e| format!("cannot open {}: {e}", lock.display()))?;
+                // Released when `lock` is dropped (closed).
+                lock.lock()
+                    .map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+                let mut all = Self::read(&path)?;
+                let entries = all.entry(route).or_default();
+                for (key, entry) in changes {
+                    match entry {
+                        Some(e) => entries.insert(key, e),
+                        None => entries.remove(&key),
+                    };
+                }
+                let bytes = serde_json::to_vec(&all).map_err(|e| e.to_string())?;
+                let mut f = std::fs::File::create(&tmp).map_err(|e| e.to_string())?;
+                f.write_all(&bytes).map_err(|e| e.to_string())?;
+                f.sync_all().map_err(|e| e.to_string())?;
+                std::fs::rename(&tmp, &path).map_err(|e| e.to_string())
+            })
+            .await
+            .map_err(|e| self.error(e))?
+            .map_err(|e| self.error(e))
         }
         .boxed()
     }
@@ -188,6 +212,40 @@ mod tests {
         assert_eq!(loaded.len(), 2, "a route never written is absent");
         assert_eq!(loaded["configmap/out"]["ns/a"].resource_version, "1");
         assert_eq!(loaded["secret/out"]["ns/s"].resource_version, "2");
+    }
+
+    /// Two stores on one file (two processes: sharded replicas on a shared volume), writing
+    /// their own routes at once: neither undoes the other's writes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stores_sharing_a_file_keep_each_others_routes() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let entry = |rv: usize| {
+            Some(Entry {
+                uid: "u".into(),
+                resource_version: rv.to_string(),
+                pending: false,
+            })
+        };
+        let writer = |route: &'static str| {
+            let store = FileCheckpointStore::beside(&out);
+            tokio::spawn(async move {
+                for i in 0..50 {
+                    let key = format!("ns/{route}-{i}");
+                    store.write(route, vec![(key, entry(i))]).await.unwrap();
+                }
+            })
+        };
+        let (a, b) = (writer("a#0-of-2/out"), writer("a#1-of-2/out"));
+        a.await.unwrap();
+        b.await.unwrap();
+        let routes = ["a#0-of-2/out", "a#1-of-2/out"].map(String::from);
+        let loaded = FileCheckpointStore::beside(&out)
+            .load_routes(&routes)
+            .await
+            .unwrap();
+        assert_eq!(loaded["a#0-of-2/out"].len(), 50);
+        assert_eq!(loaded["a#1-of-2/out"].len(), 50);
     }
 
     #[tokio::test]

@@ -78,10 +78,15 @@ impl Sink for StdoutSink {
 
     fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<()>> {
         async move {
+            // The line in one write: appends of other processes to the same file (sharded
+            // replicas on a shared volume) land between lines, never inside one.
+            let mut line = Vec::with_capacity(message.payload.len() + 1);
+            line.extend_from_slice(&message.payload);
+            line.push(b'\n');
             let mut out = self.out.lock().await;
-            out.write_all(&message.payload).await.map_err(Error::Io)?;
-            out.write_all(b"\n").await.map_err(Error::Io)?;
-            out.flush().await.map_err(Error::Io)
+            out.flush().await.map_err(Error::Io)?;
+            out.get_mut().write_all(&line).await.map_err(Error::Io)?;
+            out.get_mut().flush().await.map_err(Error::Io)
         }
         .boxed()
     }
