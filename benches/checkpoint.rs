@@ -40,6 +40,7 @@ async fn measure(label: &str, store: Arc<dyn CheckpointStore>, keys: usize) {
                         uid: format!("8d0c1f7e-0000-4000-8000-{i:012}"),
                         resource_version: (1_000_000 + i).to_string(),
                         pending: false,
+                        kind: None,
                     }),
                 )
             })

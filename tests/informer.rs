@@ -500,7 +500,11 @@ async fn lists_in_flight_are_capped_over_every_informer_of_a_factory() {
         let server = ApiServer::start().await;
         for ns in 0..8 {
             for i in 0..15 {
-                server.create(typed(&configmap(&format!("ns-{ns}"), &format!("cm-{i}"), "1")));
+                server.create(typed(&configmap(
+                    &format!("ns-{ns}"),
+                    &format!("cm-{i}"),
+                    "1",
+                )));
             }
         }
         server.delay_lists(Some(Duration::from_millis(100)));
@@ -516,18 +520,10 @@ async fn lists_in_flight_are_capped_over_every_informer_of_a_factory() {
         );
         let collectors: Vec<Arc<Collector>> = (0..8)
             .map(|ns| {
-                let informer = factory.informer_for(
-                    &configmaps(),
-                    key(Some(&format!("ns-{ns}"))),
-                    None,
-                );
+                let informer =
+                    factory.informer_for(&configmaps(), key(Some(&format!("ns-{ns}"))), None);
                 let l = Collector::new();
-                informer.add_listener(Arc::new(ProcessorListener::new(
-                    "l",
-                    ALL,
-                    None,
-                    l.clone(),
-                )));
+                informer.add_listener(Arc::new(ProcessorListener::new("l", ALL, None, l.clone())));
                 l
             })
             .collect();

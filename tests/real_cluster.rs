@@ -1109,16 +1109,9 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
     assert!(filtered_out > 0 && resumed > 0, "the run exercised both");
 }
 
-/// A CRD deleted while nobody leads: the leader publishes ten Gadgets (checkpointed in
-/// JetStream KV) and is SIGKILLed, the CRD is deleted at once (the API server deletes the
-/// Gadgets with it), and the standby sees the kind go (its informers stop) before it takes
-/// the Lease over. Its resume begins on a kind known to be gone: it must complete as gone,
-/// a delete for every checkpointed Gadget, not wait for informers that will never sync
-/// (which published nothing: consumers kept ten Gadgets that no longer exist).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoint() {
+/// A real cluster with the Gadget CRD (v1) and ten Gadgets in namespace `ns`.
+async fn ten_gadgets(ns: &str) -> Cluster {
     let cluster = Cluster::start().await;
-    let ns = "crd-gone";
     cluster.create_namespace(ns).await;
     cluster
         .install_crd(GROUP, "Gadget", "gadgets", true, &[("v1", true)])
@@ -1128,6 +1121,41 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
             .create("gadgets", gadget("v1", ns, &format!("g{i:02}"), i))
             .await;
     }
+    cluster
+}
+
+/// Waits for the delete of each of [`ten_gadgets`] in `destination`, and checks that each
+/// was published once.
+async fn ten_deletes(destination: &Destination, ns: &str, what: &str) {
+    wait::until(
+        "every Gadget's delete",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            let folded = fold_in_order(&destination.read().await);
+            (0..10).all(|i| {
+                folded
+                    .get(&format!("{ns}/g{i:02}"))
+                    .is_some_and(Option::is_none)
+            })
+        },
+    )
+    .await;
+    let events = destination.read().await;
+    let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
+    println!("{what}: {} messages, {deletes} deletes", events.len());
+    assert_eq!(deletes, 10, "one delete per Gadget");
+}
+
+/// A CRD deleted while nobody leads: the leader publishes ten Gadgets (checkpointed in
+/// JetStream KV) and is SIGKILLed, the CRD is deleted at once (the API server deletes the
+/// Gadgets with it), and the standby sees the kind go (its informers stop) before it takes
+/// the Lease over. Its resume begins on a kind known to be gone: it must complete as gone,
+/// a delete for every checkpointed Gadget, not wait for informers that will never sync
+/// (which published nothing: consumers kept ten Gadgets that no longer exist).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoint() {
+    let ns = "crd-gone";
+    let cluster = ten_gadgets(ns).await;
     let destination = Destination::jetstream();
     let mut sink = destination.sink();
     sink["checkpoint_interval"] = json!("200ms");
@@ -1177,24 +1205,71 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
     )
     .await;
     leads(&cluster, standby, Duration::from_secs(60)).await;
+    ten_deletes(
+        &destination,
+        ns,
+        "CRD deleted while nobody led (deletes from the standby's resume)",
+    )
+    .await;
+}
+
+/// A CRD deleted while no replica runs at all: a replica publishes ten Gadgets (checkpointed
+/// in JetStream KV) and stops, the CRD is deleted (the API server deletes the Gadgets with
+/// it), and a replica started afterwards never sees the kind served. It learns the kind from
+/// its route's checkpoint (recorded beside the cluster's identity) once `discovery_grace` is
+/// over, and publishes a delete for every Gadget (before, none: consumers kept ten Gadgets
+/// that no longer exist until the kind was served again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crd_deleted_while_no_replica_runs_delivers_its_deletes_from_the_checkpoint() {
+    let ns = "crd-gone-down";
+    let cluster = ten_gadgets(ns).await;
+    let destination = Destination::jetstream();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = cluster.kubeconfig();
+    let config = ConfigBuilder::new()
+        .cluster("crd-gone-down")
+        .grace_period("5s")
+        .kubernetes(json!({"discovery_refresh": "1s", "discovery_grace": "1s"}))
+        .resource(json!({"name": "gadget", "api_version": format!("{GROUP}/v1"), "kind": "Gadget"}))
+        .sink(destination.sink())
+        .route("gadget", &["out"])
+        .value();
+    let read = async || destination.read().await;
+    let mut first = Replica::start(dir.path(), "first", &config, &kubeconfig);
     wait::until(
-        "every Gadget's delete",
+        "every Gadget published",
+        Patience::of(Duration::from_secs(90)),
+        async || read().await.len() >= 10,
+    )
+    .await;
+    // A clean stop writes the checkpoint.
+    first.terminate();
+    cluster.delete_crd(GROUP, "gadgets").await;
+    // Gone for good (its objects deleted, the CRD removed): a terminating CRD is still served.
+    let crds: kube::Api<
+        k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+    > = kube::Api::all(cluster.client().await);
+    wait::until(
+        "the CRD gone",
         Patience::of(Duration::from_secs(60)),
         async || {
-            let events = read().await;
-            (0..10).all(|i| {
-                fold_in_order(&events)
-                    .get(&format!("{ns}/g{i:02}"))
-                    .is_some_and(Option::is_none)
-            })
+            crds.get_opt(&format!("gadgets.{GROUP}"))
+                .await
+                .unwrap()
+                .is_none()
         },
     )
     .await;
-    let events = read().await;
-    let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
-    println!(
-        "CRD deleted while nobody led: {} messages, {deletes} deletes from the standby's resume",
-        events.len()
+    let second = Replica::start(dir.path(), "second", &config, &kubeconfig);
+    ten_deletes(
+        &destination,
+        ns,
+        "CRD deleted while no replica ran (deletes from the next replica)",
+    )
+    .await;
+    assert!(
+        second.log().contains("still has checkpointed objects"),
+        "{}",
+        second.log()
     );
-    assert_eq!(deletes, 10, "one delete per Gadget");
 }

@@ -480,6 +480,7 @@ mod tests {
             uid: format!("uid-{rv}"),
             resource_version: rv.to_string(),
             pending: false,
+            kind: None,
         }
     }
 

@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::resources::{Resources, Wiring, kind_name};
-use crate::{cluster, selection::resolve_all};
+use crate::{cluster, pipeline::checkpoint::CLUSTER_KEY, selection::resolve_all};
 
 /// Keeps the wired resources in step with what the API server serves: a pending kind that
 /// appears is wired and started (everything from its first list is delivered); a wired kind
@@ -48,7 +48,15 @@ pub(super) async fn follow_discovery(
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut recheck: Option<tokio::time::Instant> = None;
+    // Routes whose kind no process wires: looked for once discovery had its grace to answer
+    // (an API server's discovery is incomplete for a moment after it starts).
+    let mut orphans_due =
+        Some(tokio::time::Instant::now() + wiring.config.kubernetes.discovery_grace);
+    let mut orphans: Vec<Orphan> = Vec::new();
     loop {
+        if let Some(at) = orphans_due {
+            recheck = Some(recheck.map_or(at, |r| r.min(at)));
+        }
         let grace_over = async {
             match recheck {
                 Some(at) => tokio::time::sleep_until(at).await,
@@ -81,6 +89,19 @@ pub(super) async fn follow_discovery(
         let mut pending = std::collections::BTreeSet::new();
         let mut answers = look_up(&wiring).await;
         let mut looked = tokio::time::Instant::now();
+        if orphans_due.is_some_and(|at| looked >= at) {
+            let cluster = shards[0].1.lock().await.cluster.clone();
+            match find_orphans(&wiring, &answers, &cluster).await {
+                Ok(found) => {
+                    orphans = found;
+                    orphans_due = None;
+                }
+                Err(err) => {
+                    warn!(error = %err, "Cannot look for checkpointed routes of kinds no longer served; looking again at the next refresh");
+                    orphans_due = Some(looked + period);
+                }
+            }
+        }
         for (wiring, resources) in &shards {
             let mut resources = resources.lock().await;
             // An answer older than a moment (the lock was held: a checkpoint load, a drain)
@@ -89,12 +110,182 @@ pub(super) async fn follow_discovery(
                 answers = look_up(wiring).await;
                 looked = tokio::time::Instant::now();
             }
+            wire_orphans(wiring, &mut resources, &orphans, &answers).await;
             if let Some(at) = refresh(wiring, &mut resources, &answers).await {
                 recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
             }
             pending.extend(resources.pending.values().cloned());
         }
+        // Wired in every shard, or served after all (wired as usual), or its lookup failed
+        // (kept for the next pass).
+        orphans.retain(|o| matches!(answers[o.index], Err((false, _))));
         *notes.lock().unwrap_or_else(|e| e.into_inner()) = pending.into_iter().collect();
+    }
+}
+
+/// A kind that a route's checkpoint names (see [`RouteKind`]) and that no process wires:
+/// discovery did not serve it when this process started, as after a CRD deleted while no
+/// replica published it (none ran, or a rolling update started this one after the deletion).
+#[derive(Debug, Clone)]
+pub(super) struct Orphan {
+    /// The configured resource whose routes it was wired for.
+    index: usize,
+    api_resource: ApiResource,
+    namespaced: bool,
+}
+
+/// The kinds of routes that hold checkpointed objects in a sink's store, belong to a
+/// configured resource routed to that sink (under any shard count) and are not served now:
+/// one read of each store for every shard. Routes of another cluster, and routes written
+/// before kinds were recorded, are left alone.
+async fn find_orphans(
+    wiring: &Wiring,
+    answers: &Answers,
+    cluster: &str,
+) -> Result<Vec<Orphan>, String> {
+    let config = &wiring.config;
+    let mut found: Vec<Orphan> = Vec::new();
+    for (sink, store) in &wiring.stores {
+        // (index, base of every kind served now) of the resources routed to this sink whose
+        // lookup answered.
+        let entries: Vec<(usize, Vec<String>)> = config
+            .resources
+            .iter()
+            .enumerate()
+            .filter(|(i, r)| {
+                !matches!(answers[*i], Err((false, _)))
+                    && config
+                        .routes
+                        .iter()
+                        .any(|rt| rt.resource == r.effective_name() && rt.sinks.contains(sink))
+            })
+            .map(|(i, r)| {
+                let served = match &answers[i] {
+                    Ok(selection) => selection
+                        .kinds
+                        .iter()
+                        .map(|k| kind_name(r, &k.api_resource))
+                        .collect(),
+                    Err(_) => Vec::new(),
+                };
+                (i, served)
+            })
+            .collect();
+        if entries.is_empty() {
+            continue;
+        }
+        let owner = |route: &str| -> Option<usize> {
+            let base = route_base(route, sink)?;
+            entries.iter().find_map(|(i, served)| {
+                let r = &config.resources[*i];
+                let entry = r.effective_name();
+                let ours = if r.is_wildcard() {
+                    base.strip_prefix(entry.as_str())
+                        .is_some_and(|rest| rest.starts_with('/'))
+                } else {
+                    base == entry
+                };
+                (ours && !served.iter().any(|s| s == base)).then_some(*i)
+            })
+        };
+        let also = |route: &str| owner(route).is_some();
+        let loaded = store
+            .load_family(&[], &also)
+            .await
+            .map_err(|e| e.to_string())?;
+        for (route, checkpoint) in loaded {
+            let Some(index) = owner(&route) else { continue };
+            let Some(identity) = checkpoint.get(CLUSTER_KEY) else {
+                continue;
+            };
+            if !cluster.is_empty() && !identity.uid.is_empty() && identity.uid != cluster {
+                continue;
+            }
+            if checkpoint.len() < 2 {
+                continue; // nothing but the identity: nothing to delete
+            }
+            let Some(kind) = &identity.kind else {
+                warn!(route = %route, "A checkpointed route of a kind not served now does not record its kind (written by an older release): its objects' deletes are published when the kind is served again");
+                continue;
+            };
+            let (group, version) = match kind.api_version.split_once('/') {
+                Some((g, v)) => (g.to_owned(), v.to_owned()),
+                None => (String::new(), kind.api_version.clone()),
+            };
+            let api_resource = ApiResource {
+                group,
+                version,
+                api_version: kind.api_version.clone(),
+                kind: kind.kind.clone(),
+                plural: kind.plural.clone(),
+            };
+            if !found
+                .iter()
+                .any(|o| o.index == index && same_kind(&o.api_resource, &api_resource))
+            {
+                found.push(Orphan {
+                    index,
+                    api_resource,
+                    namespaced: kind.namespaced,
+                });
+            }
+        }
+    }
+    Ok(found)
+}
+
+/// The base of `route` (`{base}/{sink}` or `{base}#{i}-of-{m}/{sink}`) when it is a route to
+/// `sink`.
+fn route_base<'a>(route: &'a str, sink: &str) -> Option<&'a str> {
+    let base = route.strip_suffix(sink)?.strip_suffix('/')?;
+    Some(match base.rsplit_once('#') {
+        Some((base, shard)) if shard.contains("-of-") => base,
+        _ => base,
+    })
+}
+
+/// Wires every orphan ([`find_orphans`]) still not served, and not wired in this shard, as a
+/// kind that is gone: its routes resume from their checkpoints (and take over other shard
+/// counts') when this replica publishes the shard, and discovery's look completes them as
+/// gone (a delete for every checkpointed object) as it does for a kind that went while
+/// wired.
+async fn wire_orphans(
+    wiring: &Wiring,
+    resources: &mut Resources,
+    orphans: &[Orphan],
+    answers: &Answers,
+) {
+    for o in orphans {
+        let served = match &answers[o.index] {
+            Ok(selection) => selection
+                .kinds
+                .iter()
+                .any(|k| same_kind(&k.api_resource, &o.api_resource)),
+            Err((not_served, _)) => !not_served,
+        };
+        let wired = resources
+            .wired
+            .iter()
+            .any(|w| w.index == o.index && same_kind(&w.api_resource, &o.api_resource));
+        if served || wired {
+            continue;
+        }
+        let r = &wiring.config.resources[o.index];
+        match wiring
+            .wire(o.index, o.api_resource.clone(), o.namespaced)
+            .await
+        {
+            Ok(mut w) => {
+                w.gone = true;
+                resources.wired.push(w);
+                let i = resources.wired.len() - 1;
+                resources.start(i, true, &[]).await;
+                info!(resource = %kind_name(r, &o.api_resource), "A kind no longer served still has checkpointed objects: its routes publish their deletes (its CRD was deleted while no replica published it)");
+            }
+            Err(err) => {
+                warn!(resource = %kind_name(r, &o.api_resource), error = %err, "Cannot wire the routes of a kind no longer served; its objects' deletes wait until it is served again");
+            }
+        }
     }
 }
 

@@ -27,7 +27,9 @@ use crate::{
     },
     message::{Encoder, object_transform},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, Route, RouteBuilder, RouteQueue, filter},
+    pipeline::{
+        self, Budget, Delivery, Route, RouteBuilder, RouteQueue, checkpoint::RouteKind, filter,
+    },
     shard::Shard,
     sinks::{self, CheckpointStore, kafka::KafkaSink},
     workqueue::rate_limiter::RetrySettings,
@@ -334,8 +336,16 @@ impl Wiring {
             debug_assert_eq!(built.resumer.is_some(), built.checkpointer.is_some());
             let resume = match (built.resumer, built.checkpointer) {
                 (Some(resumer), Some(checkpointer)) => Some(Resume {
+                    checkpointer: {
+                        checkpointer.describe_kind(RouteKind {
+                            api_version: api_resource.api_version.clone(),
+                            kind: api_resource.kind.clone(),
+                            plural: api_resource.plural.clone(),
+                            namespaced,
+                        });
+                        checkpointer
+                    },
                     resumer,
-                    checkpointer,
                     interval: sink_cfg.checkpoint_interval,
                     family: Family {
                         base: kind_name(r, &api_resource),

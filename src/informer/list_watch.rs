@@ -604,7 +604,9 @@ async fn step(
                     State::InitialWatch { stream, permit },
                 ),
                 // The API server never sends these during the initial events.
-                Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream, permit }),
+                Some(Some(Ok(WatchEvent::Deleted(_)))) => {
+                    (None, State::InitialWatch { stream, permit })
+                }
                 Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
                     if bm
                         .metadata

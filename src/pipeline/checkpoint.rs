@@ -39,7 +39,7 @@ use tracing::{debug, warn};
 
 use crate::informer::{Notification, NotificationKind, ObjectRef, resource_version};
 pub use crate::sinks::checkpoint::{
-    CLUSTER_KEY, Change, Checkpoint, CheckpointStore, Entry, Error, Result,
+    CLUSTER_KEY, Change, Checkpoint, CheckpointStore, Entry, Error, Result, RouteKind,
 };
 
 /// Records one route's acknowledgements and writes them to its store. See the module docs.
@@ -49,6 +49,8 @@ pub struct Checkpointer {
     pending: Mutex<Pending>,
     // The cluster identity still to write (see `CLUSTER_KEY`).
     cluster: Mutex<Option<String>>,
+    // The kind the route publishes, written with the identity (see `RouteKind`).
+    kind: Mutex<Option<RouteKind>>,
     // Serializes writes, so that an older batch never lands after a newer one.
     writing: tokio::sync::Mutex<()>,
     // The newest batch (see `Pending::taken`) written.
@@ -141,6 +143,7 @@ impl Checkpointer {
             store,
             pending: Mutex::default(),
             cluster: Mutex::default(),
+            kind: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
             durable: AtomicU64::new(0),
             failed_at: Mutex::default(),
@@ -175,6 +178,7 @@ impl Checkpointer {
                     uid: obj.uid().unwrap_or_default().to_owned(),
                     resource_version: resource_version(obj).to_owned(),
                     pending: false,
+                    kind: None,
                 })
             }
         };
@@ -350,6 +354,11 @@ impl Checkpointer {
         *self.cluster.lock().unwrap_or_else(|e| e.into_inner()) = Some(uid.to_owned());
     }
 
+    /// The kind the route publishes: written with the cluster's identity from then on.
+    pub fn describe_kind(&self, kind: RouteKind) {
+        *self.kind.lock().unwrap_or_else(|e| e.into_inner()) = Some(kind);
+    }
+
     /// Writes every change recorded so far. On failure they are kept for the next attempt
     /// (unless a newer change of the same key arrived meanwhile).
     pub async fn flush(&self) -> Result<()> {
@@ -398,6 +407,7 @@ impl Checkpointer {
                     uid: uid.clone(),
                     resource_version: String::new(),
                     pending: false,
+                    kind: self.kind.lock().unwrap_or_else(|e| e.into_inner()).clone(),
                 }),
             )
         });
@@ -408,11 +418,13 @@ impl Checkpointer {
                         uid: obj.uid().unwrap_or_default().to_owned(),
                         resource_version: resource_version(obj).to_owned(),
                         pending: false,
+                        kind: None,
                     }),
                     KeyChange::Intent(obj) => Some(Entry {
                         uid: obj.uid().unwrap_or_default().to_owned(),
                         resource_version: resource_version(obj).to_owned(),
                         pending: true,
+                        kind: None,
                     }),
                     KeyChange::Deleted => None,
                 };
@@ -602,6 +614,7 @@ mod tests {
                 uid: "uid-ns-known".into(),
                 resource_version: "1".into(),
                 pending: false,
+                kind: None,
             },
         )]);
         c.knows(Some(&loaded));
@@ -619,6 +632,7 @@ mod tests {
                 uid: "uid-ns-new".into(),
                 resource_version: "3".into(),
                 pending: true,
+                kind: None,
             },
             "an intent: a resume publishes the object again, or its delete"
         );

@@ -282,6 +282,7 @@ impl NotificationHandler for Resumer {
                         uid: n.object().uid().unwrap_or_default().to_owned(),
                         resource_version: crate::informer::resource_version(n.object()).to_owned(),
                         pending: false,
+                        kind: None,
                     },
                 ),
             };

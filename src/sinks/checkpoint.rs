@@ -46,6 +46,26 @@ pub struct Entry {
     /// when it is gone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub pending: bool,
+    /// On the [`CLUSTER_KEY`] record only: the kind the route publishes (see [`RouteKind`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<RouteKind>,
+}
+
+/// The kind a route publishes, recorded with its cluster identity ([`CLUSTER_KEY`]): a
+/// replica that starts after the kind stopped being served (its CRD deleted while nobody
+/// published it) cannot learn it from discovery, yet must publish the deletes of the objects
+/// the checkpoint holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RouteKind {
+    /// `group/version`, or `version` for the core group.
+    #[serde(rename = "apiVersion")]
+    pub api_version: String,
+    /// The kind, `Widget`.
+    pub kind: String,
+    /// The resource, `widgets`.
+    pub plural: String,
+    /// Whether its objects live in namespaces.
+    pub namespaced: bool,
 }
 
 /// A loaded checkpoint: entries by `namespace/name`.

@@ -139,7 +139,10 @@ impl CheckpointStore for FileCheckpointStore {
             let changes: Vec<(String, Option<serde_json::Value>)> = changes
                 .into_iter()
                 .map(|(key, entry)| {
-                    (key, entry.map(|e| serde_json::to_value(e).expect("an entry is JSON")))
+                    (
+                        key,
+                        entry.map(|e| serde_json::to_value(e).expect("an entry is JSON")),
+                    )
                 })
                 .collect();
             let (path, lock, tmp) = (
@@ -194,6 +197,7 @@ mod tests {
                 uid: "u".into(),
                 resource_version: rv.into(),
                 pending: false,
+                kind: None,
             })
         };
         store
@@ -225,6 +229,7 @@ mod tests {
                 uid: "u".into(),
                 resource_version: rv.to_string(),
                 pending: false,
+                kind: None,
             })
         };
         let writer = |route: &'static str| {
