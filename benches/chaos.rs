@@ -15,8 +15,7 @@
 //! whose new replicas take over the old count's checkpoints (with Kafka it also lowers
 //! `kafka.delivery_timeout` to 10 s: the old replicas' messages must still be waited out),
 //! one SIGKILLed and replaced after four, a third added after five), `kafka-shard-churn` (the
-//! same into Kafka; it hangs today: a shard taken over while other shards write the
-//! checkpoint topic never finishes its checkpoint read, see docs/src/reliability.md),
+//! same into Kafka),
 //! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
 //! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
 //! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
@@ -134,7 +133,7 @@ fn keeps(i: usize, version: u64) -> bool {
 /// [`keeps`]), about 400 bytes of data.
 fn configmap(i: usize, version: u64) -> Value {
     let cm = configmap_with_data(
-        &format!("chaos-{}", i % NAMESPACES),
+        &namespace(i),
         &format!("cm-{i:06}"),
         [
             ("version", version.to_string()),
@@ -146,8 +145,15 @@ fn configmap(i: usize, version: u64) -> Value {
     typed(&cm)
 }
 
+/// The namespace of object `i`: `chaos-<n>-ns`, names whose FNV-1a hashes spread over
+/// `shard-churn`'s shards (`chaos-<n>` would put all 20 in one: the hash's high bits hardly
+/// change with a name's last characters).
+fn namespace(i: usize) -> String {
+    format!("chaos-{}-ns", i % NAMESPACES)
+}
+
 fn key(i: usize) -> String {
-    format!("chaos-{}/cm-{i:06}", i % NAMESPACES)
+    format!("{}/cm-{i:06}", namespace(i))
 }
 
 /// Changes `rate` objects a second until `stop`: updates (75%; 10 of those points change only
@@ -183,22 +189,12 @@ async fn workload(
                 Some(api.create(configmap(i, version)))
             } else if roll < 15 {
                 t.unsuppressed.insert(k.clone(), None);
-                api.delete(
-                    "v1",
-                    "ConfigMap",
-                    &format!("chaos-{}", i % NAMESPACES),
-                    &format!("cm-{i:06}"),
-                );
+                api.delete("v1", "ConfigMap", &namespace(i), &format!("cm-{i:06}"));
                 None
             } else if roll < 25 {
                 // Only an annotation changes (the data and labels of the current state stay).
                 let mut current = api
-                    .get(
-                        "v1",
-                        "ConfigMap",
-                        &format!("chaos-{}", i % NAMESPACES),
-                        &format!("cm-{i:06}"),
-                    )
+                    .get("v1", "ConfigMap", &namespace(i), &format!("cm-{i:06}"))
                     .expect("it exists");
                 current["metadata"]["annotations"] = json!({"touched": version.to_string()});
                 t.annotation_only += 1;
@@ -686,8 +682,8 @@ fn default_minutes(scenario: &str) -> f64 {
     }
 }
 
-/// The `model` scenario: the model-based test's cases (200 operations each, seeds from 1000)
-/// until the time is up; the line sums them. Fails loudly, naming the seed, on any loss.
+/// The `model` scenario: the model-based test's cases (200 operations each, seeds from 1000, every
+/// other one sharded) until the time is up; the line sums them. Fails loudly, naming the seed, on any loss.
 async fn run_model(duration: Duration) -> String {
     use support::model::{Outcome, Settings, run_case};
     let start = Instant::now();
@@ -696,11 +692,26 @@ async fn run_model(duration: Duration) -> String {
     while cases == 0 || start.elapsed() < duration {
         let seed = 1000 + cases;
         let dir = tempfile::tempdir().unwrap();
-        let o = run_case(Settings { seed, ops: 200 }, dir.path()).await;
+        // Every other case sharded, with shard handovers.
+        let sharded = cases % 2 == 1;
+        let o = run_case(
+            Settings {
+                seed,
+                ops: 200,
+                sharded,
+            },
+            dir.path(),
+        )
+        .await;
         assert!(
             o.holds(),
             "seed {seed} (replay: KEB_MODEL_SEED={seed} KEB_MODEL_CASES=1 KEB_MODEL_OPS=200 \
-             cargo test --test model): {}",
+             cargo test --test model {}): {}",
+            if sharded {
+                "random_shard"
+            } else {
+                "random_sequences"
+            },
             o.details()
         );
         total.add(&o);

@@ -1469,7 +1469,10 @@ async fn a_read_ends_while_other_producers_keep_committing() {
     Kafka::shared().create_topic(&topic, 3);
     let committed: Arc<Mutex<HashSet<String>>> = Arc::default();
     let aborted: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let (stop, half) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (stop, half) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
     let writers: Vec<_> = (0..3)
         .map(|w| {
             let (brokers, topic) = (topics.brokers.clone(), topic.clone());
@@ -1483,7 +1486,9 @@ async fn a_read_ends_while_other_producers_keep_committing() {
                 if transactional {
                     config.set("transactional.id", format!("busy-read-{w}"));
                 } else {
-                    config.set("enable.idempotence", "true").set("linger.ms", "0");
+                    config
+                        .set("enable.idempotence", "true")
+                        .set("linger.ms", "0");
                 }
                 let p: ThreadedProducer<_> = config.create().unwrap();
                 if transactional {
@@ -1492,7 +1497,10 @@ async fn a_read_ends_while_other_producers_keep_committing() {
                 let mut n = 0u64;
                 // The transactional writers stop half way: the idempotent one alone never
                 // leaves the end of a partition still for long.
-                while !stop.load(Ordering::Relaxed) && !(transactional && half.load(Ordering::Relaxed)) {
+                let done = || {
+                    stop.load(Ordering::Relaxed) || (transactional && half.load(Ordering::Relaxed))
+                };
+                while !done() {
                     if !transactional {
                         let keys: Vec<_> = (n..n + 10).map(|n| format!("w{w}-{n}")).collect();
                         n += 10;
@@ -1518,7 +1526,7 @@ async fn a_read_ends_while_other_producers_keep_committing() {
                     // Held open a while, as a shard's transaction is.
                     std::thread::sleep(Duration::from_millis(40));
                     p.flush(Duration::from_secs(30)).unwrap();
-                    if n % 7 == 0 {
+                    if n.is_multiple_of(7) {
                         p.abort_transaction(Duration::from_secs(30)).unwrap();
                         aborted.lock().unwrap().extend(keys);
                     } else {
@@ -1558,10 +1566,22 @@ async fn a_read_ends_while_other_producers_keep_committing() {
         .unwrap()
         .unwrap();
         let missing: Vec<_> = before.difference(&read).collect();
-        assert!(missing.is_empty(), "committed before the read began: {missing:?}");
-        let phantom: Vec<_> = aborted.lock().unwrap().intersection(&read).cloned().collect();
+        assert!(
+            missing.is_empty(),
+            "committed before the read began: {missing:?}"
+        );
+        let phantom: Vec<_> = aborted
+            .lock()
+            .unwrap()
+            .intersection(&read)
+            .cloned()
+            .collect();
         assert!(phantom.is_empty(), "aborted records read: {phantom:?}");
-        println!("read {} keys ({} committed before the read)", read.len(), before.len());
+        println!(
+            "read {} keys ({} committed before the read)",
+            read.len(),
+            before.len()
+        );
     }
     stop.store(true, Ordering::Relaxed);
     for w in writers {

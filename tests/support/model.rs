@@ -11,6 +11,13 @@
 //! phantom deletes, stale finals, missing objects, duplicate ids and the peak of held
 //! notifications (sampled), which must stay within the sinks' bound.
 //!
+//! Sharded cases (`Settings::sharded`) spread the objects over four namespaces and run the
+//! replicas with `sharding.shards` M (2 or 3 at first), and add shard handovers: a replica
+//! stopped and replaced, scale out and in, a rolling update to another count (1, 2 or 3: the
+//! new replicas take the old count's checkpoints over, the single leader and the group never
+//! publish together), replicas with different lease timings side by side, and the CRD
+//! deleted (its objects with it) and created again while shards change hands.
+//!
 //! `tests/model.rs` runs a few bounded cases; `cargo bench --bench chaos -- model MINUTES`
 //! runs cases until the time is up.
 
@@ -30,6 +37,9 @@ use super::{ApiServer, RunningApp, config::ConfigBuilder, objects::custom_resour
 
 const GROUP: &str = "model.example.org";
 const NS: &str = "m";
+/// The namespaces of a sharded case: their FNV-1a hashes fall in both shards of 2 and all
+/// three of 3.
+const SHARDED_NS: [&str; 4] = ["orders", "auth", "payments", "gateway"];
 /// `max_pending` of every sink: small, so that the cap and its merging are exercised.
 const MAX_PENDING: usize = 64;
 /// The file sinks.
@@ -41,6 +51,8 @@ pub struct Settings {
     pub seed: u64,
     /// Operations (changes and faults).
     pub ops: usize,
+    /// Sharded replicas and shard handovers (see the module docs).
+    pub sharded: bool,
 }
 
 /// What one case found. Every loss column must be zero.
@@ -54,6 +66,13 @@ pub struct Outcome {
     pub switches: usize,
     pub discovery_faults: usize,
     pub watch_410s: usize,
+    /// Sharded cases: replicas started beside the others, and stopped without a successor.
+    pub scale_outs: usize,
+    pub scale_ins: usize,
+    /// Sharded cases: rolling updates to another shard count.
+    pub count_changes: usize,
+    /// Sharded cases: the CRD deleted (and later created again).
+    pub crd_deletes: usize,
     pub messages: usize,
     pub lost_deletes: Vec<String>,
     pub phantom_deletes: Vec<String>,
@@ -103,6 +122,10 @@ impl Outcome {
         self.switches += o.switches;
         self.discovery_faults += o.discovery_faults;
         self.watch_410s += o.watch_410s;
+        self.scale_outs += o.scale_outs;
+        self.scale_ins += o.scale_ins;
+        self.count_changes += o.count_changes;
+        self.crd_deletes += o.crd_deletes;
         self.messages += o.messages;
         self.lost_deletes.extend(o.lost_deletes.iter().cloned());
         self.phantom_deletes
@@ -116,7 +139,7 @@ impl Outcome {
     /// One line of figures.
     pub fn line(&self) -> String {
         format!(
-            "ops {} (changes {}, restarts {}, version switches {}, discovery faults {}, watch 410s {}), \
+            "ops {} (changes {}, restarts {}, version switches {}, discovery faults {}, watch 410s {}{}), \
              messages {}, lost deletes {}, phantom deletes {}, stale finals {}, missing {}, \
              duplicate ids {}, peak held {} (bound {})",
             self.ops,
@@ -125,6 +148,14 @@ impl Outcome {
             self.switches,
             self.discovery_faults,
             self.watch_410s,
+            if self.scale_outs + self.scale_ins + self.count_changes + self.crd_deletes > 0 {
+                format!(
+                    ", scale-outs {}, scale-ins {}, shard count changes {}, CRD deletes {}",
+                    self.scale_outs, self.scale_ins, self.count_changes, self.crd_deletes
+                )
+            } else {
+                String::new()
+            },
             self.messages,
             self.lost_deletes.len(),
             self.phantom_deletes.len(),
@@ -165,7 +196,24 @@ struct Streams {
     life: PathBuf,
 }
 
-fn config(streams: &Streams, identity: &str) -> kube_event_bridge::config::Config {
+/// How one replica runs: its shard count and lease timings (sharded cases give replicas
+/// different ones side by side; the takeover waits must follow the holder's).
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    shards: u32,
+    lease_duration: &'static str,
+    renew_deadline: &'static str,
+}
+
+impl Run {
+    const SINGLE: Run = Run {
+        shards: 1,
+        lease_duration: "3s",
+        renew_deadline: "2s",
+    };
+}
+
+fn config(streams: &Streams, identity: &str, run: Run) -> kube_event_bridge::config::Config {
     let sink = |name: &str, path: &Path| {
         // Slower than a burst of changes: the cap is reached and notifications merge.
         json!({"name": name, "type": "stdout", "stdout": {"path": path},
@@ -194,7 +242,15 @@ fn config(streams: &Streams, identity: &str) -> kube_event_bridge::config::Confi
         .route("quiet", &["quiet"])
         .route("life", &["life"])
         .route("shop", &["out"])
-        .fast_leader_election(identity, "100ms")
+        .set(
+            "leader_election",
+            json!({
+                "enabled": true, "identity": identity, "namespace": "kube-system",
+                "lease_duration": run.lease_duration, "renew_deadline": run.renew_deadline,
+                "retry_period": "100ms",
+            }),
+        )
+        .set("sharding", json!({"shards": run.shards}))
         .build()
 }
 
@@ -209,7 +265,10 @@ struct Model {
     api: ApiServer,
     rng: Rng,
     widget_version: &'static str,
-    names: Vec<(Kind, String)>,
+    /// Whether the Widget CRD exists (sharded cases delete it and create it again).
+    crd: bool,
+    namespaces: &'static [&'static str],
+    names: Vec<(Kind, &'static str, String)>,
     next_name: usize,
     incarnations: usize,
     counter: u64,
@@ -230,24 +289,27 @@ impl Model {
         }
     }
 
-    fn get(&self, kind: Kind, name: &str) -> Option<Value> {
+    fn get(&self, kind: Kind, ns: &str, name: &str) -> Option<Value> {
+        if kind == Kind::Widget && !self.crd {
+            return None;
+        }
         self.api
-            .get(&self.api_version(kind), Self::kind_name(kind), NS, name)
+            .get(&self.api_version(kind), Self::kind_name(kind), ns, name)
     }
 
-    fn fresh(&mut self, kind: Kind, name: &str) -> Value {
+    fn fresh(&mut self, kind: Kind, ns: &str, name: &str) -> Value {
         self.counter += 1;
         self.incarnations += 1;
         let team = if self.rng.chance(50) { "a" } else { "b" };
         match kind {
             Kind::ConfigMap => json!({
                 "apiVersion": "v1", "kind": "ConfigMap",
-                "metadata": {"namespace": NS, "name": name,
+                "metadata": {"namespace": ns, "name": name,
                              "labels": {"model": "yes", "team": team}},
                 "data": {"v": self.counter.to_string()},
             }),
             Kind::Widget => {
-                let mut w = custom_resource(&self.api_version(kind), "Widget", Some(NS), name);
+                let mut w = custom_resource(&self.api_version(kind), "Widget", Some(ns), name);
                 w["spec"] = json!({"v": self.counter});
                 w
             }
@@ -255,31 +317,43 @@ impl Model {
     }
 
     fn create(&mut self) {
-        let kind = if self.rng.chance(60) {
+        let kind = if self.rng.chance(60) || !self.crd {
             Kind::ConfigMap
         } else {
             Kind::Widget
         };
+        let ns = self.namespaces[self.rng.below(self.namespaces.len())];
         let prefix = if kind == Kind::ConfigMap { "c" } else { "w" };
         let name = format!("{prefix}{}", self.next_name);
         self.next_name += 1;
-        let obj = self.fresh(kind, &name);
+        let obj = self.fresh(kind, ns, &name);
         self.api.create(obj);
-        self.names.push((kind, name));
+        self.names.push((kind, ns, name));
     }
 
     /// A random object that exists now.
-    fn pick(&mut self) -> Option<(Kind, String, Value)> {
+    fn pick(&mut self) -> Option<(Kind, &'static str, String, Value)> {
         for _ in 0..4 {
             if self.names.is_empty() {
                 return None;
             }
-            let (kind, name) = self.names[self.rng.below(self.names.len())].clone();
-            if let Some(obj) = self.get(kind, &name) {
-                return Some((kind, name, obj));
+            let (kind, ns, name) = self.names[self.rng.below(self.names.len())].clone();
+            if let Some(obj) = self.get(kind, ns, &name) {
+                return Some((kind, ns, name, obj));
             }
         }
         None
+    }
+
+    /// Deletes the Widget CRD (the API server deletes its objects) or creates it again.
+    fn toggle_crd(&mut self) {
+        if self.crd {
+            self.api.delete_crd(GROUP, "widgets");
+        } else {
+            self.api
+                .install_crd(GROUP, self.widget_version, "Widget", "widgets", true);
+        }
+        self.crd = !self.crd;
     }
 
     /// One random change; false when there was nothing to change.
@@ -289,7 +363,7 @@ impl Model {
             self.create();
             return true;
         }
-        let Some((kind, name, mut obj)) = self.pick() else {
+        let Some((kind, ns, name, mut obj)) = self.pick() else {
             return false;
         };
         self.counter += 1;
@@ -316,13 +390,13 @@ impl Model {
             }
             75..=89 => {
                 self.api
-                    .delete(&self.api_version(kind), Self::kind_name(kind), NS, &name);
+                    .delete(&self.api_version(kind), Self::kind_name(kind), ns, &name);
             }
             // Deleted and recreated under the same name: a new uid.
             _ => {
                 self.api
-                    .delete(&self.api_version(kind), Self::kind_name(kind), NS, &name);
-                let obj = self.fresh(kind, &name);
+                    .delete(&self.api_version(kind), Self::kind_name(kind), ns, &name);
+                let obj = self.fresh(kind, ns, &name);
                 self.api.create(obj);
             }
         }
@@ -331,10 +405,11 @@ impl Model {
 }
 
 /// The replicas: the first started leads; a restart stops the leader (a graceful handover:
-/// drained, checkpoints written, lease released) and starts a new standby.
+/// drained, checkpoints written, lease released) and starts a new standby. In sharded cases
+/// they share the shards, and handovers stop any of them.
 struct Replicas {
     streams: Arc<Streams>,
-    apps: Vec<(String, RunningApp)>,
+    apps: Vec<(String, Run, RunningApp)>,
     started: usize,
     peak: Arc<AtomicI64>,
     samplers: Vec<tokio::task::JoinHandle<()>>,
@@ -342,10 +417,10 @@ struct Replicas {
 }
 
 impl Replicas {
-    async fn start_one(&mut self, api: &ApiServer) {
+    async fn start_one(&mut self, api: &ApiServer, run: Run) {
         let identity = format!("r{}", self.started);
         self.started += 1;
-        let app = RunningApp::start(config(&self.streams, &identity), api).await;
+        let app = RunningApp::start(config(&self.streams, &identity, run), api).await;
         let (metrics, peak) = (app.metrics.clone(), self.peak.clone());
         self.samplers.push(tokio::spawn(async move {
             loop {
@@ -361,35 +436,140 @@ impl Replicas {
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
         }));
-        self.apps.push((identity, app));
+        self.apps.push((identity, run, app));
     }
 
     fn leader(&self) -> Option<usize> {
         self.apps
             .iter()
-            .position(|(_, a)| a.metrics.leader.get() == 1)
+            .position(|(_, _, a)| a.metrics.leader.get() == 1)
     }
 
-    /// Stops the leader in the background (changes go on while it drains and hands over)
-    /// and starts a new standby.
-    async fn restart(&mut self, api: &ApiServer) {
-        let i = self.leader().unwrap_or(0);
-        let (_, app) = self.apps.remove(i);
+    /// Stops replica `i` in the background (changes go on while it drains and hands over).
+    fn stop_one(&mut self, i: usize) {
+        let (_, _, app) = self.apps.remove(i);
         self.stopping.push(tokio::spawn(app.stop()));
-        self.start_one(api).await;
+    }
+
+    /// Stops the leader and starts a new standby.
+    async fn restart(&mut self, api: &ApiServer) {
+        self.stop_one(self.leader().unwrap_or(0));
+        self.start_one(api, Run::SINGLE).await;
     }
 
     async fn stop(mut self) {
         for s in &self.samplers {
             s.abort();
         }
-        for (_, app) in self.apps.drain(..) {
+        for (_, _, app) in self.apps.drain(..) {
             let report = app.stop().await;
             assert!(report.undelivered.is_empty(), "{report:?}");
         }
         for stop in self.stopping.drain(..) {
             let report = stop.await.unwrap();
             assert!(report.undelivered.is_empty(), "{report:?}");
+        }
+    }
+}
+
+/// A sharded case's run settings for a new replica at shard count `shards`: lease timings
+/// picked at random (3 s / 2 s or 4 s / 3 s), so that replicas with different ones meet.
+fn sharded_run(rng: &mut Rng, shards: u32) -> Run {
+    let (lease_duration, renew_deadline) = if rng.chance(50) {
+        ("3s", "2s")
+    } else {
+        ("4s", "3s")
+    };
+    Run {
+        shards,
+        lease_duration,
+        renew_deadline,
+    }
+}
+
+/// One shard handover of a sharded case (operations 72..=84 of [`run_case`]'s roll).
+async fn handover(
+    roll: usize,
+    model: &mut Model,
+    replicas: &mut Replicas,
+    shards: &mut u32,
+    outcome: &mut Outcome,
+) {
+    let before: Vec<(String, u32)> = replicas
+        .apps
+        .iter()
+        .map(|(id, run, _)| (id.clone(), run.shards))
+        .collect();
+    let crd = model.crd;
+    handover_once(roll, model, replicas, shards, outcome).await;
+    let after: Vec<(String, u32)> = replicas
+        .apps
+        .iter()
+        .map(|(id, run, _)| (id.clone(), run.shards))
+        .collect();
+    tracing::info!(
+        "model handover {roll}: replicas {before:?} -> {after:?}, CRD {crd} -> {}",
+        model.crd
+    );
+}
+
+async fn handover_once(
+    roll: usize,
+    model: &mut Model,
+    replicas: &mut Replicas,
+    shards: &mut u32,
+    outcome: &mut Outcome,
+) {
+    match roll {
+        // A replica stopped and replaced.
+        72..=75 => {
+            outcome.restarts += 1;
+            let i = model.rng.below(replicas.apps.len());
+            replicas.stop_one(i);
+            let run = sharded_run(&mut model.rng, *shards);
+            replicas.start_one(&model.api, run).await;
+        }
+        // Scale out (up to four) or in (down to one).
+        76..=78 => {
+            let n = replicas.apps.len();
+            if n < 4 && (n == 1 || model.rng.chance(50)) {
+                outcome.scale_outs += 1;
+                let run = sharded_run(&mut model.rng, *shards);
+                replicas.start_one(&model.api, run).await;
+            } else {
+                outcome.scale_ins += 1;
+                let i = model.rng.below(n);
+                replicas.stop_one(i);
+            }
+        }
+        // A rolling update to another shard count: a new replica first, then each old one
+        // stopped and replaced, changes going on in between.
+        79..=81 => {
+            outcome.count_changes += 1;
+            let others: Vec<u32> = (1..=3).filter(|m| m != shards).collect();
+            *shards = others[model.rng.below(others.len())];
+            let run = sharded_run(&mut model.rng, *shards);
+            replicas.start_one(&model.api, run).await;
+            while let Some(i) = replicas
+                .apps
+                .iter()
+                .position(|(_, r, _)| r.shards != *shards)
+            {
+                for _ in 0..1 + model.rng.below(4) {
+                    outcome.changes += model.change() as usize;
+                }
+                tokio::time::sleep(Duration::from_millis(model.rng.below(800) as u64)).await;
+                replicas.stop_one(i);
+                if replicas.apps.len() < 2 {
+                    let run = sharded_run(&mut model.rng, *shards);
+                    replicas.start_one(&model.api, run).await;
+                }
+            }
+        }
+        // The CRD deleted (its Widgets with it), or created again.
+        _ => {
+            outcome.crd_deletes += model.crd as usize;
+            model.toggle_crd();
         }
     }
 }
@@ -407,6 +587,8 @@ pub async fn run_case(settings: Settings, dir: &Path) -> Outcome {
         api,
         rng: Rng(settings.seed.wrapping_mul(2_654_435_761).max(1)),
         widget_version: "v1beta1",
+        crd: true,
+        namespaces: if settings.sharded { &SHARDED_NS } else { &[NS] },
         names: Vec::new(),
         next_name: 0,
         incarnations: 0,
@@ -423,16 +605,34 @@ pub async fn run_case(settings: Settings, dir: &Path) -> Outcome {
         samplers: Vec::new(),
         stopping: Vec::new(),
     };
-    replicas.start_one(&model.api).await;
+    let mut shards = if settings.sharded {
+        2 + model.rng.below(2) as u32
+    } else {
+        1
+    };
+    let first = |rng: &mut Rng| {
+        if settings.sharded {
+            sharded_run(rng, shards)
+        } else {
+            Run::SINGLE
+        }
+    };
+    let run = first(&mut model.rng);
+    replicas.start_one(&model.api, run).await;
     super::wait::until("a leader", Duration::from_secs(10), async || {
         replicas.leader().is_some()
     })
     .await;
-    replicas.start_one(&model.api).await;
+    let run = first(&mut model.rng);
+    replicas.start_one(&model.api, run).await;
     let mut outcome = Outcome::default();
     for _ in 0..settings.ops {
         outcome.ops += 1;
-        match model.rng.below(100) {
+        let roll = model.rng.below(100);
+        match roll {
+            72..=84 if settings.sharded => {
+                handover(roll, &mut model, &mut replicas, &mut shards, &mut outcome).await;
+            }
             0..=79 => {
                 // A burst of changes (now and then one past the sinks' cap), now and then
                 // with a pause after it.
@@ -453,6 +653,9 @@ pub async fn run_case(settings: Settings, dir: &Path) -> Outcome {
                 replicas.restart(&model.api).await;
             }
             85..=88 => {
+                if !model.crd {
+                    continue;
+                }
                 outcome.switches += 1;
                 model.widget_version = if model.widget_version == "v1" {
                     "v1beta1"
@@ -483,10 +686,11 @@ pub async fn run_case(settings: Settings, dir: &Path) -> Outcome {
             }
         }
     }
-    // Quiescence: the leader has published everything and written its checkpoints.
+    // Quiescence: the owners have published everything and written their checkpoints (in
+    // sharded cases after the last handovers' takeover waits).
     let check = || check(&model, &streams);
     let mut last = check();
-    for _ in 0..120 {
+    for _ in 0..if settings.sharded { 240 } else { 120 } {
         if last.nothing_lost() {
             break;
         }
@@ -514,9 +718,13 @@ pub async fn run_case(settings: Settings, dir: &Path) -> Outcome {
 /// What the consumers of each stream end with, against the API server.
 fn check(model: &Model, streams: &Streams) -> Outcome {
     let live_cms = model.api.objects("v1", "ConfigMap");
-    let live_widgets = model
-        .api
-        .objects(&format!("{GROUP}/{}", model.widget_version), "Widget");
+    let live_widgets = if model.crd {
+        model
+            .api
+            .objects(&format!("{GROUP}/{}", model.widget_version), "Widget")
+    } else {
+        BTreeMap::new()
+    };
     let is_member = |key: &str| {
         let (ns, name) = key.split_once('/').unwrap();
         model
@@ -524,15 +732,17 @@ fn check(model: &Model, streams: &Streams) -> Outcome {
             .get("v1", "ConfigMap", ns, name)
             .is_some_and(|o| o["metadata"]["labels"]["team"] == "a")
     };
+    let ours = |key: &str| {
+        let ns = key.split_once('/').map_or("", |(ns, _)| ns);
+        model.namespaces.contains(&ns)
+    };
     let members: BTreeMap<String, (String, String)> = live_cms
         .iter()
-        .filter(|(k, _)| k.starts_with(&format!("{NS}/")) && is_member(k))
+        .filter(|(k, _)| ours(k) && is_member(k))
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
-    let all_cms: BTreeMap<String, (String, String)> = live_cms
-        .into_iter()
-        .filter(|(k, _)| k.starts_with(&format!("{NS}/")))
-        .collect();
+    let all_cms: BTreeMap<String, (String, String)> =
+        live_cms.into_iter().filter(|(k, _)| ours(k)).collect();
     let mut o = Outcome::default();
     let mut compare =
         |stream: &Path, kind: &str, live: &BTreeMap<String, (String, String)>, exact: bool| {
