@@ -39,6 +39,25 @@ fn key(namespace: Option<&str>) -> InformerKey {
     }
 }
 
+/// A factory on `server`'s client (no rate limit) with these watch options.
+fn factory_on(
+    server: &ApiServer,
+    page_size: u32,
+    streaming_list: bool,
+    max_concurrent_lists: u32,
+) -> SharedInformerFactory {
+    SharedInformerFactory::new(
+        server.client(),
+        WatchOptions {
+            page_size,
+            streaming_list,
+            watch_timeout_seconds: 290,
+            max_concurrent_lists,
+        },
+        Arc::new(Metrics::new()),
+    )
+}
+
 /// A collector and the resync period of the listener that feeds it.
 type Probe<'a> = (&'a Arc<Collector>, Option<Duration>);
 
@@ -406,16 +425,7 @@ async fn streaming_watch_list_gives_initial_adds_then_changes_on_the_same_stream
 #[tokio::test]
 async fn factory_hands_out_one_informer_per_key() {
     let server = ApiServer::start().await;
-    let factory = SharedInformerFactory::new(
-        server.client(),
-        WatchOptions {
-            page_size: 500,
-            streaming_list: false,
-            watch_timeout_seconds: 290,
-            max_concurrent_lists: 16,
-        },
-        Arc::new(Metrics::new()),
-    );
+    let factory = factory_on(&server, 500, false, 16);
     let a = factory.informer_for(&configmaps(), key(None), None);
     let b = factory.informer_for(&configmaps(), key(None), None);
     let c = factory.informer_for(&configmaps(), key(Some("ns")), None);
@@ -508,16 +518,7 @@ async fn lists_in_flight_are_capped_over_every_informer_of_a_factory() {
             }
         }
         server.delay_lists(Some(Duration::from_millis(100)));
-        let factory = SharedInformerFactory::new(
-            server.client(),
-            WatchOptions {
-                page_size: 10,
-                streaming_list: false,
-                watch_timeout_seconds: 290,
-                max_concurrent_lists: cap,
-            },
-            Arc::new(Metrics::new()),
-        );
+        let factory = factory_on(&server, 10, false, cap);
         let collectors: Vec<Arc<Collector>> = (0..8)
             .map(|ns| {
                 let informer =
@@ -540,5 +541,79 @@ async fn lists_in_flight_are_capped_over_every_informer_of_a_factory() {
         } else {
             assert!(most > 2, "without a low cap the lists overlap ({most})");
         }
+    }
+}
+
+/// An informer of one namespace for a shard that namespace's hash falls outside of can never
+/// hold an object: it asks the server nothing (no list, no watch) and is synced, empty, at
+/// once; the informer of the shard that holds the namespace lists its objects.
+#[tokio::test]
+async fn an_informer_of_a_namespace_outside_its_shard_asks_the_server_nothing() {
+    use kube_event_bridge::shard::Shard;
+    let server = ApiServer::start().await;
+    for i in 0..3 {
+        server.create(typed(&configmap("payments", &format!("cm-{i}"), "1")));
+    }
+    let factory = factory_on(&server, 500, false, 16);
+    let of_shard = |index| {
+        let shard = Shard { index, count: 2 };
+        let informer = factory.informer_for(
+            &configmaps(),
+            InformerKey {
+                shard: Some(shard),
+                ..key(Some("payments"))
+            },
+            None,
+        );
+        (shard.holds_namespace("payments"), informer)
+    };
+    let (a, b) = (of_shard(0), of_shard(1));
+    let ((_, outside), (_, inside)) = if a.0 { (b, a) } else { (a, b) };
+    let cancel = CancellationToken::new();
+    factory.start(&cancel);
+    wait::until("both synced", PATIENCE, async || {
+        outside.has_synced() && inside.has_synced()
+    })
+    .await;
+    assert_eq!(inside.indexer().list().len(), 3);
+    assert!(outside.indexer().list().is_empty());
+    // Only the holding shard's informer asked: one list and one watch.
+    let counts = server.counts("/api/v1/namespaces/payments/configmaps");
+    assert_eq!((counts.lists, counts.watches), (1, 1), "{counts:?}");
+    cancel.cancel();
+}
+
+/// With `streaming_list` (a watch-list echoes no `shardInfo`), a sharded informer tells
+/// whether the server applies its selector from a list of one object: client-side filtering
+/// is reported (`client_side_shards`) where the server ignores the selector, and not where it
+/// applies it.
+#[tokio::test]
+async fn a_streaming_sharded_informer_tells_server_from_client_side_filtering() {
+    use kube_event_bridge::shard::Shard;
+    for server_side in [true, false] {
+        let server = ApiServer::start().await;
+        server.set_shard_selectors(server_side);
+        for ns in ["payments", "orders", "auth"] {
+            server.create(typed(&configmap(ns, "cm", "1")));
+        }
+        let factory = factory_on(&server, 500, true, 16);
+        let informer = factory.informer_for(
+            &configmaps(),
+            InformerKey {
+                shard: Some(Shard { index: 0, count: 2 }),
+                ..key(None)
+            },
+            None,
+        );
+        let cancel = CancellationToken::new();
+        factory.start(&cancel);
+        wait::until("synced", PATIENCE, async || informer.has_synced()).await;
+        let client_side = factory.client_side_shards();
+        assert_eq!(
+            client_side.is_empty(),
+            server_side,
+            "server applies the selector: {server_side}; client-side: {client_side:?}"
+        );
+        cancel.cancel();
     }
 }

@@ -150,6 +150,11 @@ impl SharedInformerFactory {
             opened: Default::default(),
             transform: transform.unwrap_or_default(),
             lists: Some(self.lists.clone()),
+            // One namespace outside its shard: nothing to list or watch.
+            idle: matches!(
+                (&key.namespace, key.shard),
+                (Some(ns), Some(shard)) if !shard.is_whole() && !shard.holds_namespace(ns)
+            ),
             shard: key.shard.filter(|s| !s.is_whole()).map(|shard| {
                 ShardFilter::new(
                     shard,

@@ -67,6 +67,9 @@ pub struct ListWatchConfig {
     /// before its first request and holds it until its last object is handed on (or it
     /// fails). `None`: no cap.
     pub lists: Option<Arc<tokio::sync::Semaphore>>,
+    /// It can never hold an object: one namespace whose hash is outside its shard. It asks
+    /// the server nothing; each list is empty at once, and it stays synced.
+    pub idle: bool,
 }
 
 /// When the list+watch last heard from the API server: a list page, a watch event or a
@@ -143,6 +146,21 @@ impl ShardFilter {
             1 => ShardMode::Server,
             2 => ShardMode::Client,
             _ => ShardMode::Unknown,
+        }
+    }
+
+    /// Records what a list said: whether the server applied the selector (it echoed
+    /// `shardInfo`); logs a change.
+    fn note_mode(&self, server_side: bool) {
+        let mode = if server_side {
+            ShardMode::Server
+        } else {
+            ShardMode::Client
+        };
+        let before = self.mode.swap(mode as u8, Ordering::SeqCst);
+        self.server_side.set(server_side as i64);
+        if before != mode as u8 {
+            log_mode(&self.shard, mode);
         }
     }
 
@@ -337,7 +355,15 @@ enum State {
         rv: String,
         stream: WatchStream,
     },
+    /// An idle list+watch ([`ListWatchConfig::idle`]): its empty list is handed on.
+    IdleListed,
+    /// An idle list+watch, waiting for a relist request.
+    Idle,
 }
+
+/// How often an idle list+watch counts as heard from (a kind silent for much longer than the
+/// API server's bookmark period looks stalled).
+const IDLE_HEARD: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Whether the server answered that it cannot serve a watch or list from the resourceVersion
 /// asked: compacted (410 Gone, `Expired`) or ahead of it (`Too large resource version`).
@@ -434,6 +460,15 @@ async fn list_page(
     })
 }
 
+/// A list of at most one object with the shard's selector, for its `shardInfo`.
+async fn probe_page(api: &Api<DynamicObject>, config: &ListWatchConfig) -> kube::Result<ListPage> {
+    let probe = ListWatchConfig {
+        page_size: 1,
+        ..config.clone()
+    };
+    list_page(api, &probe, None).await
+}
+
 /// A watch from `rv` (with the shard's selector, if any); `initial_events` asks for the
 /// streaming list. Its objects come cached (see [`watch_events`]).
 async fn watch(
@@ -492,9 +527,35 @@ async fn step(
         return (None, State::Empty);
     }
     match state {
+        State::Empty if config.idle => {
+            relists.list_starts();
+            config.activity.touch();
+            (Some(Ok(Event::Init)), State::IdleListed)
+        }
+        State::IdleListed => (Some(Ok(Event::InitDone)), State::Idle),
+        State::Idle => {
+            tokio::select! {
+                changed = relists.rx.changed(), if relists.rx.has_changed().is_ok() => {
+                    if changed.is_ok() {
+                        relists.rx.borrow_and_update();
+                        return (None, State::Empty);
+                    }
+                }
+                _ = tokio::time::sleep(IDLE_HEARD) => config.activity.touch(),
+            }
+            (None, State::Idle)
+        }
         State::Empty if config.streaming => {
             let permit = list_permit(config).await;
             relists.list_starts();
+            if let Some(filter) = &config.shard {
+                // A watch-list echoes no `shardInfo`: a list of one object tells whether the
+                // server applies the selector (again at each list: API servers change).
+                match probe_page(api, config).await {
+                    Ok(page) => filter.note_mode(page.metadata.shard_info.is_some()),
+                    Err(err) => return (Some(Err(Error::InitialListFailed(err))), State::Empty),
+                }
+            }
             match watch(api, config, "", true).await {
                 Ok(stream) => (
                     Some(Ok(Event::Init)),
@@ -566,16 +627,7 @@ async fn step(
                     if let Some(filter) = &config.shard
                         && first
                     {
-                        let mode = if list.metadata.shard_info.is_some() {
-                            ShardMode::Server
-                        } else {
-                            ShardMode::Client
-                        };
-                        let before = filter.mode.swap(mode as u8, Ordering::SeqCst);
-                        filter.server_side.set((mode == ShardMode::Server) as i64);
-                        if before != mode as u8 {
-                            log_mode(&filter.shard, mode);
-                        }
+                        filter.note_mode(list.metadata.shard_info.is_some());
                     }
                     // The next page is fetched and decoded while this one is handed on.
                     let next = continue_token
