@@ -7,7 +7,7 @@ use kube::api::ApiResource;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::resources::{Resources, Wiring, kind_name};
+use super::resources::{Resources, Wiring, kind_name, route_kind};
 use crate::{cluster, pipeline::checkpoint::CLUSTER_KEY, selection::resolve_all};
 
 /// Keeps the wired resources in step with what the API server serves: a pending kind that
@@ -102,6 +102,8 @@ pub(super) async fn follow_discovery(
                 }
             }
         }
+        // Orphans (by position) to look at again at the next pass.
+        let mut keep = std::collections::BTreeSet::new();
         for (wiring, resources) in &shards {
             let mut resources = resources.lock().await;
             // An answer older than a moment (the lock was held: a checkpoint load, a drain)
@@ -110,15 +112,19 @@ pub(super) async fn follow_discovery(
                 answers = look_up(wiring).await;
                 looked = tokio::time::Instant::now();
             }
-            wire_orphans(wiring, &mut resources, &orphans, &answers).await;
+            keep.extend(wire_orphans(wiring, &mut resources, &orphans, &answers).await);
             if let Some(at) = refresh(wiring, &mut resources, &answers).await {
                 recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
             }
             pending.extend(resources.pending.values().cloned());
         }
-        // Wired in every shard, or served after all (wired as usual), or its lookup failed
-        // (kept for the next pass).
-        orphans.retain(|o| matches!(answers[o.index], Err((false, _))));
+        // Wired in every shard, or served after all (wired as usual); those whose lookup or
+        // wiring failed are looked at again at the next pass.
+        let mut position = 0;
+        orphans.retain(|_| {
+            position += 1;
+            keep.contains(&(position - 1))
+        });
         *notes.lock().unwrap_or_else(|e| e.into_inner()) = pending.into_iter().collect();
     }
 }
@@ -174,27 +180,34 @@ async fn find_orphans(
         if entries.is_empty() {
             continue;
         }
-        let owner = |route: &str| -> Option<usize> {
-            let base = route_base(route, sink)?;
-            entries.iter().find_map(|(i, served)| {
-                let r = &config.resources[*i];
-                let entry = r.effective_name();
-                let ours = if r.is_wildcard() {
-                    base.strip_prefix(entry.as_str())
-                        .is_some_and(|rest| rest.starts_with('/'))
-                } else {
-                    base == entry
-                };
-                (ours && !served.iter().any(|s| s == base)).then_some(*i)
-            })
+        // The resources a route may belong to, by its name alone (the kind its checkpoint
+        // records decides, below).
+        let candidates = |route: &str| -> Vec<usize> {
+            let Some(base) = route_base(route, sink) else {
+                return Vec::new();
+            };
+            entries
+                .iter()
+                .filter(|(i, served)| {
+                    let r = &config.resources[*i];
+                    let entry = r.effective_name();
+                    let ours = if r.is_wildcard() {
+                        base.strip_prefix(entry.as_str())
+                            .is_some_and(|rest| rest.starts_with('/'))
+                    } else {
+                        base == entry
+                    };
+                    ours && !served.iter().any(|s| s == base)
+                })
+                .map(|(i, _)| *i)
+                .collect()
         };
-        let also = |route: &str| owner(route).is_some();
+        let also = |route: &str| !candidates(route).is_empty();
         let loaded = store
             .load_family(&[], &also)
             .await
             .map_err(|e| e.to_string())?;
         for (route, checkpoint) in loaded {
-            let Some(index) = owner(&route) else { continue };
             let Some(identity) = checkpoint.get(CLUSTER_KEY) else {
                 continue;
             };
@@ -219,6 +232,20 @@ async fn find_orphans(
                 kind: kind.kind.clone(),
                 plural: kind.plural.clone(),
             };
+            // The resource whose route this is, for the kind it records: the route is named
+            // after it, and a fixed entry still names that kind (an entry moved to another
+            // kind leaves the old kind's route alone).
+            let base = route_base(&route, sink).unwrap_or_default();
+            let Some(index) = candidates(&route).into_iter().find(|&i| {
+                let r = &config.resources[i];
+                let names_it = || {
+                    let group = r.api_version.split_once('/').map_or("", |(g, _)| g);
+                    group == api_resource.group && r.kind == api_resource.kind
+                };
+                kind_name(r, &api_resource) == base && (r.is_wildcard() || names_it())
+            }) else {
+                continue;
+            };
             if !found
                 .iter()
                 .any(|o| o.index == index && same_kind(&o.api_resource, &api_resource))
@@ -238,37 +265,63 @@ async fn find_orphans(
 /// `sink`.
 fn route_base<'a>(route: &'a str, sink: &str) -> Option<&'a str> {
     let base = route.strip_suffix(sink)?.strip_suffix('/')?;
+    let shard = |label: &str| {
+        label.split_once("-of-").is_some_and(
+            |(i, m)| matches!((i.parse::<u32>(), m.parse::<u32>()), (Ok(i), Ok(m)) if i < m),
+        )
+    };
     Some(match base.rsplit_once('#') {
-        Some((base, shard)) if shard.contains("-of-") => base,
+        Some((base, label)) if shard(label) => base,
         _ => base,
     })
 }
 
-/// Wires every orphan ([`find_orphans`]) still not served, and not wired in this shard, as a
-/// kind that is gone: its routes resume from their checkpoints (and take over other shard
-/// counts') when this replica publishes the shard, and discovery's look completes them as
-/// gone (a delete for every checkpointed object) as it does for a kind that went while
-/// wired.
+/// Wires every orphan ([`find_orphans`]) that discovery serves at no version and that is not
+/// wired in this shard, as a kind that is gone: its routes resume from their checkpoints (and
+/// take over other shard counts') when this replica publishes the shard, and discovery's
+/// look completes them as gone (a delete for every checkpointed object) as it does for a
+/// kind that went while wired. Returns the positions of the orphans to look at again (their
+/// lookup or wiring failed).
 async fn wire_orphans(
     wiring: &Wiring,
     resources: &mut Resources,
     orphans: &[Orphan],
     answers: &Answers,
-) {
-    for o in orphans {
-        let served = match &answers[o.index] {
-            Ok(selection) => selection
-                .kinds
-                .iter()
-                .any(|k| same_kind(&k.api_resource, &o.api_resource)),
-            Err((not_served, _)) => !not_served,
-        };
+) -> Vec<usize> {
+    let mut again = Vec::new();
+    for (position, o) in orphans.iter().enumerate() {
         let wired = resources
             .wired
             .iter()
             .any(|w| w.index == o.index && same_kind(&w.api_resource, &o.api_resource));
-        if served || wired {
+        if wired {
             continue;
+        }
+        match &answers[o.index] {
+            // Selected: wired as usual.
+            Ok(selection)
+                if selection
+                    .kinds
+                    .iter()
+                    .any(|k| same_kind(&k.api_resource, &o.api_resource)) =>
+            {
+                continue;
+            }
+            Err((false, _)) => {
+                again.push(position);
+                continue;
+            }
+            _ => {}
+        }
+        // Served at any version (if not selected: excluded, another version pinned) is not
+        // gone.
+        match served_at(&wiring.client, &o.api_resource).await {
+            Ok(versions) if versions.is_empty() => {}
+            Ok(_) => continue,
+            Err(_) => {
+                again.push(position);
+                continue;
+            }
         }
         let r = &wiring.config.resources[o.index];
         match wiring
@@ -283,10 +336,12 @@ async fn wire_orphans(
                 info!(resource = %kind_name(r, &o.api_resource), "A kind no longer served still has checkpointed objects: its routes publish their deletes (its CRD was deleted while no replica published it)");
             }
             Err(err) => {
-                warn!(resource = %kind_name(r, &o.api_resource), error = %err, "Cannot wire the routes of a kind no longer served; its objects' deletes wait until it is served again");
+                warn!(resource = %kind_name(r, &o.api_resource), error = %err, "Cannot wire the routes of a kind no longer served; trying again at the next refresh");
+                again.push(position);
             }
         }
     }
+    again
 }
 
 /// The same kind, at any version: its objects are the same (a CRD serves one set of objects
@@ -674,6 +729,11 @@ async fn switch_version(
         route
             .route
             .set_encoder(wiring.encoder(&route.sink, api_resource));
+        if let Some(resume) = &route.resume {
+            resume
+                .checkpointer
+                .describe_kind(route_kind(api_resource, wired.namespaced));
+        }
     }
     informers_replaced(wired);
     (cached, held)
@@ -798,6 +858,22 @@ mod tests {
             assert_eq!(p.start, [Start::Switch(0, v1.clone())]);
             assert!(p.stop.is_empty());
         }
+    }
+
+    #[test]
+    fn a_routes_base_drops_the_sink_and_a_shard_label_only() {
+        assert_eq!(route_base("cms/out", "out"), Some("cms"));
+        assert_eq!(route_base("cms#2-of-3/out", "out"), Some("cms"));
+        assert_eq!(
+            route_base("shop/widgets.x.io#0-of-1/out", "out"),
+            Some("shop/widgets.x.io")
+        );
+        // Not a shard label: part of the name.
+        assert_eq!(route_base("a#b-of-c/out", "out"), Some("a#b-of-c"));
+        assert_eq!(route_base("a#3-of-2/out", "out"), Some("a#3-of-2"));
+        // Another sink's route.
+        assert_eq!(route_base("cms/team-out", "out"), None);
+        assert_eq!(route_base("cms/out", "team/out"), None);
     }
 
     #[test]

@@ -38,6 +38,16 @@ use crate::{
 /// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
 /// name, and for a `kind: "*"` entry `/` and the kind's resource (`configmaps`,
 /// `widgets.example.com`).
+/// What a route of `api_resource` records of its kind in its checkpoint.
+pub(super) fn route_kind(api_resource: &ApiResource, namespaced: bool) -> RouteKind {
+    RouteKind {
+        api_version: api_resource.api_version.clone(),
+        kind: api_resource.kind.clone(),
+        plural: api_resource.plural.clone(),
+        namespaced,
+    }
+}
+
 pub(super) fn kind_name(r: &ResourceConfig, api_resource: &ApiResource) -> String {
     let entry = r.effective_name();
     if !r.is_wildcard() {
@@ -337,12 +347,7 @@ impl Wiring {
             let resume = match (built.resumer, built.checkpointer) {
                 (Some(resumer), Some(checkpointer)) => Some(Resume {
                     checkpointer: {
-                        checkpointer.describe_kind(RouteKind {
-                            api_version: api_resource.api_version.clone(),
-                            kind: api_resource.kind.clone(),
-                            plural: api_resource.plural.clone(),
-                            namespaced,
-                        });
+                        checkpointer.describe_kind(route_kind(&api_resource, namespaced));
                         checkpointer
                     },
                     resumer,

@@ -5,9 +5,9 @@
 //! Reads are `read_committed`: a transaction's records once it committed, never an aborted
 //! one's. The end of a read is each partition's high watermark as it was when the read began
 //! (as a `read_uncommitted` client sees it), reached once a record at or past the
-//! watermark's last offset arrives, or the broker reports the partition's end
-//! (`PartitionEOF`, at its last stable offset) with that last stable offset at or past the
-//! watermark: every transaction open at the start has ended, committed or aborted, so
+//! watermark's last offset arrives, or the consumer's position passes the watermark, or the
+//! broker reports the partition's end (`PartitionEOF`, at its last stable offset) with that
+//! last stable offset at or past the watermark: every transaction open at the start has ended, committed or aborted, so
 //! nothing committed before the read began is missed, whichever producer's transaction
 //! held the others back. (The first is how a read ends while other writers keep the
 //! partition busy: the consumer then need never find itself at its end.) A read that receives nothing for [`STALL`] before that is an error
@@ -28,8 +28,7 @@ use super::client::{KafkaClient, KafkaContext};
 
 /// How long the brokers get to answer metadata requests.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
-/// A partition whose last stable offset reached the target, with nothing more arriving for
-/// this long, is read (what lay between was aborted).
+/// How often partitions waiting for a transaction open at the start are looked at.
 pub const QUIET: Duration = Duration::from_millis(500);
 /// A read that receives nothing at all for this long ends, whatever the watermarks say.
 pub const STALL: Duration = Duration::from_secs(10);
@@ -178,26 +177,33 @@ fn read_topic_to_end(
             .is_ok_and(|(_, lso)| lso >= target[&p])
     };
     let mut next: HashMap<i32, i64> = HashMap::new();
-    // Partitions at their end whose last stable offset was still short of `target`, and when.
-    let mut waiting: HashMap<i32, std::time::Instant> = HashMap::new();
+    // Partitions at their end whose last stable offset was still short of `target`.
+    let mut waiting = std::collections::HashSet::new();
     let mut last_record = std::time::Instant::now();
     let mut last_look = std::time::Instant::now();
     loop {
         if done.len() == target.len() {
             return Ok(());
         }
-        // Looked at every `QUIET`, whatever arrives meanwhile: with other partitions busy,
-        // `poll` may never come back empty.
-        if last_look.elapsed() >= QUIET {
+        // Looked at every `QUIET`, whatever arrives meanwhile (with other partitions busy,
+        // `poll` may never come back empty): a waiting partition whose position (the next
+        // offset the consumer hands on, past aborted records too) reached the target is read.
+        // Its last stable offset reaching the target is not enough: what committed below it
+        // may not have been fetched yet.
+        if last_look.elapsed() >= QUIET && !waiting.is_empty() {
             last_look = std::time::Instant::now();
-            waiting.retain(|&p, since| {
-                if since.elapsed() >= QUIET && stable(p) {
-                    done.insert(p);
-                    false
-                } else {
-                    true
+            if let Ok(positions) = consumer.position() {
+                for e in positions.elements_for_topic(topic) {
+                    let p = e.partition();
+                    if let Offset::Offset(at) = e.offset()
+                        && waiting.contains(&p)
+                        && at >= target[&p]
+                    {
+                        done.insert(p);
+                        waiting.remove(&p);
+                    }
                 }
-            });
+            }
         }
         if last_record.elapsed() >= STALL {
             let behind: Vec<String> = target
@@ -211,8 +217,8 @@ fn read_topic_to_end(
                 behind.join(", ")
             ));
         }
-        // Nothing may arrive when the last stable offset moved past aborted records only: the
-        // partition is read once it reached the target a while ago (above).
+        // When the last stable offset moves past aborted records only, nothing arrives but the
+        // partition's end (`PartitionEOF`) again.
         let Some(result) = consumer.poll(Duration::from_millis(100)) else {
             continue;
         };
@@ -222,7 +228,7 @@ fn read_topic_to_end(
                     done.insert(p);
                     waiting.remove(&p);
                 } else {
-                    waiting.entry(p).or_insert_with(std::time::Instant::now);
+                    waiting.insert(p);
                 }
                 continue;
             }
@@ -231,9 +237,6 @@ fn read_topic_to_end(
         last_record = std::time::Instant::now();
         let p = m.partition();
         next.insert(p, m.offset() + 1);
-        if let Some(since) = waiting.get_mut(&p) {
-            *since = last_record;
-        }
         // A record past the target (committed after the read began) is kept too.
         each(Record::from(&m));
         // A record at the target's last offset or past it ends the partition: a read_committed

@@ -3,6 +3,10 @@
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use futures::{FutureExt, future::BoxFuture};
@@ -151,7 +155,17 @@ impl CheckpointStore for FileCheckpointStore {
                 self.beside_it(".tmp"),
             );
             let route = route.to_owned();
-            tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
+            // Set when this write is given up (its future dropped: the lease's deadline passed
+            // while it waited for the lock): the blocking work then replaces nothing.
+            struct GivenUp(Arc<AtomicBool>);
+            impl Drop for GivenUp {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::SeqCst);
+                }
+            }
+            let given_up = GivenUp(Arc::default());
+            let abandoned = given_up.0.clone();
+            let done = tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
                 use std::io::Write;
                 let lock = std::fs::OpenOptions::new()
                     .create(true)
@@ -174,11 +188,14 @@ impl CheckpointStore for FileCheckpointStore {
                 let mut f = std::fs::File::create(&tmp).map_err(|e| e.to_string())?;
                 f.write_all(&bytes).map_err(|e| e.to_string())?;
                 f.sync_all().map_err(|e| e.to_string())?;
+                if abandoned.load(Ordering::SeqCst) {
+                    return Err("given up before it was written".into());
+                }
                 std::fs::rename(&tmp, &path).map_err(|e| e.to_string())
             })
-            .await
-            .map_err(|e| self.error(e))?
-            .map_err(|e| self.error(e))
+            .await;
+            drop(given_up);
+            done.map_err(|e| self.error(e))?.map_err(|e| self.error(e))
         }
         .boxed()
     }
