@@ -8,7 +8,11 @@
 //! Prints, per configuration: each replica's shards, objects published and RSS (current and
 //! peak), the mean RSS, and the list+watch bytes the API server sent (total and per replica).
 //!
-//! `cargo bench --bench sharding [-- OBJECTS SHARDS]` (defaults 30000 12)
+//! `cargo bench --bench sharding [-- OBJECTS SHARDS] [--namespaced] [--client-side]` (defaults
+//! 30000 12; `--client-side`: only the runs where the API server ignores the selector);
+//! `--namespaced` lists the 120 namespaces in the resource (`namespaces`): an informer per
+//! namespace in every shard, of which only those whose namespace hashes into the shard ask
+//! the API server anything.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -34,10 +38,14 @@ struct Replica {
 }
 
 impl Replica {
-    fn start(dir: &Path, identity: &str, shards: u32, kubeconfig: &Path) -> Self {
+    fn start(dir: &Path, identity: &str, shards: u32, namespaced: bool, kubeconfig: &Path) -> Self {
         let out = dir.join(format!("{identity}.jsonl"));
+        let mut resource = json!({"api_version": "v1", "kind": "ConfigMap", "name": "configmap"});
+        if namespaced {
+            resource["namespaces"] = (0..NAMESPACES).map(namespace).collect();
+        }
         let config = ConfigBuilder::new()
-            .configmaps()
+            .resource(resource)
             .stdout("out", &out)
             .route("configmap", &["out"])
             .set(
@@ -97,12 +105,17 @@ fn holders(api: &ApiServer, shards: u32) -> Vec<Option<String>> {
         .collect()
 }
 
-async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool) {
+/// Namespace `i` (of [`NAMESPACES`]).
+fn namespace(i: usize) -> String {
+    format!("{:03}-team", i % NAMESPACES)
+}
+
+async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool, namespaced: bool) {
     let api = ApiServer::start().await;
     api.set_shard_selectors(server_side);
     let value = "x".repeat(900);
     for i in 0..objects {
-        let ns = format!("{:03}-team", i % NAMESPACES);
+        let ns = namespace(i);
         api.create(typed(&configmap(&ns, &format!("cm-{i:06}"), &value)));
     }
     let dir = tempfile::tempdir().unwrap();
@@ -110,7 +123,15 @@ async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool) {
     let before = api.bytes_sent();
     let started = Instant::now();
     let running: Vec<Replica> = (0..replicas)
-        .map(|r| Replica::start(dir.path(), &format!("replica-{r}"), shards, &kubeconfig))
+        .map(|r| {
+            Replica::start(
+                dir.path(),
+                &format!("replica-{r}"),
+                shards,
+                namespaced,
+                &kubeconfig,
+            )
+        })
         .collect();
     let deadline = Instant::now() + Duration::from_secs(300);
     loop {
@@ -159,6 +180,7 @@ async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    let namespaced = std::env::args().any(|a| a == "--namespaced");
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| !a.starts_with("--"))
@@ -166,11 +188,21 @@ async fn main() {
     let objects = args.first().and_then(|a| a.parse().ok()).unwrap_or(30_000);
     let shards = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(12);
     println!(
-        "sharding bench: {objects} ConfigMaps (~1 KB) over {NAMESPACES} namespaces, {shards} shards"
+        "sharding bench: {objects} ConfigMaps (~1 KB) over {NAMESPACES} namespaces, {shards} shards{}",
+        if namespaced {
+            ", the namespaces listed in the resource"
+        } else {
+            ""
+        }
     );
-    for server_side in [true, false] {
+    let modes: &[bool] = if std::env::args().any(|a| a == "--client-side") {
+        &[false]
+    } else {
+        &[true, false]
+    };
+    for &server_side in modes {
         for replicas in [1, 2, 4] {
-            run(objects, shards, replicas, server_side).await;
+            run(objects, shards, replicas, server_side, namespaced).await;
         }
     }
 }
