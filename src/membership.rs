@@ -146,7 +146,17 @@ pub struct Membership {
     claim_after: Option<Instant>,
     // The tag of the group's takeover wait last applied.
     group_wait_tag: Option<String>,
+    // What `/readyz` and `keb_takeover_wait_seconds{lease}` show of `claim_after`.
+    claim_view: ClaimWait,
+    wait_gauge: Option<prometheus::Gauge>,
+    // Whether a wait was shown (its end is logged).
+    wait_shown: bool,
 }
+
+/// Until when a sharded replica claims no shard (a takeover wait of its group: the replicas
+/// of another shard count or a single leader stopped publishing, and their messages may
+/// still be on their way); `None` when it does not wait.
+pub type ClaimWait = std::sync::Arc<std::sync::Mutex<Option<Instant>>>;
 
 /// The group's hold on the single-leader Lease, as one pass found it.
 #[derive(Debug, PartialEq)]
@@ -193,6 +203,37 @@ impl Membership {
             cap: FenceCap::default(),
             claim_after: None,
             group_wait_tag: None,
+            claim_view: ClaimWait::default(),
+            wait_gauge: None,
+            wait_shown: false,
+        }
+    }
+
+    /// Counts the group's takeover wait down in `gauge` (`keb_takeover_wait_seconds` of the
+    /// single-leader Lease).
+    pub fn takeover_gauge(mut self, gauge: prometheus::Gauge) -> Self {
+        self.wait_gauge = Some(gauge);
+        self
+    }
+
+    /// The single-leader Lease's name, and until when this replica claims no shard as each
+    /// pass finds it (for `/readyz`).
+    pub fn claim_wait(&self) -> (String, ClaimWait) {
+        (self.group.clone(), self.claim_view.clone())
+    }
+
+    /// Shows the group's takeover wait (see [`ClaimWait`]) and logs its end.
+    fn show_claim_wait(&mut self) {
+        let now = Instant::now();
+        let until = self.claim_after.filter(|c| *c > now);
+        *self.claim_view.lock().unwrap_or_else(|e| e.into_inner()) = until;
+        if let Some(g) = &self.wait_gauge {
+            g.set(until.map_or(0.0, |u| (u - now).as_secs_f64()));
+        }
+        if until.is_some() {
+            self.wait_shown = true;
+        } else if std::mem::take(&mut self.wait_shown) {
+            info!(lease = %self.group, "The group's takeover wait is over: claiming shards");
         }
     }
 
@@ -568,11 +609,14 @@ impl Membership {
                     list_failed = true;
                 }
             }
+            self.show_claim_wait();
             tokio::select! {
                 _ = cancel.cancelled() => break,
                 _ = tokio::time::sleep(self.retry_period) => {}
             }
         }
+        self.claim_after = None;
+        self.show_claim_wait();
         self.leave().await;
     }
 

@@ -671,7 +671,8 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
     let nats = NatsServer::start();
     let url = nats.url();
     let dir = tempfile::tempdir().unwrap();
-    let sink = nats_sink("nats", &url, json!({}));
+    // A 4 s ack timeout: a takeover waits 3 s (a 3 s lease, 2 s renew deadline).
+    let sink = nats_sink("nats", &url, json!({"ack_timeout": "4s"}));
     let kubeconfig = cluster.kubeconfig();
     let folds = async |replicas: &[&Replica], what: &str| {
         let ok = wait::within(Patience::of(Duration::from_secs(90)), async || {
@@ -719,8 +720,23 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
     folds(&[&single, &sharded], "updates while both run").await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     let standby = sharded.published().await;
-    // The single leader stops; deletes while the sharded replica takes over.
+    // The single leader stops; deletes while the sharded replica takes over. Its takeover
+    // wait (the single leader's messages may still be on their way) shows in `/readyz`.
     single.terminate();
+    let admin = sharded.admin().expect("its admin address");
+    let waits = wait::within(
+        Patience::of(Duration::from_secs(15)).polling(Duration::from_millis(100)),
+        async || {
+            let (_, body) = support::http_get(admin, "/readyz").await;
+            body.contains("claiming shards in")
+        },
+    )
+    .await;
+    assert!(
+        waits,
+        "/readyz shows the group's takeover wait: {}",
+        sharded.log()
+    );
     for (ns, name) in names.iter().take(3) {
         api(ns)
             .delete(name, &DeleteParams::default())
@@ -728,6 +744,12 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
             .unwrap();
     }
     folds(&[&sharded], "the deletes after the single leader stopped").await;
+    assert!(
+        sharded
+            .log()
+            .contains("The group's takeover wait is over: claiming shards"),
+        "the end of the wait is logged"
+    );
     // And back: a single-leader replica joins and stands by; the sharded one stops.
     let mut back = Replica::start(
         dir.path(),

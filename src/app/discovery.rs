@@ -53,6 +53,7 @@ pub(super) async fn follow_discovery(
     let mut orphans_due =
         Some(tokio::time::Instant::now() + wiring.config.kubernetes.discovery_grace);
     let mut orphans: Vec<Orphan> = Vec::new();
+    let mut orphans_retry = period / 2;
     loop {
         if let Some(at) = orphans_due {
             recheck = Some(recheck.map_or(at, |r| r.min(at)));
@@ -93,8 +94,22 @@ pub(super) async fn follow_discovery(
             let cluster = shards[0].1.lock().await.cluster.clone();
             match find_orphans(&wiring, &answers, &cluster).await {
                 Ok(found) => {
-                    orphans = found;
-                    orphans_due = None;
+                    for o in found {
+                        if !orphans.iter().any(|x| {
+                            x.index == o.index && same_kind(&x.api_resource, &o.api_resource)
+                        }) {
+                            orphans.push(o);
+                        }
+                    }
+                    // A resource whose lookup failed was not looked for: again later, less
+                    // often each time (a store read each time).
+                    orphans_due = answers
+                        .iter()
+                        .any(|a| matches!(a, Err((false, _))))
+                        .then(|| {
+                            orphans_retry = (orphans_retry * 2).min(period * 16);
+                            looked + orphans_retry
+                        });
                 }
                 Err(err) => {
                     warn!(error = %err, "Cannot look for checkpointed routes of kinds no longer served; looking again at the next refresh");
@@ -102,8 +117,10 @@ pub(super) async fn follow_discovery(
                 }
             }
         }
-        // Orphans (by position) to look at again at the next pass.
+        // Orphans (by position) to look at again at the next pass, and whether each kind is
+        // served at some version (asked once per pass).
         let mut keep = std::collections::BTreeSet::new();
+        let mut served = std::collections::HashMap::new();
         for (wiring, resources) in &shards {
             let mut resources = resources.lock().await;
             // An answer older than a moment (the lock was held: a checkpoint load, a drain)
@@ -112,7 +129,9 @@ pub(super) async fn follow_discovery(
                 answers = look_up(wiring).await;
                 looked = tokio::time::Instant::now();
             }
-            keep.extend(wire_orphans(wiring, &mut resources, &orphans, &answers).await);
+            keep.extend(
+                wire_orphans(wiring, &mut resources, &orphans, &answers, &mut served).await,
+            );
             if let Some(at) = refresh(wiring, &mut resources, &answers).await {
                 recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
             }
@@ -287,6 +306,7 @@ async fn wire_orphans(
     resources: &mut Resources,
     orphans: &[Orphan],
     answers: &Answers,
+    served: &mut std::collections::HashMap<usize, Option<bool>>,
 ) -> Vec<usize> {
     let mut again = Vec::new();
     for (position, o) in orphans.iter().enumerate() {
@@ -315,10 +335,26 @@ async fn wire_orphans(
         }
         // Served at any version (if not selected: excluded, another version pinned) is not
         // gone.
-        match served_at(&wiring.client, &o.api_resource).await {
-            Ok(versions) if versions.is_empty() => {}
-            Ok(_) => continue,
-            Err(_) => {
+        let is_served = match served.get(&position) {
+            Some(known) => *known,
+            None => {
+                let asked = tokio::time::timeout(
+                    FRESH_FOR * 10,
+                    served_at(&wiring.client, &o.api_resource),
+                )
+                .await;
+                let known = match asked {
+                    Ok(Ok(versions)) => Some(!versions.is_empty()),
+                    _ => None,
+                };
+                served.insert(position, known);
+                known
+            }
+        };
+        match is_served {
+            Some(false) => {}
+            Some(true) => continue,
+            None => {
                 again.push(position);
                 continue;
             }

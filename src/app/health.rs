@@ -47,9 +47,10 @@ pub(super) fn readiness(
     pending: Arc<std::sync::Mutex<Vec<String>>>,
     waiting: Vec<WaitingRoutes>,
     fences: Vec<(String, crate::leader::Fence)>,
-    sharded: bool,
+    group_wait: Option<(String, crate::membership::ClaimWait)>,
     silent_after: Duration,
 ) -> admin::Readiness {
+    let sharded = group_wait.is_some();
     Arc::new(move || {
         let mut reasons: Vec<String> = waiting
             .iter()
@@ -62,6 +63,17 @@ pub(super) fn readiness(
             })
             .collect();
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some((lease, wait)) = &group_wait {
+            let until = *wait.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(left) =
+                until.map(|u| u.saturating_duration_since(tokio::time::Instant::now()))
+            {
+                notes.push(format!(
+                    "lease {lease}: the replicas of another shard count or a single leader stopped publishing; claiming shards in {}s, once their messages are delivered or failed (the takeover wait)",
+                    left.as_secs_f64().ceil()
+                ));
+            }
+        }
         for (lease, fence) in &fences {
             if let Some(left) = fence.takeover_left() {
                 notes.push(format!(

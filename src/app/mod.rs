@@ -322,6 +322,7 @@ impl App {
                     metrics.shard_replicas.clone(),
                 )
                 .takeover_wait(config.takeover_wait())
+                .takeover_gauge(metrics.takeover_wait.with_label_values(&[&le.lease_name]))
                 .capping(cap.clone())
                 .delivering_within(
                     le.renew_deadline
@@ -389,7 +390,7 @@ impl App {
             pending_notes.clone(),
             waiting,
             fences,
-            self.membership.is_some(),
+            self.membership.as_ref().map(|(m, _)| m.claim_wait()),
             {
                 // Two missed bookmarks (about a minute each) and some slack, or the stall
                 // timeout when it is set.

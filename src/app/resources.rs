@@ -35,9 +35,6 @@ use crate::{
     workqueue::rate_limiter::RetrySettings,
 };
 
-/// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
-/// name, and for a `kind: "*"` entry `/` and the kind's resource (`configmaps`,
-/// `widgets.example.com`).
 /// What a route of `api_resource` records of its kind in its checkpoint.
 pub(super) fn route_kind(api_resource: &ApiResource, namespaced: bool) -> RouteKind {
     RouteKind {
@@ -48,6 +45,9 @@ pub(super) fn route_kind(api_resource: &ApiResource, namespaced: bool) -> RouteK
     }
 }
 
+/// The name of a wired kind in its routes' queues, metrics and checkpoints: the entry's
+/// name, and for a `kind: "*"` entry `/` and the kind's resource (`configmaps`,
+/// `widgets.example.com`).
 pub(super) fn kind_name(r: &ResourceConfig, api_resource: &ApiResource) -> String {
     let entry = r.effective_name();
     if !r.is_wildcard() {

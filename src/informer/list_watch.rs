@@ -361,9 +361,9 @@ enum State {
     Idle,
 }
 
-/// How often an idle list+watch counts as heard from (a kind silent for much longer than the
-/// API server's bookmark period looks stalled).
-const IDLE_HEARD: std::time::Duration = std::time::Duration::from_secs(30);
+/// How often an idle list+watch counts as heard from (a kind silent for longer than the
+/// API server's bookmark period, or than `kubernetes.watch_stall_timeout`, looks stalled).
+const IDLE_HEARD: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Whether the server answered that it cannot serve a watch or list from the resourceVersion
 /// asked: compacted (410 Gone, `Expired`) or ahead of it (`Too large resource version`).
@@ -530,6 +530,10 @@ async fn step(
         State::Empty if config.idle => {
             relists.list_starts();
             config.activity.touch();
+            if let Some(filter) = &config.shard {
+                // Nothing of another shard crosses the network.
+                filter.server_side.set(1);
+            }
             (Some(Ok(Event::Init)), State::IdleListed)
         }
         State::IdleListed => (Some(Ok(Event::InitDone)), State::Idle),
@@ -551,9 +555,13 @@ async fn step(
             if let Some(filter) = &config.shard {
                 // A watch-list echoes no `shardInfo`: a list of one object tells whether the
                 // server applies the selector (again at each list: API servers change).
+                // Best effort: the mode only tells operators, and a service account may watch
+                // without listing.
                 match probe_page(api, config).await {
                     Ok(page) => filter.note_mode(page.metadata.shard_info.is_some()),
-                    Err(err) => return (Some(Err(Error::InitialListFailed(err))), State::Empty),
+                    Err(err) => {
+                        tracing::debug!(shard = %filter.shard, error = %err, "Cannot tell whether the API server applies the shard selector")
+                    }
                 }
             }
             match watch(api, config, "", true).await {

@@ -51,6 +51,8 @@ pub struct Checkpointer {
     cluster: Mutex<Option<String>>,
     // The kind the route publishes, written with the identity (see `RouteKind`).
     kind: Mutex<Option<RouteKind>>,
+    // The cluster identity last recorded (written again with a changed kind).
+    known_cluster: Mutex<Option<String>>,
     // Serializes writes, so that an older batch never lands after a newer one.
     writing: tokio::sync::Mutex<()>,
     // The newest batch (see `Pending::taken`) written.
@@ -144,6 +146,7 @@ impl Checkpointer {
             pending: Mutex::default(),
             cluster: Mutex::default(),
             kind: Mutex::default(),
+            known_cluster: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
             durable: AtomicU64::new(0),
             failed_at: Mutex::default(),
@@ -352,11 +355,28 @@ impl Checkpointer {
     /// `uid` (written with the next batch, under [`CLUSTER_KEY`]).
     pub fn record_cluster(&self, uid: &str) {
         *self.cluster.lock().unwrap_or_else(|e| e.into_inner()) = Some(uid.to_owned());
+        *self.known_cluster.lock().unwrap_or_else(|e| e.into_inner()) = Some(uid.to_owned());
     }
 
-    /// The kind the route publishes: written with the cluster's identity from then on.
+    /// The kind the route publishes: written with the cluster's identity from then on, and
+    /// with the next batch when the identity was recorded before (a version switch).
     pub fn describe_kind(&self, kind: RouteKind) {
-        *self.kind.lock().unwrap_or_else(|e| e.into_inner()) = Some(kind);
+        let mut k = self.kind.lock().unwrap_or_else(|e| e.into_inner());
+        if k.as_ref() == Some(&kind) {
+            return;
+        }
+        *k = Some(kind);
+        if let Some(uid) = self
+            .known_cluster
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            self.cluster
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(uid);
+        }
     }
 
     /// Writes every change recorded so far. On failure they are kept for the next attempt

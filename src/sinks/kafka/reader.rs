@@ -4,17 +4,18 @@
 //! # Recovery
 //! Reads are `read_committed`: a transaction's records once it committed, never an aborted
 //! one's. The end of a read is each partition's high watermark as it was when the read began
-//! (as a `read_uncommitted` client sees it), reached once a record at or past the
-//! watermark's last offset arrives, or the consumer's position passes the watermark, or the
-//! broker reports the partition's end (`PartitionEOF`, at its last stable offset) with that
-//! last stable offset at or past the watermark: every transaction open at the start has ended, committed or aborted, so
-//! nothing committed before the read began is missed, whichever producer's transaction
-//! held the others back. (The first is how a read ends while other writers keep the
-//! partition busy: the consumer then need never find itself at its end.) A read that receives nothing for [`STALL`] before that is an error
-//! naming how far it got (a transaction left open by a killed producer holds it back until
-//! a new producer of its id aborts it, or the broker does after its timeout): a partial read
-//! is never taken for the whole topic (a checkpoint missing its newest records would lose
-//! the deletes made while down, or delete live objects, or send again what was delivered).
+//! (as a `read_uncommitted` client sees it). The read first waits until every transaction
+//! open at that moment has ended (each partition's last stable offset reached the
+//! watermark), whichever producer's transaction held the others back; then it consumes, and a
+//! partition is read once the broker reports its end (`PartitionEOF`, at a last stable offset
+//! now at or past the watermark) or a record at or past the watermark's last offset arrives
+//! (while other writers keep the partition busy the consumer need never find itself at its
+//! end). A transaction still open after [`STALL`], or a read that receives nothing for
+//! [`STALL`], is an error naming how far it got (a transaction left open by a killed producer
+//! holds it back until a new producer of its id aborts it, or the broker does after its
+//! timeout): a partial read is never taken for the whole topic (a checkpoint missing its
+//! newest records would lose the deletes made while down, or delete live objects, or send
+//! again what was delivered).
 
 use std::{collections::HashMap, time::Duration};
 
@@ -28,8 +29,6 @@ use super::client::{KafkaClient, KafkaContext};
 
 /// How long the brokers get to answer metadata requests.
 pub const TIMEOUT: Duration = Duration::from_secs(10);
-/// How often partitions waiting for a transaction open at the start are looked at.
-pub const QUIET: Duration = Duration::from_millis(500);
 /// A read that receives nothing at all for this long ends, whatever the watermarks say.
 pub const STALL: Duration = Duration::from_secs(10);
 
@@ -165,45 +164,48 @@ fn read_topic_to_end(
                 .map_err(|e| e.to_string())?;
         }
     }
+    // First, every transaction open at the start ends (committed or aborted): each
+    // partition's last stable offset (what a read_committed client is told) reaches the
+    // target. From then on the end a read_committed consumer reports (`PartitionEOF`, at the
+    // last stable offset of its fetch) lies at or past the target: whatever was committed
+    // below it was handed on.
+    let lso = |p: i32| {
+        consumer
+            .fetch_watermarks(topic, p, TIMEOUT)
+            .map(|(_, lso)| lso)
+    };
+    let began = std::time::Instant::now();
+    loop {
+        let behind: Vec<String> = target
+            .iter()
+            .filter(|(p, _)| !done.contains(*p))
+            .filter_map(|(&p, &t)| match lso(p) {
+                Ok(l) if l >= t => None,
+                Ok(l) => Some(format!("{topic}/{p}: last stable offset {l} of {t}")),
+                Err(e) => Some(format!("{topic}/{p}: {e}")),
+            })
+            .collect();
+        if behind.is_empty() {
+            break;
+        }
+        if began.elapsed() >= STALL {
+            return Err(format!(
+                "read stalled: a transaction open at the start did not end within {STALL:?} \
+                 ({}; it holds read_committed readers back until its producer ends it, a new \
+                 producer of its id aborts it, or the broker does after its timeout)",
+                behind.join(", ")
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
     consumer
         .assign(&assignment)
         .map_err(|e| format!("assign: {e}"))?;
-    // Whether a partition the consumer reached the end of (`PartitionEOF`: its last stable
-    // offset; a compacted partition can end in offsets that hold no record any more) is read
-    // to `target`: its last stable offset got there, every transaction open at the start over.
-    let stable = |p: i32| {
-        consumer
-            .fetch_watermarks(topic, p, TIMEOUT)
-            .is_ok_and(|(_, lso)| lso >= target[&p])
-    };
     let mut next: HashMap<i32, i64> = HashMap::new();
-    // Partitions at their end whose last stable offset was still short of `target`.
-    let mut waiting = std::collections::HashSet::new();
     let mut last_record = std::time::Instant::now();
-    let mut last_look = std::time::Instant::now();
     loop {
         if done.len() == target.len() {
             return Ok(());
-        }
-        // Looked at every `QUIET`, whatever arrives meanwhile (with other partitions busy,
-        // `poll` may never come back empty): a waiting partition whose position (the next
-        // offset the consumer hands on, past aborted records too) reached the target is read.
-        // Its last stable offset reaching the target is not enough: what committed below it
-        // may not have been fetched yet.
-        if last_look.elapsed() >= QUIET && !waiting.is_empty() {
-            last_look = std::time::Instant::now();
-            if let Ok(positions) = consumer.position() {
-                for e in positions.elements_for_topic(topic) {
-                    let p = e.partition();
-                    if let Offset::Offset(at) = e.offset()
-                        && waiting.contains(&p)
-                        && at >= target[&p]
-                    {
-                        done.insert(p);
-                        waiting.remove(&p);
-                    }
-                }
-            }
         }
         if last_record.elapsed() >= STALL {
             let behind: Vec<String> = target
@@ -212,24 +214,18 @@ fn read_topic_to_end(
                 .map(|(p, t)| format!("{topic}/{p} at offset {} of {t}", next.get(p).unwrap_or(&0)))
                 .collect();
             return Err(format!(
-                "read stalled: nothing arrived for {STALL:?} before the end ({}; a transaction \
-                 open there holds read_committed readers back until it ends)",
+                "read stalled: nothing arrived for {STALL:?} before the end ({})",
                 behind.join(", ")
             ));
         }
-        // When the last stable offset moves past aborted records only, nothing arrives but the
-        // partition's end (`PartitionEOF`) again.
         let Some(result) = consumer.poll(Duration::from_millis(100)) else {
             continue;
         };
         let m = match result {
+            // At or past the target (above); a compacted partition can end in offsets that
+            // hold no record any more, and a transactional one in control records.
             Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
-                if stable(p) {
-                    done.insert(p);
-                    waiting.remove(&p);
-                } else {
-                    waiting.insert(p);
-                }
+                done.insert(p);
                 continue;
             }
             other => other.map_err(|e| format!("read: {e}"))?,
@@ -239,14 +235,12 @@ fn read_topic_to_end(
         next.insert(p, m.offset() + 1);
         // A record past the target (committed after the read began) is kept too.
         each(Record::from(&m));
-        // A record at the target's last offset or past it ends the partition: a read_committed
-        // consumer receives records in offset order and only below the last stable offset, so
-        // every transaction open before it has ended and everything committed below it was
+        // A record at the target's last offset or past it ends the partition too: the
+        // consumer receives records in offset order, so everything committed below it was
         // received. Under a steady stream of writes this is how a read ends: the consumer may
-        // never find itself at the end (`PartitionEOF`) while records keep arriving.
+        // never find itself at the end while records keep arriving.
         if m.offset() + 1 >= target[&p] {
             done.insert(p);
-            waiting.remove(&p);
         }
     }
 }
