@@ -531,6 +531,7 @@ impl Membership {
                                     warn!(lease = %self.group, error = %why, "Cannot confirm this replica's group holds the single-leader Lease; its shards publish nothing until it can");
                                     unknown_logged = true;
                                 }
+                                self.show_claim_wait();
                                 tokio::select! {
                                     _ = cancel.cancelled() => break,
                                     _ = tokio::time::sleep(self.retry_period) => {}
@@ -615,7 +616,8 @@ impl Membership {
                 _ = tokio::time::sleep(self.retry_period) => {}
             }
         }
-        self.claim_after = None;
+        // Stopping: no wait shown, and no "claiming shards" logged.
+        (self.claim_after, self.wait_shown) = (None, false);
         self.show_claim_wait();
         self.leave().await;
     }

@@ -124,6 +124,16 @@ impl Shard {
     pub fn label(&self) -> String {
         format!("{}-of-{}", self.index, self.count)
     }
+
+    /// The shard a [`Shard::label`] names; `None` when `label` is not one.
+    pub fn from_label(label: &str) -> Option<Shard> {
+        let (index, count) = label.split_once("-of-")?;
+        let shard = Shard {
+            index: index.parse().ok()?,
+            count: count.parse().ok()?,
+        };
+        (shard.index < shard.count).then_some(shard)
+    }
 }
 
 impl std::fmt::Display for Shard {

@@ -661,12 +661,7 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
             let Some(admin) = first.admin() else {
                 return false;
             };
-            let (_, metrics) = support::http_get(admin, "/metrics").await;
-            let lag: f64 = metrics
-                .lines()
-                .filter(|l| l.starts_with("keb_checkpoint_lag{"))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-                .sum();
+            let lag = support::metric_sum(admin, "keb_checkpoint_lag").await;
             first.published().await >= 40 && lag == 0.0
         },
     )
@@ -1110,29 +1105,30 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
 }
 
 /// A real cluster with the Gadget CRD (v1) and ten Gadgets in namespace `ns`.
-async fn ten_gadgets(ns: &str) -> Cluster {
+async fn gadgets(ns: &str, n: usize) -> Cluster {
+    use futures::StreamExt;
     let cluster = Cluster::start().await;
     cluster.create_namespace(ns).await;
     cluster
         .install_crd(GROUP, "Gadget", "gadgets", true, &[("v1", true)])
         .await;
-    for i in 0..10 {
-        cluster
-            .create("gadgets", gadget("v1", ns, &format!("g{i:02}"), i))
-            .await;
-    }
+    futures::stream::iter(0..n)
+        .map(|i| cluster.create("gadgets", gadget("v1", ns, &format!("g{i:02}"), i as u64)))
+        .buffer_unordered(16)
+        .collect::<Vec<_>>()
+        .await;
     cluster
 }
 
-/// Waits for the delete of each of [`ten_gadgets`] in `destination`, and checks that each
+/// Waits for the delete of each of [`gadgets`]' `n` in `destination`, and checks that each
 /// was published once.
-async fn ten_deletes(destination: &Destination, ns: &str, what: &str) {
+async fn every_delete(destination: &Destination, ns: &str, n: usize, what: &str) {
     wait::until(
         "every Gadget's delete",
-        Patience::of(Duration::from_secs(60)),
+        Patience::of(Duration::from_secs(60 + n as u64 / 100)),
         async || {
             let folded = fold_in_order(&destination.read().await);
-            (0..10).all(|i| {
+            (0..n).all(|i| {
                 folded
                     .get(&format!("{ns}/g{i:02}"))
                     .is_some_and(Option::is_none)
@@ -1143,7 +1139,7 @@ async fn ten_deletes(destination: &Destination, ns: &str, what: &str) {
     let events = destination.read().await;
     let deletes = events.iter().filter(|e| event_type(e) == "deleted").count();
     println!("{what}: {} messages, {deletes} deletes", events.len());
-    assert_eq!(deletes, 10, "one delete per Gadget");
+    assert_eq!(deletes, n, "one delete per Gadget");
 }
 
 /// A CRD deleted while nobody leads: the leader publishes ten Gadgets (checkpointed in
@@ -1155,7 +1151,7 @@ async fn ten_deletes(destination: &Destination, ns: &str, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoint() {
     let ns = "crd-gone";
-    let cluster = ten_gadgets(ns).await;
+    let cluster = gadgets(ns, 10).await;
     let destination = Destination::jetstream();
     let mut sink = destination.sink();
     sink["checkpoint_interval"] = json!("200ms");
@@ -1205,9 +1201,10 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
     )
     .await;
     leads(&cluster, standby, Duration::from_secs(60)).await;
-    ten_deletes(
+    every_delete(
         &destination,
         ns,
+        10,
         "CRD deleted while nobody led (deletes from the standby's resume)",
     )
     .await;
@@ -1221,8 +1218,13 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
 /// that no longer exist until the kind was served again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crd_deleted_while_no_replica_runs_delivers_its_deletes_from_the_checkpoint() {
+    // `REAL_CLUSTER_GADGETS` runs it at scale (the CI run is small).
+    let n: usize = std::env::var("REAL_CLUSTER_GADGETS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(10);
     let ns = "crd-gone-down";
-    let cluster = ten_gadgets(ns).await;
+    let cluster = gadgets(ns, n).await;
     let destination = Destination::jetstream();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = cluster.kubeconfig();
@@ -1239,7 +1241,7 @@ async fn a_crd_deleted_while_no_replica_runs_delivers_its_deletes_from_the_check
     wait::until(
         "every Gadget published",
         Patience::of(Duration::from_secs(90)),
-        async || read().await.len() >= 10,
+        async || read().await.len() >= n,
     )
     .await;
     // A clean stop writes the checkpoint.
@@ -1261,12 +1263,40 @@ async fn a_crd_deleted_while_no_replica_runs_delivers_its_deletes_from_the_check
     )
     .await;
     let second = Replica::start(dir.path(), "second", &config, &kubeconfig);
-    ten_deletes(
+    // The peak of notifications it holds while it publishes the deletes.
+    let mut admin = None;
+    wait::until(
+        "the second replica's admin address",
+        Patience::of(Duration::from_secs(30)),
+        async || {
+            admin = second.admin();
+            admin.is_some()
+        },
+    )
+    .await;
+    let admin = admin.unwrap();
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = tokio::spawn({
+        let sampling = sampling.clone();
+        async move {
+            let mut peak = 0u64;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                let held = support::metric_sum(admin, "keb_listener_buffered_notifications").await;
+                peak = peak.max(held as u64);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            peak
+        }
+    });
+    every_delete(
         &destination,
         ns,
+        n,
         "CRD deleted while no replica ran (deletes from the next replica)",
     )
     .await;
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    println!("peak of held notifications: {}", sampler.await.unwrap());
     assert!(
         second.log().contains("still has checkpointed objects"),
         "{}",

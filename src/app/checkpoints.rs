@@ -61,12 +61,7 @@ impl Family {
         let shard = if middle.is_empty() {
             Shard::WHOLE
         } else {
-            let (index, count) = middle.strip_prefix('#')?.split_once("-of-")?;
-            let shard = Shard {
-                index: index.parse().ok()?,
-                count: count.parse().ok()?,
-            };
-            (shard.count > 1 && shard.index < shard.count).then_some(shard)?
+            Shard::from_label(middle.strip_prefix('#')?).filter(|s| s.count > 1)?
         };
         (shard.count != self.shard.count).then_some(shard)
     }

@@ -284,13 +284,8 @@ async fn find_orphans(
 /// `sink`.
 fn route_base<'a>(route: &'a str, sink: &str) -> Option<&'a str> {
     let base = route.strip_suffix(sink)?.strip_suffix('/')?;
-    let shard = |label: &str| {
-        label.split_once("-of-").is_some_and(
-            |(i, m)| matches!((i.parse::<u32>(), m.parse::<u32>()), (Ok(i), Ok(m)) if i < m),
-        )
-    };
     Some(match base.rsplit_once('#') {
-        Some((base, label)) if shard(label) => base,
+        Some((base, label)) if crate::shard::Shard::from_label(label).is_some() => base,
         _ => base,
     })
 }

@@ -65,9 +65,8 @@ pub(super) fn readiness(
         let mut notes = pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if let Some((lease, wait)) = &group_wait {
             let until = *wait.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(left) =
-                until.map(|u| u.saturating_duration_since(tokio::time::Instant::now()))
-            {
+            let now = tokio::time::Instant::now();
+            if let Some(left) = until.filter(|u| *u > now).map(|u| u - now) {
                 notes.push(format!(
                     "lease {lease}: the replicas of another shard count or a single leader stopped publishing; claiming shards in {}s, once their messages are delivered or failed (the takeover wait)",
                     left.as_secs_f64().ceil()

@@ -216,6 +216,10 @@ impl Checkpointer {
         p.term += 1;
         self.lag.set(0);
         drop(p);
+        // The next term's resume records the identity again, once its checkpoint is this
+        // cluster's: a kind described meanwhile must not write it first.
+        *self.cluster.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.known_cluster.lock().unwrap_or_else(|e| e.into_inner()) = None;
         *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 

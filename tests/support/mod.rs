@@ -155,6 +155,16 @@ pub async fn take(l: &Arc<Collector>, n: usize) -> Vec<String> {
 }
 
 /// A plain HTTP/1.0 GET; returns (status code, body).
+/// The sum of every series of metric `name` at `admin`'s `/metrics`.
+pub async fn metric_sum(admin: std::net::SocketAddr, name: &str) -> f64 {
+    let (_, body) = http_get(admin, "/metrics").await;
+    let prefix = format!("{name}{{");
+    body.lines()
+        .filter(|l| l.starts_with(&prefix) || l.split_whitespace().next() == Some(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())

@@ -73,11 +73,7 @@ impl Replica {
         let Some(addr) = self.admin() else {
             return 0;
         };
-        let (_, body) = super::http_get(addr, "/metrics").await;
-        body.lines()
-            .filter(|l| l.starts_with("keb_sink_published_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
+        super::metric_sum(addr, "keb_sink_published_total").await as u64
     }
 }
 

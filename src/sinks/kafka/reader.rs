@@ -225,7 +225,13 @@ fn read_topic_to_end(
             // At or past the target (above); a compacted partition can end in offsets that
             // hold no record any more, and a transactional one in control records.
             Err(rdkafka::error::KafkaError::PartitionEOF(p)) => {
-                done.insert(p);
+                // Checked again unless a record showed it: a new partition leader's last
+                // stable offset may lag for a moment.
+                if next.get(&p).is_some_and(|n| *n >= target[&p])
+                    || lso(p).is_ok_and(|l| l >= target[&p])
+                {
+                    done.insert(p);
+                }
                 continue;
             }
             other => other.map_err(|e| format!("read: {e}"))?,

@@ -668,13 +668,7 @@ fn key_of_route<'a>(route: &'a str, sink: &str) -> &'a str {
         .and_then(|r| r.strip_suffix('/'))
         .unwrap_or(route);
     match kind.rsplit_once('#') {
-        Some((_, label))
-            if label
-                .split_once("-of-")
-                .is_some_and(|(i, n)| i.parse::<u32>().is_ok() && n.parse::<u32>().is_ok()) =>
-        {
-            label
-        }
+        Some((_, label)) if crate::shard::Shard::from_label(label).is_some() => label,
         _ => "",
     }
 }

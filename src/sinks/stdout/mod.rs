@@ -48,6 +48,8 @@ impl StdoutSink {
                 if ends_mid_line(&mut file).await.map_err(open_error)? {
                     file.write_all(b"\n").await.map_err(open_error)?;
                 }
+                // One write per line however long (tokio splits writes at 2 MiB otherwise).
+                file.set_max_buf_size(usize::MAX);
                 Box::new(file)
             }
         };
@@ -79,8 +81,8 @@ impl Sink for StdoutSink {
     fn publish<'a>(&'a self, message: &'a Message) -> BoxFuture<'a, Result<()>> {
         async move {
             // The line in one write: on a local filesystem, appends of other processes to the
-            // same file (sharded replicas sharing it) land between lines of up to 2 MiB (what
-            // one write of tokio's file takes), not inside one. Not so on NFS.
+            // same file (sharded replicas sharing it) land between lines, not inside one. Not
+            // so on NFS.
             let mut line = Vec::with_capacity(message.payload.len() + 1);
             line.extend_from_slice(&message.payload);
             line.push(b'\n');
