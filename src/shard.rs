@@ -142,6 +142,19 @@ impl std::fmt::Display for Shard {
     }
 }
 
+/// The label of the shard whose route `route` (`{kind}[#{i}-of-{n}]/{sink}`, of sink `sink`)
+/// is: `""` when the kind carries no shard label (single-leader mode).
+pub fn label_of_route<'a>(route: &'a str, sink: &str) -> &'a str {
+    let kind = route
+        .strip_suffix(sink)
+        .and_then(|r| r.strip_suffix('/'))
+        .unwrap_or(route);
+    match kind.rsplit_once('#') {
+        Some((_, label)) if Shard::from_label(label).is_some() => label,
+        _ => "",
+    }
+}
+
 /// Parses a `shardRange(object.metadata.<field>, 'start', 'end')` selector: the field and the
 /// range. `None` when it is not one.
 pub fn parse_selector(selector: &str) -> Option<(String, u128, u128)> {

@@ -1588,3 +1588,73 @@ async fn a_read_ends_while_other_producers_keep_committing() {
         w.join().unwrap();
     }
 }
+
+/// Item 5 of the sharding issue: each shard's term publishes with a producer of its own, so a
+/// hand-over of one shard (its queue purged) fails none of another shard's records. Records
+/// linger in librdkafka's queue for 2 s here, so a purge would catch every one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_of_one_shard_purges_none_of_another_shards_records() {
+    use kube_event_bridge::{shard::Shard, sinks::Sink};
+    let topics = Topics::of("shard-lanes");
+    Kafka::shared().create_topic(&topics.events(), 1);
+    let cfg = serde_json::from_value::<SinkConfig>(
+        topics.sink("kafka", json!({"properties": {"linger.ms": "2000"}})),
+    )
+    .unwrap()
+    .kafka
+    .unwrap();
+    let sink = Arc::new(KafkaSink::connect("kafka", &cfg).await.unwrap());
+    let shards = [0, 1].map(|index| Shard { index, count: 2 });
+    let [a, b] = shards.map(|shard| sink.clone().shard_view(shard).expect("a view per shard"));
+    // No term yet: nothing goes out.
+    let m = |name: &str| support::message(topics.name, name, "{}");
+    let err = a
+        .submit(&m("early"))
+        .await
+        .err()
+        .expect("no term, no producer");
+    assert!(
+        err.to_string().contains("0-of-2") && err.is_retriable(),
+        "{err}"
+    );
+    a.begin_term(shards[0], None).await.unwrap();
+    b.begin_term(shards[1], None).await.unwrap();
+    let mut acks_a = Vec::new();
+    for i in 0..50 {
+        acks_a.push(a.submit(&m(&format!("a-{i}"))).await.unwrap());
+    }
+    let mut acks_b = Vec::new();
+    for i in 0..5 {
+        acks_b.push(b.submit(&m(&format!("b-{i}"))).await.unwrap());
+    }
+    // Shard 1 is handed on undrained: its queue goes, and only its.
+    b.abandon_queued();
+    b.end_term(shards[1]);
+    assert_eq!((a.abandoned(), b.abandoned()), (0, 1));
+    for ack in acks_b {
+        assert!(ack.await.is_err(), "shard 1's queued records are purged");
+    }
+    for ack in acks_a {
+        ack.await.expect("shard 0's records are delivered");
+    }
+    let keys: HashSet<String> = consume_async(topics.brokers.clone(), &topics.events(), 50)
+        .await
+        .into_iter()
+        .map(|r| r.key)
+        .collect();
+    assert_eq!(keys.len(), 50);
+    assert!(keys.iter().all(|k| k.starts_with("ns/a-")), "{keys:?}");
+    // Shard 1 again: a fresh producer for the new term.
+    b.begin_term(shards[1], None).await.unwrap();
+    b.publish(&m("b-again")).await.unwrap();
+    // The sink itself (shutdown) purges every shard's queue.
+    let late = a.submit(&m("late")).await.unwrap();
+    sink.abandon_queued();
+    assert!(late.await.is_err());
+    assert_eq!((a.abandoned(), b.abandoned()), (1, 2));
+    sink.end_terms();
+    assert!(
+        a.submit(&m("after")).await.is_err(),
+        "no term after shutdown"
+    );
+}

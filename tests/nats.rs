@@ -822,3 +822,93 @@ async fn an_ended_terms_publishes_buffered_while_disconnected_are_never_sent() {
         .collect();
     assert_eq!(ids, ["before", "after"]);
 }
+
+/// Item 5 of the sharding issue: each shard's term publishes on a connection of its own, so a
+/// hand-over of one shard (its connection retired) fails no other shard's publishes, and the
+/// checkpoint store, which an acquired shard reads at once, is not touched either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_of_one_shard_retires_no_other_shards_connection() {
+    use kube_event_bridge::{
+        shard::Shard,
+        sinks::{CheckpointStore, checkpoint::Entry, nats::NatsCheckpointStore},
+    };
+    let nats = NatsServer::start();
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(nats_sink(
+        "nats",
+        &nats.url(),
+        json!({}),
+    ))
+    .unwrap()
+    .nats
+    .unwrap();
+    let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
+    let store = NatsCheckpointStore::open("nats", &cfg, &sink)
+        .await
+        .unwrap();
+    let shards = [0, 1].map(|index| Shard { index, count: 2 });
+    let [a, b] = shards.map(|shard| sink.clone().shard_view(shard).expect("a view per shard"));
+    let m = |name: &str| support::message("test", name, "{}");
+    let err = a
+        .submit(&m("early"))
+        .await
+        .err()
+        .expect("no term, no connection");
+    assert!(err.is_retriable(), "{err}");
+    a.begin_term(shards[0], None).await.unwrap();
+    b.begin_term(shards[1], None).await.unwrap();
+    let entry = |rv: &str| Entry {
+        uid: "u".into(),
+        resource_version: rv.into(),
+        pending: false,
+        kind: None,
+    };
+    let routes = ["configmap#0-of-2/nats", "configmap#1-of-2/nats"];
+    for route in routes {
+        store
+            .write(route, vec![("ns/x".into(), Some(entry("1")))])
+            .await
+            .unwrap();
+    }
+    for i in 0..20 {
+        a.publish(&m(&format!("a-{i}"))).await.unwrap();
+        b.publish(&m(&format!("b-{i}"))).await.unwrap();
+    }
+    // Shard 1 is handed on undrained: its connection is retired, and only its.
+    b.abandon_queued();
+    b.end_term(shards[1]);
+    assert_eq!((a.abandoned(), b.abandoned()), (0, 1));
+    for i in 20..40 {
+        a.publish(&m(&format!("a-{i}")))
+            .await
+            .expect("shard 0 publishes on as if nothing happened");
+    }
+    // The checkpoints read at once (an acquisition's), and shard 0's routes write on.
+    let loaded = store.load_routes(&routes.map(String::from)).await.unwrap();
+    assert_eq!(loaded.len(), 2, "{loaded:?}");
+    store
+        .write(routes[0], vec![("ns/x".into(), Some(entry("2")))])
+        .await
+        .unwrap();
+    // Shard 1's routes write nothing without a term (an old term's write never lands late).
+    assert!(
+        store
+            .write(routes[1], vec![("ns/x".into(), Some(entry("2")))])
+            .await
+            .is_err()
+    );
+    assert!(b.publish(&m("b-late")).await.is_err());
+    b.begin_term(shards[1], None).await.unwrap();
+    b.publish(&m("b-again")).await.unwrap();
+    store
+        .write(routes[1], vec![("ns/x".into(), Some(entry("3")))])
+        .await
+        .unwrap();
+    let loaded = store.load_routes(&routes.map(String::from)).await.unwrap();
+    let rvs: Vec<_> = routes
+        .iter()
+        .map(|r| loaded[*r]["ns/x"].resource_version.as_str())
+        .collect();
+    assert_eq!(rvs, ["2", "3"]);
+    wait_for_stream(&nats.url(), 61).await;
+    assert_eq!(stream_len(&nats.url(), STREAM).await, 61);
+}

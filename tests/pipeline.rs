@@ -163,7 +163,7 @@ fn harness_with(
     let delivery = Arc::new(Delivery {
         sink,
         dead_letter: dead_letter.map(|d| d as Arc<dyn Sink>),
-        publish_limit,
+        publish_limit: publish_limit.map(Arc::new),
         max_retries,
     });
     let encoder = Encoder::new(

@@ -40,7 +40,6 @@ use crate::{
     sinks::Sink,
 };
 use resources::{Live, Resources, Wiring, kind_name};
-use sinks::Opened;
 
 /// Errors building or running the service.
 #[derive(Debug, thiserror::Error)]
@@ -119,6 +118,8 @@ fn parts_config_stall(parts: &[ShardPart]) -> std::time::Duration {
 /// the elector of its Lease. Without sharding there is one part, for the whole keyspace, on
 /// the leader election's Lease.
 struct ShardPart {
+    /// The sinks as this shard's routes use them (see [`crate::sinks::Sink::shard_view`]).
+    sinks: Vec<Arc<dyn crate::sinks::Sink>>,
     wiring: Arc<Wiring>,
     resources: Arc<tokio::sync::Mutex<Resources>>,
     elector: Option<LeaderElector>,
@@ -150,12 +151,7 @@ impl App {
             },
             metrics.clone(),
         ));
-        let Opened {
-            sinks,
-            kafka_sinks,
-            stores,
-            deliveries,
-        } = sinks::open(&config, &metrics).await?;
+        let opened = sinks::open(&config, &metrics).await?;
         // Which kinds each resource selects now (the same for every shard).
         let mut resolved = Vec::new();
         let mut pending = BTreeMap::new();
@@ -183,7 +179,7 @@ impl App {
             }
         }
         // Any sink with a checkpoint (kinds that appear later wire their routes then).
-        let cluster = if stores.is_empty() {
+        let cluster = if opened.stores.is_empty() {
             String::new()
         } else {
             let uid = cluster::identity(&client).await.map_err(Error::Identity)?;
@@ -199,6 +195,7 @@ impl App {
         // Lease (see `Membership::hold_group`).
         let cap = crate::leader::FenceCap::default();
         for shard in shards.iter().copied() {
+            let (shard_sinks, deliveries) = opened.for_shard(shard);
             let fence = le.enabled.then(|| {
                 if shards.len() > 1 {
                     crate::leader::Fence::capped(cap.clone())
@@ -211,9 +208,9 @@ impl App {
                 client: client.clone(),
                 metrics: metrics.clone(),
                 factory: factory.clone(),
-                deliveries: deliveries.clone(),
-                stores: stores.clone(),
-                kafka_sinks: kafka_sinks.clone(),
+                deliveries,
+                stores: opened.stores.clone(),
+                kafka_sinks: opened.kafka_sinks.clone(),
                 fence: fence.clone(),
                 shard,
             });
@@ -286,6 +283,7 @@ impl App {
                 }
             }
             parts.push(ShardPart {
+                sinks: shard_sinks.into_values().collect(),
                 wiring,
                 resources: Arc::new(tokio::sync::Mutex::new(resources)),
                 elector,
@@ -297,7 +295,7 @@ impl App {
             metrics.leader.set(1);
             // A transactional sink's producer first: it fences an earlier process's, so the
             // checkpoints read next hold everything that process committed.
-            for sink in sinks.values() {
+            for sink in opened.sinks.values() {
                 sink.begin_term(crate::shard::Shard::WHOLE, None).await?;
             }
             // This replica publishes from the start: resume before the first list. A checkpoint
@@ -343,7 +341,7 @@ impl App {
             metrics,
             factory,
             parts,
-            sinks: sinks.into_values().collect(),
+            sinks: opened.sinks.into_values().collect(),
             admin,
             membership,
         })
@@ -471,7 +469,7 @@ impl App {
             follows.push(leadership::follow(
                 elector,
                 part.resources.clone(),
-                self.sinks.clone(),
+                part.sinks.clone(),
                 shard,
                 handovers,
                 limit,

@@ -28,7 +28,48 @@ pub(super) struct Opened {
     /// The checkpoint store of each sink that resumes and can keep one.
     pub(super) stores: HashMap<String, Arc<dyn CheckpointStore>>,
     /// How each sink is delivered to, and the budget its routes share (`max_pending`).
-    pub(super) deliveries: HashMap<String, (Arc<Delivery>, Arc<Budget>)>,
+    pub(super) deliveries: Deliveries,
+}
+
+/// How each sink is delivered to, and the budget its routes share (`max_pending`), by name.
+pub(super) type Deliveries = HashMap<String, (Arc<Delivery>, Arc<Budget>)>;
+
+impl Opened {
+    /// The sinks as the routes of shard `shard` use them (see
+    /// [`crate::sinks::Sink::shard_view`]: with sharding, each shard's terms publish on a
+    /// producer or connection of their own), by name, and their deliveries (the rate limit
+    /// and `max_pending` stay the sink's, shared by its shards).
+    pub(super) fn for_shard(
+        &self,
+        shard: crate::shard::Shard,
+    ) -> (HashMap<String, Arc<dyn Sink>>, Deliveries) {
+        if shard.is_whole() {
+            return (self.sinks.clone(), self.deliveries.clone());
+        }
+        let views: HashMap<String, Arc<dyn Sink>> = self
+            .sinks
+            .iter()
+            .map(|(name, s)| {
+                let view = s.clone().shard_view(shard).unwrap_or_else(|| s.clone());
+                (name.clone(), view)
+            })
+            .collect();
+        let view = |s: &Arc<dyn Sink>| views[s.name()].clone();
+        let deliveries = self
+            .deliveries
+            .iter()
+            .map(|(name, (d, budget))| {
+                let delivery = Delivery {
+                    sink: view(&d.sink),
+                    dead_letter: d.dead_letter.as_ref().map(view),
+                    publish_limit: d.publish_limit.clone(),
+                    max_retries: d.max_retries,
+                };
+                (name.clone(), (Arc::new(delivery), budget.clone()))
+            })
+            .collect();
+        (views, deliveries)
+    }
 }
 
 /// Opens every sink of `config` (connecting to brokers), their checkpoint stores, and their
@@ -108,7 +149,7 @@ pub(super) async fn open(config: &Config, metrics: &Metrics) -> Result<Opened, E
             publish_limit: s
                 .rate_limit
                 .as_ref()
-                .map(|l| TokenBucket::new(l.qps, l.burst)),
+                .map(|l| Arc::new(TokenBucket::new(l.qps, l.burst))),
             max_retries: s.retry.max_retries,
         };
         deliveries.insert(

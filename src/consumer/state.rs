@@ -423,7 +423,7 @@ fn age(d: jiff::SignedDuration) -> String {
 /// Where an object of a resource is placed in a [`State`].
 enum Placer {
     /// By Kafka topic.
-    Topic(KafkaSink),
+    Topic(Box<KafkaSink>),
     /// By resource name (`configmaps`, `widgets.example.com`).
     Resource,
 }
@@ -437,7 +437,7 @@ pub async fn check(
     state: &State,
 ) -> Result<Differences> {
     let placer = match destination(config, sink)? {
-        Destination::Kafka(cfg) => Placer::Topic(KafkaSink::connect(sink, cfg).await?),
+        Destination::Kafka(cfg) => Placer::Topic(Box::new(KafkaSink::connect(sink, cfg).await?)),
         Destination::JetStream(_) => Placer::Resource,
     };
     let mut cluster: BTreeMap<(String, String), String> = BTreeMap::new();

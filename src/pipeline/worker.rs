@@ -37,7 +37,7 @@ pub struct Delivery {
     /// Receives a reference record for each message that fails for good.
     pub dead_letter: Option<Arc<dyn Sink>>,
     /// Optional publish rate limit protecting the destination.
-    pub publish_limit: Option<TokenBucket>,
+    pub publish_limit: Option<Arc<TokenBucket>>,
     /// Retries of one notification before it fails for good; `None`: forever.
     pub max_retries: Option<u32>,
 }
@@ -364,8 +364,9 @@ impl Route {
             }
             // Only within the term: a failure after it ended (a purged queue) is no delivery
             // attempt to give up on (the retry below drops it). Nor is one after the sink
-            // abandoned what it queued for another term (another shard's handover): it is
-            // retried without counting.
+            // abandoned what it queued for an earlier term of the shard (lost and regained):
+            // it is retried without counting. (With sharding each shard's view counts its
+            // own abandonments: another shard's hand-over is none of these.)
             if failed && self.delivery.sink.abandoned() != handed.abandoned {
                 queue.forget(&key);
             }

@@ -246,6 +246,20 @@ pub trait Sink: Send + Sync {
     }
     /// Every term here ended (shutdown): [`Self::end_term`] of every shard.
     fn end_terms(&self) {}
+    /// The sink as the routes of shard `shard` use it (sharded only), or `None` when the sink
+    /// keeps nothing per shard (then the sink itself serves every shard). A view's terms are
+    /// its shard's alone: Kafka without `exactly_once` publishes each shard's term with a
+    /// producer of its own and JetStream on a connection of its own, both made at
+    /// [`Self::begin_term`]; the view's [`Self::abandon_queued`] drops only its shard's
+    /// queue, and its [`Self::abandoned`] counts only those. So a hand-over of one shard
+    /// fails no message of another.
+    fn shard_view(
+        self: std::sync::Arc<Self>,
+        shard: crate::shard::Shard,
+    ) -> Option<std::sync::Arc<dyn Sink>> {
+        let _ = shard;
+        None
+    }
     /// Why the sink can never publish again in this process (for `/healthz`: the pod is
     /// restarted and resumes from its checkpoint), or `None`.
     fn broken(&self) -> Option<String> {

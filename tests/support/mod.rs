@@ -440,3 +440,27 @@ pub fn differences(
         .collect();
     d
 }
+
+/// A message about ConfigMap `ns/{name}` of cluster `cluster`, with `payload` as it is (for
+/// tests that hand messages to a sink themselves).
+pub fn message(cluster: &str, name: &str, payload: &str) -> kube_event_bridge::message::Message {
+    use kube_event_bridge::{informer::EventType, message};
+    message::Message {
+        id: format!("{cluster}-{name}:added"),
+        key: format!("ns/{name}"),
+        event_type: EventType::Added,
+        payload: payload.to_owned().into(),
+        attributes: Vec::new(),
+        content_type: message::STRUCTURED_CONTENT_TYPE,
+        resource: Arc::new(message::ResourceInfo {
+            cluster: cluster.into(),
+            group: String::new(),
+            version: "v1".into(),
+            kind: "ConfigMap".into(),
+            plural: "configmaps".into(),
+        }),
+        namespace: Some("ns".into()),
+        name: name.into(),
+        received: std::time::Instant::now(),
+    }
+}

@@ -17,7 +17,7 @@
 
 use std::{
     sync::{
-        Arc,
+        Arc, Mutex, RwLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
@@ -66,16 +66,62 @@ pub struct KafkaSink {
     // Whether the producer's fatal error was logged (once).
     fatal_logged: Arc<AtomicBool>,
     brokers: String,
-    // Leadership terms ended so far (see `abandon_queued`): a hand-over waiting for room in
-    // librdkafka's queue gives up when its term ends.
-    terms_ended: AtomicU64,
+    // Where records go without `exactly_once` and without sharding: the producer above.
+    lane: Lane,
+    // The lanes of the shard views (see `Sink::shard_view`), for shutdown and health.
+    shard_lanes: Mutex<Vec<Arc<Lane>>>,
     // With `exactly_once`.
     transactions: Option<Arc<TransactionSet>>,
-    // Held (shared) around each hand-over to librdkafka and (exclusive) around an
-    // abandonment's count and purge: a record is either purged with the count already
-    // raised, or sent after the purge (never purged by an abandonment its worker did not
-    // see counted, which would count the purge as a delivery failure).
-    abandoning: std::sync::RwLock<()>,
+}
+
+/// Where the records of a term go without `exactly_once`: the sink's own producer (one
+/// leader), or a shard's own, made when its term begins ([`KafkaShardSink`]).
+struct Lane {
+    /// The producer; `None` between a shard's terms.
+    producer: RwLock<Option<FutureProducer<KafkaContext>>>,
+    /// Terms ended with their queue purged so far (see `abandon_queued`): a hand-over waiting
+    /// for room in librdkafka's queue gives up when its term ends.
+    ended: AtomicU64,
+    /// Held (shared) around each hand-over to librdkafka and (exclusive) around an
+    /// abandonment's count and purge: a record is either purged with the count already
+    /// raised, or sent after the purge (never purged by an abandonment its worker did not
+    /// see counted, which would count the purge as a delivery failure).
+    abandoning: RwLock<()>,
+}
+
+impl Lane {
+    fn of(producer: Option<FutureProducer<KafkaContext>>) -> Self {
+        Self {
+            producer: RwLock::new(producer),
+            ended: AtomicU64::new(0),
+            abandoning: RwLock::new(()),
+        }
+    }
+
+    fn producer(&self) -> Option<FutureProducer<KafkaContext>> {
+        self.producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Counts a term's end and purges what the producer still queues (`rd_kafka_purge`;
+    /// records already in a request to a broker cannot be taken back).
+    fn abandon(&self) {
+        let _abandoning = self.abandoning.write().unwrap_or_else(|e| e.into_inner());
+        self.ended.fetch_add(1, Ordering::SeqCst);
+        if let Some(producer) = self.producer() {
+            producer.purge(rdkafka::producer::PurgeConfig::default().queue());
+        }
+    }
+
+    /// Ends the term's producer (it lives on while acknowledgements it owes are awaited).
+    fn take(&self) -> Option<FutureProducer<KafkaContext>> {
+        self.producer
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+    }
 }
 
 /// Topic names: placeholder values as they are, an empty group as `core`, the namespace of a
@@ -132,7 +178,6 @@ impl KafkaSink {
         Ok(Self {
             name: name.to_owned(),
             client: Arc::new(client),
-            producer,
             topic: Template::parse(&cfg.topic).map_err(|e| setup(format!("topic: {e}")))?,
             key: cfg
                 .key
@@ -150,8 +195,9 @@ impl KafkaSink {
             healthy,
             fatal_logged: Arc::default(),
             brokers,
-            terms_ended: Default::default(),
-            abandoning: Default::default(),
+            lane: Lane::of(Some(producer.clone())),
+            producer,
+            shard_lanes: Mutex::default(),
             transactions: None,
         })
     }
@@ -298,12 +344,14 @@ impl KafkaSink {
     }
 
     /// See [`Sink::submit`]; with transactions, `checkpoint` goes in the message's transaction,
-    /// the one of shard `shard` (a [`TransactionSet`] key).
+    /// the one of shard `shard` (a [`TransactionSet`] key); without, the record goes to
+    /// `lane`'s producer.
     async fn hand_over(
         &self,
         m: &Message,
         checkpoint: Option<super::transactions::CheckpointRecord>,
         shard: &str,
+        lane: &Lane,
     ) -> Result<Ack> {
         let topic = self.topic_for(m);
         if !is_valid_topic(&topic) {
@@ -331,12 +379,18 @@ impl KafkaSink {
             };
             return t.submit(record, checkpoint, &topic, size).await;
         }
+        let Some(producer) = lane.producer() else {
+            return Err(Error::Unavailable(format!(
+                "sink {}: shard {shard} has no term here (not leading it)",
+                self.name
+            )));
+        };
         let mut waited = Duration::ZERO;
-        let term = self.terms_ended.load(Ordering::SeqCst);
+        let term = lane.ended.load(Ordering::SeqCst);
         let delivery = loop {
             let sent = {
-                let _sending = self.abandoning.read().unwrap_or_else(|e| e.into_inner());
-                self.producer.send_result(record)
+                let _sending = lane.abandoning.read().unwrap_or_else(|e| e.into_inner());
+                producer.send_result(record)
             };
             match sent {
                 Ok(delivery) => break delivery,
@@ -349,19 +403,18 @@ impl KafkaSink {
                     record = r;
                     tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                     waited += QUEUE_FULL_PAUSE;
-                    if self.terms_ended.load(Ordering::SeqCst) != term {
+                    if lane.ended.load(Ordering::SeqCst) != term {
                         return Err(Error::Unavailable(
                             "the leadership term ended while waiting for room in the queue".into(),
                         ));
                     }
                 }
-                Err((_, _)) if let Some(cause) = fatal(&self.producer) => {
+                Err((_, _)) if let Some(cause) = fatal(&producer) => {
                     return Err(Error::Unavailable(cause));
                 }
                 Err((e, _)) => return Err(classify(e, &topic, size, max)),
             }
         };
-        let producer = self.producer.clone();
         let (name, logged) = (self.name.clone(), self.fatal_logged.clone());
         Ok(Box::pin(async move {
             match delivery.await {
@@ -380,6 +433,14 @@ impl KafkaSink {
                 )),
             }
         }) as Ack)
+    }
+
+    /// The shard views' lanes.
+    fn shard_lanes(&self) -> Vec<Arc<Lane>> {
+        self.shard_lanes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     fn key_for(&self, m: &Message) -> String {
@@ -460,6 +521,14 @@ pub(super) fn classify(
     }
 }
 
+/// Waits until `producer` has sent everything it holds (10 s at most).
+async fn flush(producer: FutureProducer<KafkaContext>) -> Result<()> {
+    tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
+        .await
+        .map_err(|e| Error::Unavailable(e.to_string()))?
+        .map_err(|e| Error::Unavailable(e.to_string()))
+}
+
 async fn fetch_metadata(
     producer: &FutureProducer<KafkaContext>,
 ) -> std::result::Result<(), KafkaError> {
@@ -516,7 +585,7 @@ impl Sink for KafkaSink {
     /// Enqueues the record in librdkafka (waiting while its local queue is full) and returns
     /// its delivery report. With idempotence, records of one partition keep their order.
     fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
-        self.hand_over(m, None, "").boxed()
+        self.hand_over(m, None, "", &self.lane).boxed()
     }
 
     fn in_transactions(&self) -> bool {
@@ -534,7 +603,7 @@ impl Sink for KafkaSink {
             .transactions
             .as_ref()
             .map_or("", |set| set.key_of_route(route));
-        self.hand_over(message, record, shard).boxed()
+        self.hand_over(message, record, shard, &self.lane).boxed()
     }
 
     fn settle_silently(&self, route: &str, change: crate::sinks::checkpoint::Change) {
@@ -564,30 +633,44 @@ impl Sink for KafkaSink {
     }
 
     fn flush(&self) -> BoxFuture<'_, Result<()>> {
-        let producer = self.producer.clone();
         async move {
             for t in self.transactions.iter().flat_map(|set| set.all()) {
                 t.commit().await?;
             }
-            tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
-                .await
-                .map_err(|e| Error::Unavailable(e.to_string()))?
-                .map_err(|e| Error::Unavailable(e.to_string()))
+            let lanes = self.shard_lanes();
+            let producers = std::iter::once(self.producer.clone())
+                .chain(lanes.iter().filter_map(|l| l.producer()));
+            for producer in producers {
+                flush(producer).await?;
+            }
+            Ok(())
         }
         .boxed()
     }
 
     /// Purges the records still in librdkafka's local queue (`rd_kafka_purge`; those already
-    /// in a request to a broker cannot be taken back).
+    /// in a request to a broker cannot be taken back), the shard views' too (shutdown).
     fn abandoned(&self) -> u64 {
-        self.terms_ended.load(Ordering::SeqCst)
+        self.lane.ended.load(Ordering::SeqCst)
     }
 
     fn abandon_queued(&self) {
-        let _abandoning = self.abandoning.write().unwrap_or_else(|e| e.into_inner());
-        self.terms_ended.fetch_add(1, Ordering::SeqCst);
-        self.producer
-            .purge(rdkafka::producer::PurgeConfig::default().queue());
+        self.lane.abandon();
+        self.shard_lanes().iter().for_each(|l| l.abandon());
+    }
+
+    fn shard_view(self: Arc<Self>, shard: crate::shard::Shard) -> Option<Arc<dyn Sink>> {
+        let lane = Arc::new(Lane::of(None));
+        self.shard_lanes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(lane.clone());
+        Some(Arc::new(KafkaShardSink {
+            sink: self,
+            shard,
+            key: TransactionSet::key(shard),
+            lane,
+        }))
     }
 
     fn end_term(&self, shard: crate::shard::Shard) {
@@ -618,6 +701,7 @@ impl Sink for KafkaSink {
         for t in self.transactions.iter().flat_map(|set| set.all()) {
             t.end_term();
         }
+        self.shard_lanes().iter().for_each(|l| drop(l.take()));
     }
 
     fn broken(&self) -> Option<String> {
@@ -629,13 +713,17 @@ impl Sink for KafkaSink {
         {
             return Some(why);
         }
-        fatal(&self.producer).map(|cause| {
-            format!(
-                "sink {}: {cause}; it publishes nothing until the process restarts (what it \
+        let lanes = self.shard_lanes();
+        std::iter::once(self.producer.clone())
+            .chain(lanes.iter().filter_map(|l| l.producer()))
+            .find_map(|p| fatal(&p))
+            .map(|cause| {
+                format!(
+                    "sink {}: {cause}; it publishes nothing until the process restarts (what it \
                  holds is published again from the checkpoint after the restart)",
-                self.name
-            )
-        })
+                    self.name
+                )
+            })
     }
 
     fn health(&self) -> std::result::Result<(), String> {
@@ -658,5 +746,131 @@ impl Sink for KafkaSink {
                 self.name, self.brokers
             ))
         }
+    }
+}
+
+/// A Kafka sink as the routes of one shard use it (see [`Sink::shard_view`]). Without
+/// `exactly_once`, each term of the shard publishes with an idempotent producer of its own,
+/// made when the term begins and purged when it is abandoned, so a hand-over of one shard
+/// never purges another's records; with `exactly_once`, the shard's transactions already are
+/// its own, and so is what a dead-letter record goes in.
+struct KafkaShardSink {
+    sink: Arc<KafkaSink>,
+    shard: crate::shard::Shard,
+    /// The shard's [`TransactionSet`] key.
+    key: String,
+    lane: Arc<Lane>,
+}
+
+impl Sink for KafkaShardSink {
+    fn name(&self) -> &str {
+        self.sink.name()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        self.sink.max_message_bytes()
+    }
+
+    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
+        async move { self.submit(m).await?.await }.boxed()
+    }
+
+    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
+        self.sink.hand_over(m, None, &self.key, &self.lane).boxed()
+    }
+
+    fn in_transactions(&self) -> bool {
+        self.sink.in_transactions()
+    }
+
+    fn submit_settling<'a>(
+        &'a self,
+        message: &'a Message,
+        route: &'a str,
+        change: Option<crate::sinks::checkpoint::Change>,
+    ) -> BoxFuture<'a, Result<Ack>> {
+        if self.sink.in_transactions() {
+            self.sink.submit_settling(message, route, change)
+        } else {
+            self.submit(message)
+        }
+    }
+
+    fn settle_silently(&self, route: &str, change: crate::sinks::checkpoint::Change) {
+        self.sink.settle_silently(route, change);
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<()>> {
+        async move {
+            match self.lane.producer() {
+                Some(producer) => flush(producer).await,
+                None => Ok(()),
+            }
+        }
+        .boxed()
+    }
+
+    fn abandoned(&self) -> u64 {
+        self.lane.ended.load(Ordering::SeqCst)
+    }
+
+    fn abandon_queued(&self) {
+        self.lane.abandon();
+    }
+
+    fn begin_term(
+        &self,
+        shard: crate::shard::Shard,
+        until: Option<tokio::time::Instant>,
+    ) -> BoxFuture<'_, Result<()>> {
+        debug_assert_eq!(shard, self.shard);
+        async move {
+            if self.sink.transactions.is_some() {
+                return self.sink.begin_term(shard, until).await;
+            }
+            if self.lane.producer().is_some() {
+                return Ok(());
+            }
+            // With OAUTHBEARER, making a producer asks the token endpoint (blocking).
+            let client = self.sink.client.clone();
+            let producer = tokio::task::spawn_blocking(move || client.producer())
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|made| made)
+                .map_err(|e| {
+                    Error::Unavailable(format!(
+                        "sink {}: {}: cannot make the term's producer: {e}",
+                        self.sink.name, self.shard
+                    ))
+                })?;
+            *self
+                .lane
+                .producer
+                .write()
+                .unwrap_or_else(|e| e.into_inner()) = Some(producer);
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn end_term(&self, shard: crate::shard::Shard) {
+        self.sink.end_term(shard);
+        drop(self.lane.take());
+    }
+
+    fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
+        self.sink.commit_term(shard)
+    }
+
+    fn end_terms(&self) {
+        self.end_term(self.shard);
+    }
+
+    fn broken(&self) -> Option<String> {
+        self.sink.broken()
+    }
+
+    fn health(&self) -> std::result::Result<(), String> {
+        self.sink.health()
     }
 }

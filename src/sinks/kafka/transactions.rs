@@ -660,19 +660,6 @@ impl Transactions {
     }
 }
 
-/// The key of the shard route `route` (`{kind}[#{i}-of-{n}]/{sink}`) of sink `sink` serves:
-/// `""` when the kind carries no shard label.
-fn key_of_route<'a>(route: &'a str, sink: &str) -> &'a str {
-    let kind = route
-        .strip_suffix(sink)
-        .and_then(|r| r.strip_suffix('/'))
-        .unwrap_or(route);
-    match kind.rsplit_once('#') {
-        Some((_, label)) if crate::shard::Shard::from_label(label).is_some() => label,
-        _ => "",
-    }
-}
-
 /// Whether a commit or abort that failed so may be tried again.
 fn is_retriable(e: &KafkaError) -> bool {
     matches!(e, KafkaError::Transaction(r) if r.is_retriable() && !r.is_fatal())
@@ -792,7 +779,7 @@ impl TransactionSet {
     /// The key of the shard route `route` (`{kind}[#{i}-of-{n}]/{sink}`, this sink's)
     /// serves.
     pub(super) fn key_of_route<'a>(&self, route: &'a str) -> &'a str {
-        key_of_route(route, &self.settings.sink)
+        crate::shard::label_of_route(route, &self.settings.sink)
     }
 
     /// The transactions of shard `key`, made when asked for the first time.
@@ -828,7 +815,7 @@ mod tests {
 
     #[test]
     fn a_route_names_the_shard_whose_transactions_it_writes_in() {
-        use super::key_of_route;
+        use crate::shard::label_of_route as key_of_route;
         assert_eq!(key_of_route("configmap/kafka", "kafka"), "");
         assert_eq!(key_of_route("configmap#3-of-12/kafka", "kafka"), "3-of-12");
         assert_eq!(

@@ -15,7 +15,7 @@ use tracing::info;
 
 use super::{
     NatsSink, NatsSinkConfig,
-    sink::{Conn, Conns},
+    sink::{Conn, Conns, ShardConns},
 };
 use crate::{
     sinks,
@@ -28,8 +28,15 @@ const WRITES_IN_FLIGHT: usize = 256;
 /// See the module docs.
 pub struct NatsCheckpointStore {
     bucket: String,
-    /// The sink's connections: the store reads and writes on the current term's.
+    /// The sink's connections: the store reads on the current term's, and writes there
+    /// unless the route is a shard's.
     conns: Arc<Conns>,
+    /// The shard views' connections: a shard route's writes go on its shard's term's, so
+    /// that what the connection of an ended term still buffers never lands after a newer
+    /// owner's writes (it is retired with the term).
+    shard_conns: ShardConns,
+    /// The sink's name (the end of its routes' names).
+    sink: String,
 }
 
 /// A KV key token for `s`: `[A-Za-z0-9-/=]` as they are, everything else `_XX`.
@@ -68,7 +75,9 @@ impl NatsCheckpointStore {
             sinks::Error::Setup(format!("sink {name}: checkpoint bucket {bucket}: {what}"))
         };
         let conns = sink.conns();
-        let conn = conns.current();
+        let conn = conns
+            .current()
+            .expect("the sink's own connections always have one");
         let js: &jetstream::Context = conn
             .jetstream()
             .ok_or_else(|| setup("resume needs jetstream mode".into()))?;
@@ -104,12 +113,40 @@ impl NatsCheckpointStore {
                 js.get_key_value(&bucket).await.map_err(|e| denied(&e))?
             }
         };
-        Ok(Self { bucket, conns })
+        Ok(Self {
+            bucket,
+            conns,
+            shard_conns: sink.shard_conns(),
+            sink: name.to_owned(),
+        })
     }
 
     /// The bucket on the current term's connection.
     async fn kv(&self) -> Result<(Arc<Conn>, kv::Store)> {
-        let conn = self.conns.open().map_err(|e| self.error(e))?;
+        self.kv_on(&self.conns).await
+    }
+
+    /// The bucket on the connection route `route` writes on: its shard's term's when it is
+    /// a shard route.
+    async fn kv_for(&self, route: &str) -> Result<(Arc<Conn>, kv::Store)> {
+        let label = crate::shard::label_of_route(route, &self.sink);
+        let shard = (!label.is_empty())
+            .then(|| {
+                self.shard_conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(label)
+                    .cloned()
+            })
+            .flatten();
+        match shard {
+            Some(conns) => self.kv_on(&conns).await,
+            None => self.kv().await,
+        }
+    }
+
+    async fn kv_on(&self, conns: &Conns) -> Result<(Arc<Conn>, kv::Store)> {
+        let conn = conns.open().map_err(|e| self.error(e))?;
         let store = conn
             .kv(async |js| js.get_key_value(&self.bucket).await)
             .await
@@ -173,7 +210,7 @@ impl CheckpointStore for NatsCheckpointStore {
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
         async move {
             let prefix = escape(route);
-            let (_conn, kv) = self.kv().await?;
+            let (_conn, kv) = self.kv_for(route).await?;
             let kv = &kv;
             futures::stream::iter(changes)
                 .map(|(key, entry)| {

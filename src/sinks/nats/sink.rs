@@ -19,7 +19,10 @@
 //! retires the last one). A retired connection never reconnects: what async-nats still holds
 //! for it (publishes buffered while it was disconnected) belongs to an ended term and is never
 //! sent, so it cannot land behind a newer leader's messages. Its publishes time out; the next
-//! term starts from the checkpoint. A permissions violation is reported by the server asynchronously: the subject is
+//! term starts from the checkpoint. With sharding, each shard's term has a connection of its
+//! own (see [`Sink::shard_view`]): a hand-over of one shard retires only that one.
+//!
+//! A permissions violation is reported by the server asynchronously: the subject is
 //! remembered, and a publish to it that then times out fails for good as `denied`.
 
 use std::{
@@ -55,6 +58,8 @@ pub struct NatsSink {
     name: String,
     cfg: NatsSinkConfig,
     conns: Arc<Conns>,
+    /// The connections of the shard views (see [`Sink::shard_view`]), by shard label.
+    shard_conns: ShardConns,
     subject: Template,
     denied: Arc<Mutex<HashSet<String>>>,
     // The server's `max_payload` at connect (read once: `server_info` clones the whole INFO).
@@ -80,25 +85,23 @@ impl NatsSink {
             name: name.to_owned(),
             cfg: cfg.clone(),
             max_payload,
-            conns: Arc::new(Conns {
-                current: RwLock::new(Arc::new(conn)),
-                generation: AtomicU64::new(0),
-            }),
+            conns: Arc::new(Conns::of(Some(conn))),
+            shard_conns: ShardConns::default(),
             subject,
             denied,
         })
-    }
-
-    /// The connection of the current term; unavailable while the next term's opens (the
-    /// retired one must not carry a newer term's messages: it may never send them).
-    fn conn(&self) -> Result<Arc<Conn>> {
-        self.conns.open()
     }
 
     /// The connections, shared with the checkpoint store (whose writes use the current
     /// term's connection too).
     pub(super) fn conns(&self) -> Arc<Conns> {
         self.conns.clone()
+    }
+
+    /// The shard views' connections, shared with the checkpoint store (a shard route's
+    /// writes go on its shard's term's connection).
+    pub(super) fn shard_conns(&self) -> ShardConns {
+        self.shard_conns.clone()
     }
 
     /// Whether the sink publishes to JetStream.
@@ -227,24 +230,40 @@ fn reconnect_delay(failed_attempts: usize) -> Duration {
 }
 
 /// The connection of each term: the current one, and a count of retirements (a newer
-/// term's connection replaces it only if no later term began meanwhile).
+/// term's connection replaces it only if no later term began meanwhile). The sink's own
+/// always has one; a shard view's has one only during the shard's terms here.
 pub(super) struct Conns {
-    current: RwLock<Arc<Conn>>,
+    current: RwLock<Option<Arc<Conn>>>,
     generation: AtomicU64,
 }
 
+/// The shard views' connections, by shard label.
+pub(super) type ShardConns = Arc<Mutex<std::collections::HashMap<String, Arc<Conns>>>>;
+
 impl Conns {
-    /// The current term's connection.
-    pub(super) fn current(&self) -> Arc<Conn> {
+    fn of(conn: Option<Conn>) -> Self {
+        Self {
+            current: RwLock::new(conn.map(Arc::new)),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    /// The current term's connection; `None` between a shard's terms.
+    pub(super) fn current(&self) -> Option<Arc<Conn>> {
         self.current
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
 
-    /// The current term's connection, unless it is retired (the next one still opening).
+    /// The current term's connection, unless it is retired (the next one still opening) or
+    /// there is none (a shard not led here).
     pub(super) fn open(&self) -> Result<Arc<Conn>> {
-        let conn = self.current();
+        let Some(conn) = self.current() else {
+            return Err(Error::Unavailable(
+                "this shard's term has no NATS connection here (not leading it)".into(),
+            ));
+        };
         if conn.retired.load(Ordering::SeqCst) {
             return Err(Error::Unavailable(
                 "the last leadership term's NATS connection is retired; the next one is opening"
@@ -256,6 +275,20 @@ impl Conns {
             conn.used.store(true, Ordering::SeqCst);
         }
         Ok(conn)
+    }
+
+    /// Retires the current connection if it carried anything (it never reconnects); returns
+    /// the generation of the next one, or `None` when nothing was retired.
+    fn retire(&self) -> Option<u64> {
+        // Under the lock: a connection swapped in is always the newest term's.
+        let current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        let conn = current.as_ref()?;
+        if !conn.used.load(Ordering::SeqCst) && !conn.retired.load(Ordering::SeqCst) {
+            // The ended term sent nothing on it (a standby's): it can serve the next.
+            return None;
+        }
+        conn.retired.store(true, Ordering::SeqCst);
+        Some(self.generation.fetch_add(1, Ordering::SeqCst) + 1)
     }
 }
 
@@ -449,115 +482,77 @@ async fn check_stream(
     Ok(())
 }
 
-impl Sink for NatsSink {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn max_message_bytes(&self) -> Option<usize> {
-        Some(self.max_payload).filter(|&m| m > 0)
-    }
-
-    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
-        async move {
-            let subject = self.subject_for(m);
-            if !is_valid_nats_subject(&subject) {
-                return Err(Error::InvalidDestination {
-                    destination: subject,
-                    reason: "not a NATS subject".into(),
-                });
-            }
-            let headers = self.headers(m);
-            let size = m.payload.len();
-            let conn = self.conn()?;
-            match &conn.jetstream {
-                Some(_) => self.submit(m).await?.await,
-                None => conn
-                    .client
-                    .publish_with_headers(subject.clone(), headers, m.payload.clone())
-                    .await
-                    .map_err(|e| match e.kind() {
-                        async_nats::client::PublishErrorKind::MaxPayloadExceeded => {
-                            Error::TooLarge {
-                                size,
-                                max: conn.client.server_info().max_payload,
-                            }
-                        }
-                        _ => Error::Unavailable(e.to_string()),
-                    }),
-            }
+impl NatsSink {
+    /// The subject of `m`, if it is a valid one.
+    fn valid_subject(&self, m: &Message) -> Result<String> {
+        let subject = self.subject_for(m);
+        if !is_valid_nats_subject(&subject) {
+            return Err(Error::InvalidDestination {
+                destination: subject,
+                reason: "not a NATS subject".into(),
+            });
         }
-        .boxed()
+        Ok(subject)
     }
 
-    /// JetStream: writes the message to the connection (waiting while `max_in_flight`
-    /// acknowledgements are pending) and returns its PubAck; one connection keeps the order.
-    /// Core NATS: the publish itself (there is no acknowledgement).
-    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
-        async move {
-            let conn = self.conn()?;
-            let Some(js) = &conn.jetstream else {
-                self.publish(m).await?;
-                return Ok(Box::pin(async { Ok(()) }) as Ack);
-            };
-            let subject = self.subject_for(m);
-            if !is_valid_nats_subject(&subject) {
-                return Err(Error::InvalidDestination {
-                    destination: subject,
-                    reason: "not a NATS subject".into(),
-                });
-            }
-            let size = m.payload.len();
-            let ack = js
-                .publish_with_headers(subject.clone(), self.headers(m), m.payload.clone())
+    /// [`Sink::publish`] on the term's connection of `conns`.
+    async fn publish_on(&self, conns: &Conns, m: &Message) -> Result<()> {
+        self.valid_subject(m)?;
+        match conns.open()?.jetstream {
+            Some(_) => self.submit_on(conns, m).await?.await,
+            None => self.submit_on(conns, m).await.map(|_| ()),
+        }
+    }
+
+    /// [`Sink::submit`] on the term's connection of `conns`.
+    async fn submit_on(&self, conns: &Conns, m: &Message) -> Result<Ack> {
+        let subject = self.valid_subject(m)?;
+        let size = m.payload.len();
+        let conn = conns.open()?;
+        let Some(js) = &conn.jetstream else {
+            conn.client
+                .publish_with_headers(subject, self.headers(m), m.payload.clone())
                 .await
-                .map_err(|e| {
-                    self.classify(&conn.client, &subject, size, e.kind(), e.to_string())
+                .map_err(|e| match e.kind() {
+                    async_nats::client::PublishErrorKind::MaxPayloadExceeded => Error::TooLarge {
+                        size,
+                        max: conn.client.server_info().max_payload,
+                    },
+                    _ => Error::Unavailable(e.to_string()),
                 })?;
-            let (client, denied) = (conn.client.clone(), self.denied.clone());
-            // Polled by the caller, no task of its own: async-nats releases the
-            // `max_in_flight` permit only when this future ends (or is dropped), so a caller
-            // must not hold many of these unpolled while it submits more; the route's
-            // workers keep one message of a key in flight and await its PubAck on the key's
-            // own task (see `pipeline::worker`).
-            Ok(Box::pin(async move {
-                ack.await.map(|_| ()).map_err(|e| {
-                    classify(&client, &denied, &subject, size, e.kind(), e.to_string())
-                })
-            }) as Ack)
-        }
-        .boxed()
+            return Ok(Box::pin(async { Ok(()) }) as Ack);
+        };
+        let ack = js
+            .publish_with_headers(subject.clone(), self.headers(m), m.payload.clone())
+            .await
+            .map_err(|e| self.classify(&conn.client, &subject, size, e.kind(), e.to_string()))?;
+        let (client, denied) = (conn.client.clone(), self.denied.clone());
+        // Polled by the caller, no task of its own: async-nats releases the `max_in_flight`
+        // permit only when this future ends (or is dropped), so a caller must not hold many
+        // of these unpolled while it submits more; the route's workers keep one message of a
+        // key in flight and await its PubAck on the key's own task (see `pipeline::worker`).
+        Ok(Box::pin(async move {
+            ack.await
+                .map(|_| ())
+                .map_err(|e| classify(&client, &denied, &subject, size, e.kind(), e.to_string()))
+        }) as Ack)
     }
 
-    fn flush(&self) -> BoxFuture<'_, Result<()>> {
-        async move {
-            self.conn()?
+    /// Waits until the term's connection of `conns` (if any) has sent what it buffers.
+    async fn flush_on(&self, conns: &Conns) -> Result<()> {
+        match conns.current() {
+            Some(conn) if !conn.retired.load(Ordering::SeqCst) => conn
                 .client
                 .flush()
                 .await
-                .map_err(|e| Error::Unavailable(e.to_string()))
+                .map_err(|e| Error::Unavailable(e.to_string())),
+            _ => Ok(()),
         }
-        .boxed()
     }
 
-    /// Retires the term's connection and opens the next term's (retrying until it
-    /// connects); until it is up, publishes go to the retired one.
-    fn abandoned(&self) -> u64 {
-        self.conns.generation.load(Ordering::SeqCst)
-    }
-
-    fn abandon_queued(&self) {
-        let conns = self.conns.clone();
-        let generation = {
-            // Under the lock: a connection swapped in is always the newest term's.
-            let current = conns.current.write().unwrap_or_else(|e| e.into_inner());
-            if !current.used.load(Ordering::SeqCst) && !current.retired.load(Ordering::SeqCst) {
-                // The ended term sent nothing on it (a standby's): it can serve the next.
-                return;
-            }
-            current.retired.store(true, Ordering::SeqCst);
-            conns.generation.fetch_add(1, Ordering::SeqCst) + 1
-        };
+    /// Opens a connection for the term of generation `generation` of `conns` (retrying until
+    /// it connects, or a later term began).
+    fn reopen(&self, conns: Arc<Conns>, generation: u64) {
         let (name, cfg, denied) = (self.name.clone(), self.cfg.clone(), self.denied.clone());
         tokio::spawn(async move {
             let mut delay = Duration::from_millis(100);
@@ -566,7 +561,7 @@ impl Sink for NatsSink {
                     Ok(conn) => {
                         let mut current = conns.current.write().unwrap_or_else(|e| e.into_inner());
                         if conns.generation.load(Ordering::SeqCst) == generation {
-                            *current = Arc::new(conn);
+                            *current = Some(Arc::new(conn));
                         }
                         return;
                     }
@@ -580,8 +575,92 @@ impl Sink for NatsSink {
         });
     }
 
+    /// The shard views' connections.
+    fn all_shard_conns(&self) -> Vec<Arc<Conns>> {
+        self.shard_conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+}
+
+impl Sink for NatsSink {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        Some(self.max_payload).filter(|&m| m > 0)
+    }
+
+    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
+        self.publish_on(&self.conns, m).boxed()
+    }
+
+    /// JetStream: writes the message to the connection (waiting while `max_in_flight`
+    /// acknowledgements are pending) and returns its PubAck; one connection keeps the order.
+    /// Core NATS: the publish itself (there is no acknowledgement).
+    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
+        self.submit_on(&self.conns, m).boxed()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<()>> {
+        async move {
+            self.conns.open()?;
+            self.flush_on(&self.conns).await?;
+            for conns in self.all_shard_conns() {
+                self.flush_on(&conns).await?;
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
+    /// Retires the term's connection and opens the next term's (retrying until it
+    /// connects); until it is up, publishes fail as unavailable. The shard views'
+    /// connections are retired too (shutdown).
+    fn abandoned(&self) -> u64 {
+        self.conns.generation.load(Ordering::SeqCst)
+    }
+
+    fn abandon_queued(&self) {
+        if let Some(generation) = self.conns.retire() {
+            self.reopen(self.conns.clone(), generation);
+        }
+        for conns in self.all_shard_conns() {
+            conns.retire();
+        }
+    }
+
+    fn end_terms(&self) {
+        for conns in self.all_shard_conns() {
+            conns
+                .current
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+        }
+    }
+
+    fn shard_view(self: Arc<Self>, shard: crate::shard::Shard) -> Option<Arc<dyn Sink>> {
+        let conns = Arc::new(Conns::of(None));
+        self.shard_conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(shard.label(), conns.clone());
+        Some(Arc::new(NatsShardSink {
+            sink: self,
+            shard,
+            conns,
+        }))
+    }
+
     fn health(&self) -> std::result::Result<(), String> {
-        let conn = self.conns.current();
+        let Some(conn) = self.conns.current() else {
+            return Err(format!("sink {}: no NATS connection", self.name));
+        };
         if conn.retired.load(Ordering::SeqCst) {
             return Err(format!(
                 "sink {}: the next leadership term's NATS connection is opening",
@@ -592,5 +671,88 @@ impl Sink for NatsSink {
             State::Connected => Ok(()),
             state => Err(format!("sink {}: NATS connection is {state:?}", self.name)),
         }
+    }
+}
+
+/// A NATS sink as the routes of one shard use it (see [`Sink::shard_view`]): each term of
+/// the shard publishes on a connection of its own, opened when the term begins and retired
+/// when it is abandoned (see the module docs), so a hand-over of one shard retires no other
+/// shard's connection, and its routes' checkpoint writes go on it too.
+struct NatsShardSink {
+    sink: Arc<NatsSink>,
+    shard: crate::shard::Shard,
+    conns: Arc<Conns>,
+}
+
+impl Sink for NatsShardSink {
+    fn name(&self) -> &str {
+        self.sink.name()
+    }
+
+    fn max_message_bytes(&self) -> Option<usize> {
+        self.sink.max_message_bytes()
+    }
+
+    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<()>> {
+        self.sink.publish_on(&self.conns, m).boxed()
+    }
+
+    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, Result<Ack>> {
+        self.sink.submit_on(&self.conns, m).boxed()
+    }
+
+    fn flush(&self) -> BoxFuture<'_, Result<()>> {
+        self.sink.flush_on(&self.conns).boxed()
+    }
+
+    fn abandoned(&self) -> u64 {
+        self.conns.generation.load(Ordering::SeqCst)
+    }
+
+    fn abandon_queued(&self) {
+        self.conns.retire();
+    }
+
+    /// Opens the term's connection (a failure is tried again by the caller; nothing of the
+    /// shard is published meanwhile).
+    fn begin_term(
+        &self,
+        shard: crate::shard::Shard,
+        _until: Option<tokio::time::Instant>,
+    ) -> BoxFuture<'_, Result<()>> {
+        debug_assert_eq!(shard, self.shard);
+        async move {
+            if self.conns.open().is_ok() {
+                return Ok(());
+            }
+            let conn = Conn::open(&self.sink.name, &self.sink.cfg, &self.sink.denied).await?;
+            let mut current = self
+                .conns
+                .current
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            *current = Some(Arc::new(conn));
+            Ok(())
+        }
+        .boxed()
+    }
+
+    /// Closes the term's connection (what it still owes acknowledgements for keeps it until
+    /// they come or time out).
+    fn end_term(&self, shard: crate::shard::Shard) {
+        debug_assert_eq!(shard, self.shard);
+        self.conns
+            .current
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+
+    fn end_terms(&self) {
+        self.end_term(self.shard);
+    }
+
+    fn health(&self) -> std::result::Result<(), String> {
+        self.sink.health()
     }
 }
