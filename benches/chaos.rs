@@ -14,8 +14,14 @@
 //! the time, 2 (three SIGTERMed) after two sixths, a rolling update to 4 shards after three,
 //! whose new replicas take over the old count's checkpoints (with Kafka it also lowers
 //! `kafka.delivery_timeout` to 10 s: the old replicas' messages must still be waited out),
-//! one SIGKILLed and replaced after four, a third added after five), `kafka-shard-churn` (the
-//! same into Kafka),
+//! one SIGKILLed and replaced after four, a third added after five; beside the ConfigMaps, a
+//! tenth as many Gadgets of a CRD: the CRD is deleted right after the three SIGTERMs, while
+//! their shards move, and created again, with new Gadgets, right after the SIGKILL),
+//! `kafka-shard-churn` (the same into Kafka), `upgrade` (three replicas of the release before the sharding round,
+//! `aa48fea`, sharing 6 shards with 3 s Leases, replaced one at a time by this tree's while
+//! the workload goes on: its Leases, route names and checkpoints are the old release's; `--from
+//! PATH` names another old binary, and without it `scripts/build-release-at` builds aa48fea
+//! once), `kafka-upgrade` (the same into Kafka),
 //! `filter-churn` (a CEL filter on a label the workload flips, `ignore_fields`, `diff: patch`
 //! without `oldObject`, and watch drops: objects leave and re-enter the stream; the final
 //! stream must hold exactly the matching objects, those that left with a `k8sfilteredout`
@@ -65,7 +71,7 @@ use serde_json::{Value, json};
 use wait::Patience;
 
 const STREAM: &str = "KEB_CHAOS";
-const SCENARIOS: [&str; 14] = [
+const SCENARIOS: [&str; 16] = [
     "watch-drop",
     "gone-storm",
     "throttle",
@@ -79,10 +85,17 @@ const SCENARIOS: [&str; 14] = [
     "kafka-zombie-leader",
     "shard-churn",
     "kafka-shard-churn",
+    "upgrade",
+    "kafka-upgrade",
     "model",
 ];
+/// The release `upgrade` starts from unless `--from` names a binary.
+const UPGRADE_FROM: &str = "aa48fea";
 /// `shard-churn`'s shard count, and the one its rolling update moves to.
 const CHURN_SHARDS: (u32, u32) = (6, 4);
+/// `shard-churn`'s CRD: group, version, kind, plural.
+const GADGETS: (&str, &str, &str, &str) = ("chaos.example.com", "v1", "Gadget", "gadgets");
+
 /// Namespaces the objects are spread over.
 const NAMESPACES: usize = 20;
 /// The slow sink's cap on held notifications, and the RSS it must stay under.
@@ -95,6 +108,29 @@ struct Options {
     objects: usize,
     /// `--exactly-once`: the `kafka-` scenarios' sink with `exactly_once` (read committed).
     exactly_once: bool,
+    /// `--from PATH`: the old release's binary `upgrade` starts with.
+    from: Option<std::path::PathBuf>,
+}
+
+/// The old release's binary of `upgrade`: `--from`, or [`UPGRADE_FROM`] built by
+/// `scripts/build-release-at` (once; kept under the target directory).
+fn old_release(opts: &Options) -> std::path::PathBuf {
+    if let Some(path) = &opts.from {
+        return path.clone();
+    }
+    let out = Command::new(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/scripts/build-release-at"
+    ))
+    .arg(UPGRADE_FROM)
+    .stderr(Stdio::inherit())
+    .output()
+    .expect("scripts/build-release-at runs");
+    assert!(
+        out.status.success(),
+        "scripts/build-release-at {UPGRADE_FROM} failed"
+    );
+    std::path::PathBuf::from(String::from_utf8(out.stdout).unwrap().trim())
 }
 
 /// What the workload did, and each object's true last state: `Some(resourceVersion)`, or
@@ -150,6 +186,51 @@ fn configmap(i: usize, version: u64) -> Value {
 /// change with a name's last characters).
 fn namespace(i: usize) -> String {
     format!("chaos-{}-ns", i % NAMESPACES)
+}
+
+/// Installs `shard-churn`'s CRD and creates its `n` Gadgets (`generation` in their spec),
+/// recorded in `truth`.
+fn create_gadgets(api: &ApiServer, truth: &Mutex<Truth>, n: usize, generation: u64) {
+    let (group, version, kind, plural) = GADGETS;
+    api.install_crd(group, version, kind, plural, true);
+    let mut t = truth.lock().unwrap();
+    for i in 0..n {
+        let o = api.create(json!({
+            "apiVersion": format!("{group}/{version}"),
+            "kind": kind,
+            "metadata": {"namespace": namespace(i), "name": format!("gd-{i:06}")},
+            "spec": {"generation": generation},
+        }));
+        let rv = o["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        t.unsuppressed.insert(gadget_key(i), Some(rv.clone()));
+        t.objects.insert(gadget_key(i), Some(rv));
+        t.changes += 1;
+    }
+}
+
+/// Deletes `shard-churn`'s CRD: the API server deletes every Gadget with it.
+fn delete_gadgets(api: &ApiServer, truth: &Mutex<Truth>) {
+    let (group, _, _, plural) = GADGETS;
+    let mut t = truth.lock().unwrap();
+    api.delete_crd(group, plural);
+    let keys: Vec<String> = t
+        .objects
+        .keys()
+        .filter(|k| k.contains("/gd-"))
+        .cloned()
+        .collect();
+    for k in keys {
+        t.unsuppressed.insert(k.clone(), None);
+        t.objects.insert(k, None);
+        t.changes += 1;
+    }
+}
+
+fn gadget_key(i: usize) -> String {
+    format!("{}/gd-{i:06}", namespace(i))
 }
 
 fn key(i: usize) -> String {
@@ -232,6 +313,16 @@ struct Service {
 
 impl Service {
     fn start(dir: &Path, config: &Value, kubeconfig: &Path) -> Self {
+        Self::start_binary(
+            Path::new(env!("CARGO_BIN_EXE_kube-event-bridge")),
+            dir,
+            config,
+            kubeconfig,
+        )
+    }
+
+    /// [`Service::start`] with another build of the service (`upgrade`'s old release).
+    fn start_binary(binary: &Path, dir: &Path, config: &Value, kubeconfig: &Path) -> Self {
         let admin = support::loopback::free_port();
         let mut config = config.clone();
         config["admin"] = json!({"address": format!("127.0.0.1:{admin}")});
@@ -243,7 +334,7 @@ impl Service {
             .append(true)
             .open(dir.join("service.log"))
             .unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
+        let child = Command::new(binary)
             .env_clear()
             .env("KUBECONFIG", kubeconfig)
             .env("RUST_LOG", "info")
@@ -642,6 +733,12 @@ fn service_config(broker: &Broker, scenario: &str, opts: &Options) -> Value {
     }
     let mut builder = ConfigBuilder::new();
     if fault(scenario) == "shard-churn" {
+        let (group, version, kind, _) = GADGETS;
+        builder = builder
+            .resource(json!({"api_version": format!("{group}/{version}"), "kind": kind}))
+            .route(&format!("{}.{group}", kind.to_lowercase()), &["out"]);
+    }
+    if matches!(fault(scenario), "shard-churn" | "upgrade") {
         builder = builder
             .set(
                 "leader_election",
@@ -676,7 +773,7 @@ fn default_minutes(scenario: &str) -> f64 {
         "watch-drop" => 10.0,
         "slow-sink" | "model" => 2.0,
         "zombie-leader" | "kafka-zombie-leader" => 3.0,
-        "shard-churn" | "kafka-shard-churn" => 4.0,
+        "shard-churn" | "kafka-shard-churn" | "upgrade" | "kafka-upgrade" => 4.0,
         "broker-down" | "kafka-broker-down" => 3.0,
         _ => 5.0,
     }
@@ -730,6 +827,9 @@ async fn run(scenario: &str, opts: &Options) -> String {
     if scenario == "model" {
         return run_model(duration).await;
     }
+    // This tree's build, and `upgrade`'s old release (built first, before anything starts).
+    let this = Path::new(env!("CARGO_BIN_EXE_kube-event-bridge"));
+    let old = (fault(scenario) == "upgrade").then(|| old_release(opts));
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(ApiServer::start().await);
     let mut broker = Broker::start(scenario.starts_with("kafka-"));
@@ -752,6 +852,17 @@ async fn run(scenario: &str, opts: &Options) -> String {
             );
         }
     }
+    // `shard-churn`: the Gadgets (a tenth as many as ConfigMaps), their CRD deleted and created
+    // again during the churn.
+    let gadgets = if fault(scenario) == "shard-churn" {
+        (opts.objects / 10).max(1)
+    } else {
+        0
+    };
+    let mut crd_changes = (0, 0);
+    if gadgets > 0 {
+        create_gadgets(&api, &truth, gadgets, 0);
+    }
     let kubeconfig = api.write_kubeconfig(dir.path());
     let config = service_config(&broker, scenario, opts);
     let replica = |identity: &str| {
@@ -759,7 +870,12 @@ async fn run(scenario: &str, opts: &Options) -> String {
         if let Some(le) = config.get_mut("leader_election") {
             le["identity"] = json!(identity);
         }
-        Service::start(dir.path(), &config, &kubeconfig)
+        Service::start_binary(
+            old.as_deref().unwrap_or(this),
+            dir.path(),
+            &config,
+            &kubeconfig,
+        )
     };
     let mut service = replica("chaos-a");
     // `zombie-leader`: the second replica, and the one frozen now (since when).
@@ -794,10 +910,10 @@ async fn run(scenario: &str, opts: &Options) -> String {
         }
         c
     };
-    let start_replica = async |config: &Value, n: usize| {
+    let start_replica = async |binary: &Path, config: &Value, n: usize| {
         let mut config = config.clone();
         config["leader_election"]["identity"] = json!(format!("churn-{n}"));
-        let s = Service::start(dir.path(), &config, &kubeconfig);
+        let s = Service::start_binary(binary, dir.path(), &config, &kubeconfig);
         // Listening before the next one picks a free port.
         wait::until(
             "a replica's admin port",
@@ -807,7 +923,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         .await;
         s
     };
-    if fault(scenario) == "shard-churn" {
+    if matches!(fault(scenario), "shard-churn" | "upgrade") {
         wait::until(
             "the first replica's admin port",
             Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100)),
@@ -815,7 +931,8 @@ async fn run(scenario: &str, opts: &Options) -> String {
         )
         .await;
         for _ in 0..2 {
-            churn.push(start_replica(&config, started_replicas).await);
+            let binary = old.as_deref().unwrap_or(this);
+            churn.push(start_replica(binary, &config, started_replicas).await);
             started_replicas += 1;
         }
     }
@@ -903,7 +1020,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
                 match churn_step {
                     1 => {
                         for _ in 0..2 {
-                            churn.push(start_replica(&config, started_replicas).await);
+                            churn.push(start_replica(this, &config, started_replicas).await);
                             started_replicas += 1;
                         }
                     }
@@ -911,14 +1028,17 @@ async fn run(scenario: &str, opts: &Options) -> String {
                         for mut s in churn.drain(..3) {
                             stop(&mut s, "TERM");
                         }
+                        // Their shards move now: the CRD goes (with its Gadgets) meanwhile.
+                        delete_gadgets(&api, &truth);
+                        crd_changes.0 += 1;
                     }
                     3 => {
-                        let new = start_replica(&rolled, started_replicas).await;
+                        let new = start_replica(this, &rolled, started_replicas).await;
                         started_replicas += 1;
                         tokio::time::sleep(Duration::from_secs(10)).await;
                         let mut old = std::mem::replace(&mut service, new);
                         stop(&mut old, "TERM");
-                        let new = start_replica(&rolled, started_replicas).await;
+                        let new = start_replica(this, &rolled, started_replicas).await;
                         started_replicas += 1;
                         tokio::time::sleep(Duration::from_secs(10)).await;
                         for mut s in churn.drain(..) {
@@ -930,15 +1050,36 @@ async fn run(scenario: &str, opts: &Options) -> String {
                         for mut s in churn.drain(..) {
                             stop(&mut s, "KILL");
                         }
-                        churn.push(start_replica(&rolled, started_replicas).await);
+                        // The killed replica's shards have no owner: the CRD comes back.
+                        create_gadgets(&api, &truth, gadgets, 1);
+                        crd_changes.1 += 1;
+                        churn.push(start_replica(this, &rolled, started_replicas).await);
                         started_replicas += 1;
                     }
                     5 => {
-                        churn.push(start_replica(&rolled, started_replicas).await);
+                        churn.push(start_replica(this, &rolled, started_replicas).await);
                         started_replicas += 1;
                     }
                     _ => {}
                 }
+                faults.fetch_add(1, Ordering::Relaxed);
+            }
+            // A rolling update from the old release, as a Deployment does it (one surge pod,
+            // then an old one terminated), one replica per quarter of the time.
+            "upgrade" if churn_step < 3 && started.elapsed() >= duration * (churn_step + 1) / 4 => {
+                churn_step += 1;
+                let new = start_replica(this, &config, started_replicas).await;
+                started_replicas += 1;
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                let mut gone = if churn_step == 1 {
+                    std::mem::replace(&mut service, new)
+                } else {
+                    let gone = churn.remove(0);
+                    churn.push(new);
+                    gone
+                };
+                exits.push(gone.signal("TERM"));
+                peak_rss = peak_rss.max(gone.peak_rss_mib);
                 faults.fetch_add(1, Ordering::Relaxed);
             }
             "sigterm" | "sigkill" if !fault_done && started.elapsed() >= duration / 2 => {
@@ -1036,8 +1177,16 @@ async fn run(scenario: &str, opts: &Options) -> String {
         }
         "sigterm" | "sigkill" => format!("  exit {:?}", exits.first().copied().flatten()),
         "shard-churn" => format!(
-            "  steps {}  replicas started {started_replicas}  exits {exits:?}",
-            faults.load(Ordering::Relaxed)
+            "  steps {}  replicas started {started_replicas}  exits {exits:?}  gadgets {gadgets}: CRD deleted {}, created again {}",
+            faults.load(Ordering::Relaxed),
+            crd_changes.0,
+            crd_changes.1
+        ),
+        "upgrade" => format!(
+            "  old replicas replaced {} (from {})  exits {exits:?}",
+            faults.load(Ordering::Relaxed),
+            old.as_deref()
+                .map_or(String::new(), |p| p.display().to_string())
         ),
         "slow-sink" => format!(
             "  rss cap {SLOW_RSS_CAP_MIB} MiB: {}",
@@ -1109,11 +1258,13 @@ fn main() {
         rate: 5_000,
         objects: 20_000,
         exactly_once: false,
+        from: None,
     };
     while let Some(a) = args.next() {
         match a.as_str() {
             "--rate" => opts.rate = args.next().and_then(|v| v.parse().ok()).expect("--rate N"),
             "--exactly-once" => opts.exactly_once = true,
+            "--from" => opts.from = Some(args.next().expect("--from PATH").into()),
             "--objects" => {
                 opts.objects = args
                     .next()
@@ -1128,7 +1279,7 @@ fn main() {
             }
             other => {
                 eprintln!(
-                    "unknown argument {other:?}; usage: cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate N] [--objects N] [--exactly-once]; scenarios: {}",
+                    "unknown argument {other:?}; usage: cargo bench --bench chaos -- SCENARIO|all [MINUTES] [--rate N] [--objects N] [--exactly-once] [--from OLD_BINARY]; scenarios: {}",
                     SCENARIOS.join(", ")
                 );
                 std::process::exit(2);

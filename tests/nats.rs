@@ -912,3 +912,42 @@ async fn a_hand_over_of_one_shard_retires_no_other_shards_connection() {
     wait_for_stream(&nats.url(), 61).await;
     assert_eq!(stream_len(&nats.url(), STREAM).await, 61);
 }
+
+/// Core NATS counts a publish done once the connection buffered it: a shard's drained
+/// hand-over sends what its term's connection buffers (`commit_term`) before the term's
+/// connection is closed, so the last messages of a clean hand-over reach subscribers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_hand_over_in_core_mode_sends_what_the_connection_buffered() {
+    use kube_event_bridge::shard::Shard;
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut sub = client.subscribe("k8s.>").await.unwrap();
+    client.flush().await.unwrap();
+    let sink_cfg = nats_sink("nats", &nats.url(), json!({"mode": "core", "stream": null}));
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink_cfg)
+        .unwrap()
+        .nats
+        .unwrap();
+    let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
+    let shard = Shard { index: 1, count: 3 };
+    let view = sink.clone().shard_view(shard).unwrap();
+    view.begin_term(shard, None).await.unwrap();
+    assert!(sink.health().is_ok());
+    let payload = "x".repeat(2_000);
+    for i in 0..2_000 {
+        view.publish(&support::message("test", &format!("c-{i}"), &payload))
+            .await
+            .unwrap();
+    }
+    view.commit_term(shard).await.unwrap();
+    view.end_term(shard);
+    let mut got = 0;
+    while got < 2_000 {
+        match tokio::time::timeout(Duration::from_secs(5), futures::StreamExt::next(&mut sub)).await
+        {
+            Ok(Some(_)) => got += 1,
+            _ => break,
+        }
+    }
+    assert_eq!(got, 2_000, "every message published in the term arrives");
+}

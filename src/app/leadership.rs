@@ -355,7 +355,7 @@ async fn begin_term(
                 Ok(()) => break,
                 Err(e) => {
                     if !warned {
-                        warn!(sink = %sink.name(), error = %e, "Could not start the term's transactions; trying again every second (nothing is published meanwhile)");
+                        warn!(sink = %sink.name(), error = %e, "Could not start the shard's term on this sink (its transactions, producer or connection); trying again every second (nothing of the shard is published meanwhile)");
                         warned = true;
                     }
                     tokio::time::sleep(std::time::Duration::from_secs(1)).await;

@@ -221,9 +221,11 @@ pub trait Sink: Send + Sync {
     }
     /// This replica starts publishing shard `shard` (it became its leader, or it runs without
     /// leader election): a transactional sink makes the shard's producer for the term here,
-    /// fencing the last leader's,
-    /// before the checkpoints are read, and only while `until` (the lease's validity; `None`
-    /// without leader election) has not passed. The default does nothing.
+    /// fencing the last leader's, before the checkpoints are read, and only while `until` (the
+    /// lease's validity; `None` without leader election) has not passed; a shard view (see
+    /// [`Self::shard_view`]) makes the term's producer or opens its connection. An error is
+    /// tried again by the caller, and nothing of the shard is published meanwhile. The
+    /// default does nothing.
     fn begin_term(
         &self,
         shard: crate::shard::Shard,
@@ -238,8 +240,8 @@ pub trait Sink: Send + Sync {
         let _ = shard;
     }
     /// Commits what shard `shard`'s term wrote so far (a drained hand-over, before it releases
-    /// the Lease: the next owner reads the checkpoint with everything in it). The default has
-    /// nothing to commit.
+    /// the Lease: the next owner reads the checkpoint with everything in it; a core NATS
+    /// view sends what its connection buffers). The default has nothing to commit.
     fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
         let _ = shard;
         async { Ok(()) }.boxed()

@@ -67,7 +67,7 @@ pub struct KafkaSink {
     fatal_logged: Arc<AtomicBool>,
     brokers: String,
     // Where records go without `exactly_once` and without sharding: the producer above.
-    lane: Lane,
+    lane: Arc<Lane>,
     // The lanes of the shard views (see `Sink::shard_view`), for shutdown and health.
     shard_lanes: Mutex<Vec<Arc<Lane>>>,
     // With `exactly_once`.
@@ -75,10 +75,19 @@ pub struct KafkaSink {
 }
 
 /// Where the records of a term go without `exactly_once`: the sink's own producer (one
-/// leader), or a shard's own, made when its term begins ([`KafkaShardSink`]).
+/// leader), or a shard's own ([`KafkaShardSink`]), made when a term begins. A shard's
+/// producer outlives its term while it still holds records (a purge leaves those already in
+/// a request to a broker), and the next term here goes on with it: records of one partition
+/// keep their order across the two terms, as with one producer (this replica may take its
+/// own lease back at once, without a takeover wait). Once it holds nothing, it is dropped.
 struct Lane {
-    /// The producer; `None` between a shard's terms.
+    /// The producer; `None` between a shard's terms once the last one held nothing.
     producer: RwLock<Option<FutureProducer<KafkaContext>>>,
+    /// Whether a term of the shard runs here (a shard lane's producer is dropped only
+    /// between terms).
+    in_term: AtomicBool,
+    /// Why the last term could not start (its producer could not be made), for readiness.
+    problem: Mutex<Option<String>>,
     /// Terms ended with their queue purged so far (see `abandon_queued`): a hand-over waiting
     /// for room in librdkafka's queue gives up when its term ends.
     ended: AtomicU64,
@@ -90,9 +99,12 @@ struct Lane {
 }
 
 impl Lane {
+    /// A lane with `producer` (the sink's own, always in a term), or none yet (a shard's).
     fn of(producer: Option<FutureProducer<KafkaContext>>) -> Self {
         Self {
+            in_term: AtomicBool::new(producer.is_some()),
             producer: RwLock::new(producer),
+            problem: Mutex::new(None),
             ended: AtomicU64::new(0),
             abandoning: RwLock::new(()),
         }
@@ -115,12 +127,36 @@ impl Lane {
         }
     }
 
-    /// Ends the term's producer (it lives on while acknowledgements it owes are awaited).
-    fn take(&self) -> Option<FutureProducer<KafkaContext>> {
-        self.producer
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
+    /// Drops the producer (off the async threads) if no term runs and it holds no record.
+    fn drop_idle(&self) {
+        let mut producer = self.producer.write().unwrap_or_else(|e| e.into_inner());
+        if !self.in_term.load(Ordering::SeqCst)
+            && producer.as_ref().is_some_and(|p| p.in_flight_count() == 0)
+        {
+            super::transactions::dispose(producer.take());
+        }
+    }
+
+    /// A shard's term here ended: its producer goes once it holds nothing (looked at every
+    /// 100 ms), unless the next term began meanwhile.
+    fn end_term(self: &Arc<Self>) {
+        self.in_term.store(false, Ordering::SeqCst);
+        *self.problem.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.drop_idle();
+        if self.producer().is_none() {
+            return;
+        }
+        let lane = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let Some(lane) = lane.upgrade() else { return };
+                lane.drop_idle();
+                if lane.in_term.load(Ordering::SeqCst) || lane.producer().is_none() {
+                    return;
+                }
+            }
+        });
     }
 }
 
@@ -195,7 +231,7 @@ impl KafkaSink {
             healthy,
             fatal_logged: Arc::default(),
             brokers,
-            lane: Lane::of(Some(producer.clone())),
+            lane: Arc::new(Lane::of(Some(producer.clone()))),
             producer,
             shard_lanes: Mutex::default(),
             transactions: None,
@@ -351,7 +387,7 @@ impl KafkaSink {
         m: &Message,
         checkpoint: Option<super::transactions::CheckpointRecord>,
         shard: &str,
-        lane: &Lane,
+        lane: &Arc<Lane>,
     ) -> Result<Ack> {
         let topic = self.topic_for(m);
         if !is_valid_topic(&topic) {
@@ -379,7 +415,10 @@ impl KafkaSink {
             };
             return t.submit(record, checkpoint, &topic, size).await;
         }
-        let Some(producer) = lane.producer() else {
+        let producer = lane
+            .producer()
+            .filter(|_| lane.in_term.load(Ordering::SeqCst));
+        let Some(producer) = producer else {
             return Err(Error::Unavailable(format!(
                 "sink {}: shard {shard} has no term here (not leading it)",
                 self.name
@@ -415,13 +454,15 @@ impl KafkaSink {
                 Err((e, _)) => return Err(classify(e, &topic, size, max)),
             }
         };
-        let (name, logged) = (self.name.clone(), self.fatal_logged.clone());
+        drop(producer);
+        let (name, logged, lane) = (self.name.clone(), self.fatal_logged.clone(), lane.clone());
         Ok(Box::pin(async move {
             match delivery.await {
                 Ok(Ok(_)) => Ok(()),
                 // A fatal error stops the producer for good: the message stays with the
-                // route (retried, never lost) and readiness names the cause.
-                Ok(Err(_)) if let Some(cause) = fatal(&producer) => {
+                // route (retried, never lost) and readiness names the cause. (The lane's
+                // producer, not a clone: a last clone dropped here would block this thread.)
+                Ok(Err(_)) if let Some(cause) = lane.producer().and_then(|p| fatal(&p)) => {
                     if !logged.swap(true, Ordering::SeqCst) {
                         error!(sink = %name, cause = %cause, "The Kafka producer failed for good; nothing is published until the process restarts (readiness says so)");
                     }
@@ -701,7 +742,7 @@ impl Sink for KafkaSink {
         for t in self.transactions.iter().flat_map(|set| set.all()) {
             t.end_term();
         }
-        self.shard_lanes().iter().for_each(|l| drop(l.take()));
+        self.shard_lanes().iter().for_each(|l| l.end_term());
     }
 
     fn broken(&self) -> Option<String> {
@@ -729,6 +770,13 @@ impl Sink for KafkaSink {
     fn health(&self) -> std::result::Result<(), String> {
         if let Some(broken) = self.broken() {
             return Err(broken);
+        }
+        if let Some(problem) = self
+            .shard_lanes()
+            .iter()
+            .find_map(|l| l.problem.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        {
+            return Err(problem);
         }
         if let Some(problem) = self
             .transactions
@@ -828,26 +876,43 @@ impl Sink for KafkaShardSink {
             if self.sink.transactions.is_some() {
                 return self.sink.begin_term(shard, until).await;
             }
+            // The last term's producer goes on while it holds records (see `Lane`).
+            self.lane.in_term.store(true, Ordering::SeqCst);
             if self.lane.producer().is_some() {
                 return Ok(());
             }
             // With OAUTHBEARER, making a producer asks the token endpoint (blocking).
             let client = self.sink.client.clone();
-            let producer = tokio::task::spawn_blocking(move || client.producer())
+            let made = tokio::task::spawn_blocking(move || client.producer())
                 .await
                 .map_err(|e| e.to_string())
                 .and_then(|made| made)
                 .map_err(|e| {
-                    Error::Unavailable(format!(
+                    format!(
                         "sink {}: {}: cannot make the term's producer: {e}",
                         self.sink.name, self.shard
-                    ))
-                })?;
-            *self
+                    )
+                });
+            let mut problem = self.lane.problem.lock().unwrap_or_else(|e| e.into_inner());
+            let producer = match made {
+                Ok(producer) => producer,
+                Err(why) => {
+                    *problem = Some(why.clone());
+                    return Err(Error::Unavailable(why));
+                }
+            };
+            *problem = None;
+            let mut current = self
                 .lane
                 .producer
                 .write()
-                .unwrap_or_else(|e| e.into_inner()) = Some(producer);
+                .unwrap_or_else(|e| e.into_inner());
+            // A term that ended meanwhile makes none (its end found nothing to drop).
+            if self.lane.in_term.load(Ordering::SeqCst) && current.is_none() {
+                *current = Some(producer);
+            } else {
+                super::transactions::dispose(Some(producer));
+            }
             Ok(())
         }
         .boxed()
@@ -855,7 +920,7 @@ impl Sink for KafkaShardSink {
 
     fn end_term(&self, shard: crate::shard::Shard) {
         self.sink.end_term(shard);
-        drop(self.lane.take());
+        self.lane.end_term();
     }
 
     fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {

@@ -707,7 +707,7 @@ fn fail_all(st: &mut State, why: &str) {
 
 /// Drops a producer off the async threads (a last drop purges, flushes for up to 500 ms and
 /// joins its polling thread).
-fn dispose(producer: Option<FutureProducer<KafkaContext>>) {
+pub(super) fn dispose(producer: Option<FutureProducer<KafkaContext>>) {
     if let Some(p) = producer {
         tokio::task::spawn_blocking(move || drop(p));
     }

@@ -208,32 +208,53 @@ impl CheckpointStore for NatsCheckpointStore {
     }
 
     fn write<'a>(&'a self, route: &'a str, changes: Vec<Change>) -> BoxFuture<'a, Result<()>> {
+        self.write_on(route, route, changes).boxed()
+    }
+
+    /// Writes on the connection of `owner`'s shard (see [`Self::write_on`]).
+    fn write_routes<'a>(
+        &'a self,
+        owner: &'a str,
+        writes: Vec<(String, Vec<Change>)>,
+    ) -> BoxFuture<'a, Result<()>> {
         async move {
-            let prefix = escape(route);
-            let (_conn, kv) = self.kv_for(route).await?;
-            let kv = &kv;
-            futures::stream::iter(changes)
-                .map(|(key, entry)| {
-                    let k = format!("{prefix}.{}", escape(&key));
-                    async move {
-                        match entry {
-                            Some(e) => {
-                                let v = serde_json::to_vec(&e).expect("strings serialize");
-                                kv.put(k, v.into())
-                                    .await
-                                    .map(|_| ())
-                                    .map_err(|e| self.error(e))
-                            }
-                            None => kv.delete(k).await.map_err(|e| self.error(e)),
-                        }
-                    }
-                })
-                .buffer_unordered(WRITES_IN_FLIGHT)
-                .try_collect::<Vec<()>>()
-                .await
-                .map(|_| ())
+            for (route, changes) in writes {
+                self.write_on(owner, &route, changes).await?;
+            }
+            Ok(())
         }
         .boxed()
+    }
+}
+
+impl NatsCheckpointStore {
+    /// Applies `changes` to the checkpoint of `route`, on the connection route `owner` writes
+    /// on (a route taking over another shard count's records writes them, and removes them
+    /// there, on its own shard's term's connection).
+    async fn write_on(&self, owner: &str, route: &str, changes: Vec<Change>) -> Result<()> {
+        let prefix = escape(route);
+        let (_conn, kv) = self.kv_for(owner).await?;
+        let kv = &kv;
+        futures::stream::iter(changes)
+            .map(|(key, entry)| {
+                let k = format!("{prefix}.{}", escape(&key));
+                async move {
+                    match entry {
+                        Some(e) => {
+                            let v = serde_json::to_vec(&e).expect("strings serialize");
+                            kv.put(k, v.into())
+                                .await
+                                .map(|_| ())
+                                .map_err(|e| self.error(e))
+                        }
+                        None => kv.delete(k).await.map_err(|e| self.error(e)),
+                    }
+                }
+            })
+            .buffer_unordered(WRITES_IN_FLIGHT)
+            .try_collect::<Vec<()>>()
+            .await
+            .map(|_| ())
     }
 }
 

@@ -235,6 +235,9 @@ fn reconnect_delay(failed_attempts: usize) -> Duration {
 pub(super) struct Conns {
     current: RwLock<Option<Arc<Conn>>>,
     generation: AtomicU64,
+    /// Why the current term's connection could not be opened (a shard view's), for
+    /// readiness.
+    problem: Mutex<Option<String>>,
 }
 
 /// The shard views' connections, by shard label.
@@ -245,6 +248,7 @@ impl Conns {
         Self {
             current: RwLock::new(conn.map(Arc::new)),
             generation: AtomicU64::new(0),
+            problem: Mutex::new(None),
         }
     }
 
@@ -658,6 +662,34 @@ impl Sink for NatsSink {
     }
 
     fn health(&self) -> std::result::Result<(), String> {
+        // The shard views' terms: a connection that could not be opened, or is not connected.
+        let shards = self
+            .shard_conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(label, conns)| (label.clone(), conns.clone()))
+            .collect::<Vec<_>>();
+        for (label, conns) in shards {
+            if let Some(why) = conns
+                .problem
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+            {
+                return Err(why);
+            }
+            if let Some(conn) = conns.current()
+                && !conn.retired.load(Ordering::SeqCst)
+                && conn.client.connection_state() != State::Connected
+            {
+                return Err(format!(
+                    "sink {}: shard {label}'s NATS connection is {:?}",
+                    self.name,
+                    conn.client.connection_state()
+                ));
+            }
+        }
         let Some(conn) = self.conns.current() else {
             return Err(format!("sink {}: no NATS connection", self.name));
         };
@@ -725,7 +757,17 @@ impl Sink for NatsShardSink {
             if self.conns.open().is_ok() {
                 return Ok(());
             }
-            let conn = Conn::open(&self.sink.name, &self.sink.cfg, &self.sink.denied).await?;
+            let opened = Conn::open(&self.sink.name, &self.sink.cfg, &self.sink.denied).await;
+            let mut problem = self.conns.problem.lock().unwrap_or_else(|e| e.into_inner());
+            let conn = match opened {
+                Ok(conn) => conn,
+                Err(e) => {
+                    let why = format!("{}: cannot open the term's connection: {e}", self.shard);
+                    *problem = Some(why.clone());
+                    return Err(Error::Unavailable(why));
+                }
+            };
+            *problem = None;
             let mut current = self
                 .conns
                 .current
@@ -737,10 +779,18 @@ impl Sink for NatsShardSink {
         .boxed()
     }
 
+    /// Sends what the term's connection buffers (core NATS counts a publish done once it is
+    /// buffered): a drained hand-over releases the lease only after this.
+    fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
+        debug_assert_eq!(shard, self.shard);
+        self.sink.flush_on(&self.conns).boxed()
+    }
+
     /// Closes the term's connection (what it still owes acknowledgements for keeps it until
     /// they come or time out).
     fn end_term(&self, shard: crate::shard::Shard) {
         debug_assert_eq!(shard, self.shard);
+        *self.conns.problem.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.conns
             .current
             .write()
