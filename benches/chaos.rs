@@ -188,8 +188,9 @@ fn namespace(i: usize) -> String {
     format!("chaos-{}-ns", i % NAMESPACES)
 }
 
-/// Installs `shard-churn`'s CRD and creates its `n` Gadgets (`generation` in their spec),
-/// recorded in `truth`.
+/// Installs `shard-churn`'s CRD and creates its `n` Gadgets of `generation` (in their names:
+/// the deleted ones' keys stay deleted in `truth`, so a lost delete shows), recorded in
+/// `truth`.
 fn create_gadgets(api: &ApiServer, truth: &Mutex<Truth>, n: usize, generation: u64) {
     let (group, version, kind, plural) = GADGETS;
     api.install_crd(group, version, kind, plural, true);
@@ -198,15 +199,15 @@ fn create_gadgets(api: &ApiServer, truth: &Mutex<Truth>, n: usize, generation: u
         let o = api.create(json!({
             "apiVersion": format!("{group}/{version}"),
             "kind": kind,
-            "metadata": {"namespace": namespace(i), "name": format!("gd-{i:06}")},
-            "spec": {"generation": generation},
+            "metadata": {"namespace": namespace(i), "name": gadget_name(i, generation)},
         }));
         let rv = o["metadata"]["resourceVersion"]
             .as_str()
             .unwrap()
             .to_owned();
-        t.unsuppressed.insert(gadget_key(i), Some(rv.clone()));
-        t.objects.insert(gadget_key(i), Some(rv));
+        let key = format!("{}/{}", namespace(i), gadget_name(i, generation));
+        t.unsuppressed.insert(key.clone(), Some(rv.clone()));
+        t.objects.insert(key, Some(rv));
         t.changes += 1;
     }
 }
@@ -214,13 +215,14 @@ fn create_gadgets(api: &ApiServer, truth: &Mutex<Truth>, n: usize, generation: u
 /// Deletes `shard-churn`'s CRD: the API server deletes every Gadget with it.
 fn delete_gadgets(api: &ApiServer, truth: &Mutex<Truth>) {
     let (group, _, _, plural) = GADGETS;
-    let mut t = truth.lock().unwrap();
+    // The workload never touches Gadgets: the truth is written after the deletes.
     api.delete_crd(group, plural);
+    let mut t = truth.lock().unwrap();
     let keys: Vec<String> = t
         .objects
-        .keys()
-        .filter(|k| k.contains("/gd-"))
-        .cloned()
+        .iter()
+        .filter(|(k, v)| k.contains("/gd") && v.is_some())
+        .map(|(k, _)| k.clone())
         .collect();
     for k in keys {
         t.unsuppressed.insert(k.clone(), None);
@@ -229,8 +231,8 @@ fn delete_gadgets(api: &ApiServer, truth: &Mutex<Truth>) {
     }
 }
 
-fn gadget_key(i: usize) -> String {
-    format!("{}/gd-{i:06}", namespace(i))
+fn gadget_name(i: usize, generation: u64) -> String {
+    format!("gd{generation}-{i:06}")
 }
 
 fn key(i: usize) -> String {
@@ -398,6 +400,11 @@ impl Service {
             .args([&format!("-{signal}"), &self.child.id().to_string()])
             .status()
             .unwrap();
+        self.child.wait().unwrap().code()
+    }
+
+    /// Waits for the process to exit (after [`Service::send`]); its exit code.
+    fn wait(&mut self) -> Option<i32> {
         self.child.wait().unwrap().code()
     }
 }
@@ -829,7 +836,14 @@ async fn run(scenario: &str, opts: &Options) -> String {
     }
     // This tree's build, and `upgrade`'s old release (built first, before anything starts).
     let this = Path::new(env!("CARGO_BIN_EXE_kube-event-bridge"));
-    let old = (fault(scenario) == "upgrade").then(|| old_release(opts));
+    let old = (fault(scenario) == "upgrade").then(|| {
+        // The old release knows no `exactly_once` (its config refuses the field).
+        assert!(
+            !opts.exactly_once,
+            "{scenario}: the release upgraded from has no exactly_once; run it without --exactly-once"
+        );
+        old_release(opts)
+    });
     let dir = tempfile::tempdir().unwrap();
     let api = Arc::new(ApiServer::start().await);
     let mut broker = Broker::start(scenario.starts_with("kafka-"));
@@ -1025,12 +1039,19 @@ async fn run(scenario: &str, opts: &Options) -> String {
                         }
                     }
                     2 => {
-                        for mut s in churn.drain(..3) {
-                            stop(&mut s, "TERM");
+                        let mut stopping: Vec<Service> = churn.drain(..3).collect();
+                        for s in &mut stopping {
+                            s.sample_rss();
+                            s.send("TERM");
                         }
-                        // Their shards move now: the CRD goes (with its Gadgets) meanwhile.
+                        // While they drain and their shards move, the CRD goes (with its
+                        // Gadgets).
                         delete_gadgets(&api, &truth);
                         crd_changes.0 += 1;
+                        for s in &mut stopping {
+                            exits.push(s.wait());
+                            peak_rss = peak_rss.max(s.peak_rss_mib);
+                        }
                     }
                     3 => {
                         let new = start_replica(this, &rolled, started_replicas).await;

@@ -91,6 +91,9 @@ struct Lane {
     /// Terms ended with their queue purged so far (see `abandon_queued`): a hand-over waiting
     /// for room in librdkafka's queue gives up when its term ends.
     ended: AtomicU64,
+    /// Terms begun and ended so far (a shard's): a record handed over in one term is never
+    /// sent in the next, even on the same producer.
+    terms: AtomicU64,
     /// Held (shared) around each hand-over to librdkafka and (exclusive) around an
     /// abandonment's count and purge: a record is either purged with the count already
     /// raised, or sent after the purge (never purged by an abandonment its worker did not
@@ -106,10 +109,13 @@ impl Lane {
             producer: RwLock::new(producer),
             problem: Mutex::new(None),
             ended: AtomicU64::new(0),
+            terms: AtomicU64::new(0),
             abandoning: RwLock::new(()),
         }
     }
 
+    /// A clone of the producer, for blocking work (a clone dropped on an async thread may
+    /// be the last one, whose drop blocks).
     fn producer(&self) -> Option<FutureProducer<KafkaContext>> {
         self.producer
             .read()
@@ -117,12 +123,33 @@ impl Lane {
             .clone()
     }
 
+    fn has_producer(&self) -> bool {
+        self.producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// The fatal error of the producer, if it has one.
+    fn fatal(&self) -> Option<String> {
+        self.producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(fatal)
+    }
+
     /// Counts a term's end and purges what the producer still queues (`rd_kafka_purge`;
     /// records already in a request to a broker cannot be taken back).
     fn abandon(&self) {
         let _abandoning = self.abandoning.write().unwrap_or_else(|e| e.into_inner());
         self.ended.fetch_add(1, Ordering::SeqCst);
-        if let Some(producer) = self.producer() {
+        if let Some(producer) = self
+            .producer
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
             producer.purge(rdkafka::producer::PurgeConfig::default().queue());
         }
     }
@@ -140,10 +167,11 @@ impl Lane {
     /// A shard's term here ended: its producer goes once it holds nothing (looked at every
     /// 100 ms), unless the next term began meanwhile.
     fn end_term(self: &Arc<Self>) {
+        self.terms.fetch_add(1, Ordering::SeqCst);
         self.in_term.store(false, Ordering::SeqCst);
         *self.problem.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.drop_idle();
-        if self.producer().is_none() {
+        if !self.has_producer() {
             return;
         }
         let lane = Arc::downgrade(self);
@@ -152,7 +180,7 @@ impl Lane {
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let Some(lane) = lane.upgrade() else { return };
                 lane.drop_idle();
-                if lane.in_term.load(Ordering::SeqCst) || lane.producer().is_none() {
+                if lane.in_term.load(Ordering::SeqCst) || !lane.has_producer() {
                     return;
                 }
             }
@@ -415,46 +443,56 @@ impl KafkaSink {
             };
             return t.submit(record, checkpoint, &topic, size).await;
         }
-        let producer = lane
-            .producer()
-            .filter(|_| lane.in_term.load(Ordering::SeqCst));
-        let Some(producer) = producer else {
-            return Err(Error::Unavailable(format!(
+        let no_term = || {
+            Error::Unavailable(format!(
                 "sink {}: shard {shard} has no term here (not leading it)",
                 self.name
-            )));
+            ))
         };
         let mut waited = Duration::ZERO;
-        let term = lane.ended.load(Ordering::SeqCst);
+        // The term it is handed over in: a record never goes in a later one (see `Lane`).
+        let term = (
+            lane.ended.load(Ordering::SeqCst),
+            lane.terms.load(Ordering::SeqCst),
+        );
         let delivery = loop {
             let sent = {
                 let _sending = lane.abandoning.read().unwrap_or_else(|e| e.into_inner());
-                producer.send_result(record)
+                // Under the lane's lock, never a clone: the producer is dropped only between
+                // terms, by `drop_idle` (which takes it exclusively).
+                let producer = lane.producer.read().unwrap_or_else(|e| e.into_inner());
+                let current = (
+                    lane.ended.load(Ordering::SeqCst),
+                    lane.terms.load(Ordering::SeqCst),
+                );
+                match producer.as_ref() {
+                    Some(p) if lane.in_term.load(Ordering::SeqCst) && current == term => {
+                        p.send_result(record).map_err(|(e, r)| (e, r, fatal(p)))
+                    }
+                    _ if current != term => {
+                        return Err(Error::Unavailable(
+                            "the leadership term ended while waiting for room in the queue".into(),
+                        ));
+                    }
+                    _ => return Err(no_term()),
+                }
             };
             match sent {
                 Ok(delivery) => break delivery,
                 // The local queue is full: reports are on their way; wait for room, as
                 // any producer must, but not forever.
-                Err((e, r))
+                Err((e, r, _))
                     if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull)
                         && waited < QUEUE_FULL_PATIENCE =>
                 {
                     record = r;
                     tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                     waited += QUEUE_FULL_PAUSE;
-                    if lane.ended.load(Ordering::SeqCst) != term {
-                        return Err(Error::Unavailable(
-                            "the leadership term ended while waiting for room in the queue".into(),
-                        ));
-                    }
                 }
-                Err((_, _)) if let Some(cause) = fatal(&producer) => {
-                    return Err(Error::Unavailable(cause));
-                }
-                Err((e, _)) => return Err(classify(e, &topic, size, max)),
+                Err((_, _, Some(cause))) => return Err(Error::Unavailable(cause)),
+                Err((e, _, None)) => return Err(classify(e, &topic, size, max)),
             }
         };
-        drop(producer);
         let (name, logged, lane) = (self.name.clone(), self.fatal_logged.clone(), lane.clone());
         Ok(Box::pin(async move {
             match delivery.await {
@@ -462,7 +500,7 @@ impl KafkaSink {
                 // A fatal error stops the producer for good: the message stays with the
                 // route (retried, never lost) and readiness names the cause. (The lane's
                 // producer, not a clone: a last clone dropped here would block this thread.)
-                Ok(Err(_)) if let Some(cause) = lane.producer().and_then(|p| fatal(&p)) => {
+                Ok(Err(_)) if let Some(cause) = lane.fatal() => {
                     if !logged.swap(true, Ordering::SeqCst) {
                         error!(sink = %name, cause = %cause, "The Kafka producer failed for good; nothing is published until the process restarts (readiness says so)");
                     }
@@ -754,10 +792,17 @@ impl Sink for KafkaSink {
         {
             return Some(why);
         }
+        // Only the producers of running terms count: one kept past its term to drain is
+        // dropped once it holds nothing.
         let lanes = self.shard_lanes();
-        std::iter::once(self.producer.clone())
-            .chain(lanes.iter().filter_map(|l| l.producer()))
-            .find_map(|p| fatal(&p))
+        self.lane
+            .fatal()
+            .or_else(|| {
+                lanes
+                    .iter()
+                    .filter(|l| l.in_term.load(Ordering::SeqCst))
+                    .find_map(|l| l.fatal())
+            })
             .map(|cause| {
                 format!(
                     "sink {}: {cause}; it publishes nothing until the process restarts (what it \
@@ -877,8 +922,9 @@ impl Sink for KafkaShardSink {
                 return self.sink.begin_term(shard, until).await;
             }
             // The last term's producer goes on while it holds records (see `Lane`).
+            self.lane.terms.fetch_add(1, Ordering::SeqCst);
             self.lane.in_term.store(true, Ordering::SeqCst);
-            if self.lane.producer().is_some() {
+            if self.lane.has_producer() {
                 return Ok(());
             }
             // With OAUTHBEARER, making a producer asks the token endpoint (blocking).

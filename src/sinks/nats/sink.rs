@@ -779,11 +779,18 @@ impl Sink for NatsShardSink {
         .boxed()
     }
 
-    /// Sends what the term's connection buffers (core NATS counts a publish done once it is
-    /// buffered): a drained hand-over releases the lease only after this.
+    /// Core NATS: sends what the term's connection buffers (a publish counts as done once it
+    /// is buffered): a drained hand-over releases the lease only after this.
     fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
         debug_assert_eq!(shard, self.shard);
-        self.sink.flush_on(&self.conns).boxed()
+        async move {
+            // JetStream's publishes were acknowledged (a flush would wait for a reconnect).
+            if self.sink.is_jetstream() {
+                return Ok(());
+            }
+            self.sink.flush_on(&self.conns).await
+        }
+        .boxed()
     }
 
     /// Closes the term's connection (what it still owes acknowledgements for keeps it until
