@@ -385,10 +385,11 @@ impl Service {
             .flatten()
     }
 
-    /// Sends `signal` (STOP, CONT) without waiting.
+    /// Sends `signal` (STOP, CONT) without waiting (to a process that is gone: nothing).
     fn send(&self, signal: &str) {
         Command::new("kill")
             .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .stderr(Stdio::null())
             .status()
             .unwrap();
     }
@@ -405,6 +406,25 @@ impl Service {
 
     /// Waits for the process to exit (after [`Service::send`]); its exit code.
     fn wait(&mut self) -> Option<i32> {
+        self.child.wait().unwrap().code()
+    }
+
+    /// Stops it as the kubelet stops a pod: SIGTERM, and SIGKILL if it has not exited after
+    /// `grace` (`terminationGracePeriodSeconds`). Its exit code; `None` when it was killed.
+    async fn terminate(&mut self, grace: Duration) -> Option<i32> {
+        self.sample_rss();
+        self.send("TERM");
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        eprintln!(
+            "  a replica did not exit within {grace:?} of SIGTERM: SIGKILLed, as the kubelet does"
+        );
+        self.send("KILL");
         self.child.wait().unwrap().code()
     }
 }
@@ -1099,7 +1119,8 @@ async fn run(scenario: &str, opts: &Options) -> String {
                     churn.push(new);
                     gone
                 };
-                exits.push(gone.signal("TERM"));
+                // The chart's terminationGracePeriodSeconds beside the 30 s grace period: 40 s.
+                exits.push(gone.terminate(Duration::from_secs(40)).await);
                 peak_rss = peak_rss.max(gone.peak_rss_mib);
                 faults.fetch_add(1, Ordering::Relaxed);
             }
@@ -1133,7 +1154,16 @@ async fn run(scenario: &str, opts: &Options) -> String {
         .chain(&standby)
         .chain(&churn)
         .collect();
-    let caught_up = catch_up(&services, &broker, Duration::from_secs(300)).await;
+    // Sharded: every shard owned, and quiet for longer (a shard taken over after its owner
+    // was killed publishes nothing for its lease, the takeover wait and the resume).
+    let sharded = matches!(fault(scenario), "shard-churn" | "upgrade");
+    let caught_up = catch_up(
+        &services,
+        &broker,
+        Duration::from_secs(300),
+        sharded.then_some(CHURN_SHARDS),
+    )
+    .await;
     service.sample_rss();
     peak_rss = peak_rss.max(service.peak_rss_mib);
     for s in &mut churn {
@@ -1249,22 +1279,34 @@ async fn stream_len(url: &str) -> Option<u64> {
 }
 
 /// Waits until the service holds no notification and the stream has not grown for 5 s.
-async fn catch_up(services: &[&Service], broker: &Broker, within: Duration) -> bool {
+/// With `shards` (the counts a sharded scenario ran with), every shard of one count must be
+/// owned, and the stream still for 15 s.
+async fn catch_up(
+    services: &[&Service],
+    broker: &Broker,
+    within: Duration,
+    shards: Option<(u32, u32)>,
+) -> bool {
     let deadline = Instant::now() + within;
     let (mut last, mut still_since) = (0, Instant::now());
+    let quiet = Duration::from_secs(if shards.is_some() { 15 } else { 5 });
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let mut held = 0.0;
+        let (mut held, mut owned) = (0.0, 0.0);
         for service in services {
-            held += match service.metrics().await {
-                Some(m) => metric_sum(&m, "keb_listener_buffered_notifications"),
-                None => f64::NAN,
+            match service.metrics().await {
+                Some(m) => {
+                    held += metric_sum(&m, "keb_listener_buffered_notifications");
+                    owned += metric_sum(&m, "keb_shard_owned");
+                }
+                None => held = f64::NAN,
             };
         }
+        let all_owned = shards.is_none_or(|(a, b)| owned == f64::from(a) || owned == f64::from(b));
         let len = broker.len().await;
-        if len != last || held != 0.0 {
+        if len != last || held != 0.0 || !all_owned {
             (last, still_since) = (len, Instant::now());
-        } else if still_since.elapsed() >= Duration::from_secs(5) {
+        } else if still_since.elapsed() >= quiet {
             return true;
         }
     }
