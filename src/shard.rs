@@ -142,17 +142,22 @@ impl std::fmt::Display for Shard {
     }
 }
 
-/// The label of the shard whose route `route` (`{kind}[#{i}-of-{n}]/{sink}`, of sink `sink`)
-/// is: `""` when the kind carries no shard label (single-leader mode).
+/// A route of sink `sink` (`{base}/{sink}`, or `{base}#{i}-of-{m}/{sink}` with sharding)
+/// split into its base and its shard label; `None` when `route` is not one of `sink`'s.
+pub fn split_route<'a>(route: &'a str, sink: &str) -> Option<(&'a str, Option<&'a str>)> {
+    let kind = route.strip_suffix(sink)?.strip_suffix('/')?;
+    Some(match kind.rsplit_once('#') {
+        Some((base, label)) if Shard::from_label(label).is_some() => (base, Some(label)),
+        _ => (kind, None),
+    })
+}
+
+/// The label of the shard whose route `route` (of sink `sink`) is: `""` when it carries no
+/// shard label (single-leader mode) or is not one of `sink`'s.
 pub fn label_of_route<'a>(route: &'a str, sink: &str) -> &'a str {
-    let kind = route
-        .strip_suffix(sink)
-        .and_then(|r| r.strip_suffix('/'))
-        .unwrap_or(route);
-    match kind.rsplit_once('#') {
-        Some((_, label)) if Shard::from_label(label).is_some() => label,
-        _ => "",
-    }
+    split_route(route, sink)
+        .and_then(|(_, label)| label)
+        .unwrap_or("")
 }
 
 /// Parses a `shardRange(object.metadata.<field>, 'start', 'end')` selector: the field and the

@@ -283,11 +283,7 @@ async fn find_orphans(
 /// The base of `route` (`{base}/{sink}` or `{base}#{i}-of-{m}/{sink}`) when it is a route to
 /// `sink`.
 fn route_base<'a>(route: &'a str, sink: &str) -> Option<&'a str> {
-    let base = route.strip_suffix(sink)?.strip_suffix('/')?;
-    Some(match base.rsplit_once('#') {
-        Some((base, label)) if crate::shard::Shard::from_label(label).is_some() => base,
-        _ => base,
-    })
+    crate::shard::split_route(route, sink).map(|(base, _)| base)
 }
 
 /// Wires every orphan ([`find_orphans`]) that discovery serves at no version and that is not

@@ -96,18 +96,27 @@ struct Taken<'a> {
 impl Drop for Taken<'_> {
     fn drop(&mut self) {
         let c = self.checkpointer;
-        if let Some(uid) = self.cluster.take() {
+        let cluster = self.cluster.take();
+        let changed = self.changed.take().filter(|t| !t.is_empty());
+        if cluster.is_none() && changed.is_none() {
+            return;
+        }
+        // Held while the identity goes back: a term's end (which clears it) comes before or
+        // after, never between the check and the put-back.
+        let mut p = c.lock();
+        if p.term != self.term {
+            // Its term ended meanwhile: dropped with the rest of that term's changes, the
+            // identity too (the next term's resume records it again once its checkpoint is
+            // this cluster's).
+            return;
+        }
+        if let Some(uid) = cluster {
             c.cluster
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .get_or_insert(uid);
         }
-        if let Some(taken) = self.changed.take().filter(|t| !t.is_empty()) {
-            let mut p = c.lock();
-            if p.term != self.term {
-                // Its term ended meanwhile: dropped with the rest of that term's changes.
-                return;
-            }
+        if let Some(taken) = changed {
             for (key, change) in taken {
                 p.changed.entry(key).or_insert(change);
             }
@@ -526,6 +535,83 @@ mod tests {
             IntGauge::new("lag", "lag").unwrap(),
             IntCounter::new("f", "f").unwrap(),
         )
+    }
+
+    /// A store whose first write waits for `release` and then fails; later writes succeed,
+    /// recording the keys they wrote.
+    #[derive(Default)]
+    struct SlowFailingStore {
+        started: tokio::sync::Notify,
+        release: tokio::sync::Notify,
+        writes: std::sync::Mutex<Vec<Vec<String>>>,
+        failed_once: std::sync::atomic::AtomicBool,
+    }
+
+    impl CheckpointStore for SlowFailingStore {
+        fn describe(&self) -> String {
+            "slow".into()
+        }
+
+        fn load_family<'a>(
+            &'a self,
+            _: &'a [String],
+            _: &'a (dyn Fn(&str) -> bool + Send + Sync),
+        ) -> futures::future::BoxFuture<
+            'a,
+            Result<HashMap<String, crate::sinks::checkpoint::Checkpoint>>,
+        > {
+            Box::pin(async { Ok(HashMap::new()) })
+        }
+
+        fn write<'a>(
+            &'a self,
+            _: &'a str,
+            changes: Vec<Change>,
+        ) -> futures::future::BoxFuture<'a, Result<()>> {
+            Box::pin(async move {
+                if !self.failed_once.swap(true, Ordering::SeqCst) {
+                    self.started.notify_one();
+                    self.release.notified().await;
+                    return Err(Error::Store {
+                        store: "slow".into(),
+                        reason: "timed out".into(),
+                    });
+                }
+                let keys = changes.into_iter().map(|(k, _)| k).collect();
+                self.writes.lock().unwrap().push(keys);
+                Ok(())
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_write_failing_after_its_term_ended_does_not_put_the_identity_back() {
+        let store = Arc::new(SlowFailingStore::default());
+        let c = Arc::new(checkpointer(store.clone()));
+        c.record_cluster("this-cluster");
+        let flush = tokio::spawn({
+            let c = c.clone();
+            async move { c.flush().await }
+        });
+        store.started.notified().await;
+        // The term ends while the write that took the identity is in flight, then it fails.
+        c.end_term();
+        store.release.notify_one();
+        assert!(flush.await.unwrap().is_err());
+        // The next term writes no identity until its resume records it again (its checkpoint
+        // may be another cluster's).
+        c.flush().await.unwrap();
+        assert!(
+            store
+                .writes
+                .lock()
+                .unwrap()
+                .iter()
+                .flatten()
+                .all(|k| k != CLUSTER_KEY),
+            "{:?}",
+            store.writes.lock().unwrap()
+        );
     }
 
     #[tokio::test]

@@ -154,7 +154,6 @@ pub async fn take(l: &Arc<Collector>, n: usize) -> Vec<String> {
     out
 }
 
-/// A plain HTTP/1.0 GET; returns (status code, body).
 /// The sum of every series of metric `name` at `admin`'s `/metrics`.
 pub async fn metric_sum(admin: std::net::SocketAddr, name: &str) -> f64 {
     let (_, body) = http_get(admin, "/metrics").await;
@@ -165,6 +164,7 @@ pub async fn metric_sum(admin: std::net::SocketAddr, name: &str) -> f64 {
         .sum()
 }
 
+/// A plain HTTP/1.0 GET; returns (status code, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())

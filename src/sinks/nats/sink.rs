@@ -281,6 +281,16 @@ impl Conns {
         Ok(conn)
     }
 
+    /// Ends a shard's term: closes its connection (what it still owes acknowledgements for
+    /// keeps it until they come or time out) and forgets why the term could not start.
+    fn close(&self) {
+        *self.problem.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.current
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+
     /// Retires the current connection if it carried anything (it never reconnects); returns
     /// the generation of the next one, or `None` when nothing was retired.
     fn retire(&self) -> Option<u64> {
@@ -614,8 +624,12 @@ impl Sink for NatsSink {
         async move {
             self.conns.open()?;
             self.flush_on(&self.conns).await?;
-            for conns in self.all_shard_conns() {
-                self.flush_on(&conns).await?;
+            // JetStream's publishes were acknowledged one by one (a flush of a reconnecting
+            // shard connection would wait for the reconnect); core NATS sends what is buffered.
+            if !self.is_jetstream() {
+                for conns in self.all_shard_conns() {
+                    self.flush_on(&conns).await?;
+                }
             }
             Ok(())
         }
@@ -639,13 +653,7 @@ impl Sink for NatsSink {
     }
 
     fn end_terms(&self) {
-        for conns in self.all_shard_conns() {
-            conns
-                .current
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .take();
-        }
+        self.all_shard_conns().iter().for_each(|c| c.close());
     }
 
     fn shard_view(self: Arc<Self>, shard: crate::shard::Shard) -> Option<Arc<dyn Sink>> {
@@ -797,12 +805,7 @@ impl Sink for NatsShardSink {
     /// they come or time out).
     fn end_term(&self, shard: crate::shard::Shard) {
         debug_assert_eq!(shard, self.shard);
-        *self.conns.problem.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        self.conns
-            .current
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        self.conns.close();
     }
 
     fn end_terms(&self) {
