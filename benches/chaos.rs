@@ -368,16 +368,24 @@ impl Service {
     /// The metrics page; `None` when the process does not answer within a second (a
     /// frozen process accepts connections but never answers).
     async fn metrics(&self) -> Option<String> {
+        self.get("/metrics").await.map(|(_, body)| body)
+    }
+
+    /// The status code and body of `path` on the admin port; `None` when the process does
+    /// not answer within a second.
+    async fn get(&self, path: &str) -> Option<(u16, String)> {
         let addr: std::net::SocketAddr = format!("127.0.0.1:{}", self.admin).parse().unwrap();
         let read = async {
             let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
             use tokio::io::{AsyncReadExt, AsyncWriteExt};
-            s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
                 .await
                 .ok()?;
-            let mut body = String::new();
-            s.read_to_string(&mut body).await.ok()?;
-            Some(body)
+            let mut text = String::new();
+            s.read_to_string(&mut text).await.ok()?;
+            let code = text.split_whitespace().nth(1)?.parse().ok()?;
+            let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+            Some((code, body.to_owned()))
         };
         tokio::time::timeout(Duration::from_secs(1), read)
             .await
@@ -1280,7 +1288,10 @@ async fn stream_len(url: &str) -> Option<u64> {
 
 /// Waits until the service holds no notification and the stream has not grown for 5 s.
 /// With `shards` (the counts a sharded scenario ran with), every shard of one count must be
-/// owned, and the stream still for 15 s.
+/// owned, every replica's routes resumed (`keb_route_resuming` and `keb_checkpoint_waiting`
+/// 0: a shard whose new owner still reads its checkpoint or compares it has not published its
+/// deletes yet, however long the stream has been still) and ready (`/readyz` 200), and the
+/// stream still for 15 s.
 async fn catch_up(
     services: &[&Service],
     broker: &Broker,
@@ -1292,17 +1303,24 @@ async fn catch_up(
     let quiet = Duration::from_secs(if shards.is_some() { 15 } else { 5 });
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let (mut held, mut owned) = (0.0, 0.0);
+        let (mut held, mut owned, mut unresumed, mut unready) = (0.0, 0.0, 0.0, 0);
         for service in services {
             match service.metrics().await {
                 Some(m) => {
                     held += metric_sum(&m, "keb_listener_buffered_notifications");
                     owned += metric_sum(&m, "keb_shard_owned");
+                    unresumed += metric_sum(&m, "keb_route_resuming")
+                        + metric_sum(&m, "keb_checkpoint_waiting");
                 }
                 None => held = f64::NAN,
             };
+            if shards.is_some() && service.get("/readyz").await.map(|(code, _)| code) != Some(200) {
+                unready += 1;
+            }
         }
-        let all_owned = shards.is_none_or(|(a, b)| owned == f64::from(a) || owned == f64::from(b));
+        let all_owned = shards.is_none_or(|(a, b)| owned == f64::from(a) || owned == f64::from(b))
+            && unresumed == 0.0
+            && unready == 0;
         let len = broker.len().await;
         if len != last || held != 0.0 || !all_owned {
             (last, still_since) = (len, Instant::now());

@@ -37,8 +37,9 @@
 //!   lease expire instead, as before, and the next owner waits its takeover wait.
 //!
 //! The elector only decides; `App` acts on [`LeaderElector::subscribe`], which changes only
-//! when leadership does (renewals are silent): standbys keep their informers (warm caches)
-//! but their listeners and route queues hold nothing; a new leader replays its cache once.
+//! when leadership does (renewals are silent): standbys keep their informers running but
+//! their listeners and route queues hold nothing; a new leader lists every informer again and
+//! hands that state on once (compared with its checkpoints).
 
 use std::time::Duration;
 
@@ -63,8 +64,8 @@ use crate::problems::Section;
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LeaderElectionConfig {
-    /// Elect one leader among the replicas; only the leader publishes, standbys keep warm
-    /// caches. Off for a single replica.
+    /// Elect one leader among the replicas; only the leader publishes (standbys run their
+    /// informers; a new leader lists again before it publishes). Off for a single replica.
     #[serde(default)]
     pub enabled: bool,
     /// Name of the Lease.

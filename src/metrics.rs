@@ -48,6 +48,10 @@ pub struct Metrics {
     /// `keb_kafka_transactions_total{sink,outcome}`: transactions of an `exactly_once` Kafka
     /// sink, `committed` or `aborted` (their messages are sent again).
     pub kafka_transactions: IntCounterVec,
+    /// `keb_kafka_producer_fenced{sink}`: transactional ids of an `exactly_once` Kafka sink
+    /// whose producer here a newer one fenced (another replica took over), until this replica
+    /// starts a term of that id again; `/healthz` fails meanwhile.
+    pub kafka_producer_fenced: IntGaugeVec,
     /// `keb_sink_in_flight{sink}`: publishes waiting for the destination's acknowledgement.
     pub sink_in_flight: IntGaugeVec,
     /// `keb_sink_publish_duration_seconds{sink}`: publish call to acknowledgement.
@@ -101,6 +105,11 @@ pub struct Metrics {
     /// `keb_checkpoint_waiting{route}`: 1 while the route publishes nothing because its
     /// checkpoint cannot be loaded (unreadable: retried; another cluster's: for good).
     pub checkpoint_waiting: IntGaugeVec,
+    /// `keb_route_resuming{route}`: 1 from the start of this replica's term of the route (it
+    /// leads, or owns the route's shard) until the route's resume is over: its checkpoint
+    /// read and compared with a fresh list, every object gone meanwhile deleted. A route that
+    /// stays at 1 publishes only part of what changed while no replica published.
+    pub route_resuming: IntGaugeVec,
     /// `keb_checkpoint_lag{route}`: keys acknowledged by the sink but not yet stored in the
     /// checkpoint.
     pub checkpoint_lag: IntGaugeVec,
@@ -260,6 +269,11 @@ impl Metrics {
                 "Transactions of an exactly-once Kafka sink, committed or aborted",
                 &["sink", "outcome"],
             ),
+            kafka_producer_fenced: gauge(
+                "keb_kafka_producer_fenced",
+                "Transactional ids of an exactly-once Kafka sink whose producer here was fenced by a newer one, until a term of this replica starts it again",
+                &["sink"],
+            ),
             sink_in_flight: gauge(
                 "keb_sink_in_flight",
                 "Publishes waiting for the destination's acknowledgement",
@@ -325,6 +339,11 @@ impl Metrics {
             checkpoint_waiting: gauge(
                 "keb_checkpoint_waiting",
                 "1 while the route publishes nothing because its checkpoint cannot be loaded",
+                &["route"],
+            ),
+            route_resuming: gauge(
+                "keb_route_resuming",
+                "1 from the start of this replica's term of the route until its resume from the checkpoint is over",
                 &["route"],
             ),
             checkpoint_lag: gauge(

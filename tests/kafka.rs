@@ -88,7 +88,7 @@ fn assert_quiet(stderr: &str) {
 /// Checks keys, partitions, order and ids of CloudEvents records; returns the events.
 fn check_events(records: &[Record]) -> Vec<Value> {
     let mut partition_of: HashMap<&str, i32> = HashMap::new();
-    let mut last: HashMap<(i32, &str), (i64, u64)> = HashMap::new();
+    let mut last: HashMap<(i32, &str), (i64, u64, bool)> = HashMap::new();
     let mut ids = HashSet::new();
     let mut events = Vec::new();
     for r in records {
@@ -111,21 +111,26 @@ fn check_events(records: &[Record]) -> Vec<Value> {
             "one partition per key"
         );
         let rv: u64 = e["k8sresourceversion"].as_str().unwrap().parse().unwrap();
-        if let Some((offset, prev)) = last.insert((r.partition, r.key.as_str()), (r.offset, rv)) {
-            // A final-state-unknown delete carries the last version known (as client-go's
-            // tombstones do), which may be the one just published.
-            let tombstone = e["k8sfinalstateunknown"] == true;
+        let tombstone = e["k8sfinalstateunknown"] == true;
+        if let Some((offset, prev, after_tombstone)) =
+            last.insert((r.partition, r.key.as_str()), (r.offset, rv, tombstone))
+        {
+            // A final-state-unknown delete carries the version it was found gone at: never
+            // older than what came before (the version of the list, which may be the one just
+            // published), and the new incarnation found with it follows at that version.
             assert!(
-                offset < r.offset && (prev < rv || (tombstone && prev == rv)),
+                offset < r.offset && (prev < rv || ((tombstone || after_tombstone) && prev == rv)),
                 "{key}: rv {prev} then {rv}: out of order"
             );
         }
         let ty = event_type(&e);
-        assert_eq!(
-            e["id"].as_str().unwrap(),
-            format!("{}:{rv}:{ty}", e["k8suid"].as_str().unwrap()),
-            "deterministic id"
-        );
+        let uid = e["k8suid"].as_str().unwrap();
+        let id = if ty == "deleted" {
+            format!("{uid}:deleted")
+        } else {
+            format!("{uid}:{rv}:{ty}")
+        };
+        assert_eq!(e["id"].as_str().unwrap(), id, "deterministic id");
         for attr in [
             "specversion",
             "source",

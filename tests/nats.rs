@@ -951,3 +951,80 @@ async fn a_clean_hand_over_in_core_mode_sends_what_the_connection_buffered() {
     }
     assert_eq!(got, 2_000, "every message published in the term arrives");
 }
+
+/// A checkpoint load whose server gives no answer (nats-server frozen with SIGSTOP: its
+/// connections stay open, nothing comes back) fails within its deadline, naming the stall,
+/// instead of waiting for the pull consumer's missed heartbeats; read again once the server
+/// answers, it loads every key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_read_that_gets_no_answer_fails_within_its_deadline_and_reads_again() {
+    use kube_event_bridge::sinks::{
+        CheckpointStore,
+        checkpoint::Entry,
+        nats::{NatsCheckpointStore, READ_STALL},
+    };
+    let nats = NatsServer::start();
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(nats_sink(
+        "nats",
+        &nats.url(),
+        json!({}),
+    ))
+    .unwrap()
+    .nats
+    .unwrap();
+    let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
+    let store = NatsCheckpointStore::open("nats", &cfg, &sink)
+        .await
+        .unwrap();
+    let route = "configmap/nats".to_owned();
+    let keys = 20_000;
+    let changes = (0..keys)
+        .map(|i| {
+            let entry = Entry {
+                uid: format!("u{i}"),
+                resource_version: i.to_string(),
+                pending: false,
+                kind: None,
+            };
+            (format!("ns/cm-{i}"), Some(entry))
+        })
+        .collect();
+    store.write(&route, changes).await.unwrap();
+    assert_eq!(
+        store
+            .load_routes(std::slice::from_ref(&route))
+            .await
+            .unwrap()[&route]
+            .len(),
+        keys
+    );
+    // Frozen before the read, and frozen in the middle of one (its first records came).
+    for frozen_after in [Duration::ZERO, Duration::from_millis(100)] {
+        let began = std::time::Instant::now();
+        let read = store.load_routes(std::slice::from_ref(&route));
+        futures::pin_mut!(read);
+        let early = tokio::time::timeout(frozen_after, &mut read).await;
+        if let Ok(done) = early {
+            // The whole read fitted before the freeze: nothing to see here.
+            assert_eq!(done.unwrap()[&route].len(), keys);
+            continue;
+        }
+        nats.signal("STOP");
+        let outcome = tokio::time::timeout(READ_STALL * 4, read).await;
+        let took = began.elapsed();
+        nats.signal("CONT");
+        let err = match outcome {
+            Ok(Err(err)) => err.to_string(),
+            Ok(Ok(loaded)) => panic!("a frozen server answered: {} keys", loaded[&route].len()),
+            Err(_) => panic!("the read still waits {:?} after the freeze", READ_STALL * 4),
+        };
+        println!("frozen after {frozen_after:?}: failed after {took:.1?}: {err}");
+        assert!(err.contains("no answer from the server"), "{err}");
+        // Read again (as the waiting route's retry does) once the server answers.
+        let loaded = store
+            .load_routes(std::slice::from_ref(&route))
+            .await
+            .expect("the server answers again");
+        assert_eq!(loaded[&route].len(), keys);
+    }
+}

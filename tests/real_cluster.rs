@@ -833,18 +833,87 @@ async fn leads(cluster: &Cluster, identity: &str, patience: Duration) {
     .await;
 }
 
+/// Waits until some replica holds the Lease `kube-system/kube-event-bridge`; returns it.
+async fn first_leader(cluster: &Cluster) -> String {
+    let mut leader = None;
+    wait::until(
+        "a leader",
+        Patience::of(Duration::from_secs(60)),
+        async || {
+            leader = lease_holder(cluster, "kube-event-bridge").await;
+            leader.is_some()
+        },
+    )
+    .await;
+    leader.unwrap()
+}
+
+/// What a consumer that drops messages older than what it holds would lose, and whether
+/// the deletes of one object agree on their id: per key, in destination order, every
+/// message whose `k8sresourceversion` is below one before it (the versions of a real
+/// kube-apiserver are etcd revisions, so this consumer compares them as numbers); per uid,
+/// the ids of its deletes (a filter's aside) when there are several. Also counts the objects
+/// whose delete came twice, once seen on a watch and once resumed.
+fn versions_and_delete_ids(events: &[Value]) -> (Vec<String>, Vec<String>, usize) {
+    let mut newest: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut backwards = Vec::new();
+    let mut delete_ids: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    let mut delete_kinds: BTreeMap<&str, BTreeSet<bool>> = BTreeMap::new();
+    for e in events {
+        let key = e["subject"].as_str().unwrap();
+        let rv: u64 = e["k8sresourceversion"].as_str().unwrap().parse().unwrap();
+        let held = newest.entry(key).or_insert(rv);
+        if rv < *held {
+            backwards.push(format!(
+                "{key}: {} at {rv} after {held}{}",
+                event_type(e),
+                if e["k8sresumed"] == true {
+                    " (resumed)"
+                } else {
+                    ""
+                }
+            ));
+        } else {
+            *held = rv;
+        }
+        if event_type(e) == "deleted" && e["k8sfilteredout"] != true {
+            let uid = e["k8suid"].as_str().unwrap();
+            delete_ids
+                .entry(uid)
+                .or_default()
+                .insert(e["id"].as_str().unwrap());
+            delete_kinds
+                .entry(uid)
+                .or_default()
+                .insert(e["k8sresumed"] == true);
+        }
+    }
+    let split: Vec<String> = delete_ids
+        .iter()
+        .filter(|(_, ids)| ids.len() > 1)
+        .map(|(uid, ids)| format!("{uid}: {ids:?}"))
+        .collect();
+    let twice = delete_kinds.values().filter(|k| k.len() == 2).count();
+    (backwards, split, twice)
+}
+
 /// Leader failover between two replicas on the real API server: the leader (holding the
 /// Lease in `kube-system`) is SIGKILLed while objects change at about 100 per second; the
 /// standby takes the Lease over and publishes what changed since the last checkpoint.
 /// Folded per key in the destination's order, in both consumer models, the stream ends with
-/// the API server's objects.
+/// the API server's objects. Checkpoints are written every 2 s, so that the taker resumes
+/// from one older than what the killed leader published: no key's messages go back in
+/// `k8sresourceversion` (a resumed delete reports the version its list found it gone at,
+/// not the checkpoint's), and the deletes of one object carry one id whichever replica sent
+/// them.
 async fn failover(destination: Destination, cluster_name: &str) {
     let cluster = Cluster::start().await;
     let ns = "failover";
     cluster.create_namespace(ns).await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = cluster.kubeconfig();
-    let sink = destination.sink();
+    let mut sink = destination.sink();
+    sink["checkpoint_interval"] = json!("2s");
     let mut replicas: BTreeMap<String, Replica> = ["replica-a", "replica-b"]
         .into_iter()
         .map(|id| {
@@ -852,17 +921,7 @@ async fn failover(destination: Destination, cluster_name: &str) {
             (id.to_owned(), r)
         })
         .collect();
-    let mut leader = None;
-    wait::until(
-        "a leader",
-        Patience::of(Duration::from_secs(60)),
-        async || {
-            leader = lease_holder(&cluster, "kube-event-bridge").await;
-            leader.is_some()
-        },
-    )
-    .await;
-    let leader = leader.unwrap();
+    let leader = first_leader(&cluster).await;
     ready(&replicas[&leader]).await;
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -917,9 +976,13 @@ async fn failover(destination: Destination, cluster_name: &str) {
     let d = differences(&fold_in_order(&events), &live);
     let deduplicated = differences(&fold_in_order(&dedup(&events)), &live);
     let ids: BTreeSet<&str> = events.iter().map(|e| e["id"].as_str().unwrap()).collect();
+    let (backwards, split, twice) = versions_and_delete_ids(&events);
+    let resumed = events.iter().filter(|e| e["k8sresumed"] == true).count();
     println!(
-        "failover ({}): {changes} changes, {} messages, {} repeated ids, {} live objects; \
-         lost deletes {}, phantom deletes {}, stale {}, missing {} (both consumer models)",
+        "failover ({}): {changes} changes, {} messages, {} repeated ids, {} live objects, \
+         {resumed} resumed; lost deletes {}, phantom deletes {}, stale {}, missing {} (both \
+         consumer models); {} messages back in resourceVersion, {} objects whose deletes \
+         differ in id, {twice} deleted both on a watch and by the resume",
         match destination {
             Destination::JetStream(_) => "JetStream",
             Destination::Kafka(..) => "Kafka",
@@ -931,9 +994,146 @@ async fn failover(destination: Destination, cluster_name: &str) {
         d.phantom_deletes.len(),
         d.stale.len(),
         d.missing.len(),
+        backwards.len(),
+        split.len(),
     );
     assert!(d.is_empty(), "{d:?}");
     assert!(deduplicated.is_empty(), "{deduplicated:?}");
+    assert!(backwards.is_empty(), "{backwards:?}");
+    assert!(split.is_empty(), "{split:?}");
+}
+
+/// A leader frozen (SIGSTOP) while it publishes into Kafka with `exactly_once`, and thawed
+/// after the standby took the Lease over and started its producer (which fences the frozen
+/// one's): the thawed replica's `/healthz` fails, naming the fence, and
+/// `keb_kafka_producer_fenced` is 1, whichever it learnt first (the lease lost, or the commit
+/// or abort refused), and they stay so while it stands by; once it leads again (the other
+/// SIGKILLed) its new producer clears both. A `read_committed` consumer's fold equals the
+/// API server's objects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_replica_fails_healthz_until_it_leads_again() {
+    let cluster = Cluster::start().await;
+    let ns = "fenced";
+    cluster.create_namespace(ns).await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = cluster.kubeconfig();
+    let destination = Destination::kafka("fenced");
+    let mut sink = destination.sink();
+    sink["kafka"]["exactly_once"] = json!(true);
+    let mut replicas: BTreeMap<String, Replica> = ["replica-a", "replica-b"]
+        .into_iter()
+        .map(|id| {
+            let r = replica_to(dir.path(), id, "fenced", ns, &sink, true, &kubeconfig);
+            (id.to_owned(), r)
+        })
+        .collect();
+    let frozen = first_leader(&cluster).await;
+    let other = replicas.keys().find(|k| **k != frozen).unwrap().clone();
+    ready(&replicas[&frozen]).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = tokio::spawn({
+        let (client, stop) = (cluster.client().await, stop.clone());
+        async move {
+            let api: Api<ConfigMap> = Api::namespaced(client, ns);
+            let mut rng = Rng(seed());
+            let mut changes = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                workload(&api, ns, &mut rng, 100, 5).await;
+                changes += 5;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            changes
+        }
+    });
+    let health = async |r: &Replica| {
+        let admin = r.admin().expect("its admin address");
+        let (code, body) = support::http_get(admin, "/healthz").await;
+        let fenced = support::metric_sum(admin, "keb_kafka_producer_fenced").await;
+        (code, body, fenced)
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (code, _, fenced) = health(&replicas[&frozen]).await;
+    assert_eq!((code, fenced), (200, 0.0), "the leader is healthy before");
+    replicas[&frozen].signal("STOP");
+    leads(&cluster, &other, Duration::from_secs(60)).await;
+    wait::until(
+        "the new leader's producer fenced the frozen one's",
+        Patience::of(Duration::from_secs(90)),
+        async || replicas[&other].log().contains("Transactions on"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    replicas[&frozen].signal("CONT");
+    let mut seen = (0, String::new(), 0.0);
+    wait::until(
+        "the thawed replica reports the fence",
+        Patience::of(Duration::from_secs(30)),
+        async || {
+            seen = health(&replicas[&frozen]).await;
+            seen.0 == 503
+        },
+    )
+    .await;
+    println!(
+        "thawed: /healthz {} {:?}, keb_kafka_producer_fenced {}",
+        seen.0, seen.1, seen.2
+    );
+    assert!(seen.1.contains("fenced"), "{}", seen.1);
+    assert_eq!(seen.2, 1.0);
+    // It stays so while it stands by (the lease's end does not clear it).
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (code, _, fenced) = health(&replicas[&frozen]).await;
+        assert_eq!((code, fenced), (503, 1.0), "still fenced while standing by");
+        assert_eq!(
+            (health(&replicas[&other]).await.0),
+            200,
+            "the leader is healthy"
+        );
+    }
+    // It leads again: its new producer clears both.
+    let killed = replicas.remove(&other).unwrap();
+    killed.signal("KILL");
+    drop(killed);
+    leads(&cluster, &frozen, Duration::from_secs(60)).await;
+    wait::until(
+        "the replica leading again is healthy",
+        Patience::of(Duration::from_secs(90)),
+        async || {
+            let (code, _, fenced) = health(&replicas[&frozen]).await;
+            code == 200 && fenced == 0.0
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let changes = writer.await.unwrap();
+    let live = cluster.objects(&configmaps(), Some(ns)).await;
+    let read_committed = async || {
+        let Destination::Kafka(kafka, topic) = &destination else {
+            unreachable!()
+        };
+        let (brokers, topic) = (kafka.brokers(), topic.clone());
+        tokio::task::spawn_blocking(move || {
+            support::kafka::read_topic(&brokers, &topic, true)
+                .iter()
+                .map(|r| r.json())
+                .collect::<Vec<Value>>()
+        })
+        .await
+        .unwrap()
+    };
+    wait::until(
+        "the committed stream folds to the server's objects",
+        Patience::of(Duration::from_secs(60)),
+        async || differences(&fold_in_order(&read_committed().await), &live).is_empty(),
+    )
+    .await;
+    let events = read_committed().await;
+    println!("{changes} changes, {} committed messages", events.len());
+    for mut r in replicas.into_values() {
+        r.terminate();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -984,17 +1184,7 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
             )
         })
         .collect();
-    let mut leader = None;
-    wait::until(
-        "a leader",
-        Patience::of(Duration::from_secs(60)),
-        async || {
-            leader = lease_holder(&cluster, "kube-event-bridge").await;
-            leader.is_some()
-        },
-    )
-    .await;
-    let leader = leader.unwrap();
+    let leader = first_leader(&cluster).await;
     ready(&replicas[&leader]).await;
 
     let api: Api<ConfigMap> = Api::namespaced(cluster.client().await, ns);

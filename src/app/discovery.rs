@@ -522,7 +522,9 @@ pub(super) async fn refresh(
                 for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
                     if resume.resumer.is_resuming() {
                         info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");
-                        resume.resumer.kind_gone();
+                        // No informer of the kind ran here: its deletes keep the checkpoint's
+                        // resourceVersion.
+                        resume.resumer.kind_gone(None);
                     }
                 }
             }
@@ -622,6 +624,7 @@ pub(super) async fn refresh(
                 let rest: Vec<_> = resources.wired[j].informers.clone();
                 rest.iter().for_each(|i| i.mark_gone());
                 futures::future::join_all(rest.iter().map(|i| i.stop())).await;
+                let gone_at = newest_version(rest.iter().filter_map(|i| i.last_resource_version()));
                 for informer in &rest {
                     wiring.factory.remove(informer);
                 }
@@ -630,7 +633,7 @@ pub(super) async fn refresh(
                 w.gone = true;
                 // Listeners that were off (a resume waiting for a relist) got no deletes.
                 for r in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
-                    r.resumer.kind_gone();
+                    r.resumer.kind_gone(gone_at.clone());
                 }
                 if j != i {
                     resources.gone_since.remove(&j);
@@ -811,6 +814,22 @@ async fn hand_over(
                 && !held.iter().any(|p| l.name().starts_with(p.as_str()))
         });
     }
+}
+
+/// The newest of the resourceVersions informers of one kind last saw: what its objects are
+/// found gone at when the kind goes. Compared as numbers, which they are on etcd-backed API
+/// servers (the one place a version is compared: any of them is a version the kind's watch
+/// reached); otherwise the first.
+fn newest_version(versions: impl Iterator<Item = Arc<str>>) -> Option<Arc<str>> {
+    let versions: Vec<Arc<str>> = versions.collect();
+    versions
+        .iter()
+        .map(|v| v.parse::<u64>().map(|n| (n, v)))
+        .collect::<Result<Vec<_>, _>>()
+        .ok()
+        .and_then(|numbered| numbered.into_iter().max_by_key(|(n, _)| *n))
+        .map(|(_, v)| v.clone())
+        .or_else(|| versions.first().cloned())
 }
 
 #[cfg(test)]

@@ -41,9 +41,10 @@ impl Resources {
         let queues = self.queues();
         informers.iter().for_each(|i| i.deactivate_listeners());
         queues.iter().for_each(|q| q.set_active(false));
-        self.resumes()
-            .iter()
-            .for_each(|r| r.checkpointer.end_term());
+        self.resumes().iter().for_each(|r| {
+            r.checkpointer.end_term();
+            r.resumer.term_ended();
+        });
         if !leading {
             // Another replica's shard from now on: nothing of it stays cached here.
             self.recycle_informers().await;

@@ -195,6 +195,7 @@ impl Resources {
             .iter()
             .map(|&(w, r)| self.wired[w].routes[r].resume.as_ref().expect("filtered"))
             .collect();
+        resumes.iter().for_each(|r| r.resumer.term_began());
         let refused = resume_from_checkpoints(&resumes, &self.metrics, &self.cluster).await;
         let mut prefixes = Vec::new();
         let mut refusals = Vec::new();

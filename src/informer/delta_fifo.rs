@@ -17,8 +17,10 @@
 //! - `has_synced` is true once every key of the first `replace` (tombstones included) was
 //!   popped, or once an add/update/delete came before any replace.
 //!
-//! Unlike client-go, nothing here transforms objects (the reflector does, before enqueueing),
-//! and the rv argument of `Replace` does not exist.
+//! Unlike client-go, nothing here transforms objects (the reflector does, before enqueueing).
+//! `Replace`'s resourceVersion (the list's) is kept on each tombstone it makes: the version at
+//! which the object was found gone, which its message reports (see
+//! [`Notification::gone_at`](super::Notification::gone_at)).
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -55,6 +57,9 @@ pub struct Delta {
     /// Only for `Deleted`: inferred by a relist, not seen on the watch
     /// (client-go's `DeletedFinalStateUnknown`).
     pub final_state_unknown: bool,
+    /// Only for a final-state-unknown `Deleted`: the resourceVersion of the list that found
+    /// the object gone.
+    pub gone_at: Option<Arc<str>>,
     /// When the change was received.
     pub received: Instant,
     /// Wall-clock time of `received`.
@@ -67,14 +72,16 @@ impl Delta {
             kind,
             object,
             final_state_unknown: false,
+            gone_at: None,
             received: Instant::now(),
             observed: jiff::Timestamp::now(),
         }
     }
 
-    fn tombstone(object: ObjectRef) -> Self {
+    fn tombstone(object: ObjectRef, gone_at: Option<Arc<str>>) -> Self {
         Self {
             final_state_unknown: true,
+            gone_at,
             ..Self::new(DeltaType::Deleted, object)
         }
     }
@@ -101,6 +108,9 @@ struct State {
     replaces: u64,
     replaced_through: u64,
     replace_remaining: usize,
+    // The resourceVersion of the newest list replaced, and of the newest one popped entirely.
+    replaced_at: Option<Arc<str>>,
+    applied_at: Option<Arc<str>>,
     closed: bool,
 }
 
@@ -161,8 +171,9 @@ impl DeltaFifo {
     }
 
     /// A (re)list result: `Replaced` for each listed object, and a final-state-unknown
-    /// `Deleted` for every queued or known key the list does not hold.
-    pub fn replace(&self, list: Vec<ObjectRef>) {
+    /// `Deleted` for every queued or known key the list does not hold, found gone at the
+    /// list's `resource_version`.
+    pub fn replace(&self, list: Vec<ObjectRef>, resource_version: Option<Arc<str>>) {
         let mut s = self.lock();
         let mut listed = std::collections::HashSet::with_capacity(list.len());
         for obj in list {
@@ -185,7 +196,7 @@ impl DeltaFifo {
             .collect();
         for (key, newest) in queued_only {
             queued_deletions += 1;
-            s.enqueue(key, Delta::tombstone(newest));
+            s.enqueue(key, Delta::tombstone(newest, resource_version.clone()));
         }
         // Keys only in the cache, with nothing queued.
         for (key, cached) in self.known.entries() {
@@ -193,7 +204,7 @@ impl DeltaFifo {
                 continue;
             }
             queued_deletions += 1;
-            s.enqueue(key, Delta::tombstone(cached));
+            s.enqueue(key, Delta::tombstone(cached, resource_version.clone()));
         }
         if !s.populated {
             s.populated = true;
@@ -203,8 +214,10 @@ impl DeltaFifo {
         // counts as applied.
         s.replaces += 1;
         s.replace_remaining = s.queue.len();
+        s.replaced_at = resource_version;
         if s.replace_remaining == 0 {
             s.replaced_through = s.replaces;
+            s.applied_at = s.replaced_at.clone();
         }
         drop(s);
         self.notify.notify_one();
@@ -257,6 +270,15 @@ impl DeltaFifo {
         f(synced)
     }
 
+    /// [`with_lock`](Self::with_lock), `f` also getting the resourceVersion of the newest list
+    /// popped entirely (the version the cache's state is at, but for changes popped since):
+    /// a key the cache lacks was gone at it.
+    pub fn with_lock_listed<R>(&self, f: impl FnOnce(bool, Option<&Arc<str>>) -> R) -> R {
+        let guard = self.lock();
+        let synced = guard.populated && guard.initial_population_count == 0;
+        f(synced, guard.applied_at.as_ref())
+    }
+
     /// Wakes `pop` for good: once the queue is empty it returns `None`.
     pub fn close(&self) {
         self.lock().closed = true;
@@ -293,6 +315,7 @@ impl DeltaFifo {
             s.replace_remaining -= 1;
             if s.replace_remaining == 0 {
                 s.replaced_through = s.replaces;
+                s.applied_at = s.replaced_at.clone();
             }
         }
         Some(process(deltas, is_in_initial_list))
@@ -401,9 +424,38 @@ mod tests {
     fn real_delete_replaces_a_preceding_tombstone() {
         let (f, known) = fifo();
         known.upsert("ns/a", obj("ns", "a", "1"));
-        f.replace(vec![]);
+        f.replace(vec![], None);
         f.delete(obj("ns", "a", "5"));
         assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "5".into(), false)]);
+    }
+
+    #[test]
+    fn tombstones_are_found_gone_at_the_lists_version_and_it_counts_once_popped() {
+        let (f, known) = fifo();
+        known.upsert("ns/cached", obj("ns", "cached", "1"));
+        f.add(obj("ns", "queued", "2"));
+        f.delete(obj("ns", "seen", "3"));
+        f.replace(vec![obj("ns", "kept", "4")], Some("9".into()));
+        assert_eq!(
+            f.with_lock_listed(|_, at| at.cloned()),
+            None,
+            "the list is not applied before its keys are popped"
+        );
+        let mut gone = HashMap::new();
+        while let Some((key, deltas)) =
+            f.try_pop(|deltas, _| (meta_namespace_key(&deltas[0].object), deltas))
+        {
+            let last = deltas.last().unwrap();
+            gone.insert(key, (last.kind, last.gone_at.as_deref().map(str::to_owned)));
+        }
+        let tombstone = (DeltaType::Deleted, Some("9".to_owned()));
+        assert_eq!(gone["ns/cached"], tombstone);
+        assert_eq!(gone["ns/queued"], tombstone);
+        assert_eq!(gone["ns/kept"], (DeltaType::Replaced, None));
+        assert_eq!(
+            f.with_lock_listed(|_, at| at.cloned()).as_deref(),
+            Some("9")
+        );
     }
 
     #[test]
@@ -420,7 +472,7 @@ mod tests {
         known.upsert("ns/kept", obj("ns", "kept", "1"));
         f.add(obj("ns", "queued", "2"));
         f.update(obj("ns", "queued", "3"));
-        f.replace(vec![obj("ns", "kept", "1")]);
+        f.replace(vec![obj("ns", "kept", "1")], None);
         let out = pop_all(&f);
         let by_key: HashMap<_, _> = out.into_iter().map(|(k, d, _)| (k, d)).collect();
         assert_eq!(
@@ -443,7 +495,7 @@ mod tests {
         let (f, known) = fifo();
         known.upsert("ns/a", obj("ns", "a", "1"));
         f.delete(obj("ns", "a", "2"));
-        f.replace(vec![]);
+        f.replace(vec![], None);
         assert_eq!(pop_all(&f)[0].1, [(DeltaType::Deleted, "2".into(), false)]);
     }
 
@@ -478,7 +530,7 @@ mod tests {
         let (f, known) = fifo();
         known.upsert("ns/gone", obj("ns", "gone", "1"));
         assert!(!f.has_synced());
-        f.replace(vec![obj("ns", "a", "1"), obj("ns", "b", "1")]);
+        f.replace(vec![obj("ns", "a", "1"), obj("ns", "b", "1")], None);
         assert!(!f.has_synced());
         let initial: Vec<bool> = pop_all(&f).into_iter().map(|e| e.2).collect();
         assert_eq!(
@@ -487,14 +539,14 @@ mod tests {
             "the synthetic delete counts as initial"
         );
         assert!(f.has_synced());
-        f.replace(vec![obj("ns", "a", "2")]);
+        f.replace(vec![obj("ns", "a", "2")], None);
         assert!(f.has_synced(), "later relists do not unsync");
     }
 
     #[test]
     fn empty_first_replace_is_synced_at_once() {
         let (f, _) = fifo();
-        f.replace(vec![]);
+        f.replace(vec![], None);
         assert!(f.has_synced());
     }
 

@@ -268,13 +268,19 @@ pub struct Relists {
     requests: watch::Sender<u64>,
     // The newest request made before the list in progress (or the last one) was asked for.
     listing_for: Arc<AtomicU64>,
+    // The resourceVersion of the list whose `InitDone` was handed on last.
+    listed_at: ListedAt,
 }
+
+/// The resourceVersion of the last complete list (`None`: an idle list+watch's empty one).
+type ListedAt = Arc<std::sync::Mutex<Option<Arc<str>>>>;
 
 impl Default for Relists {
     fn default() -> Self {
         Self {
             requests: watch::Sender::new(0),
             listing_for: Arc::default(),
+            listed_at: Arc::default(),
         }
     }
 }
@@ -296,10 +302,21 @@ impl Relists {
         self.listing_for.load(Ordering::SeqCst)
     }
 
+    /// The resourceVersion of the list the last `InitDone` completed (the version its
+    /// objects are at, and those it lacks are gone at); `None` for an idle list+watch's empty
+    /// list. Read it at `InitDone`.
+    pub fn listed_at(&self) -> Option<Arc<str>> {
+        self.listed_at
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn receiver(&self) -> Requests {
         Requests {
             rx: self.requests.subscribe(),
             listing_for: self.listing_for.clone(),
+            listed_at: self.listed_at.clone(),
         }
     }
 }
@@ -308,6 +325,7 @@ impl Relists {
 pub struct Requests {
     rx: watch::Receiver<u64>,
     listing_for: Arc<AtomicU64>,
+    listed_at: ListedAt,
 }
 
 impl Requests {
@@ -315,6 +333,11 @@ impl Requests {
     fn list_starts(&mut self) {
         let n = *self.rx.borrow_and_update();
         self.listing_for.store(n, Ordering::SeqCst);
+    }
+
+    /// A list is complete at `rv` (its `InitDone` is handed on next).
+    fn listed(&self, rv: Option<&str>) {
+        *self.listed_at.lock().unwrap_or_else(|e| e.into_inner()) = rv.map(Arc::from);
     }
 }
 
@@ -536,7 +559,10 @@ async fn step(
             }
             (Some(Ok(Event::Init)), State::IdleListed)
         }
-        State::IdleListed => (Some(Ok(Event::InitDone)), State::Idle),
+        State::IdleListed => {
+            relists.listed(None);
+            (Some(Ok(Event::InitDone)), State::Idle)
+        }
         State::Idle => {
             tokio::select! {
                 changed = relists.rx.changed(), if relists.rx.has_changed().is_ok() => {
@@ -608,6 +634,7 @@ async fn step(
             if continue_token.is_none()
                 && let Some(rv) = last_rv
             {
+                relists.listed(Some(&rv));
                 return (Some(Ok(Event::InitDone)), State::InitListed { rv });
             }
             let first = continue_token.is_none();
@@ -673,6 +700,7 @@ async fn step(
                         .annotations
                         .contains_key("k8s.io/initial-events-end")
                     {
+                        relists.listed(Some(&bm.metadata.resource_version));
                         (
                             Some(Ok(Event::InitDone)),
                             State::Watching {

@@ -35,8 +35,10 @@ pub trait NotificationHandler: Send + Sync {
 
     /// Every object of the informer's first list (or, for a listener switched on later, of
     /// the cache it was handed) has been passed on. Called once per activation, in order with
-    /// the notifications. `namespace` is the one namespace the informer watches (`None`: all).
-    fn on_synced(&self, _namespace: Option<&str>) {}
+    /// the notifications. `namespace` is the one namespace the informer watches (`None`: all);
+    /// `listed_at` the resourceVersion of the list that state is from (`None`: unknown, or
+    /// an idle informer's empty list), at which an object it lacks was gone.
+    fn on_synced(&self, _namespace: Option<&str>, _listed_at: Option<&str>) {}
 
     /// From a route's resume: the consumers have the object at `key` (the checkpoint holds
     /// it); `unchanged` is the informer's object when it is the version the checkpoint knows
@@ -121,10 +123,11 @@ impl ProcessorListener {
         }
     }
 
-    /// Tells the handler that the initial state has been passed on, if the listener is on.
-    pub fn synced(&self) {
+    /// Tells the handler that the initial state has been passed on, if the listener is on;
+    /// it is from the list at `listed_at`.
+    pub fn synced(&self, listed_at: Option<&str>) {
         if self.is_active() {
-            self.handler.on_synced(self.namespace.as_deref());
+            self.handler.on_synced(self.namespace.as_deref(), listed_at);
         }
     }
 

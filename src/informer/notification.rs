@@ -37,6 +37,13 @@ pub struct Notification {
     /// A `deleted` notification made by a route's filter: the object still exists but no
     /// longer passes the filter, and consumers that had it must drop it (`k8sfilteredout`).
     pub filtered_out: bool,
+    /// For a delete inferred rather than seen (final state unknown: a relist or a resume found
+    /// the object gone, or a new incarnation under its key): the resourceVersion at which it
+    /// was found gone (the list's, or the new incarnation's), which the message reports as its
+    /// `k8sresourceversion` instead of the last known state's. It is no older than anything
+    /// published for the key before, and no newer than what follows, so that consumers that
+    /// drop messages older than what they hold keep the delete. `None`: the object's own.
+    pub gone_at: Option<Arc<str>>,
 }
 
 /// The three notifications of `ResourceEventHandler`.
@@ -96,7 +103,14 @@ impl Notification {
             observed,
             resumed: false,
             filtered_out: false,
+            gone_at: None,
         }
+    }
+
+    /// Sets [`gone_at`](Self::gone_at) (a delete inferred rather than seen).
+    pub fn found_gone_at(mut self, resource_version: Option<Arc<str>>) -> Self {
+        self.gone_at = resource_version;
+        self
     }
 
     /// Marks it derived by a resume (see `resumed`).

@@ -158,7 +158,8 @@ impl Reflector {
         self.config.activity.age()
     }
 
-    /// The resourceVersion of the newest object seen (list or watch event).
+    /// The resourceVersion of the newest state seen: the last list's, or a later watch
+    /// event's object's (client-go's `LastSyncResourceVersion`).
     pub fn last_sync_resource_version(&self) -> String {
         self.last_sync_resource_version
             .lock()
@@ -231,7 +232,15 @@ impl Reflector {
                     let list = listing.take().unwrap_or_default();
                     self.metrics.listed.inc_by(list.len() as u64);
                     debug!(informer = %self.name, objects = list.len(), "List complete");
-                    self.fifo.replace(list);
+                    // client-go's lastSyncResourceVersion: the list's, not its last item's.
+                    let listed_at = self.relists.listed_at();
+                    if let Some(rv) = &listed_at {
+                        *self
+                            .last_sync_resource_version
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner()) = rv.to_string();
+                    }
+                    self.fifo.replace(list, listed_at);
                     let generation = self.fifo.replaces().0;
                     *self.served.lock().unwrap_or_else(|e| e.into_inner()) = (serving, generation);
                 }

@@ -114,9 +114,18 @@ impl SharedIndexInformer {
         self.fifo.has_synced()
     }
 
-    /// resourceVersion of the newest object the reflector saw.
+    /// resourceVersion of the newest state the reflector saw (its last list's, or a later
+    /// watch event's object's).
     pub fn last_sync_resource_version(&self) -> String {
         self.reflector.last_sync_resource_version()
+    }
+
+    /// [`last_sync_resource_version`](Self::last_sync_resource_version), `None` before any:
+    /// what an object found gone now is gone at.
+    pub fn last_resource_version(&self) -> Option<Arc<str>> {
+        Some(self.last_sync_resource_version())
+            .filter(|rv| !rv.is_empty())
+            .map(Arc::from)
     }
 
     /// How long ago its list+watch last heard from the API server (an event, a bookmark, a
@@ -196,10 +205,11 @@ impl SharedIndexInformer {
             let cancel = cancel.clone();
             tokio::spawn(async move {
                 loop {
-                    let signalled = this.fifo.with_lock(|synced| {
+                    let signalled = this.fifo.with_lock_listed(|synced, listed_at| {
                         if synced {
                             this.sync_signalled.store(true, Ordering::SeqCst);
-                            this.listeners().iter().for_each(|l| l.synced());
+                            let listed_at = listed_at.map(|rv| &**rv);
+                            this.listeners().iter().for_each(|l| l.synced(listed_at));
                         }
                         synced
                     });
@@ -217,8 +227,9 @@ impl SharedIndexInformer {
         sync_signal.abort();
         if self.gone.load(Ordering::SeqCst) {
             // The kind is no longer served (its CRD was deleted): what the watch has not
-            // deleted yet is deleted now, as a relist that found nothing would.
-            self.fifo.replace(Vec::new());
+            // deleted yet is deleted now, as a relist that found nothing would, found gone at
+            // the newest version the watch brought.
+            self.fifo.replace(Vec::new(), self.last_resource_version());
         }
         // The reflector has stopped: let the FIFO drain into the listeners.
         self.fifo.close();
@@ -293,7 +304,7 @@ impl SharedIndexInformer {
         base: Vec<ObjectRef>,
         which: impl Fn(&ProcessorListener) -> bool,
     ) -> usize {
-        self.fifo.with_lock(|_| {
+        self.fifo.with_lock_listed(|_, listed_at| {
             let switched_on: Vec<_> = self
                 .listeners()
                 .into_iter()
@@ -313,28 +324,44 @@ impl SharedIndexInformer {
                 let key = meta_namespace_key(&obj);
                 match base.remove(&key) {
                     Some(old) if old.uid() != obj.uid() => {
-                        changes.push(NotificationKind::Delete {
-                            obj: old,
-                            final_state_unknown: true,
-                        });
-                        changes.push(NotificationKind::Add {
-                            obj,
-                            is_initial_list: false,
-                        });
+                        // Gone at the version its successor is at.
+                        let at = Some(resource_version(&obj).into());
+                        changes.push((
+                            NotificationKind::Delete {
+                                obj: old,
+                                final_state_unknown: true,
+                            },
+                            at,
+                        ));
+                        changes.push((
+                            NotificationKind::Add {
+                                obj,
+                                is_initial_list: false,
+                            },
+                            None,
+                        ));
                     }
                     Some(old) if resource_version(&old) == resource_version(&obj) => {}
-                    Some(old) => changes.push(NotificationKind::Update { old, new: obj }),
-                    None => changes.push(NotificationKind::Add {
-                        obj,
-                        is_initial_list: false,
-                    }),
+                    Some(old) => changes.push((NotificationKind::Update { old, new: obj }, None)),
+                    None => changes.push((
+                        NotificationKind::Add {
+                            obj,
+                            is_initial_list: false,
+                        },
+                        None,
+                    )),
                 }
             }
             let mut gone: Vec<_> = base.into_iter().collect();
             gone.sort_by(|a, b| a.0.cmp(&b.0));
-            changes.extend(gone.into_iter().map(|(_, obj)| NotificationKind::Delete {
-                obj,
-                final_state_unknown: true,
+            changes.extend(gone.into_iter().map(|(_, obj)| {
+                (
+                    NotificationKind::Delete {
+                        obj,
+                        final_state_unknown: true,
+                    },
+                    listed_at.cloned(),
+                )
             }));
             let count = changes.len();
             self.hand(&switched_on, changes);
@@ -445,7 +472,7 @@ impl SharedIndexInformer {
         wanted: impl FnOnce() -> bool,
         which: impl Fn(&ProcessorListener) -> bool,
     ) -> Option<usize> {
-        self.fifo.with_lock(|_| {
+        self.fifo.with_lock_listed(|_, listed_at| {
             if !wanted() {
                 return None;
             }
@@ -460,29 +487,34 @@ impl SharedIndexInformer {
             let cached = self.indexer.list();
             self.hand(
                 &switched_on,
-                cached.iter().map(|obj| NotificationKind::Add {
-                    obj: obj.clone(),
-                    is_initial_list: true,
+                cached.iter().map(|obj| {
+                    let add = NotificationKind::Add {
+                        obj: obj.clone(),
+                        is_initial_list: true,
+                    };
+                    (add, None)
                 }),
             );
             // Once the first list is through, the cache is the whole initial state; before
             // that, the sync signal comes when it is (see `run`).
             if self.sync_signalled.load(Ordering::SeqCst) {
-                switched_on.iter().for_each(|l| l.synced());
+                let listed_at = listed_at.map(|rv| &**rv);
+                switched_on.iter().for_each(|l| l.synced(listed_at));
             }
             Some(cached.len())
         })
     }
 
-    /// Hands `kinds` (built under the FIFO lock) to `listeners` only, as notifications of now.
+    /// Hands `kinds` (built under the FIFO lock; deletes with the version they were found gone
+    /// at) to `listeners` only, as notifications of now.
     fn hand(
         &self,
         listeners: &[Arc<ProcessorListener>],
-        kinds: impl IntoIterator<Item = NotificationKind>,
+        kinds: impl IntoIterator<Item = (NotificationKind, Option<Arc<str>>)>,
     ) {
         let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
-        for kind in kinds {
-            let n = Notification::at(kind, received, observed);
+        for (kind, gone_at) in kinds {
+            let n = Notification::at(kind, received, observed).found_gone_at(gone_at);
             self.metrics.notifications[n.event_type() as usize].inc();
             for l in listeners {
                 l.add(n.clone());
@@ -517,12 +549,18 @@ impl SharedIndexInformer {
                                 obj: old,
                                 final_state_unknown: true,
                             };
-                            self.distribute(Notification::keyed(
-                                kind,
-                                key.clone(),
-                                delta.received,
-                                delta.observed,
-                            ));
+                            // Gone at the version its successor is at (found by the same
+                            // list), so that its add does not go back behind the delete.
+                            let at = resource_version(&delta.object).into();
+                            self.distribute(
+                                Notification::keyed(
+                                    kind,
+                                    key.clone(),
+                                    delta.received,
+                                    delta.observed,
+                                )
+                                .found_gone_at(Some(at)),
+                            );
                             NotificationKind::Add {
                                 obj: delta.object,
                                 is_initial_list,
@@ -546,12 +584,10 @@ impl SharedIndexInformer {
                     }
                 }
             };
-            self.distribute(Notification::keyed(
-                kind,
-                key,
-                delta.received,
-                delta.observed,
-            ));
+            self.distribute(
+                Notification::keyed(kind, key, delta.received, delta.observed)
+                    .found_gone_at(delta.gone_at),
+            );
         }
     }
 

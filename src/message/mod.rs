@@ -74,10 +74,23 @@ fn default_true() -> bool {
 }
 
 /// The id of the message about `uid` at `resource_version` of `event_type`:
-/// `uid:resourceVersion:type`. Deterministic, so that brokers (JetStream's `Nats-Msg-Id`) and
-/// consumers can deduplicate redelivery.
-pub fn message_id(uid: &str, resource_version: &str, event_type: EventType) -> String {
-    format!("{uid}:{resource_version}:{}", event_type.as_str())
+/// `uid:resourceVersion:type`, and `uid:deleted` for the delete of an object (seen on the
+/// watch or inferred by a relist or a resume, by any replica: an incarnation is deleted once,
+/// and the version it was deleted at is unknown when the delete is inferred).
+/// Deterministic, so that brokers (JetStream's `Nats-Msg-Id`) and consumers can deduplicate
+/// redelivery. A filter's delete (`filtered_out`; the object lives on and may come back into
+/// the filter and leave it again) keeps the resourceVersion that took it out.
+pub fn message_id(
+    uid: &str,
+    resource_version: &str,
+    event_type: EventType,
+    filtered_out: bool,
+) -> String {
+    if event_type == EventType::Deleted && !filtered_out {
+        format!("{uid}:deleted")
+    } else {
+        format!("{uid}:{resource_version}:{}", event_type.as_str())
+    }
 }
 
 /// Errors encoding a notification. They are final: retrying cannot fix the object.
@@ -444,7 +457,7 @@ impl Encoder {
             .ok_or_else(|| missing("resourceVersion"))?;
         let name = meta.name().ok_or_else(|| missing("name"))?;
         let namespace = meta.namespace().filter(|ns| !ns.is_empty());
-        let id = message_id(uid, rv, event_type);
+        let id = message_id(uid, rv, event_type, n.filtered_out);
         let (initial, final_state_unknown, old) = match n.kind() {
             NotificationKind::Add {
                 is_initial_list, ..
@@ -502,7 +515,7 @@ impl Encoder {
             k8snamespace: namespace,
             k8sname: name,
             k8suid: uid,
-            k8sresourceversion: rv,
+            k8sresourceversion: n.gone_at.as_deref().unwrap_or(rv),
             k8sinitial: initial,
             k8sfinalstateunknown: final_state_unknown,
             k8sresumed: n.resumed,
@@ -858,6 +871,40 @@ mod tests {
         assert_eq!(v["k8sinitial"], true);
         assert!(v.get("k8snamespace").is_none());
         assert_eq!(v["source"], "/clusters/c/api/v1/configmaps");
+    }
+
+    #[test]
+    fn a_delete_is_identified_by_its_uid_and_reports_where_it_was_found_gone() {
+        let enc = Encoder::new(
+            "c",
+            &configmaps(),
+            &MessageConfig::default(),
+            Encoding::Structured,
+        );
+        let delete = |rv: &str, unknown: bool| {
+            note(NotificationKind::Delete {
+                obj: obj("ns", "a", rv),
+                final_state_unknown: unknown,
+            })
+        };
+        // Seen on a watch: its own version; inferred by a list: the list's. One id for both.
+        let seen = decode(&enc.encode("ns/a", &delete("7", false)).unwrap());
+        let inferred = delete("3", true).found_gone_at(Some("12".into()));
+        let inferred = decode(&enc.encode("ns/a", &inferred).unwrap());
+        assert_eq!(seen["id"], "uid-ns-a:deleted");
+        assert_eq!(inferred["id"], "uid-ns-a:deleted");
+        assert_eq!(seen["k8sresourceversion"], "7");
+        assert_eq!(inferred["k8sresourceversion"], "12");
+        assert_eq!(
+            inferred["data"]["object"]["metadata"]["resourceVersion"], "3",
+            "the object is the last state seen"
+        );
+        // A filter's delete: the object lives on, and may leave the filter again.
+        let mut out = delete("5", false);
+        out.filtered_out = true;
+        let out = decode(&enc.encode("ns/a", &out).unwrap());
+        assert_eq!(out["id"], "uid-ns-a:5:deleted");
+        assert_eq!(out["k8sresourceversion"], "5");
     }
 
     #[test]

@@ -11,12 +11,19 @@
 //! - same uid, other resourceVersion → `updated`, with a stub `old` (no `oldObject` in the
 //!   message: the checkpoint holds no object);
 //! - other uid (deleted and recreated meanwhile) → `deleted` of the old uid (final state
-//!   unknown, a stub object), then `added`;
+//!   unknown, a stub object, found gone at the new object's resourceVersion), then `added`;
 //!
 //! and once the whole initial state has passed, every checkpoint key it did not hold →
 //! `deleted`, final state unknown, with a stub object (apiVersion, kind, namespace, name, uid,
-//! resourceVersion of the last acknowledged version). A change the informer delivers meanwhile
-//! settles its key the same way (a new uid first deletes the old one). Messages derived from
+//! resourceVersion of the last acknowledged version), found gone at the list's
+//! resourceVersion. A change the informer delivers meanwhile settles its key the same way (a
+//! new uid first deletes the old one).
+//!
+//! A resumed delete's message reports the version it was found gone at as its
+//! `k8sresourceversion` (see `Notification::gone_at`): the checkpoint's may be older than what
+//! another replica published for the key after its last checkpoint write. Its id names only
+//! the uid (`uid:deleted`), as the delete seen on a watch does, so the replica that published
+//! the object's real delete and the one that resumes it give both the same id. Messages derived from
 //! the checkpoint carry `k8sresumed: true`. Without a checkpoint the initial state passes
 //! through as initial adds (the behaviour without resume).
 //!
@@ -86,6 +93,8 @@ pub struct Resumer {
     // go straight to the queue without taking the lock.
     resuming: AtomicBool,
     outcomes: [IntCounter; Outcome::ALL.len()],
+    // `keb_route_resuming`: 1 from `term_began` until the resume is over or the term ends.
+    unresumed: prometheus::IntGauge,
 }
 
 enum State {
@@ -112,6 +121,7 @@ impl Resumer {
         types: TypeMeta,
         informers: usize,
         outcomes: [IntCounter; Outcome::ALL.len()],
+        unresumed: prometheus::IntGauge,
     ) -> Self {
         Self {
             route,
@@ -121,7 +131,25 @@ impl Resumer {
             state: Mutex::new(State::Passing),
             resuming: AtomicBool::new(false),
             outcomes,
+            unresumed,
         }
+    }
+
+    /// A term of the route began here: until its resume is over (see [`begin`](Self::begin))
+    /// `keb_route_resuming` is 1.
+    pub fn term_began(&self) {
+        self.unresumed.set(1);
+    }
+
+    /// The term ended: whatever its resume reached, `keb_route_resuming` is 0.
+    pub fn term_ended(&self) {
+        self.unresumed.set(0);
+    }
+
+    /// The resume is over (or there was none): stops `keb_route_resuming` once in `Passing`.
+    fn over(&self) {
+        self.resuming.store(false, Ordering::SeqCst);
+        self.unresumed.set(0);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -147,9 +175,10 @@ impl Resumer {
     }
 
     /// The kind is gone (its CRD was deleted): a resume still running deletes every key it
-    /// has not seen yet (the informer's own deletes cannot reach listeners that are off) and
-    /// is over.
-    pub fn kind_gone(&self) {
+    /// has not seen yet (the informer's own deletes cannot reach listeners that are off),
+    /// found gone at `gone_at` (the newest version its informers saw, if any ran), and is
+    /// over.
+    pub fn kind_gone(&self, gone_at: Option<Arc<str>>) {
         let mut state = self.lock();
         let State::Resuming {
             remaining,
@@ -164,13 +193,18 @@ impl Resumer {
             .chain(std::mem::take(replayed))
             .collect();
         *state = State::Passing;
-        self.resuming.store(false, Ordering::SeqCst);
+        self.over();
         drop(state);
-        self.delete_vanished(vanished);
+        self.delete_vanished(vanished, gone_at);
     }
 
-    /// Deletes `vanished` checkpoint keys (final state unknown, stubs), in key order.
-    fn delete_vanished(&self, mut vanished: Vec<(String, Entry)>) -> usize {
+    /// Deletes `vanished` checkpoint keys (final state unknown, stubs), found gone at
+    /// `gone_at`, in key order.
+    fn delete_vanished(
+        &self,
+        mut vanished: Vec<(String, Entry)>,
+        gone_at: Option<Arc<str>>,
+    ) -> usize {
         vanished.sort_by(|a, b| a.0.cmp(&b.0));
         let (received, observed) = (std::time::Instant::now(), jiff::Timestamp::now());
         let deleted = vanished.len();
@@ -180,7 +214,11 @@ impl Resumer {
                 obj: self.stub(&key, &entry),
                 final_state_unknown: true,
             };
-            self.forward(Notification::keyed(kind, key.into(), received, observed).into_resumed());
+            self.forward(
+                Notification::keyed(kind, key.into(), received, observed)
+                    .into_resumed()
+                    .found_gone_at(gone_at.clone()),
+            );
         }
         deleted
     }
@@ -206,8 +244,11 @@ impl Resumer {
             }
             None => State::Passing,
         };
-        self.resuming
-            .store(matches!(*state, State::Resuming { .. }), Ordering::SeqCst);
+        let resuming = matches!(*state, State::Resuming { .. });
+        self.resuming.store(resuming, Ordering::SeqCst);
+        if !resuming {
+            self.unresumed.set(0);
+        }
     }
 
     fn forward(&self, n: Notification) {
@@ -237,15 +278,21 @@ impl Resumer {
         Notification::keyed(kind, like.key().clone(), like.received, like.observed).into_resumed()
     }
 
-    /// Deletes the incarnation the checkpoint knows at `key` (final state unknown, a stub).
+    /// Deletes the incarnation the checkpoint knows at `key` (final state unknown, a stub),
+    /// found gone at the version of its successor `like` is about (so that the successor's
+    /// messages do not go back behind the delete).
     fn forward_gone(&self, like: &Notification, key: &str, entry: &Entry) {
-        self.forward(self.derived(
-            like,
-            NotificationKind::Delete {
-                obj: self.stub(key, entry),
-                final_state_unknown: true,
-            },
-        ));
+        let at = crate::informer::resource_version(like.object()).into();
+        self.forward(
+            self.derived(
+                like,
+                NotificationKind::Delete {
+                    obj: self.stub(key, entry),
+                    final_state_unknown: true,
+                },
+            )
+            .found_gone_at(Some(at)),
+        );
     }
 
     fn count(&self, outcome: Outcome) {
@@ -358,7 +405,7 @@ impl NotificationHandler for Resumer {
     /// did not are deleted now (an informer of one namespace: that namespace's keys), so that a
     /// namespace still waiting (forbidden, say) holds back only its own deletes. Once every
     /// informer has, every key left is deleted and the resume is over.
-    fn on_synced(&self, namespace: Option<&str>) {
+    fn on_synced(&self, namespace: Option<&str>, listed_at: Option<&str>) {
         let mut state = self.lock();
         let State::Resuming {
             remaining,
@@ -376,7 +423,7 @@ impl NotificationHandler for Resumer {
                 .chain(std::mem::take(replayed))
                 .collect();
             *state = State::Passing;
-            self.resuming.store(false, Ordering::SeqCst);
+            self.over();
             all
         } else if let Some(ns) = namespace {
             let of_ns = |m: &mut Checkpoint| -> Vec<(String, Entry)> {
@@ -397,7 +444,7 @@ impl NotificationHandler for Resumer {
         };
         let over = matches!(*state, State::Passing);
         drop(state);
-        let deleted = self.delete_vanished(vanished);
+        let deleted = self.delete_vanished(vanished, listed_at.map(Arc::from));
         if over {
             info!(route = %self.route, deleted, "Resumed: objects gone while down are deleted");
         } else {

@@ -215,6 +215,7 @@ impl<'m> RouteBuilder<'m> {
                         .resume_objects
                         .with_label_values(&[name.as_str(), o.as_str()])
                 }),
+                metrics.route_resuming.with_label_values(&[name.as_str()]),
             ))),
             _ => None,
         };

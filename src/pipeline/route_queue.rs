@@ -413,6 +413,7 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
             }
             pending.filtered_out = incoming.filtered_out;
             pending.resumed = incoming.resumed;
+            pending.gone_at = incoming.gone_at.clone();
             Delete {
                 obj: obj.clone(),
                 final_state_unknown: *final_state_unknown,
@@ -426,6 +427,7 @@ fn coalesce(pending: &mut Notification, incoming: &Notification) -> bool {
         (Add { .. } | Update { .. }, Delete { .. }) => {
             pending.filtered_out = incoming.filtered_out;
             pending.resumed = incoming.resumed;
+            pending.gone_at = incoming.gone_at.clone();
             incoming.kind().clone()
         }
         (

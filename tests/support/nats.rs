@@ -109,6 +109,17 @@ impl NatsServer {
         }
     }
 
+    /// Sends `signal` (`STOP`, `CONT`) to the server: a frozen server keeps its connections
+    /// open and answers nothing.
+    pub fn signal(&self, signal: &str) {
+        let child = self.child.as_ref().expect("the server runs");
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal}");
+    }
+
     /// Starts the stopped server again, on the same port and store.
     pub fn restart(&mut self) {
         self.restart_after(Duration::ZERO);

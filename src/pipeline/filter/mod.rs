@@ -582,8 +582,8 @@ impl NotificationHandler for RouteFilter {
             .pass(&self.stage, Item::Known(key.into(), unchanged.cloned()));
     }
 
-    fn on_synced(&self, namespace: Option<&str>) {
-        self.stage.queue.on_synced(namespace);
+    fn on_synced(&self, namespace: Option<&str>, listed_at: Option<&str>) {
+        self.stage.queue.on_synced(namespace, listed_at);
     }
 
     fn flush(&self) {

@@ -289,6 +289,9 @@ impl KafkaSink {
                         .kafka_transactions
                         .with_label_values(&[self.name.as_str(), outcome])
                 }),
+                fenced: metrics
+                    .kafka_producer_fenced
+                    .with_label_values(&[self.name.as_str()]),
             };
             self.transactions = Some(Arc::new(TransactionSet::new(
                 settings,

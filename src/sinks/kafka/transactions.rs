@@ -25,6 +25,11 @@
 //!   duplicate them. Its acknowledgements fail, the producer goes, and nothing is produced
 //!   until the next `begin_term`, which resumes from the checkpoint; `/healthz` fails
 //!   ([`Transactions::broken`]) so the pod restarts.
+//! - **Fenced shows until the next term.** A producer of this replica that a newer producer
+//!   of the id fenced (a thawed or slow deposed leader: its commit or its term's closing abort
+//!   is refused) is reported by [`Transactions::broken`] and `keb_kafka_producer_fenced`
+//!   whichever came first, the lease's loss or the refusal, until a term of this replica
+//!   starts its own producer: ending the term does not clear it.
 //! - **Order.** Records are produced under the state lock, a message's checkpoint record right
 //!   after it, and every record of a term by one producer: a key's records keep their order
 //!   in the checkpoint topic. A commit holds the gate exclusively: nothing is produced between
@@ -80,6 +85,8 @@ pub(super) struct Settings {
     pub(super) max_message_bytes: usize,
     /// Transactions committed and aborted (`keb_kafka_transactions_total`).
     pub(super) outcomes: [prometheus::IntCounter; 2],
+    /// Transactional ids whose producer here was fenced (`keb_kafka_producer_fenced`).
+    pub(super) fenced: prometheus::IntGauge,
 }
 
 /// See the module docs.
@@ -92,6 +99,68 @@ pub(super) struct Transactions {
     state: Mutex<State>,
     // Why transactions fail now (readiness), cleared by the next commit and a term's end.
     problem: Mutex<Option<String>>,
+    // Whether a producer of this replica was fenced (liveness), cleared only by the next term's
+    // producer: shared with the task that aborts an ended term's transaction.
+    fenced: Arc<Fenced>,
+}
+
+/// A fence found on one of this replica's producers of a transactional id: kept until a new
+/// term's producer starts, whatever ended the term meanwhile, and counted in the sink's
+/// `keb_kafka_producer_fenced`.
+struct Fenced {
+    why: Mutex<Option<String>>,
+    gauge: prometheus::IntGauge,
+}
+
+impl Fenced {
+    fn get(&self) -> Option<String> {
+        self.why.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records a fence if `producer` reports one (its fatal error is a fence), naming `id`.
+    fn note(&self, sink: &str, id: &str, producer: &FutureProducer<KafkaContext>) -> bool {
+        let Some((code, reason)) = producer
+            .client()
+            .fatal_error()
+            .filter(|(c, _)| is_fence(*c))
+        else {
+            return false;
+        };
+        let mut why = self.why.lock().unwrap_or_else(|e| e.into_inner());
+        if why.is_none() {
+            self.gauge.inc();
+            error!(sink, transactional_id = id, error = %reason, "This replica's producer was fenced: another one took over its transactional.id; /healthz fails until this replica starts a term again");
+        }
+        *why = Some(format!(
+            "sink {sink}: its producer of transactional.id {id} was fenced by a newer one \
+             ({code:?}: {reason}): another replica took over; this one publishes nothing until it \
+             leads again (or restarts)"
+        ));
+        true
+    }
+
+    fn clear(&self) {
+        if self
+            .why
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .is_some()
+        {
+            self.gauge.dec();
+        }
+    }
+}
+
+/// Whether a producer's fatal error `code` says a newer producer of its transactional id
+/// fenced it.
+fn is_fence(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch
+    )
 }
 
 #[derive(Default)]
@@ -137,7 +206,12 @@ impl Transactions {
     /// Transactions of `transactional.id` `id`; the commit task runs while the returned
     /// value lives.
     pub(super) fn new(settings: Settings, id: String) -> Arc<Self> {
+        let fenced = Arc::new(Fenced {
+            why: Mutex::default(),
+            gauge: settings.fenced.clone(),
+        });
         let this = Arc::new(Self {
+            fenced,
             settings,
             id,
             gate: Arc::new(tokio::sync::RwLock::new(())),
@@ -164,9 +238,11 @@ impl Transactions {
             .clone()
     }
 
-    /// Why nothing can be published until the next term (for `/healthz`), if so.
+    /// Why nothing can be published until the next term (for `/healthz`), if so: an unknown
+    /// outcome in this term, or a producer of this replica fenced (this term's or an ended
+    /// one's).
     pub(super) fn broken(&self) -> Option<String> {
-        self.lock().broken.clone()
+        self.lock().broken.clone().or_else(|| self.fenced.get())
     }
 
     /// A term begins: what the last one held fails, and this term's producer is made (fencing
@@ -237,6 +313,7 @@ impl Transactions {
                 st.opened_at = Some(tokio::time::Instant::now());
                 drop(st);
                 self.set_problem(None);
+                self.fenced.clear();
                 info!(sink = %self.settings.sink, transactional_id = %self.id, "Transactions on: earlier producers of this transactional.id are fenced");
                 Ok(())
             }
@@ -265,8 +342,11 @@ impl Transactions {
         };
         self.set_problem(None);
         if let Some(producer) = old {
-            // After a commit under way (its acknowledgements stand), under the gate.
-            let gate = self.gate.clone();
+            // After a commit under way (its acknowledgements stand), under the gate. An abort
+            // refused because a newer producer fenced this one (the lease was lost first, the
+            // fence found now) is reported as the commit's refusal would have been.
+            let (gate, fenced) = (self.gate.clone(), self.fenced.clone());
+            let (sink, id) = (self.settings.sink.clone(), self.id.clone());
             tokio::spawn(async move {
                 let closed = gate.write_owned().await;
                 let _ = tokio::task::spawn_blocking(move || {
@@ -275,6 +355,7 @@ impl Transactions {
                         // Nothing open (a commit ended it) is an error: nothing to do.
                         let _ = producer.abort_transaction(CALL_TIMEOUT);
                     }
+                    fenced.note(&sink, &id, &producer);
                     drop(producer);
                 })
                 .await;
@@ -647,7 +728,9 @@ impl Transactions {
 
     /// Stops publishing until the next term: `producer` (if still the term's) goes.
     fn stop(&self, producer: &FutureProducer<KafkaContext>, why: String) {
-        let fenced = producer.client().fatal_error().is_some();
+        // Fenced is kept past this term (its end clears `broken`), whether or not `producer`
+        // is still the term's.
+        let fenced = self.fenced.note(&self.settings.sink, &self.id, producer);
         error!(sink = %self.settings.sink, transactional_id = %self.id, fenced, error = %why, "Transactions stopped; nothing is published until the next term (or the restart /healthz asks for)");
         let mut st = self.lock();
         if st.producer.as_ref().is_some_and(|p| same(p, producer)) {

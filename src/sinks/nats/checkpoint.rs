@@ -6,6 +6,13 @@
 //! A load reads the newest record of every key of the route (a pull consumer delivering the
 //! last message per subject, as many as it says are pending); writes are KV puts and
 //! deletes, acknowledged by the stream, many at once.
+//!
+//! # Recovery
+//! Every step of a load (opening the bucket, listing routes, making the consumer, each
+//! record) must answer within [`READ_STALL`]: a server that stops answering (frozen, its
+//! JetStream stalled, a leader election under way) fails the load then, rather than after the
+//! pull consumer's missed heartbeats (about 30 s). The route then waits and reads again with
+//! backoff (`app::checkpoints`: `/readyz` names it, `keb_checkpoint_waiting` is 1).
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -24,6 +31,9 @@ use crate::{
 
 /// Writes waiting for their acknowledgement at once.
 const WRITES_IN_FLIGHT: usize = 256;
+
+/// How long a checkpoint load waits for any one answer of the server (see the module docs).
+pub const READ_STALL: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// See the module docs.
 pub struct NatsCheckpointStore {
@@ -161,6 +171,22 @@ impl NatsCheckpointStore {
             reason: reason.to_string(),
         }
     }
+
+    /// `step` of a load, failed when the server gives no answer within [`READ_STALL`].
+    async fn answered<T>(
+        &self,
+        what: &str,
+        step: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        tokio::time::timeout(READ_STALL, step)
+            .await
+            .unwrap_or_else(|_| {
+                Err(self.error(format!(
+                    "{what}: no answer from the server within {}s; the read is tried again",
+                    READ_STALL.as_secs()
+                )))
+            })
+    }
 }
 
 impl CheckpointStore for NatsCheckpointStore {
@@ -261,17 +287,20 @@ impl NatsCheckpointStore {
 impl NatsCheckpointStore {
     /// Every route that holds (or held: a delete marker counts) a [`CLUSTER_KEY`] record.
     async fn routes_with_cluster_key(&self) -> Result<Vec<String>> {
-        let (_conn, kv) = self.kv().await?;
+        let (_conn, kv) = self.answered("opening the bucket", self.kv()).await?;
         let prefix = format!("$KV.{}.", self.bucket);
         let suffix = format!(".{}", escape(CLUSTER_KEY));
-        let subjects: Vec<(String, usize)> = kv
-            .stream
-            .info_with_subjects(format!("{prefix}*{suffix}"))
-            .await
-            .map_err(|e| self.error(e))?
-            .try_collect()
-            .await
-            .map_err(|e| self.error(e))?;
+        let subjects: Vec<(String, usize)> = self
+            .answered("listing the routes", async {
+                kv.stream
+                    .info_with_subjects(format!("{prefix}*{suffix}"))
+                    .await
+                    .map_err(|e| self.error(e))?
+                    .try_collect()
+                    .await
+                    .map_err(|e| self.error(e))
+            })
+            .await?;
         Ok(subjects
             .into_iter()
             .filter_map(|(subject, _)| {
@@ -304,29 +333,40 @@ impl NatsCheckpointStore {
         use jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
         // The newest record of every key; `num_pending` says how many there are, so the
         // read knows its end (a KV watch would have to guess it from quiet).
-        let (_conn, kv) = self.kv().await?;
-        let consumer = kv
-            .stream
-            .create_consumer(pull::Config {
-                filter_subject: filter.to_owned(),
-                deliver_policy: DeliverPolicy::LastPerSubject,
-                ack_policy: AckPolicy::None,
-                inactive_threshold: std::time::Duration::from_secs(60),
-                ..Default::default()
+        let (_conn, kv) = self.answered("opening the bucket", self.kv()).await?;
+        let consumer = self
+            .answered("making the reading consumer", async {
+                kv.stream
+                    .create_consumer(pull::Config {
+                        filter_subject: filter.to_owned(),
+                        deliver_policy: DeliverPolicy::LastPerSubject,
+                        ack_policy: AckPolicy::None,
+                        inactive_threshold: std::time::Duration::from_secs(60),
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(|e| self.error(e))
             })
-            .await
-            .map_err(|e| self.error(e))?;
+            .await?;
         let pending = consumer.cached_info().num_pending;
         if pending == 0 {
             return Ok(());
         }
-        let mut messages = consumer.messages().await.map_err(|e| self.error(e))?;
-        for _ in 0..pending {
-            let message = messages
-                .next()
-                .await
-                .ok_or_else(|| self.error("the read ended early"))?
-                .map_err(|e| self.error(e))?;
+        let mut messages = self
+            .answered("starting the read", async {
+                consumer.messages().await.map_err(|e| self.error(e))
+            })
+            .await?;
+        for read in 0..pending {
+            let message = self
+                .answered(&format!("record {} of {pending}", read + 1), async {
+                    messages
+                        .next()
+                        .await
+                        .ok_or_else(|| self.error("the read ended early"))?
+                        .map_err(|e| self.error(e))
+                })
+                .await?;
             let Some((route, raw)) = route_key(message.subject.as_str()) else {
                 continue;
             };

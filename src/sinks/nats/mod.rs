@@ -4,7 +4,7 @@ mod checkpoint;
 mod config;
 mod sink;
 
-pub use checkpoint::NatsCheckpointStore;
+pub use checkpoint::{NatsCheckpointStore, READ_STALL};
 pub use config::{
     NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, NatsTlsConfig, StreamRetention,
     StreamStorage, scrub_url_credentials,
