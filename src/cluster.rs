@@ -220,6 +220,22 @@ pub enum Error {
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// The cluster's current resourceVersion: that of a consistent list of one Lease in
+/// `namespace` (the leader election's, which the service may list), an etcd revision past
+/// every change made before the call. `None` when the list fails (refused, unreachable).
+pub async fn current_resource_version(client: &Client, namespace: &str) -> Option<Arc<str>> {
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(client.clone(), namespace);
+    let list = leases
+        .list_metadata(&kube::api::ListParams::default().limit(1))
+        .await
+        .ok()?;
+    list.metadata
+        .resource_version
+        .filter(|rv| !rv.is_empty())
+        .map(Arc::from)
+}
+
 /// The cluster's identity: the uid of its `kube-system` namespace (what checkpoints record, so
 /// that a checkpoint of another cluster is never resumed from). An error names what to grant.
 pub async fn identity(client: &Client) -> std::result::Result<String, String> {

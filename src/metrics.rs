@@ -105,10 +105,10 @@ pub struct Metrics {
     /// `keb_checkpoint_waiting{route}`: 1 while the route publishes nothing because its
     /// checkpoint cannot be loaded (unreadable: retried; another cluster's: for good).
     pub checkpoint_waiting: IntGaugeVec,
-    /// `keb_route_resuming{route}`: 1 from the start of this replica's term of the route (it
-    /// leads, or owns the route's shard) until the route's resume is over: its checkpoint
-    /// read and compared with a fresh list, every object gone meanwhile deleted. A route that
-    /// stays at 1 publishes only part of what changed while no replica published.
+    /// `keb_route_resuming{route}`: 1 from when this replica takes the route's Lease (it
+    /// leads, or owns the route's shard; the takeover wait included) until the route's resume
+    /// is over: its checkpoint read and compared with a fresh list, every object gone meanwhile
+    /// deleted. A route at 1 has not published all of what changed while no replica did.
     pub route_resuming: IntGaugeVec,
     /// `keb_checkpoint_lag{route}`: keys acknowledged by the sink but not yet stored in the
     /// checkpoint.
@@ -343,7 +343,7 @@ impl Metrics {
             ),
             route_resuming: gauge(
                 "keb_route_resuming",
-                "1 from the start of this replica's term of the route until its resume from the checkpoint is over",
+                "1 from when this replica takes the route's Lease until its resume from the checkpoint is over",
                 &["route"],
             ),
             checkpoint_lag: gauge(

@@ -124,13 +124,18 @@ fn check_events(records: &[Record]) -> Vec<Value> {
             );
         }
         let ty = event_type(&e);
-        let uid = e["k8suid"].as_str().unwrap();
-        let id = if ty == "deleted" {
-            format!("{uid}:deleted")
+        // An inferred delete is identified by the last state known (its object's version).
+        let known = e["data"]["object"]["metadata"]["resourceVersion"].as_str();
+        let id_rv = if tombstone {
+            known.unwrap().to_owned()
         } else {
-            format!("{uid}:{rv}:{ty}")
+            rv.to_string()
         };
-        assert_eq!(e["id"].as_str().unwrap(), id, "deterministic id");
+        assert_eq!(
+            e["id"].as_str().unwrap(),
+            format!("{}:{id_rv}:{ty}", e["k8suid"].as_str().unwrap()),
+            "deterministic id"
+        );
         for attr in [
             "specversion",
             "source",

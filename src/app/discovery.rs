@@ -519,12 +519,18 @@ pub(super) async fn refresh(
                     Ok(versions) if versions.is_empty() => {}
                     _ => continue,
                 }
+                // No informer of the kind ran here (or it stopped before this term's resume
+                // began): its objects are found gone at the cluster's version now, past
+                // anything the last owner published of them (a version its informers saw,
+                // kept by the resumer, if they did).
+                // (Read as a list of the Leases this replica holds its lease among; where that is
+                // refused, the checkpoint's version is reported.)
+                let ns = crate::leader::default_namespace(&wiring.config.leader_election);
+                let now = crate::cluster::current_resource_version(&wiring.client, &ns).await;
                 for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
                     if resume.resumer.is_resuming() {
                         info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");
-                        // No informer of the kind ran here: its deletes keep the checkpoint's
-                        // resourceVersion.
-                        resume.resumer.kind_gone(None);
+                        resume.resumer.kind_gone(now.clone());
                     }
                 }
             }
@@ -624,7 +630,9 @@ pub(super) async fn refresh(
                 let rest: Vec<_> = resources.wired[j].informers.clone();
                 rest.iter().for_each(|i| i.mark_gone());
                 futures::future::join_all(rest.iter().map(|i| i.stop())).await;
-                let gone_at = newest_version(rest.iter().filter_map(|i| i.last_resource_version()));
+                let gone_at = crate::informer::newest_resource_version(
+                    rest.iter().filter_map(|i| i.last_resource_version()),
+                );
                 for informer in &rest {
                     wiring.factory.remove(informer);
                 }
@@ -814,22 +822,6 @@ async fn hand_over(
                 && !held.iter().any(|p| l.name().starts_with(p.as_str()))
         });
     }
-}
-
-/// The newest of the resourceVersions informers of one kind last saw: what its objects are
-/// found gone at when the kind goes. Compared as numbers, which they are on etcd-backed API
-/// servers (the one place a version is compared: any of them is a version the kind's watch
-/// reached); otherwise the first.
-fn newest_version(versions: impl Iterator<Item = Arc<str>>) -> Option<Arc<str>> {
-    let versions: Vec<Arc<str>> = versions.collect();
-    versions
-        .iter()
-        .map(|v| v.parse::<u64>().map(|n| (n, v)))
-        .collect::<Result<Vec<_>, _>>()
-        .ok()
-        .and_then(|numbered| numbered.into_iter().max_by_key(|(n, _)| *n))
-        .map(|(_, v)| v.clone())
-        .or_else(|| versions.first().cloned())
 }
 
 #[cfg(test)]

@@ -305,8 +305,13 @@ async fn follow_change(
     // everything; the next one makes a producer of its own).
     sinks.iter().for_each(|s| s.end_term(shard));
     if now {
-        // The last term ends before the wait: nothing of it is published meanwhile.
-        resources.lock().await.set_leading(false).await;
+        // The last term ends before the wait: nothing of it is published meanwhile. The
+        // routes count as resuming from here (`keb_route_resuming`): what changed while no
+        // replica published is not out until the wait, the term's start and the resume are.
+        let mut r = resources.lock().await;
+        r.set_leading(false).await;
+        r.resumes().iter().for_each(|r| r.resumer.term_began());
+        drop(r);
         // A lapse ends a wait without a change when the renewal lands just after
         // it: wait again while the elector still says leading.
         let mut valid = fence.wait_valid().await;
@@ -316,6 +321,12 @@ async fn follow_change(
         }
         if !valid {
             warn!("Lost the lease during the takeover wait");
+            resources
+                .lock()
+                .await
+                .resumes()
+                .iter()
+                .for_each(|r| r.resumer.term_ended());
             return false;
         }
     }
@@ -325,6 +336,12 @@ async fn follow_change(
             s.abandon_queued();
             s.end_term(shard);
         });
+        resources
+            .lock()
+            .await
+            .resumes()
+            .iter()
+            .for_each(|r| r.resumer.term_ended());
         return false;
     }
     resources.lock().await.set_leading(now).await;

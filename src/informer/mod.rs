@@ -50,6 +50,21 @@ pub fn resource_version(obj: &impl ObjectMetaRef) -> &str {
     obj.resource_version().unwrap_or_default()
 }
 
+/// The newest of `versions`, for what an object is found gone at when several versions are
+/// known to be past its last state (each is). Compared as numbers, which they are on
+/// etcd-backed API servers; otherwise the first (any of them is past that state).
+pub fn newest_resource_version(versions: impl IntoIterator<Item = Arc<str>>) -> Option<Arc<str>> {
+    let versions: Vec<Arc<str>> = versions.into_iter().collect();
+    versions
+        .iter()
+        .map(|v| v.parse::<u64>().map(|n| (n, v)))
+        .collect::<Result<Vec<_>, _>>()
+        .ok()
+        .and_then(|numbered| numbered.into_iter().max_by_key(|(n, _)| *n))
+        .map(|(_, v)| v.clone())
+        .or_else(|| versions.first().cloned())
+}
+
 #[cfg(test)]
 pub(crate) mod testing {
     //! Object builders for unit tests.

@@ -167,7 +167,7 @@ impl Reflector {
             .clone()
     }
 
-    /// Notes `obj`'s resourceVersion as the last seen.
+    /// Notes `obj`'s resourceVersion (a watch event's) as the last seen.
     fn seen(&self, obj: ObjectRef) -> ObjectRef {
         *self
             .last_sync_resource_version
@@ -224,8 +224,9 @@ impl Reflector {
                     listing = Some(Vec::new());
                     serving = self.relists.listing_for();
                 }
+                // A list's items are in no version order: the list's own version counts, at
+                // `InitDone`.
                 Ok(watcher::Event::InitApply(obj)) => {
-                    let obj = self.seen(obj);
                     listing.get_or_insert_default().push(obj);
                 }
                 Ok(watcher::Event::InitDone) => {

@@ -354,13 +354,22 @@ impl SharedIndexInformer {
             }
             let mut gone: Vec<_> = base.into_iter().collect();
             gone.sort_by(|a, b| a.0.cmp(&b.0));
+            // Gone at the newer of this informer's list and the state the listeners were
+            // handed (the other informer may have seen, and they published, a version past
+            // that list; what comes next of the key is past both).
             changes.extend(gone.into_iter().map(|(_, obj)| {
+                let at = super::newest_resource_version(
+                    listed_at
+                        .cloned()
+                        .into_iter()
+                        .chain([Arc::from(resource_version(&obj))]),
+                );
                 (
                     NotificationKind::Delete {
                         obj,
                         final_state_unknown: true,
                     },
-                    listed_at.cloned(),
+                    at,
                 )
             }));
             let count = changes.len();

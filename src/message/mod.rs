@@ -74,23 +74,13 @@ fn default_true() -> bool {
 }
 
 /// The id of the message about `uid` at `resource_version` of `event_type`:
-/// `uid:resourceVersion:type`, and `uid:deleted` for the delete of an object (seen on the
-/// watch or inferred by a relist or a resume, by any replica: an incarnation is deleted once,
-/// and the version it was deleted at is unknown when the delete is inferred).
-/// Deterministic, so that brokers (JetStream's `Nats-Msg-Id`) and consumers can deduplicate
-/// redelivery. A filter's delete (`filtered_out`; the object lives on and may come back into
-/// the filter and leave it again) keeps the resourceVersion that took it out.
-pub fn message_id(
-    uid: &str,
-    resource_version: &str,
-    event_type: EventType,
-    filtered_out: bool,
-) -> String {
-    if event_type == EventType::Deleted && !filtered_out {
-        format!("{uid}:deleted")
-    } else {
-        format!("{uid}:{resource_version}:{}", event_type.as_str())
-    }
+/// `uid:resourceVersion:type`. Deterministic, so that brokers (JetStream's `Nats-Msg-Id`) and
+/// consumers can deduplicate redelivery. A delete inferred by a list (final state unknown)
+/// takes the version of the last state known (the cache's, or the checkpoint's), not the one
+/// its message reports as found gone at (see `Notification::gone_at`), which differs between
+/// the replicas and attempts that infer the same delete.
+pub fn message_id(uid: &str, resource_version: &str, event_type: EventType) -> String {
+    format!("{uid}:{resource_version}:{}", event_type.as_str())
 }
 
 /// Errors encoding a notification. They are final: retrying cannot fix the object.
@@ -457,7 +447,7 @@ impl Encoder {
             .ok_or_else(|| missing("resourceVersion"))?;
         let name = meta.name().ok_or_else(|| missing("name"))?;
         let namespace = meta.namespace().filter(|ns| !ns.is_empty());
-        let id = message_id(uid, rv, event_type, n.filtered_out);
+        let id = message_id(uid, rv, event_type);
         let (initial, final_state_unknown, old) = match n.kind() {
             NotificationKind::Add {
                 is_initial_list, ..
@@ -874,7 +864,7 @@ mod tests {
     }
 
     #[test]
-    fn a_delete_is_identified_by_its_uid_and_reports_where_it_was_found_gone() {
+    fn an_inferred_delete_reports_where_it_was_found_gone_and_keeps_its_id() {
         let enc = Encoder::new(
             "c",
             &configmaps(),
@@ -887,24 +877,22 @@ mod tests {
                 final_state_unknown: unknown,
             })
         };
-        // Seen on a watch: its own version; inferred by a list: the list's. One id for both.
+        // Seen on a watch: its own version.
         let seen = decode(&enc.encode("ns/a", &delete("7", false)).unwrap());
-        let inferred = delete("3", true).found_gone_at(Some("12".into()));
-        let inferred = decode(&enc.encode("ns/a", &inferred).unwrap());
-        assert_eq!(seen["id"], "uid-ns-a:deleted");
-        assert_eq!(inferred["id"], "uid-ns-a:deleted");
+        assert_eq!(seen["id"], "uid-ns-a:7:deleted");
         assert_eq!(seen["k8sresourceversion"], "7");
-        assert_eq!(inferred["k8sresourceversion"], "12");
-        assert_eq!(
-            inferred["data"]["object"]["metadata"]["resourceVersion"], "3",
-            "the object is the last state seen"
-        );
-        // A filter's delete: the object lives on, and may leave the filter again.
-        let mut out = delete("5", false);
-        out.filtered_out = true;
-        let out = decode(&enc.encode("ns/a", &out).unwrap());
-        assert_eq!(out["id"], "uid-ns-a:5:deleted");
-        assert_eq!(out["k8sresourceversion"], "5");
+        // Inferred by a list at 12: reported at 12, identified by the last state known (3),
+        // whatever list found it gone.
+        for listed_at in ["12", "15"] {
+            let inferred = delete("3", true).found_gone_at(Some(listed_at.into()));
+            let inferred = decode(&enc.encode("ns/a", &inferred).unwrap());
+            assert_eq!(inferred["id"], "uid-ns-a:3:deleted");
+            assert_eq!(inferred["k8sresourceversion"], listed_at);
+            assert_eq!(
+                inferred["data"]["object"]["metadata"]["resourceVersion"], "3",
+                "the object is the last state known"
+            );
+        }
     }
 
     #[test]

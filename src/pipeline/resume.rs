@@ -21,9 +21,10 @@
 //!
 //! A resumed delete's message reports the version it was found gone at as its
 //! `k8sresourceversion` (see `Notification::gone_at`): the checkpoint's may be older than what
-//! another replica published for the key after its last checkpoint write. Its id names only
-//! the uid (`uid:deleted`), as the delete seen on a watch does, so the replica that published
-//! the object's real delete and the one that resumes it give both the same id. Messages derived from
+//! another replica published for the key after its last checkpoint write. Its id keeps the
+//! checkpoint's version (`uid:resourceVersion:deleted` of the stub), so every replica and
+//! attempt resuming from the same checkpoint gives the delete the same id, whatever list
+//! found it gone. Messages derived from
 //! the checkpoint carry `k8sresumed: true`. Without a checkpoint the initial state passes
 //! through as initial adds (the behaviour without resume).
 //!
@@ -95,6 +96,8 @@ pub struct Resumer {
     outcomes: [IntCounter; Outcome::ALL.len()],
     // `keb_route_resuming`: 1 from `term_began` until the resume is over or the term ends.
     unresumed: prometheus::IntGauge,
+    // The version the kind was last found gone at (see `kind_gone`), until it is served again.
+    kind_gone_at: Mutex<Option<Arc<str>>>,
 }
 
 enum State {
@@ -132,6 +135,7 @@ impl Resumer {
             resuming: AtomicBool::new(false),
             outcomes,
             unresumed,
+            kind_gone_at: Mutex::default(),
         }
     }
 
@@ -162,6 +166,7 @@ impl Resumer {
     /// and with what was passed on elsewhere.
     pub fn informers_replaced(&self, types: TypeMeta) {
         *self.types.lock().unwrap_or_else(|e| e.into_inner()) = types;
+        *self.kind_gone_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let State::Resuming {
             unsynced,
             passed,
@@ -179,6 +184,15 @@ impl Resumer {
     /// found gone at `gone_at` (the newest version its informers saw, if any ran), and is
     /// over.
     pub fn kind_gone(&self, gone_at: Option<Arc<str>>) {
+        // Kept for a resume that begins later (a route waiting for its checkpoint while the
+        // kind went): its informers are gone by then.
+        let gone_at = {
+            let mut kept = self.kind_gone_at.lock().unwrap_or_else(|e| e.into_inner());
+            let newest =
+                crate::informer::newest_resource_version(gone_at.into_iter().chain(kept.clone()));
+            kept.clone_from(&newest);
+            newest
+        };
         let mut state = self.lock();
         let State::Resuming {
             remaining,

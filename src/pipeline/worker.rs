@@ -896,6 +896,5 @@ fn message_id(n: &Notification) -> String {
         meta.uid().unwrap_or_default(),
         meta.resource_version().unwrap_or_default(),
         n.event_type(),
-        n.filtered_out,
     )
 }

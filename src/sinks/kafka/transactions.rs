@@ -108,17 +108,41 @@ pub(super) struct Transactions {
 /// term's producer starts, whatever ended the term meanwhile, and counted in the sink's
 /// `keb_kafka_producer_fenced`.
 struct Fenced {
-    why: Mutex<Option<String>>,
+    // Why, and how many terms began here: a fence found on an older term's producer after a
+    // newer term began is that term's producer's doing (this replica retook the lease), not
+    // reported.
+    state: Mutex<(Option<String>, u64)>,
     gauge: prometheus::IntGauge,
 }
 
 impl Fenced {
-    fn get(&self) -> Option<String> {
-        self.why.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<String>, u64)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records a fence if `producer` reports one (its fatal error is a fence), naming `id`.
-    fn note(&self, sink: &str, id: &str, producer: &FutureProducer<KafkaContext>) -> bool {
+    fn get(&self) -> Option<String> {
+        self.lock().0.clone()
+    }
+
+    /// How many terms began here so far.
+    fn started(&self) -> u64 {
+        self.lock().1
+    }
+
+    /// A term begins: its producer may fence the older ones of this replica.
+    fn term_begins(&self) {
+        self.lock().1 += 1;
+    }
+
+    /// Records a fence if `producer` reports one (its fatal error is a fence), naming `id`,
+    /// unless a term began here after the `started`-th.
+    fn note(
+        &self,
+        sink: &str,
+        id: &str,
+        producer: &FutureProducer<KafkaContext>,
+        started: u64,
+    ) -> bool {
         let Some((code, reason)) = producer
             .client()
             .fatal_error()
@@ -126,12 +150,15 @@ impl Fenced {
         else {
             return false;
         };
-        let mut why = self.why.lock().unwrap_or_else(|e| e.into_inner());
-        if why.is_none() {
+        let mut state = self.lock();
+        if state.1 != started {
+            return false;
+        }
+        if state.0.is_none() {
             self.gauge.inc();
             error!(sink, transactional_id = id, error = %reason, "This replica's producer was fenced: another one took over its transactional.id; /healthz fails until this replica starts a term again");
         }
-        *why = Some(format!(
+        state.0 = Some(format!(
             "sink {sink}: its producer of transactional.id {id} was fenced by a newer one \
              ({code:?}: {reason}): another replica took over; this one publishes nothing until it \
              leads again (or restarts)"
@@ -139,14 +166,9 @@ impl Fenced {
         true
     }
 
+    /// A term's producer started here: a fence found before is over.
     fn clear(&self) {
-        if self
-            .why
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .is_some()
-        {
+        if self.lock().0.take().is_some() {
             self.gauge.dec();
         }
     }
@@ -207,7 +229,7 @@ impl Transactions {
     /// value lives.
     pub(super) fn new(settings: Settings, id: String) -> Arc<Self> {
         let fenced = Arc::new(Fenced {
-            why: Mutex::default(),
+            state: Mutex::new((None, 0)),
             gauge: settings.fenced.clone(),
         });
         let this = Arc::new(Self {
@@ -251,6 +273,9 @@ impl Transactions {
     /// produced; the caller tries again while the term lasts.
     pub(super) async fn begin_term(&self, until: Option<tokio::time::Instant>) -> Result<()> {
         let closed = self.gate.clone().write_owned().await;
+        // From here a producer of this replica may fence the last one: a fence found on that
+        // one later is this term's doing.
+        self.fenced.term_begins();
         let old = {
             let mut st = self.lock();
             fail_all(&mut st, "a new leadership term began");
@@ -347,6 +372,8 @@ impl Transactions {
             // fence found now) is reported as the commit's refusal would have been.
             let (gate, fenced) = (self.gate.clone(), self.fenced.clone());
             let (sink, id) = (self.settings.sink.clone(), self.id.clone());
+            // A term started here before the abort runs fenced this producer itself.
+            let started = self.fenced.started();
             tokio::spawn(async move {
                 let closed = gate.write_owned().await;
                 let _ = tokio::task::spawn_blocking(move || {
@@ -355,7 +382,7 @@ impl Transactions {
                         // Nothing open (a commit ended it) is an error: nothing to do.
                         let _ = producer.abort_transaction(CALL_TIMEOUT);
                     }
-                    fenced.note(&sink, &id, &producer);
+                    fenced.note(&sink, &id, &producer, started);
                     drop(producer);
                 })
                 .await;
@@ -729,8 +756,12 @@ impl Transactions {
     /// Stops publishing until the next term: `producer` (if still the term's) goes.
     fn stop(&self, producer: &FutureProducer<KafkaContext>, why: String) {
         // Fenced is kept past this term (its end clears `broken`), whether or not `producer`
-        // is still the term's.
-        let fenced = self.fenced.note(&self.settings.sink, &self.id, producer);
+        // is still the term's (a commit holds the gate, so no newer term's producer started
+        // since it took `producer`: the fence is another replica's).
+        let started = self.fenced.started();
+        let fenced = self
+            .fenced
+            .note(&self.settings.sink, &self.id, producer, started);
         error!(sink = %self.settings.sink, transactional_id = %self.id, fenced, error = %why, "Transactions stopped; nothing is published until the next term (or the restart /healthz asks for)");
         let mut st = self.lock();
         if st.producer.as_ref().is_some_and(|p| same(p, producer)) {
