@@ -161,6 +161,10 @@ fn exactly_once_families() -> String {
         .kafka_transactions
         .with_label_values(&["kafka", "committed"])
         .inc_by(0);
+    metrics
+        .kafka_producer_fenced
+        .with_label_values(&["kafka"])
+        .set(0);
     let rendered = metrics.render();
     let mut out = String::new();
     let mut keep = false;
@@ -169,7 +173,8 @@ fn exactly_once_families() -> String {
             .strip_prefix("# HELP ")
             .or_else(|| line.strip_prefix("# TYPE "))
         {
-            keep = rest.starts_with("keb_kafka_transactions_total ");
+            keep = rest.starts_with("keb_kafka_transactions_total ")
+                || rest.starts_with("keb_kafka_producer_fenced ");
         }
         if keep {
             out.push_str(line);
@@ -177,6 +182,7 @@ fn exactly_once_families() -> String {
         }
     }
     assert!(out.contains("keb_kafka_transactions_total{"), "{rendered}");
+    assert!(out.contains("keb_kafka_producer_fenced{"), "{rendered}");
     out
 }
 
