@@ -220,20 +220,28 @@ pub enum Error {
 /// `Result` with this module's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// The cluster's current resourceVersion: that of a consistent list of one Lease in
-/// `namespace` (the leader election's, which the service may list), an etcd revision past
-/// every change made before the call. `None` when the list fails (refused, unreachable).
-pub async fn current_resource_version(client: &Client, namespace: &str) -> Option<Arc<str>> {
+/// The resourceVersion of Lease `namespace/name` (the one this replica holds: the
+/// service may get it), an etcd revision written by this replica's acquisition or a later
+/// renewal, so past every change the last holder published. `None` (logged) when it cannot be
+/// read.
+pub async fn lease_resource_version(
+    client: &Client,
+    namespace: &str,
+    name: &str,
+) -> Option<Arc<str>> {
     let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
         kube::Api::namespaced(client.clone(), namespace);
-    let list = leases
-        .list_metadata(&kube::api::ListParams::default().limit(1))
-        .await
-        .ok()?;
-    list.metadata
-        .resource_version
-        .filter(|rv| !rv.is_empty())
-        .map(Arc::from)
+    match leases.get_metadata(name).await {
+        Ok(lease) => lease
+            .metadata
+            .resource_version
+            .filter(|rv| !rv.is_empty())
+            .map(Arc::from),
+        Err(err) => {
+            tracing::warn!(lease = name, error = %err, "Cannot read the Lease's resourceVersion; deletes of a kind gone report their checkpoint's version");
+            None
+        }
+    }
 }
 
 /// The cluster's identity: the uid of its `kube-system` namespace (what checkpoints record, so

@@ -1020,6 +1020,9 @@ async fn a_fenced_replica_fails_healthz_until_it_leads_again() {
     let destination = Destination::kafka("fenced");
     let mut sink = destination.sink();
     sink["kafka"]["exactly_once"] = json!(true);
+    // Long transactions: the freeze lands in one that holds records (an empty one ends
+    // without asking the broker, so its producer would never hear of the fence).
+    sink["kafka"]["transaction_interval"] = json!("3s");
     let mut replicas: BTreeMap<String, Replica> = ["replica-a", "replica-b"]
         .into_iter()
         .map(|id| {

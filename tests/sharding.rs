@@ -262,18 +262,26 @@ fn excuse(repeats: Vec<Repeat>, lost: &HashSet<u32>) -> (Vec<Repeat>, Vec<Repeat
         .partition(|(key, _, _)| lost.contains(&shard_of(key)))
 }
 
-/// The `(key, resourceVersion, type)` of each message sent more than once.
+/// The `(key, resourceVersion, types)` of each object state sent more than once, whatever
+/// the types (a state sent again by a resume after a lost term comes as `updated`, from an
+/// intent, after its first `added`). An inferred delete (final state unknown) counts apart:
+/// its object is the last state known, sent before; the same inferred delete twice is a
+/// repeat.
 fn repeated(events: &[Value]) -> Vec<(String, String, String)> {
-    let mut seen: HashMap<(String, String, String), usize> = HashMap::new();
+    let mut seen: HashMap<(String, String), Vec<String>> = HashMap::new();
     for e in events {
-        let (key, rv) = key_and_version(e);
-        let ty = e["type"].as_str().unwrap_or("").to_owned();
-        *seen.entry((key, rv, ty)).or_default() += 1;
+        let ty = e["type"].as_str().unwrap_or("");
+        let ty = ty.rsplit('.').next().unwrap_or(ty).to_owned();
+        let (key, mut rv) = key_and_version(e);
+        if e["k8sfinalstateunknown"] == true {
+            rv.push_str(" (inferred delete)");
+        }
+        seen.entry((key, rv)).or_default().push(ty);
     }
     let mut repeated: Vec<_> = seen
         .into_iter()
-        .filter(|&(_, c)| c > 1)
-        .map(|(k, _)| k)
+        .filter(|(_, types)| types.len() > 1)
+        .map(|((key, rv), types)| (key, rv, types.join("+")))
         .collect();
     repeated.sort();
     repeated

@@ -520,13 +520,22 @@ pub(super) async fn refresh(
                     _ => continue,
                 }
                 // No informer of the kind ran here (or it stopped before this term's resume
-                // began): its objects are found gone at the cluster's version now, past
-                // anything the last owner published of them (a version its informers saw,
-                // kept by the resumer, if they did).
-                // (Read as a list of the Leases this replica holds its lease among; where that is
-                // refused, the checkpoint's version is reported.)
-                let ns = crate::leader::default_namespace(&wiring.config.leader_election);
-                let now = crate::cluster::current_resource_version(&wiring.client, &ns).await;
+                // began): its objects are found gone at the version of the Lease this replica
+                // holds (written at its acquisition or a renewal since, so past anything the
+                // last owner published of them), or at a version its informers saw, kept by
+                // the resumer, if they did.
+                let le = &wiring.config.leader_election;
+                let now = if le.enabled {
+                    let lease = if wiring.shard.is_whole() {
+                        le.lease_name.clone()
+                    } else {
+                        format!("{}-shard-{}", le.lease_name, wiring.shard.label())
+                    };
+                    let ns = crate::leader::default_namespace(le);
+                    crate::cluster::lease_resource_version(&wiring.client, &ns, &lease).await
+                } else {
+                    None
+                };
                 for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
                     if resume.resumer.is_resuming() {
                         info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");

@@ -159,9 +159,9 @@ impl Fenced {
             error!(sink, transactional_id = id, error = %reason, "This replica's producer was fenced: another one took over its transactional.id; /healthz fails until this replica starts a term again");
         }
         state.0 = Some(format!(
-            "sink {sink}: its producer of transactional.id {id} was fenced by a newer one \
-             ({code:?}: {reason}): another replica took over; this one publishes nothing until it \
-             leads again (or restarts)"
+            "sink {sink}: its producer of transactional.id {id} was fenced ({code:?}: {reason}): \
+             a newer producer of the id took over (another replica leads); this one publishes \
+             nothing of it until it starts a term again (or restarts)"
         ));
         true
     }
