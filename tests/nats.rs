@@ -24,6 +24,28 @@ use support::{
     wait::{self, PATIENCE, Patience},
 };
 
+/// A JetStream sink `nats` on `nats` (the tests' settings) and its checkpoint store.
+async fn sink_and_store(
+    nats: &NatsServer,
+) -> (
+    Arc<NatsSink>,
+    kube_event_bridge::sinks::nats::NatsCheckpointStore,
+) {
+    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(nats_sink(
+        "nats",
+        &nats.url(),
+        json!({}),
+    ))
+    .unwrap()
+    .nats
+    .unwrap();
+    let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
+    let store = kube_event_bridge::sinks::nats::NatsCheckpointStore::open("nats", &cfg, &sink)
+        .await
+        .unwrap();
+    (sink, store)
+}
+
 /// Waits (up to 60 s, looking every 50 ms) until the stream holds at least `n` messages.
 async fn wait_for_stream(url: &str, n: u64) {
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(50));
@@ -830,21 +852,10 @@ async fn an_ended_terms_publishes_buffered_while_disconnected_are_never_sent() {
 async fn a_hand_over_of_one_shard_retires_no_other_shards_connection() {
     use kube_event_bridge::{
         shard::Shard,
-        sinks::{CheckpointStore, checkpoint::Entry, nats::NatsCheckpointStore},
+        sinks::{CheckpointStore, checkpoint::Entry},
     };
     let nats = NatsServer::start();
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(nats_sink(
-        "nats",
-        &nats.url(),
-        json!({}),
-    ))
-    .unwrap()
-    .nats
-    .unwrap();
-    let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
-    let store = NatsCheckpointStore::open("nats", &cfg, &sink)
-        .await
-        .unwrap();
+    let (sink, store) = sink_and_store(&nats).await;
     let shards = [0, 1].map(|index| Shard { index, count: 2 });
     let [a, b] = shards.map(|shard| sink.clone().shard_view(shard).expect("a view per shard"));
     let m = |name: &str| support::message("test", name, "{}");
@@ -958,24 +969,9 @@ async fn a_clean_hand_over_in_core_mode_sends_what_the_connection_buffered() {
 /// answers, it loads every key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_read_that_gets_no_answer_fails_within_its_deadline_and_reads_again() {
-    use kube_event_bridge::sinks::{
-        CheckpointStore,
-        checkpoint::Entry,
-        nats::{NatsCheckpointStore, READ_STALL},
-    };
+    use kube_event_bridge::sinks::{CheckpointStore, checkpoint::Entry, nats::READ_STALL};
     let nats = NatsServer::start();
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(nats_sink(
-        "nats",
-        &nats.url(),
-        json!({}),
-    ))
-    .unwrap()
-    .nats
-    .unwrap();
-    let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
-    let store = NatsCheckpointStore::open("nats", &cfg, &sink)
-        .await
-        .unwrap();
+    let (_sink, store) = sink_and_store(&nats).await;
     let route = "configmap/nats".to_owned();
     let keys = 20_000;
     let changes = (0..keys)

@@ -848,6 +848,29 @@ async fn first_leader(cluster: &Cluster) -> String {
     leader.unwrap()
 }
 
+/// Changes the ConfigMaps of `ns` (the seeded workload over 100 objects), `batch` at a time
+/// every `pause`, until `stop`; the task returns how many changes it made.
+async fn spawn_writer(
+    cluster: &Cluster,
+    ns: &'static str,
+    batch: usize,
+    pause: Duration,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<usize> {
+    let client = cluster.client().await;
+    tokio::spawn(async move {
+        let api: Api<ConfigMap> = Api::namespaced(client, ns);
+        let mut rng = Rng(seed());
+        let mut changes = 0;
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            workload(&api, ns, &mut rng, 100, batch).await;
+            changes += batch;
+            tokio::time::sleep(pause).await;
+        }
+        changes
+    })
+}
+
 /// What a consumer that drops messages older than what it holds would lose, and whether
 /// deletes are identified by what they delete: per key, in destination order, every message
 /// whose `k8sresourceversion` is below one before it (the versions of a real kube-apiserver
@@ -925,20 +948,7 @@ async fn failover(destination: Destination, cluster_name: &str) {
     ready(&replicas[&leader]).await;
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = tokio::spawn({
-        let (client, stop) = (cluster.client().await, stop.clone());
-        async move {
-            let api: Api<ConfigMap> = Api::namespaced(client, ns);
-            let mut rng = Rng(seed());
-            let mut changes = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                workload(&api, ns, &mut rng, 100, 10).await;
-                changes += 10;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            changes
-        }
-    });
+    let writer = spawn_writer(&cluster, ns, 10, Duration::from_millis(100), stop.clone()).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let killed = replicas.remove(&leader).unwrap();
     killed.signal("KILL");
@@ -1034,20 +1044,7 @@ async fn a_fenced_replica_fails_healthz_until_it_leads_again() {
     let other = replicas.keys().find(|k| **k != frozen).unwrap().clone();
     ready(&replicas[&frozen]).await;
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writer = tokio::spawn({
-        let (client, stop) = (cluster.client().await, stop.clone());
-        async move {
-            let api: Api<ConfigMap> = Api::namespaced(client, ns);
-            let mut rng = Rng(seed());
-            let mut changes = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                workload(&api, ns, &mut rng, 100, 5).await;
-                changes += 5;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            changes
-        }
-    });
+    let writer = spawn_writer(&cluster, ns, 5, Duration::from_millis(50), stop.clone()).await;
     let health = async |r: &Replica| {
         let admin = r.admin().expect("its admin address");
         let (code, body) = support::http_get(admin, "/healthz").await;

@@ -321,12 +321,7 @@ async fn follow_change(
         }
         if !valid {
             warn!("Lost the lease during the takeover wait");
-            resources
-                .lock()
-                .await
-                .resumes()
-                .iter()
-                .for_each(|r| r.resumer.term_ended());
+            term_ended(resources).await;
             return false;
         }
     }
@@ -336,16 +331,21 @@ async fn follow_change(
             s.abandon_queued();
             s.end_term(shard);
         });
-        resources
-            .lock()
-            .await
-            .resumes()
-            .iter()
-            .for_each(|r| r.resumer.term_ended());
+        term_ended(resources).await;
         return false;
     }
     resources.lock().await.set_leading(now).await;
     now
+}
+
+/// A term that began at the lease's acquisition ended before its routes were switched on:
+/// none of them resumes (`keb_route_resuming` back to 0).
+async fn term_ended(resources: &tokio::sync::Mutex<Resources>) {
+    let resources = resources.lock().await;
+    resources
+        .resumes()
+        .iter()
+        .for_each(|r| r.resumer.term_ended());
 }
 
 /// Starts the term's transactions of every sink that has them (see
