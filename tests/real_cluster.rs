@@ -1064,27 +1064,58 @@ async fn a_fenced_replica_fails_healthz_until_it_leads_again() {
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     replicas[&frozen].signal("CONT");
+    // The thawed replica learns of the fence only if the broker refuses something of its
+    // producer (a late commit or produce, or its term's closing abort). A Kafka 4 coordinator
+    // may accept the deposed producer's abort of a transaction the new producer already
+    // aborted, and then nothing tells it (see "Noticed" in the session note of issue 52): the
+    // test waits for either, and checks the report whenever the replica learnt it.
+    let learnt = |r: &Replica| {
+        let log = r.log();
+        log.contains("producer was fenced") || log.contains("fenced=true")
+    };
     let mut seen = (0, String::new(), 0.0);
-    wait::until(
-        "the thawed replica reports the fence",
-        Patience::of(Duration::from_secs(30)),
-        async || {
-            seen = health(&replicas[&frozen]).await;
-            seen.0 == 503
-        },
-    )
+    let stopped = |r: &Replica| r.log().contains("Stopped leading");
+    let reported = wait::within(Patience::of(Duration::from_secs(30)), async || {
+        seen = health(&replicas[&frozen]).await;
+        seen.0 == 503
+            || (stopped(&replicas[&frozen]) && !learnt(&replicas[&frozen]) && {
+                // Not learnt (yet): give a late refusal a moment before taking it as never.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                !learnt(&replicas[&frozen])
+            })
+    })
     .await;
+    let known = learnt(&replicas[&frozen]);
+    if !reported || (known && seen.0 != 503) {
+        let log = replicas[&frozen].log();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| {
+                ["ransaction", "ead", "ease", "ence"]
+                    .iter()
+                    .any(|w| l.contains(w))
+            })
+            .collect();
+        panic!(
+            "the thawed replica does not report the fence ({seen:?}, learnt {known}); its log:\n{}",
+            lines[lines.len().saturating_sub(30)..].join("\n")
+        );
+    }
     println!(
-        "thawed: /healthz {} {:?}, keb_kafka_producer_fenced {}",
+        "thawed: learnt of the fence {known}; /healthz {} {:?}, keb_kafka_producer_fenced {}",
         seen.0, seen.1, seen.2
     );
-    assert!(seen.1.contains("fenced"), "{}", seen.1);
-    assert_eq!(seen.2, 1.0);
-    // It stays so while it stands by (the lease's end does not clear it).
+    if known {
+        assert!(seen.1.contains("fenced"), "{}", seen.1);
+        assert_eq!(seen.2, 1.0);
+    }
+    // Once learnt, it stays so while it stands by (the lease's end does not clear it).
     for _ in 0..10 {
         tokio::time::sleep(Duration::from_millis(500)).await;
+        let known = learnt(&replicas[&frozen]);
+        let want = if known { (503, 1.0) } else { (200, 0.0) };
         let (code, _, fenced) = health(&replicas[&frozen]).await;
-        assert_eq!((code, fenced), (503, 1.0), "still fenced while standing by");
+        assert_eq!((code, fenced), want, "while standing by (learnt {known})");
         assert_eq!(
             (health(&replicas[&other]).await.0),
             200,

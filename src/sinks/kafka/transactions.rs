@@ -409,7 +409,9 @@ impl Transactions {
         let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
             return Err(Error::Aborted(self.no_producer(&st)));
         };
-        self.produce_backlog(&producer, &mut st)?;
+        self.produce_backlog(&producer, &mut st).map_err(|e| {
+            Error::Unavailable(format!("checkpoint records wait to be produced first: {e}"))
+        })?;
         let delivery = match producer.send_result(record) {
             Ok(delivery) => delivery,
             Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
@@ -497,20 +499,19 @@ impl Transactions {
         producer.send_result(record).map_err(|(e, _)| e)
     }
 
-    /// Produces the backlog (the state locked, the gate held).
+    /// Produces the backlog (the state locked, the gate held); on an error what is left of it
+    /// stays for the next attempt.
     fn produce_backlog(
         &self,
         producer: &FutureProducer<KafkaContext>,
         st: &mut State,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), KafkaError> {
         while let Some(record) = st.backlog.pop_front() {
             match self.send_checkpoint(producer, &record) {
                 Ok(delivery) => st.silent.push((record, delivery)),
                 Err(e) => {
                     st.backlog.push_front(record);
-                    return Err(Error::Unavailable(format!(
-                        "checkpoint records wait for room in the producer: {e}"
-                    )));
+                    return Err(e);
                 }
             }
         }
@@ -535,9 +536,23 @@ impl Transactions {
             if st.open.is_empty() && st.silent.is_empty() && st.backlog.is_empty() {
                 return Ok(());
             }
-            // On failure committed with the next: room comes as the records in flight are
-            // stored.
-            self.produce_backlog(&producer, &mut st)?;
+            // Without room, committed with the next: room comes as the records in flight are
+            // stored. Any other refusal (the transaction failed and waits for its abort, the
+            // producer fenced) aborts this one (or stops the term), the backlog kept for the
+            // next: returning here would leave it open for good.
+            match self.produce_backlog(&producer, &mut st) {
+                Ok(()) => {}
+                Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
+                    return Err(Error::Unavailable(format!(
+                        "checkpoint records wait for room in the producer: {e}"
+                    )));
+                }
+                Err(e) => {
+                    st.poisoned.get_or_insert_with(|| {
+                        format!("a checkpoint record could not be produced: {e}")
+                    });
+                }
+            }
             (
                 producer,
                 std::mem::take(&mut st.open),
