@@ -265,9 +265,7 @@ impl DeltaFifo {
     /// Runs `f` under the FIFO lock: no delta is applied meanwhile (client-go's `blockDeltas`).
     /// `f` gets [`has_synced`](Self::has_synced) as of that moment.
     pub fn with_lock<R>(&self, f: impl FnOnce(bool) -> R) -> R {
-        let guard = self.lock();
-        let synced = guard.populated && guard.initial_population_count == 0;
-        f(synced)
+        self.with_lock_listed(|synced, _| f(synced))
     }
 
     /// [`with_lock`](Self::with_lock), `f` also getting the resourceVersion of the newest list
