@@ -28,6 +28,10 @@
 //!   can fence that, as Kafka transactions do.)
 //! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
 //!   once instead of waiting for expiry.
+//! - A lease lost while leading (renewals failed past the deadline, or another holder found
+//!   on it), not released or handed on, is reported through [`LeaderElector::deposals`] once
+//!   another identity is seen holding it: that holder's term fences what this replica's
+//!   transactional producers of the lease held, whether or not the broker ever tells them.
 //! - A shard lease this replica should no longer own (see [`LeaderElector::campaign_while`])
 //!   is handed on the same way when it has a follower for [`LeaderElector::handovers`]: it
 //!   goes on renewing while the follower stops publishing, waits for what it handed over and
@@ -336,6 +340,17 @@ pub fn delivered_within_text(within: Duration, holder: &str) -> String {
 /// docs).
 pub type Handover = tokio::sync::oneshot::Sender<bool>;
 
+/// A lease this replica lost while leading is held by another now (see
+/// [`LeaderElector::deposals`]).
+#[derive(Debug, Clone)]
+pub struct Deposal {
+    /// The terms begun here when it was seen (see [`LeaderElector::terms`]): a later term
+    /// of this replica makes it stale.
+    pub term: u64,
+    /// The identity holding the lease.
+    pub holder: String,
+}
+
 /// The longest takeover wait a configuration may imply (see [`takeover_wait`]): longer, and
 /// a failover publishes nothing for minutes.
 pub const MAX_TAKEOVER_WAIT: Duration = Duration::from_secs(300);
@@ -364,6 +379,10 @@ pub struct LeaderElector {
     delivered_within: Duration,
     // `keb_takeover_wait_seconds` of this lease.
     wait_gauge: Option<prometheus::Gauge>,
+    // Where deposals go (see `deposals`), and whether a lease lost while leading waits to be
+    // seen held by another.
+    deposals: Option<tokio::sync::mpsc::UnboundedSender<Deposal>>,
+    lost: bool,
 }
 
 /// What identifies a lease record for expiry: its holder and renew time.
@@ -377,7 +396,10 @@ enum Outcome {
         /// What the last holder's annotation implies (see [`holders_wait`]).
         holders_wait: Option<Duration>,
     },
-    NotLeading,
+    /// Another holds it (`holder`, when the read said whom).
+    NotLeading {
+        holder: Option<String>,
+    },
     Failed(String),
 }
 
@@ -413,6 +435,8 @@ impl LeaderElector {
             handovers: None,
             delivered_within: cfg.lease_duration + takeover_wait,
             wait_gauge: None,
+            deposals: None,
+            lost: false,
         }
     }
 
@@ -454,6 +478,32 @@ impl LeaderElector {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         self.handovers = Some(tx);
         rx
+    }
+
+    /// Deposals: a lease this replica lost while leading (not released, not handed on) seen
+    /// held by another identity, reported once per loss.
+    pub fn deposals(&mut self) -> tokio::sync::mpsc::UnboundedReceiver<Deposal> {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.deposals = Some(tx);
+        rx
+    }
+
+    /// The lease was read held by `holder` (`None`: released or unknown): a loss waiting for
+    /// its taker is reported (see [`Self::deposals`]).
+    fn seen_held_by(&mut self, holder: Option<&str>) {
+        let Some(holder) = holder.filter(|h| *h != self.identity) else {
+            return;
+        };
+        if !std::mem::take(&mut self.lost) {
+            return;
+        }
+        warn!(lease = %self.name, holder, "The lease this replica lost is held by another now: its transactional producers of the lease count as fenced");
+        if let Some(tx) = &self.deposals {
+            let _ = tx.send(Deposal {
+                term: self.terms.load(std::sync::atomic::Ordering::SeqCst),
+                holder: holder.to_owned(),
+            });
+        }
     }
 
     /// The Lease it campaigns for.
@@ -586,14 +636,18 @@ impl LeaderElector {
                         }
                     }
                     last_renewal = Some(started);
+                    self.lost = false;
                     self.fence.extend_to(started + self.renew_deadline);
                     self.set_leading(true);
                 }
-                Outcome::NotLeading => {
+                Outcome::NotLeading { holder } => {
+                    // Found held by another while leading: lost.
+                    self.lost |= last_renewal.is_some();
                     last_renewal = None;
                     draining = None;
                     self.fence.revoke();
                     self.set_leading(false);
+                    self.seen_held_by(holder.as_deref());
                 }
                 Outcome::Failed(reason) => {
                     debug!(lease = %self.name, reason, "Lease update failed");
@@ -601,6 +655,7 @@ impl LeaderElector {
                     // lease can expire for the others.
                     if last_renewal.is_some_and(|t| now.duration_since(t) >= self.renew_deadline) {
                         warn!(lease = %self.name, reason, "Could not renew the lease in time");
+                        self.lost = true;
                         last_renewal = None;
                         draining = None;
                         self.fence.revoke();
@@ -651,6 +706,7 @@ impl LeaderElector {
             spec.holder_identity.filter(|h| !h.is_empty()),
             spec.renew_time.map(|t| t.0),
         );
+        self.seen_held_by(record.0.clone().as_deref());
         if self.observed.as_ref().is_none_or(|(r, _)| *r != record) {
             self.observed = Some((record, Instant::now()));
         }
@@ -682,7 +738,7 @@ impl LeaderElector {
                     took_over: false,
                     holders_wait: None,
                 },
-                Err(kube::Error::Api(s)) if s.code == 409 => Outcome::NotLeading,
+                Err(kube::Error::Api(s)) if s.code == 409 => Outcome::NotLeading { holder: None },
                 Err(e) => Outcome::Failed(format!("create lease: {e}")),
             };
         };
@@ -705,7 +761,7 @@ impl LeaderElector {
                 |s| Duration::from_secs(s.max(1) as u64),
             );
         if !ours && holder.is_some() && seen_at.elapsed() < duration {
-            return Outcome::NotLeading;
+            return Outcome::NotLeading { holder };
         }
         let (acquired, transitions) = if ours {
             (
@@ -748,7 +804,7 @@ impl LeaderElector {
                 if ours {
                     Outcome::Failed("conflict while renewing".into())
                 } else {
-                    Outcome::NotLeading
+                    Outcome::NotLeading { holder: None }
                 }
             }
             Err(e) => Outcome::Failed(format!("update lease: {e}")),

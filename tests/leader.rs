@@ -570,3 +570,84 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
         taker.stop().await;
     }
 }
+
+/// An elector whose renewals are refused steps down; nothing is reported while the lease
+/// stays its own (no one else can have fenced it), and a deposal naming the taker, with the
+/// lost term's count, once another identity holds it. A lease released on shutdown (the
+/// taker's) is no deposal of the taker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_while_leading_is_reported_once_another_holds_it() {
+    use kube_event_bridge::leader::{Fence, LeaderElectionConfig, LeaderElector};
+    let api = ApiServer::start().await;
+    let cfg = LeaderElectionConfig {
+        enabled: true,
+        lease_duration: LEASE_DURATION,
+        renew_deadline: Duration::from_secs(2),
+        retry_period: Duration::from_millis(200),
+        ..Default::default()
+    };
+    let elector = |identity: &str| {
+        LeaderElector::new(
+            api.client(),
+            &cfg,
+            "kube-system",
+            identity.to_owned(),
+            Fence::default(),
+            Duration::ZERO,
+            prometheus::IntGauge::new("leading", "leading").unwrap(),
+        )
+    };
+    let (cancel_a, cancel_b) = (
+        tokio_util::sync::CancellationToken::new(),
+        tokio_util::sync::CancellationToken::new(),
+    );
+    let mut a = elector("a");
+    let mut deposals_a = a.deposals();
+    let (leading_a, terms_a) = (a.subscribe(), a.terms());
+    let run_a = tokio::spawn(a.run(cancel_a.clone()));
+    wait::until("a leads", Duration::from_secs(10), async || {
+        *leading_a.borrow()
+    })
+    .await;
+    api.refuse_lease_writes_from(Some("a"));
+    wait::until("a steps down", Duration::from_secs(10), async || {
+        !*leading_a.borrow()
+    })
+    .await;
+    // Still its own on the API server: nothing fenced it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(deposals_a.try_recv().is_err(), "no one else holds it yet");
+    api.refuse_lease_writes_from(None);
+    let mut b = elector("b");
+    let mut deposals_b = b.deposals();
+    let run_b = tokio::spawn(b.run(cancel_b.clone()));
+    // `a` may win it back before `b` has waited the lease out: then it leads again and
+    // reports nothing; refuse it once more so that `b` takes it.
+    api.refuse_lease_writes_from(Some("a"));
+    let deposal = tokio::time::timeout(Duration::from_secs(20), deposals_a.recv())
+        .await
+        .expect("a deposal within the lease's expiry and a retry")
+        .expect("the elector runs");
+    assert_eq!(deposal.holder, "b");
+    assert_eq!(
+        deposal.term,
+        terms_a.load(Ordering::SeqCst),
+        "the lost term is the last one a began"
+    );
+    assert!(!*leading_a.borrow());
+    // Reported once per loss.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(deposals_a.try_recv().is_err(), "once per loss");
+    // `b` releases on shutdown: `a` takes it at once, and `b` reports nothing (it never lost
+    // it).
+    cancel_b.cancel();
+    run_b.await.unwrap();
+    api.refuse_lease_writes_from(None);
+    wait::until("a leads again", Duration::from_secs(10), async || {
+        *leading_a.borrow()
+    })
+    .await;
+    assert!(deposals_b.try_recv().is_err(), "a release is no deposal");
+    cancel_a.cancel();
+    run_a.await.unwrap();
+}

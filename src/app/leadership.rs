@@ -214,6 +214,7 @@ pub(super) fn follow(
     let fence = elector.fence();
     let terms = elector.terms();
     let mut requests = handovers.is_some().then(|| elector.handovers());
+    let mut deposals = elector.deposals();
     tokio::spawn(async move {
         // The last term ended with a clean hand-over: nothing of it is in the sinks.
         let mut drained = false;
@@ -229,13 +230,23 @@ pub(super) fn follow(
                     None => std::future::pending().await,
                 }
             };
-            // A change first: a request that waited behind it may be for an ended term.
+            // A change first: a request or a deposal that waited behind it may be for an
+            // ended term.
             let next: Option<Handover> = tokio::select! {
                 biased;
                 changed = leading.changed() => match changed {
                     Ok(()) => None,
                     Err(_) => break,
                 },
+                Some(deposal) = deposals.recv() => {
+                    // The lost term's producers are fenced by the holder's, unless a term
+                    // began here since.
+                    let term = terms.load(std::sync::atomic::Ordering::SeqCst);
+                    if deposal.term == term && !*leading.borrow() {
+                        sinks.iter().for_each(|s| s.deposed(shard, &deposal.holder));
+                    }
+                    continue;
+                }
                 Some(answer) = request => Some(answer),
                 else => break,
             };

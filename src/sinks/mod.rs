@@ -239,6 +239,15 @@ pub trait Sink: Send + Sync {
     fn end_term(&self, shard: crate::shard::Shard) {
         let _ = shard;
     }
+    /// Shard `shard`'s lease, lost while this replica led it (not released, not handed on),
+    /// is held by `holder` now: a transactional sink counts the ended term's producer of the
+    /// shard as fenced (`holder`'s producer of the same transactional.id fences it when its
+    /// term begins, and the broker may never tell this one: an empty transaction asks
+    /// nothing), reported by [`Self::broken`] until this replica begins a term of the shard
+    /// again. The default does nothing: only transactions are fenced by the broker.
+    fn deposed(&self, shard: crate::shard::Shard, holder: &str) {
+        let _ = (shard, holder);
+    }
     /// Commits what shard `shard`'s term wrote so far (a drained hand-over, before it releases
     /// the Lease: the next owner reads the checkpoint with everything in it; a core NATS
     /// view sends what its connection buffers). The default has nothing to commit.

@@ -765,6 +765,16 @@ impl Sink for KafkaSink {
         }
     }
 
+    fn deposed(&self, shard: crate::shard::Shard, holder: &str) {
+        if let Some(t) = self
+            .transactions
+            .as_ref()
+            .and_then(|set| set.get(&TransactionSet::key(shard)))
+        {
+            t.deposed(holder);
+        }
+    }
+
     fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {
         async move {
             match self
@@ -970,6 +980,10 @@ impl Sink for KafkaShardSink {
     fn end_term(&self, shard: crate::shard::Shard) {
         self.sink.end_term(shard);
         self.lane.end_term();
+    }
+
+    fn deposed(&self, shard: crate::shard::Shard, holder: &str) {
+        self.sink.deposed(shard, holder);
     }
 
     fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {

@@ -27,9 +27,10 @@
 //!   ([`Transactions::broken`]) so the pod restarts.
 //! - **Fenced shows until the next term.** A producer of this replica that a newer producer
 //!   of the id fenced (a thawed or slow deposed leader: its commit or its term's closing abort
-//!   is refused) is reported by [`Transactions::broken`] and `keb_kafka_producer_fenced`
-//!   whichever came first, the lease's loss or the refusal, until a term of this replica
-//!   starts its own producer: ending the term does not clear it.
+//!   is refused, or its lost lease is seen held by another: [`Transactions::deposed`]) is
+//!   reported by [`Transactions::broken`] and `keb_kafka_producer_fenced` whichever came
+//!   first, the lease's loss or the refusal, until a term of this replica starts its own
+//!   producer: ending the term does not clear it.
 //! - **Order.** Records are produced under the state lock, a message's checkpoint record right
 //!   after it, and every record of a term by one producer: a key's records keep their order
 //!   in the checkpoint topic. A commit holds the gate exclusively: nothing is produced between
@@ -108,30 +109,46 @@ pub(super) struct Transactions {
 /// term's producer starts, whatever ended the term meanwhile, and counted in the sink's
 /// `keb_kafka_producer_fenced`.
 struct Fenced {
-    // Why, and how many terms began here: a fence found on an older term's producer after a
-    // newer term began is that term's producer's doing (this replica retook the lease), not
-    // reported.
-    state: Mutex<(Option<String>, u64)>,
+    state: Mutex<FenceState>,
     gauge: prometheus::IntGauge,
 }
 
+#[derive(Default)]
+struct FenceState {
+    // Why, if fenced.
+    why: Option<String>,
+    // How many terms began here: a fence found on an older term's producer after a newer
+    // term began is that term's producer's doing (this replica retook the lease), not
+    // reported.
+    started: u64,
+    // The last term here ended with a producer (it had started): a deposal fences it.
+    exposed: bool,
+}
+
 impl Fenced {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (Option<String>, u64)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, FenceState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn get(&self) -> Option<String> {
-        self.lock().0.clone()
+        self.lock().why.clone()
     }
 
     /// How many terms began here so far.
     fn started(&self) -> u64 {
-        self.lock().1
+        self.lock().started
     }
 
     /// A term begins: its producer may fence the older ones of this replica.
     fn term_begins(&self) {
-        self.lock().1 += 1;
+        let mut state = self.lock();
+        state.started += 1;
+        state.exposed = false;
+    }
+
+    /// A term ended; `with_producer`: its producer had started.
+    fn term_ended(&self, with_producer: bool) {
+        self.lock().exposed |= with_producer;
     }
 
     /// Records a fence if `producer` reports one (its fatal error is a fence), naming `id`,
@@ -150,25 +167,59 @@ impl Fenced {
         else {
             return false;
         };
+        self.set(
+            sink,
+            id,
+            started,
+            format!(
+                "sink {sink}: its producer of transactional.id {id} was fenced ({code:?}: {reason}): \
+                 a newer producer of the id took over (another replica leads); this one publishes \
+                 nothing of it until it starts a term again (or restarts)"
+            ),
+        )
+    }
+
+    /// The lease of the last term, lost while leading, is held by `holder`: that one's
+    /// producer of `id` fences the last term's (at its term's start), whether or not the
+    /// broker ever tells this one. Recorded if the last term had a producer and no term began
+    /// here since.
+    fn deposed(&self, sink: &str, id: &str, holder: &str) -> bool {
+        let started = {
+            let state = self.lock();
+            if !state.exposed {
+                return false;
+            }
+            state.started
+        };
+        self.set(
+            sink,
+            id,
+            started,
+            format!(
+                "sink {sink}: its producer of transactional.id {id} is fenced: the lease was lost \
+                 while this replica led and {holder} holds it now, whose producer of the id \
+                 fences this one's; nothing of it is published here until this replica starts a \
+                 term again (or restarts)"
+            ),
+        )
+    }
+
+    fn set(&self, sink: &str, id: &str, started: u64, why: String) -> bool {
         let mut state = self.lock();
-        if state.1 != started {
+        if started != state.started {
             return false;
         }
-        if state.0.is_none() {
+        if state.why.is_none() {
             self.gauge.inc();
-            error!(sink, transactional_id = id, error = %reason, "This replica's producer was fenced: another one took over its transactional.id; /healthz fails until this replica starts a term again");
+            error!(sink, transactional_id = id, error = %why, "This replica's producer was fenced: another one took over its transactional.id; /healthz fails until this replica starts a term again");
         }
-        state.0 = Some(format!(
-            "sink {sink}: its producer of transactional.id {id} was fenced ({code:?}: {reason}): \
-             a newer producer of the id took over (another replica leads); this one publishes \
-             nothing of it until it starts a term again (or restarts)"
-        ));
+        state.why = Some(why);
         true
     }
 
     /// A term's producer started here: a fence found before is over.
     fn clear(&self) {
-        if self.lock().0.take().is_some() {
+        if self.lock().why.take().is_some() {
             self.gauge.dec();
         }
     }
@@ -229,7 +280,7 @@ impl Transactions {
     /// value lives.
     pub(super) fn new(settings: Settings, id: String) -> Arc<Self> {
         let fenced = Arc::new(Fenced {
-            state: Mutex::new((None, 0)),
+            state: Mutex::default(),
             gauge: settings.fenced.clone(),
         });
         let this = Arc::new(Self {
@@ -366,6 +417,7 @@ impl Transactions {
             st.producer.take()
         };
         self.set_problem(None);
+        self.fenced.term_ended(old.is_some());
         if let Some(producer) = old {
             // After a commit under way (its acknowledgements stand), under the gate. An abort
             // refused because a newer producer fenced this one (the lease was lost first, the
@@ -388,6 +440,13 @@ impl Transactions {
                 .await;
             });
         }
+    }
+
+    /// The lease of the last term, lost while this replica led, is held by `holder` now: the
+    /// last term's producer (if it had one) counts as fenced (see [`Fenced`]) until a term
+    /// begins here again.
+    pub(super) fn deposed(&self, holder: &str) {
+        self.fenced.deposed(&self.settings.sink, &self.id, holder);
     }
 
     /// Hands `record` to the open transaction with its checkpoint record, and returns the
