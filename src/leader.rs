@@ -30,8 +30,9 @@
 //!   once instead of waiting for expiry.
 //! - A lease lost while leading (renewals failed past the deadline, or another holder found
 //!   on it), not released or handed on, is reported through [`LeaderElector::deposals`] once
-//!   another identity is seen holding it: that holder's term fences what this replica's
-//!   transactional producers of the lease held, whether or not the broker ever tells them.
+//!   another identity is seen holding it, with the instant from which another could take
+//!   it: that holder's term fences this replica's transactional producers of the lease that
+//!   were not closed by then, whether or not the broker ever tells them.
 //! - A shard lease this replica should no longer own (see [`LeaderElector::campaign_while`])
 //!   is handed on the same way when it has a follower for [`LeaderElector::handovers`]: it
 //!   goes on renewing while the follower stops publishing, waits for what it handed over and
@@ -349,6 +350,10 @@ pub struct Deposal {
     pub term: u64,
     /// The identity holding the lease.
     pub holder: String,
+    /// From when another could take it: the start of this replica's last renewal plus the
+    /// lease's duration. A producer of the lost term closed cleanly before then was closed
+    /// before any taker's could fence it.
+    pub takeable_from: Instant,
 }
 
 /// The longest takeover wait a configuration may imply (see [`takeover_wait`]): longer, and
@@ -379,10 +384,10 @@ pub struct LeaderElector {
     delivered_within: Duration,
     // `keb_takeover_wait_seconds` of this lease.
     wait_gauge: Option<prometheus::Gauge>,
-    // Where deposals go (see `deposals`), and whether a lease lost while leading waits to be
-    // seen held by another.
+    // Where deposals go (see `deposals`), and a lease lost while leading waiting to be seen
+    // held by another: from when another could take it.
     deposals: Option<tokio::sync::mpsc::UnboundedSender<Deposal>>,
-    lost: bool,
+    lost: Option<Instant>,
 }
 
 /// What identifies a lease record for expiry: its holder and renew time.
@@ -436,7 +441,7 @@ impl LeaderElector {
             delivered_within: cfg.lease_duration + takeover_wait,
             wait_gauge: None,
             deposals: None,
-            lost: false,
+            lost: None,
         }
     }
 
@@ -494,14 +499,15 @@ impl LeaderElector {
         let Some(holder) = holder.filter(|h| *h != self.identity) else {
             return;
         };
-        if !std::mem::take(&mut self.lost) {
+        let Some(takeable_from) = self.lost.take() else {
             return;
-        }
+        };
         warn!(lease = %self.name, holder, "The lease this replica lost is held by another now: its transactional producers of the lease count as fenced");
         if let Some(tx) = &self.deposals {
             let _ = tx.send(Deposal {
                 term: self.terms.load(std::sync::atomic::Ordering::SeqCst),
                 holder: holder.to_owned(),
+                takeable_from,
             });
         }
     }
@@ -636,13 +642,15 @@ impl LeaderElector {
                         }
                     }
                     last_renewal = Some(started);
-                    self.lost = false;
+                    self.lost = None;
                     self.fence.extend_to(started + self.renew_deadline);
                     self.set_leading(true);
                 }
                 Outcome::NotLeading { holder } => {
                     // Found held by another while leading: lost.
-                    self.lost |= last_renewal.is_some();
+                    if let Some(t) = last_renewal {
+                        self.lost = Some(t + self.lease_duration);
+                    }
                     last_renewal = None;
                     draining = None;
                     self.fence.revoke();
@@ -655,8 +663,7 @@ impl LeaderElector {
                     // lease can expire for the others.
                     if last_renewal.is_some_and(|t| now.duration_since(t) >= self.renew_deadline) {
                         warn!(lease = %self.name, reason, "Could not renew the lease in time");
-                        self.lost = true;
-                        last_renewal = None;
+                        self.lost = last_renewal.take().map(|t| t + self.lease_duration);
                         draining = None;
                         self.fence.revoke();
                         self.set_leading(false);

@@ -243,7 +243,9 @@ pub(super) fn follow(
                     // began here since.
                     let term = terms.load(std::sync::atomic::Ordering::SeqCst);
                     if deposal.term == term && !*leading.borrow() {
-                        sinks.iter().for_each(|s| s.deposed(shard, &deposal.holder));
+                        sinks
+                            .iter()
+                            .for_each(|s| s.deposed(shard, &deposal.holder, deposal.takeable_from));
                     }
                     continue;
                 }

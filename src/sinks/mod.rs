@@ -240,13 +240,19 @@ pub trait Sink: Send + Sync {
         let _ = shard;
     }
     /// Shard `shard`'s lease, lost while this replica led it (not released, not handed on),
-    /// is held by `holder` now: a transactional sink counts the ended term's producer of the
-    /// shard as fenced (`holder`'s producer of the same transactional.id fences it when its
-    /// term begins, and the broker may never tell this one: an empty transaction asks
-    /// nothing), reported by [`Self::broken`] until this replica begins a term of the shard
-    /// again. The default does nothing: only transactions are fenced by the broker.
-    fn deposed(&self, shard: crate::shard::Shard, holder: &str) {
-        let _ = (shard, holder);
+    /// is held by `holder` now, who could take it from `takeable_from`: a transactional sink
+    /// counts the ended term's producer of the shard as fenced unless it was closed cleanly
+    /// before then (`holder`'s producer of the same transactional.id fences it when its term
+    /// begins, and the broker may never tell this one: an empty transaction asks nothing),
+    /// reported by [`Self::broken`] until this replica begins a term of the shard again. The
+    /// default does nothing: only transactions are fenced by the broker.
+    fn deposed(
+        &self,
+        shard: crate::shard::Shard,
+        holder: &str,
+        takeable_from: tokio::time::Instant,
+    ) {
+        let _ = (shard, holder, takeable_from);
     }
     /// Commits what shard `shard`'s term wrote so far (a drained hand-over, before it releases
     /// the Lease: the next owner reads the checkpoint with everything in it; a core NATS

@@ -765,13 +765,18 @@ impl Sink for KafkaSink {
         }
     }
 
-    fn deposed(&self, shard: crate::shard::Shard, holder: &str) {
+    fn deposed(
+        &self,
+        shard: crate::shard::Shard,
+        holder: &str,
+        takeable_from: tokio::time::Instant,
+    ) {
         if let Some(t) = self
             .transactions
             .as_ref()
             .and_then(|set| set.get(&TransactionSet::key(shard)))
         {
-            t.deposed(holder);
+            t.deposed(holder, takeable_from);
         }
     }
 
@@ -982,8 +987,13 @@ impl Sink for KafkaShardSink {
         self.lane.end_term();
     }
 
-    fn deposed(&self, shard: crate::shard::Shard, holder: &str) {
-        self.sink.deposed(shard, holder);
+    fn deposed(
+        &self,
+        shard: crate::shard::Shard,
+        holder: &str,
+        takeable_from: tokio::time::Instant,
+    ) {
+        self.sink.deposed(shard, holder, takeable_from);
     }
 
     fn commit_term(&self, shard: crate::shard::Shard) -> BoxFuture<'_, Result<()>> {

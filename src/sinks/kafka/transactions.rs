@@ -121,8 +121,22 @@ struct FenceState {
     // term began is that term's producer's doing (this replica retook the lease), not
     // reported.
     started: u64,
-    // The last term here ended with a producer (it had started): a deposal fences it.
-    exposed: bool,
+    // The producer of the last term that started one, as a deposal judges it.
+    last: LastProducer,
+}
+
+/// The producer of the last term that started one (see [`Fenced::deposed`]).
+#[derive(Default, Clone, Copy)]
+enum LastProducer {
+    /// None since the last term began.
+    #[default]
+    None,
+    /// Started, and not closed cleanly (still in its term, or dropped with an unknown
+    /// outcome, a failed abort or a fatal error).
+    Open,
+    /// Its transaction aborted (or none open) and the producer dropped without a fatal
+    /// error, at this instant.
+    ClosedAt(tokio::time::Instant),
 }
 
 impl Fenced {
@@ -143,12 +157,24 @@ impl Fenced {
     fn term_begins(&self) {
         let mut state = self.lock();
         state.started += 1;
-        state.exposed = false;
+        state.last = LastProducer::None;
     }
 
-    /// A term ended; `with_producer`: its producer had started.
-    fn term_ended(&self, with_producer: bool) {
-        self.lock().exposed |= with_producer;
+    /// The term's producer started: a fence found before is over.
+    fn producer_started(&self) {
+        let mut state = self.lock();
+        state.last = LastProducer::Open;
+        if state.why.take().is_some() {
+            self.gauge.dec();
+        }
+    }
+
+    /// The producer of the `started`-th term was closed cleanly (see [`LastProducer`]) now.
+    fn closed(&self, started: u64) {
+        let mut state = self.lock();
+        if state.started == started && matches!(state.last, LastProducer::Open) {
+            state.last = LastProducer::ClosedAt(tokio::time::Instant::now());
+        }
     }
 
     /// Records a fence if `producer` reports one (its fatal error is a fence), naming `id`,
@@ -179,17 +205,24 @@ impl Fenced {
         )
     }
 
-    /// The lease of the last term, lost while leading, is held by `holder`: that one's
-    /// producer of `id` fences the last term's (at its term's start), whether or not the
-    /// broker ever tells this one. Recorded if the last term had a producer and no term began
-    /// here since.
-    fn deposed(&self, sink: &str, id: &str, holder: &str) -> bool {
+    /// The lease of the last term, lost while leading, is held by `holder`, who could take it
+    /// from `takeable_from`: that one's producer of `id` fences the last term's (at its
+    /// term's start), whether or not the broker ever tells this one, unless it was closed
+    /// cleanly before then. Recorded if so and no term began here since.
+    fn deposed(
+        &self,
+        sink: &str,
+        id: &str,
+        holder: &str,
+        takeable_from: tokio::time::Instant,
+    ) -> bool {
         let started = {
             let state = self.lock();
-            if !state.exposed {
-                return false;
+            match state.last {
+                LastProducer::None => return false,
+                LastProducer::ClosedAt(at) if at < takeable_from => return false,
+                LastProducer::Open | LastProducer::ClosedAt(_) => state.started,
             }
-            state.started
         };
         self.set(
             sink,
@@ -198,8 +231,8 @@ impl Fenced {
             format!(
                 "sink {sink}: its producer of transactional.id {id} is fenced: the lease was lost \
                  while this replica led and {holder} holds it now, whose producer of the id \
-                 fences this one's; nothing of it is published here until this replica starts a \
-                 term again (or restarts)"
+                 fences this one's (not closed before the lease could be taken); nothing of it \
+                 is published here until this replica starts a term again (or restarts)"
             ),
         )
     }
@@ -215,13 +248,6 @@ impl Fenced {
         }
         state.why = Some(why);
         true
-    }
-
-    /// A term's producer started here: a fence found before is over.
-    fn clear(&self) {
-        if self.lock().why.take().is_some() {
-            self.gauge.dec();
-        }
     }
 }
 
@@ -389,7 +415,7 @@ impl Transactions {
                 st.opened_at = Some(tokio::time::Instant::now());
                 drop(st);
                 self.set_problem(None);
-                self.fenced.clear();
+                self.fenced.producer_started();
                 info!(sink = %self.settings.sink, transactional_id = %self.id, "Transactions on: earlier producers of this transactional.id are fenced");
                 Ok(())
             }
@@ -417,7 +443,6 @@ impl Transactions {
             st.producer.take()
         };
         self.set_problem(None);
-        self.fenced.term_ended(old.is_some());
         if let Some(producer) = old {
             // After a commit under way (its acknowledgements stand), under the gate. An abort
             // refused because a newer producer fenced this one (the lease was lost first, the
@@ -431,8 +456,15 @@ impl Transactions {
                 let _ = tokio::task::spawn_blocking(move || {
                     let _closed = closed;
                     if producer.client().fatal_error().is_none() {
-                        // Nothing open (a commit ended it) is an error: nothing to do.
-                        let _ = producer.abort_transaction(CALL_TIMEOUT);
+                        // Nothing open (a commit ended it) is an error of state: as clean.
+                        let aborted = match producer.abort_transaction(CALL_TIMEOUT) {
+                            Ok(()) => true,
+                            Err(KafkaError::Transaction(e)) => e.code() == RDKafkaErrorCode::State,
+                            Err(_) => false,
+                        };
+                        if aborted && producer.client().fatal_error().is_none() {
+                            fenced.closed(started);
+                        }
                     }
                     fenced.note(&sink, &id, &producer, started);
                     drop(producer);
@@ -442,11 +474,12 @@ impl Transactions {
         }
     }
 
-    /// The lease of the last term, lost while this replica led, is held by `holder` now: the
-    /// last term's producer (if it had one) counts as fenced (see [`Fenced`]) until a term
-    /// begins here again.
-    pub(super) fn deposed(&self, holder: &str) {
-        self.fenced.deposed(&self.settings.sink, &self.id, holder);
+    /// The lease of the last term, lost while this replica led, is held by `holder` now, who
+    /// could take it from `takeable_from`: the last term's producer, unless it closed cleanly
+    /// before then, counts as fenced (see [`Fenced::deposed`]) until a term begins here again.
+    pub(super) fn deposed(&self, holder: &str, takeable_from: tokio::time::Instant) {
+        self.fenced
+            .deposed(&self.settings.sink, &self.id, holder, takeable_from);
     }
 
     /// Hands `record` to the open transaction with its checkpoint record, and returns the
@@ -998,8 +1031,56 @@ impl TransactionSet {
 
 #[cfg(test)]
 mod tests {
-    use super::TransactionSet;
+    use super::{Fenced, TransactionSet};
     use crate::shard::Shard;
+    use std::time::Duration;
+    use tokio::time::Instant;
+
+    fn fenced() -> Fenced {
+        Fenced {
+            state: Default::default(),
+            gauge: prometheus::IntGauge::new("fenced", "fenced").unwrap(),
+        }
+    }
+
+    /// A deposal fences a producer still open or closed after the lease could be taken; one
+    /// closed cleanly before, none started since the term began, or a newer term's, not; a
+    /// started producer clears the report.
+    #[tokio::test(start_paused = true)]
+    async fn a_deposal_fences_what_was_not_closed_before_the_lease_could_be_taken() {
+        let f = fenced();
+        let deposed = |f: &Fenced, since| f.deposed("out", "id", "b", since);
+        // A term whose producer never started (it ended in the takeover wait).
+        f.term_begins();
+        assert!(!deposed(&f, Instant::now()), "no producer");
+        // Started, then dropped uncleanly (an unknown outcome): fenced.
+        f.producer_started();
+        assert!(deposed(&f, Instant::now()));
+        assert!(f.get().unwrap().contains("b holds it now"));
+        assert_eq!(f.gauge.get(), 1);
+        // The next term's producer clears it.
+        f.term_begins();
+        f.producer_started();
+        assert_eq!((f.get(), f.gauge.get()), (None, 0));
+        // Closed cleanly before the lease could be taken (stepped down at the renew
+        // deadline, aborted at once): not fenced.
+        f.closed(f.started());
+        tokio::time::advance(Duration::from_secs(5)).await;
+        assert!(!deposed(&f, Instant::now()), "closed before");
+        // Closed only after (a process frozen past the lease's expiry): fenced.
+        assert!(deposed(&f, Instant::now() - Duration::from_secs(6)));
+        f.term_begins();
+        f.producer_started();
+        // A close reported for an older term does not count.
+        f.closed(f.started() - 1);
+        assert!(deposed(&f, Instant::now() + Duration::from_secs(60)));
+        // A deposal of an older term after a newer one began (its producer not started yet):
+        // nothing.
+        f.term_begins();
+        f.producer_started();
+        f.term_begins();
+        assert!(!deposed(&f, Instant::now()));
+    }
 
     #[test]
     fn a_route_names_the_shard_whose_transactions_it_writes_in() {
