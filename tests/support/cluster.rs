@@ -150,6 +150,12 @@ impl Cluster {
         std::fs::read_to_string(self.dir.path().join(format!("{which}.log"))).unwrap_or_default()
     }
 
+    /// The process ids of etcd and (while it runs) the API server.
+    #[allow(dead_code)]
+    pub fn pids(&self) -> (u32, Option<u32>) {
+        (self.etcd.id(), self.apiserver.as_ref().map(Child::id))
+    }
+
     /// The API server's URL.
     pub fn url(&self) -> String {
         format!("https://127.0.0.1:{}", self.port)

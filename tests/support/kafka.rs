@@ -411,6 +411,23 @@ impl Kafka {
         format!("127.0.0.1:{}", self.port)
     }
 
+    /// Bytes partition `partition` of `topic` holds on disk (its log segments, compressed as
+    /// stored).
+    #[allow(dead_code)]
+    pub fn stored_bytes(&self, topic: &str, partition: i32) -> u64 {
+        let dir = self.dir.join("data").join(format!("{topic}-{partition}"));
+        std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
     /// What the node logged so far (its format and server output).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("kafka.log")).unwrap_or_default()
