@@ -25,10 +25,13 @@
 //!    creates) for BENCH_STEADY_SECS each: lag from the write's acknowledgement to the
 //!    message's arrival, CPU per change, bytes stored per change; **a burst** of
 //!    BENCH_BURST updates: time until the last is in Kafka; **a restart** down 10 s (inside
-//!    the watch history), and one down past it (meanwhile etcd compacted and the API server
-//!    restarted, so a watch resumed from before gets 410): deletes, updates and creates made
-//!    meanwhile delivered, unchanged objects sent again; **what a consumer ends with**, folded
-//!    by message order per object.
+//!    the watch history): deletes, updates and creates made meanwhile delivered, unchanged
+//!    objects sent again; **what a consumer ends with**, folded by message order per object.
+//! 1b. (`outage`, its own invocation) Per round and tool with state, at BENCH_OBJECTS: the
+//!    initial sync, then **an outage past the watch history**: the tool frozen (SIGSTOP), its
+//!    connections cut by an API server restart, the changes made, etcd compacted and the API
+//!    server restarted again, the tool thawed, so that its watch resumes from a version that
+//!    is gone (410, looked for in its log); what was delivered, and the consumer's ending.
 //! 2. **Failover**, per round, for each tool with a leader elector (the bridge without and
 //!    with `exactly_once`, the collector): two replicas, the leader SIGKILLed, then
 //!    BENCH_RESTART_CHANGES deletes, updates and creates each: from the kill to the Lease
@@ -47,7 +50,8 @@
 //! `cargo bench --bench peers` (after scripts/build-realk8s and scripts/build-peers; defaults
 //! BENCH_OBJECTS=50000, BENCH_OBJECTS_LARGE=200000, BENCH_ROUNDS=3, BENCH_RATE=500,
 //! BENCH_STEADY_SECS=30, BENCH_BURST=10000, BENCH_RESTART_CHANGES=100,
-//! BENCH_TOOLS=bridge,collector,client-go, BENCH_PHASES=main,failover,large;
+//! BENCH_TOOLS=bridge,collector,client-go, BENCH_PHASES=main,failover,large (and outage),
+//! BENCH_SYNC_PATIENCE_SECS=600 (a sync not done by then is reported as not done);
 //! BENCH_BRIDGE_KUBERNETES='{"page_size": 0}' sets the bridge's `kubernetes` section).
 
 #[path = "../tests/support/mod.rs"]
@@ -1079,7 +1083,8 @@ impl Bench {
             _ => Arrivals::consume(tool, &setup.brokers, &setup.topic),
         };
         let synced_line = setup.dir.join("client-go-configmaps.jsonl");
-        let last = until(Duration::from_secs(1200), || match tool {
+        let patience = Duration::from_secs(from_env("BENCH_SYNC_PATIENCE_SECS", 600));
+        let last = until(patience, || match tool {
             Tool::ClientGo => std::fs::read(&synced_line)
                 .is_ok_and(|b| b.windows(15).any(|w| w == b"\"type\":\"synced\"")),
             _ => arrivals.len() >= n,
@@ -1115,8 +1120,9 @@ impl Bench {
         (process, arrivals, reader, sync)
     }
 
-    /// One round of `tool` at BENCH_OBJECTS: sync, steady, burst, restarts, ending.
-    async fn run(&mut self, tool: Tool, round: u64) -> Run {
+    /// One round of `tool` at BENCH_OBJECTS: sync, steady, burst, restart, ending; or
+    /// (`outage_only`) sync, the outage past the watch history, ending.
+    async fn run(&mut self, tool: Tool, round: u64, outage_only: bool) -> Run {
         let dir = tempfile::tempdir().unwrap();
         let topic = if tool == Tool::ClientGo {
             String::new()
@@ -1141,7 +1147,12 @@ impl Bench {
         quiet(&arrivals, Duration::from_secs(2), Duration::from_secs(60)).await;
 
         // Steady changes: at the rate asked, then as fast as the writers go.
-        for (k, rate) in [Some(self.rate), None].into_iter().enumerate() {
+        let rates: &[Option<u64>] = if outage_only {
+            &[]
+        } else {
+            &[Some(self.rate), None]
+        };
+        for (k, &rate) in rates.iter().enumerate() {
             let (cpu0, from) = (cpu_seconds(process.pid()), arrivals.len());
             let stored0 = self.kafka.stored_bytes(&setup.topic, 0);
             let began = Instant::now();
@@ -1182,54 +1193,62 @@ impl Bench {
         }
 
         // A burst of updates.
-        let from = arrivals.len();
-        let began = Instant::now();
-        let writes = write(
-            &api_of,
-            &self.world,
-            None,
-            0,
-            Some(self.burst),
-            self.seed ^ 0xb0 ^ round,
-        )
-        .await;
-        let written = began.elapsed().as_secs_f64();
-        let wanted: HashSet<(String, String)> = writes
-            .iter()
-            .filter_map(|w| Some((w.key.clone(), w.rv.clone()?)))
-            .collect();
-        let mut seen = HashSet::new();
-        let mut checked = from;
-        let last = until(Duration::from_secs(300), || {
-            for a in arrivals.since(checked) {
-                checked += 1;
-                if wanted.contains(&(a.key.clone(), a.rv.clone())) {
-                    seen.insert((a.key, a.rv));
+        if !outage_only {
+            let from = arrivals.len();
+            let began = Instant::now();
+            let writes = write(
+                &api_of,
+                &self.world,
+                None,
+                0,
+                Some(self.burst),
+                self.seed ^ 0xb0 ^ round,
+            )
+            .await;
+            let written = began.elapsed().as_secs_f64();
+            let wanted: HashSet<(String, String)> = writes
+                .iter()
+                .filter_map(|w| Some((w.key.clone(), w.rv.clone()?)))
+                .collect();
+            let mut seen = HashSet::new();
+            let mut checked = from;
+            let last = until(Duration::from_secs(300), || {
+                for a in arrivals.since(checked) {
+                    checked += 1;
+                    if wanted.contains(&(a.key.clone(), a.rv.clone())) {
+                        seen.insert((a.key, a.rv));
+                    }
                 }
-            }
-            seen.len() >= wanted.len()
-        })
-        .await
-        .map(|_| began.elapsed().as_secs_f64());
-        println!(
-            "  [{}] burst of {} updates: written in {written:.1} s, the last in Kafka after {last:?} s",
-            tool.label(),
-            wanted.len()
-        );
-        run.burst = Some((written, last));
-        quiet(&arrivals, Duration::from_secs(2), Duration::from_secs(60)).await;
+                seen.len() >= wanted.len()
+            })
+            .await
+            .map(|_| began.elapsed().as_secs_f64());
+            println!(
+                "  [{}] burst of {} updates: written in {written:.1} s, the last in Kafka after {last:?} s",
+                tool.label(),
+                wanted.len()
+            );
+            run.burst = Some((written, last));
+            quiet(&arrivals, Duration::from_secs(2), Duration::from_secs(60)).await;
+        }
         run.peak_rss = support::peak_rss_mib(process.pid());
 
-        // Down 10 s (a restart inside the watch history), and down past the watch history:
-        // frozen (SIGSTOP) while the changes are made, etcd compacts and the API server
-        // restarts, then thawed, so that its watch resumes from a version that is gone (410).
-        // client-go has no state to resume from: it is not restarted.
+        // Down 10 s (a restart inside the watch history), and (BENCH_PHASES=outage) down past
+        // the watch history: frozen (SIGSTOP), its connections cut by an API server restart
+        // before the changes are made (so that none of them waits in its sockets), then etcd
+        // compacted and the API server restarted again, then thawed: its watch resumes from
+        // a version that is gone (410). client-go has no state to resume from: it is not
+        // restarted.
+        let outages: &[bool] = if outage_only { &[true] } else { &[false] };
         if tool != Tool::ClientGo {
-            for (k, long) in [false, true].into_iter().enumerate() {
+            for (k, &long) in outages.iter().enumerate() {
+                let k = k + usize::from(long);
                 run.peak_rss = run.peak_rss.max(support::peak_rss_mib(process.pid()));
                 let log_before = process.log().len();
                 if long {
                     process.signal("STOP");
+                    self.cluster.kill_apiserver();
+                    self.cluster.start_apiserver().await;
                 } else {
                     process.stop();
                 }
@@ -1687,8 +1706,24 @@ async fn run() {
         for round in 1..=rounds {
             for tool in rotated(round) {
                 println!("round {round}: {}", tool.label());
-                let r = bench.run(tool, round).await;
+                let r = bench.run(tool, round, false).await;
                 runs.entry(tool.key()).or_default().push(r);
+            }
+        }
+    }
+    let mut outages: BTreeMap<&str, Vec<Run>> = BTreeMap::new();
+    if phases.contains("outage") {
+        for round in 1..=rounds {
+            for tool in rotated(round) {
+                if tool == Tool::ClientGo {
+                    continue;
+                }
+                println!(
+                    "round {round}: {} frozen past the watch history",
+                    tool.label()
+                );
+                let r = bench.run(tool, round, true).await;
+                outages.entry(tool.key()).or_default().push(r);
             }
         }
     }
@@ -1788,21 +1823,17 @@ async fn run() {
             }
         }
         println!(
-            "\n| burst of {} updates | written in s | the last in Kafka after s | restarted, down 10 s: deletes, updates, creates delivered, unchanged resent | 410 in its log | frozen past the watch history (compacted, API server restarted) | 410 in its log |",
+            "\n| burst of {} updates | written in s | the last in Kafka after s | restarted, down 10 s: deletes, updates, creates delivered, unchanged resent (each round) |",
             bench.burst
         );
-        println!("|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|");
         for (key, rs) in &runs {
-            let restart = |f: &dyn Fn(&Run) -> Option<(Delivered, bool)>| {
-                rs.last().and_then(f).map_or(
-                    ("not restarted (no state)".to_owned(), "–".to_owned()),
-                    |(d, gone)| (d.to_string(), gone.to_string()),
-                )
-            };
-            let (short, short_gone) = restart(&|r| r.restart_short);
-            let (long, long_gone) = restart(&|r| r.restart_long);
+            let restarts: Vec<String> = rs
+                .iter()
+                .filter_map(|r| r.restart_short.map(|(d, _)| d.to_string()))
+                .collect();
             println!(
-                "| {} | {} | {} | {short} | {short_gone} | {long} | {long_gone} |",
+                "| {} | {} | {} | {} |",
                 label(key),
                 spread(rs.iter().filter_map(|r| r.burst.map(|b| b.0)).collect(), 1),
                 spread(
@@ -1811,6 +1842,11 @@ async fn run() {
                         .collect(),
                     1
                 ),
+                if restarts.is_empty() {
+                    "not restarted (no state)".to_owned()
+                } else {
+                    restarts.join(" · ")
+                },
             );
         }
         println!(
@@ -1820,6 +1856,33 @@ async fn run() {
         for (key, rs) in &runs {
             let endings: Vec<&Ending> = rs.iter().filter_map(|r| r.ending.as_ref()).collect();
             println!("| {} | {} |", label(key), ending_cells(&endings));
+        }
+    }
+    if !outages.is_empty() {
+        println!(
+            "\n| frozen past the watch history (connections cut, {} deletes/updates/creates, etcd compacted, API server restarted, thawed) | deletes, updates, creates delivered, unchanged resent (each round) | a 410 in its log | lost deletes | phantom deletes | stale finals | missing | duplicates |",
+            bench.restart_changes
+        );
+        println!("|---|---|---|---|---|---|---|---|");
+        for (key, rs) in &outages {
+            let each: Vec<String> = rs
+                .iter()
+                .filter_map(|r| r.restart_long.map(|(d, _)| d.to_string()))
+                .collect();
+            let gone: Vec<String> = rs
+                .iter()
+                .filter_map(|r| r.restart_long.map(|(_, g)| g.to_string()))
+                .collect();
+            let endings: Vec<&Ending> = rs.iter().filter_map(|r| r.ending.as_ref()).collect();
+            let cells = ending_cells(&endings);
+            let cells: Vec<&str> = cells.split(" | ").collect();
+            println!(
+                "| {} | {} | {} | {} |",
+                label(key),
+                each.join(" · "),
+                gone.join(", "),
+                cells[..5].join(" | ")
+            );
         }
     }
     if !failovers.is_empty() {
