@@ -27,11 +27,6 @@
 //!    BENCH_BURST updates: time until the last is in Kafka; **a restart** down 10 s (inside
 //!    the watch history): deletes, updates and creates made meanwhile delivered, unchanged
 //!    objects sent again; **what a consumer ends with**, folded by message order per object.
-//! 1b. (`outage`, its own invocation) Per round and tool with state, at BENCH_OBJECTS: the
-//!    initial sync, then **an outage past the watch history**: the tool frozen (SIGSTOP), its
-//!    connections cut by an API server restart, the changes made, etcd compacted and the API
-//!    server restarted again, the tool thawed, so that its watch resumes from a version that
-//!    is gone (410, looked for in its log); what was delivered, and the consumer's ending.
 //! 2. **Failover**, per round, for each tool with a leader elector (the bridge without and
 //!    with `exactly_once`, the collector): two replicas, the leader SIGKILLed, then
 //!    BENCH_RESTART_CHANGES deletes, updates and creates each: from the kill to the Lease
@@ -39,6 +34,11 @@
 //!    duplicates, unchanged objects sent again.
 //! 3. **Initial sync at BENCH_OBJECTS_LARGE** (the extra objects made only after every phase
 //!    above), per round and tool.
+//! 4. (`outage`, its own invocation) Per round and tool with state, at BENCH_OBJECTS: the
+//!    initial sync, then **an outage past the watch history**: the tool frozen (SIGSTOP), its
+//!    connections cut by an API server restart, the changes made, etcd compacted and the API
+//!    server restarted again, the tool thawed, so that its watch resumes from a version that
+//!    is gone (410, looked for in its log); what was delivered, and the consumer's ending.
 //!
 //! The floor: the API server's own unpaged list of the BENCH_OBJECTS objects (a raw GET, timed
 //! to its last byte) plus a raw rdkafka producer with the bridge's settings writing as many
