@@ -185,12 +185,7 @@ fn proxied_kubeconfig(kubeconfig: &Path, upstream: u16, proxy: u16, dir: &Path) 
 
 /// Current RSS of `pid`, MiB.
 fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    support::status_mib(pid, "VmRSS:")
 }
 
 /// The API server's and etcd's CPU seconds and peak RSS while it runs (RSS every 100 ms).
@@ -1027,7 +1022,6 @@ struct Failover {
     lease: Option<f64>,
     first_change: Option<f64>,
     delivered: Delivered,
-    duplicates: usize,
     ending: Option<Ending>,
 }
 
@@ -1439,7 +1433,6 @@ impl Bench {
             lease,
             first_change,
             delivered,
-            duplicates: e.duplicates,
             ending: Some(e),
         }
     }
@@ -1887,26 +1880,22 @@ async fn run() {
     }
     if !failovers.is_empty() {
         println!(
-            "\n| failover (leader SIGKILLed) | Lease taken s | first change in Kafka s | deletes, updates, creates delivered, unchanged resent (last round) | duplicates | lost deletes | phantom deletes | stale finals | missing |"
+            "\n| failover (leader SIGKILLed) | Lease taken s | first change in Kafka s | deletes, updates, creates delivered, unchanged resent (each round) | lost deletes | phantom deletes | stale finals | missing | duplicates | order violations |"
         );
-        println!("|---|---|---|---|---|---|---|---|---|");
+        println!("|---|---|---|---|---|---|---|---|---|---|");
         for (key, fs) in &failovers {
             let endings: Vec<&Ending> = fs.iter().filter_map(|f| f.ending.as_ref()).collect();
-            let sum = |f: &dyn Fn(&Ending) -> usize| endings.iter().map(|e| f(e)).sum::<usize>();
             let (tool, eos) = key.split_once(' ').unwrap_or((key, ""));
             println!(
-                "| {} {eos} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} {eos} | {} | {} | {} | {} |",
                 label(tool),
                 spread(fs.iter().filter_map(|f| f.lease).collect(), 1),
                 spread(fs.iter().filter_map(|f| f.first_change).collect(), 1),
-                fs.last()
+                fs.iter()
                     .map(|f| f.delivered.to_string())
-                    .unwrap_or_default(),
-                fs.iter().map(|f| f.duplicates).sum::<usize>(),
-                sum(&|e| e.d.lost_deletes.len()),
-                sum(&|e| e.d.phantom_deletes.len()),
-                sum(&|e| e.d.stale.len()),
-                sum(&|e| e.d.missing.len()),
+                    .collect::<Vec<_>>()
+                    .join(" · "),
+                ending_cells(&endings),
             );
         }
     }

@@ -713,7 +713,7 @@ impl LeaderElector {
             spec.holder_identity.filter(|h| !h.is_empty()),
             spec.renew_time.map(|t| t.0),
         );
-        self.seen_held_by(record.0.clone().as_deref());
+        self.seen_held_by(record.0.as_deref());
         if self.observed.as_ref().is_none_or(|(r, _)| *r != record) {
             self.observed = Some((record, Instant::now()));
         }

@@ -42,10 +42,15 @@ pub fn built_tool(relative: &str, script: &str) -> std::path::PathBuf {
 
 /// The peak RSS (VmHWM) of process `pid`, in MiB.
 pub fn peak_rss_mib(pid: u32) -> f64 {
+    status_mib(pid, "VmHWM:")
+}
+
+/// A `kB` field of `/proc/PID/status` (`"VmRSS:"`), in MiB; 0 when gone.
+pub fn status_mib(pid: u32, field: &str) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0)
 }
