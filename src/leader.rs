@@ -159,6 +159,9 @@ pub struct FenceTimes {
     until: std::sync::atomic::AtomicU64,
     // A deadline shared with other fences that this one never outlasts (see `Fence::capped`).
     cap: Option<FenceCap>,
+    // From when another replica may hold the lease (0: unknown): the last renewal's start
+    // plus the lease's duration, or a release. Kept when the fence is revoked.
+    takeable: std::sync::atomic::AtomicU64,
 }
 
 /// A deadline several fences share and never outlast: the sharded replicas' hold on the
@@ -259,6 +262,30 @@ impl Fence {
         let from = self.0.from.load(SeqCst);
         let now = since_base(Instant::now());
         (until > 0 && now < from).then(|| Duration::from_nanos(from - now))
+    }
+
+    /// Another replica may take the lease from `from` on (a renewal's start plus the lease's
+    /// duration; a release: now).
+    pub fn takeable_from(&self, from: Instant) {
+        self.0
+            .takeable
+            .store(since_base(from).max(1), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// From when another replica may hold the lease, if this replica ever led.
+    pub fn takeable_at(&self) -> Option<Instant> {
+        let from = self.0.takeable.load(std::sync::atomic::Ordering::SeqCst);
+        (from > 0).then(|| fence_base() + Duration::from_nanos(from))
+    }
+
+    /// Whether another replica may hold the lease by now (the last renewal's lease ran out,
+    /// or it was released), as far as this replica can tell; `false` before it ever led. A
+    /// deposed producer must not abort its transaction then: librdkafka bumps the epoch after
+    /// an abortable error's abort, and Kafka can take that bump from an older epoch for a
+    /// retry, fencing the new holder's producer instead.
+    pub fn may_be_taken(&self) -> bool {
+        let from = self.0.takeable.load(std::sync::atomic::Ordering::SeqCst);
+        from > 0 && since_base(Instant::now()) >= from
     }
 
     /// Not valid from now on.
@@ -643,6 +670,7 @@ impl LeaderElector {
                     }
                     last_renewal = Some(started);
                     self.lost = None;
+                    self.fence.takeable_from(started + self.lease_duration);
                     self.fence.extend_to(started + self.renew_deadline);
                     self.set_leading(true);
                 }
@@ -875,6 +903,10 @@ impl LeaderElector {
         // released lease would let the next holder publish without waiting.
         let waiting = self.fence.in_takeover_wait();
         self.fence.revoke();
+        if !waiting {
+            // Released below (even when its answer is lost): another may hold it at once.
+            self.fence.takeable_from(Instant::now());
+        }
         self.set_leading(false);
         if waiting {
             info!(lease = %self.name, "Not releasing the lease during its takeover wait; it expires");
@@ -987,5 +1019,24 @@ mod tests {
         fence.revoke();
         assert!(!waiting.await.unwrap());
         assert!(now.elapsed() < Duration::from_secs(2));
+    }
+
+    /// The lease may be another's once the last renewal's duration ran out, revoked or not.
+    #[tokio::test(start_paused = true)]
+    async fn the_lease_may_be_taken_once_the_last_renewals_duration_ran_out() {
+        let fence = Fence::default();
+        assert!(!fence.may_be_taken(), "never led");
+        let renewed = Instant::now();
+        fence.extend_to(renewed + Duration::from_secs(10));
+        fence.takeable_from(renewed + Duration::from_secs(15));
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        fence.revoke();
+        assert!(
+            !fence.may_be_taken(),
+            "past the renew deadline, within the lease"
+        );
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(fence.may_be_taken());
+        assert_eq!(fence.takeable_at(), Some(renewed + Duration::from_secs(15)));
     }
 }

@@ -159,9 +159,9 @@ impl<S: Sink> Sink for Timed<S> {
     fn begin_term(
         &self,
         shard: kube_event_bridge::shard::Shard,
-        until: Option<tokio::time::Instant>,
+        fence: Option<kube_event_bridge::leader::Fence>,
     ) -> BoxFuture<'_, sinks::Result<()>> {
-        self.inner.begin_term(shard, until)
+        self.inner.begin_term(shard, fence)
     }
     fn end_term(&self, shard: kube_event_bridge::shard::Shard) {
         self.inner.end_term(shard)

@@ -382,7 +382,7 @@ async fn begin_term(
             if !still() || !fence.wait_valid().await {
                 return false;
             }
-            match sink.begin_term(shard, fence.valid_until()).await {
+            match sink.begin_term(shard, Some(fence.clone())).await {
                 Ok(()) => break,
                 Err(e) => {
                     if !warned {

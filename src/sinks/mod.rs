@@ -221,17 +221,17 @@ pub trait Sink: Send + Sync {
     }
     /// This replica starts publishing shard `shard` (it became its leader, or it runs without
     /// leader election): a transactional sink makes the shard's producer for the term here,
-    /// fencing the last leader's, before the checkpoints are read, and only while `until` (the
-    /// lease's validity; `None` without leader election) has not passed; a shard view (see
+    /// fencing the last leader's, before the checkpoints are read, and only while `fence` (the
+    /// lease's; `None` without leader election) is valid; a shard view (see
     /// [`Self::shard_view`]) makes the term's producer or opens its connection. An error is
     /// tried again by the caller, and nothing of the shard is published meanwhile. The
     /// default does nothing.
     fn begin_term(
         &self,
         shard: crate::shard::Shard,
-        until: Option<tokio::time::Instant>,
+        fence: Option<crate::leader::Fence>,
     ) -> BoxFuture<'_, Result<()>> {
-        let _ = (shard, until);
+        let _ = (shard, fence);
         async { Ok(()) }.boxed()
     }
     /// Shard `shard`'s term here ended (it may begin again): a transactional sink fails what

@@ -703,11 +703,11 @@ impl Sink for KafkaSink {
     fn begin_term(
         &self,
         shard: crate::shard::Shard,
-        until: Option<tokio::time::Instant>,
+        fence: Option<crate::leader::Fence>,
     ) -> BoxFuture<'_, Result<()>> {
         async move {
             match &self.transactions {
-                Some(set) => set.of(&TransactionSet::key(shard)).begin_term(until).await,
+                Some(set) => set.of(&TransactionSet::key(shard)).begin_term(fence).await,
                 None => Ok(()),
             }
         }
@@ -932,12 +932,12 @@ impl Sink for KafkaShardSink {
     fn begin_term(
         &self,
         shard: crate::shard::Shard,
-        until: Option<tokio::time::Instant>,
+        fence: Option<crate::leader::Fence>,
     ) -> BoxFuture<'_, Result<()>> {
         debug_assert_eq!(shard, self.shard);
         async move {
             if self.sink.transactions.is_some() {
-                return self.sink.begin_term(shard, until).await;
+                return self.sink.begin_term(shard, fence).await;
             }
             // The last term's producer goes on while it holds records (see `Lane`).
             self.lane.terms.fetch_add(1, Ordering::SeqCst);

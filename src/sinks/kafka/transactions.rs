@@ -31,6 +31,10 @@
 //!   reported by [`Transactions::broken`] and `keb_kafka_producer_fenced` whichever came
 //!   first, the lease's loss or the refusal, until a term of this replica starts its own
 //!   producer: ending the term does not clear it.
+//! - **A deposed producer never aborts.** Once another replica may hold the lease
+//!   ([`crate::leader::Fence::may_be_taken`]), nothing of the term is aborted: the producer
+//!   goes with its transaction open, which the new holder's producer aborts (see
+//!   `NOT_ABORTED`).
 //! - **Order.** Records are produced under the state lock, a message's checkpoint record right
 //!   after it, and every record of a term by one producer: a key's records keep their order
 //!   in the checkpoint topic. A commit holds the gate exclusively: nothing is produced between
@@ -54,7 +58,10 @@ use super::{
     client::{KafkaClient, KafkaContext},
     sink::classify,
 };
-use crate::sinks::{Ack, Error, Result};
+use crate::{
+    leader::Fence,
+    sinks::{Ack, Error, Result},
+};
 
 /// How long `init_transactions`, a commit and an abort may take.
 pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -280,6 +287,21 @@ struct State {
     backlog: VecDeque<CheckpointRecord>,
     // When the open transaction began: the broker aborts it `transaction_timeout` later.
     opened_at: Option<tokio::time::Instant>,
+    // The term's lease (`None` without leader election): once another replica may hold it,
+    // nothing of this term is aborted (see `NOT_ABORTED`).
+    fence: Option<Fence>,
+}
+
+/// Why a deposed producer's transaction is left to the new holder's producer (whose start
+/// aborts it) instead of aborted: librdkafka bumps the producer's epoch after aborting a
+/// transaction that failed (a record refused with an old epoch), and Kafka 4 can take the
+/// bump of the older epoch for a retry and grant it, fencing the new holder's producer.
+const NOT_ABORTED: &str = "not aborted: another replica may hold the lease by now, and an \
+     abort could fence its producer (its start aborts this transaction)";
+
+/// Whether nothing of a term under `fence` may be aborted any more (see [`NOT_ABORTED`]).
+fn deposed(fence: Option<&Fence>) -> bool {
+    fence.is_some_and(Fence::may_be_taken)
 }
 
 /// A message of the open transaction.
@@ -348,7 +370,7 @@ impl Transactions {
     /// every earlier producer of the id), but only while `until` (the lease's validity) has
     /// not passed: `init_transactions` is given no longer than that. On an error nothing is
     /// produced; the caller tries again while the term lasts.
-    pub(super) async fn begin_term(&self, until: Option<tokio::time::Instant>) -> Result<()> {
+    pub(super) async fn begin_term(&self, fence: Option<Fence>) -> Result<()> {
         let closed = self.gate.clone().write_owned().await;
         // From here a producer of this replica may fence the last one: a fence found on that
         // one later is this term's doing.
@@ -359,13 +381,16 @@ impl Transactions {
             st.wanted = true;
             st.broken = None;
             st.poisoned = None;
+            st.fence = fence.clone();
             st.producer.take()
         };
         dispose(old);
-        let timeout = match until {
+        let timeout = match fence.as_ref().map(Fence::valid_until) {
             None => CALL_TIMEOUT,
             Some(until) => {
-                let left = until.saturating_duration_since(tokio::time::Instant::now());
+                let left = until.map_or(Duration::ZERO, |u| {
+                    u.saturating_duration_since(tokio::time::Instant::now())
+                });
                 if left < Duration::from_millis(100) {
                     return Err(Error::Aborted("the lease is not valid any more".into()));
                 }
@@ -432,15 +457,16 @@ impl Transactions {
 
     /// The term ended: what it holds fails and its producer goes, its open transaction
     /// aborted (left open, it would hold `read_committed` readers of its partitions back
-    /// until the next owner's producer or the broker's timeout ended it).
+    /// until the next owner's producer or the broker's timeout ended it), unless another
+    /// replica may hold the lease by now (see [`NOT_ABORTED`]).
     pub(super) fn end_term(&self) {
-        let old = {
+        let (old, fence) = {
             let mut st = self.lock();
             st.wanted = false;
             st.broken = None;
             st.poisoned = None;
             fail_all(&mut st, "the leadership term ended");
-            st.producer.take()
+            (st.producer.take(), st.fence.take())
         };
         self.set_problem(None);
         if let Some(producer) = old {
@@ -455,7 +481,9 @@ impl Transactions {
                 let closed = gate.write_owned().await;
                 let _ = tokio::task::spawn_blocking(move || {
                     let _closed = closed;
-                    if producer.client().fatal_error().is_none() {
+                    if deposed(fence.as_ref()) {
+                        warn!(sink = %sink, transactional_id = %id, "The term's producer goes without aborting its transaction: {NOT_ABORTED}");
+                    } else if producer.client().fatal_error().is_none() {
                         // Nothing open (a commit ended it) is an error of state: as clean.
                         let aborted = match producer.abort_transaction(CALL_TIMEOUT) {
                             Ok(()) => true,
@@ -614,7 +642,7 @@ impl Transactions {
     /// not committed.
     pub(super) async fn commit(&self) -> Result<()> {
         let _closed = self.gate.write().await;
-        let (producer, open, silent, poisoned, deadline) = {
+        let (producer, open, silent, poisoned, deadline, fence) = {
             let mut st = self.lock();
             let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
                 return match &st.broken {
@@ -651,6 +679,7 @@ impl Transactions {
                 std::mem::take(&mut st.silent),
                 st.poisoned.take(),
                 deadline,
+                st.fence.clone(),
             )
         };
         // Every record's delivery first (a commit flushes them anyway, and a failed one names
@@ -692,21 +721,23 @@ impl Transactions {
             if let (Some(i), true) = (i, message) {
                 results[i].1 = Err(e);
             }
-            if aborting.is_none() && failed.is_some() {
+            if aborting.is_none() && failed.is_some() && !deposed(fence.as_ref()) {
                 aborting = Some(abort_in_background(&producer));
             }
         }
-        if aborting.is_none() && failed.is_some() {
+        if aborting.is_none() && failed.is_some() && !deposed(fence.as_ref()) {
             aborting = Some(abort_in_background(&producer));
         }
+        let fence = fence.as_ref();
         let outcome = match (aborting, failed) {
             (Some(aborting), Some(why)) => match aborting.await {
                 Ok(Ok(())) => Outcome::Aborted(why),
-                Ok(Err(e)) if is_retriable(&e) => self.abort(&producer, why, deadline).await,
+                Ok(Err(e)) if is_retriable(&e) => self.abort(&producer, why, deadline, fence).await,
                 Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
                 Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
             },
-            _ => self.try_commit(&producer, deadline).await,
+            (None, Some(why)) => Outcome::Unknown(format!("{why}; {NOT_ABORTED}")),
+            _ => self.try_commit(&producer, deadline, fence).await,
         };
         let result = match outcome {
             Outcome::Committed => {
@@ -788,6 +819,7 @@ impl Transactions {
         &self,
         producer: &FutureProducer<KafkaContext>,
         deadline: Option<tokio::time::Instant>,
+        fence: Option<&Fence>,
     ) -> Outcome {
         match self
             .retrying("commit", producer, deadline, |p| {
@@ -797,20 +829,30 @@ impl Transactions {
         {
             Ok(()) => Outcome::Committed,
             Err(ref e @ KafkaError::Transaction(ref r)) if r.txn_requires_abort() => {
-                self.abort(producer, format!("commit: {e}"), deadline).await
+                self.abort(producer, format!("commit: {e}"), deadline, fence)
+                    .await
             }
             Err(e) => Outcome::Unknown(format!("commit: {e}")),
         }
     }
 
     /// Aborts the open transaction (nothing of it was committed: a commit was not asked for,
-    /// or the broker asked for the abort), trying a retriable failure again until `deadline`.
+    /// or the broker asked for the abort), trying a retriable failure again until `deadline`
+    /// and while no other replica may hold the lease (see [`NOT_ABORTED`]).
     async fn abort(
         &self,
         producer: &FutureProducer<KafkaContext>,
         why: String,
         deadline: Option<tokio::time::Instant>,
+        fence: Option<&Fence>,
     ) -> Outcome {
+        if deposed(fence) {
+            return Outcome::Unknown(format!("{why}; {NOT_ABORTED}"));
+        }
+        let deadline = match (deadline, fence.and_then(Fence::takeable_at)) {
+            (Some(d), Some(t)) => Some(d.min(t)),
+            (d, t) => d.or(t),
+        };
         match self
             .retrying("abort", producer, deadline, |p| {
                 p.abort_transaction(CALL_TIMEOUT)

@@ -758,7 +758,7 @@ impl Sink for NatsShardSink {
     fn begin_term(
         &self,
         shard: crate::shard::Shard,
-        _until: Option<tokio::time::Instant>,
+        _fence: Option<crate::leader::Fence>,
     ) -> BoxFuture<'_, Result<()>> {
         debug_assert_eq!(shard, self.shard);
         async move {
