@@ -21,8 +21,11 @@
 //!   resourceVersion, `pending`): a restart or new leader that finds it gone publishes its
 //!   delete, and one that finds it listed publishes it again (`updated`, even at the same
 //!   resourceVersion), whether or not the add was ever acknowledged. Intents are written in
-//!   batches by the tasks that wait for them (all those waiting share one write); a key the
-//!   store holds (loaded at the resume, then kept up to date by the writes) waits for nothing.
+//!   batches by one task per route (started with the first intent), each batch with every
+//!   intent recorded until it is taken; a waiter wakes once, when its batch is written (or
+//!   its term ends), so a first sync of many new keys costs one wake-up per key, not a turn
+//!   at a lock. A key the store holds (loaded at the resume, then kept up to date by the
+//!   writes) waits for nothing.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -57,14 +60,22 @@ pub struct Checkpointer {
     writing: tokio::sync::Mutex<()>,
     // The newest batch (see `Pending::taken`) written.
     durable: AtomicU64,
-    // When an intent waiter's write last failed, and the delay before the next attempt.
-    failed_at: Mutex<Option<(tokio::time::Instant, Duration)>>,
+    // Wakes the intent writer (see `write_intents`), started with the first intent.
+    intents: Arc<tokio::sync::Notify>,
+    writer: std::sync::Once,
     lag: IntGauge,
     failures: IntCounter,
     // With leader election: records and writes only while it is valid.
     fence: Option<crate::leader::Fence>,
     // The sink writes the checkpoint records in its transactions (see `in_transactions`).
     transactional: bool,
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        // Its intent writer ends.
+        self.intents.notify_one();
+    }
 }
 
 /// What is not written yet, and which keys the store holds.
@@ -82,6 +93,8 @@ struct Pending {
     // Leadership terms ended so far (see `Checkpointer::end_term`): a write taken in an
     // earlier one puts nothing back.
     term: u64,
+    // Intent waiters by the batch that writes their intent: released once it is durable.
+    waiting: std::collections::BTreeMap<u64, CancellationToken>,
 }
 
 /// What a write took from [`Pending`]: put back when dropped unless written (a change of the
@@ -158,7 +171,8 @@ impl Checkpointer {
             known_cluster: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
             durable: AtomicU64::new(0),
-            failed_at: Mutex::default(),
+            intents: Arc::default(),
+            writer: std::sync::Once::new(),
             lag,
             failures,
             fence: None,
@@ -224,12 +238,14 @@ impl Checkpointer {
         p.changed.clear();
         p.term += 1;
         self.lag.set(0);
+        // Their intents are dropped: what waits for them goes on, to find its term ended.
+        let waiting = std::mem::take(&mut p.waiting);
         drop(p);
+        waiting.values().for_each(CancellationToken::cancel);
         // The next term's resume records the identity again, once its checkpoint is this
         // cluster's: a kind described meanwhile must not write it first.
         *self.cluster.lock().unwrap_or_else(|e| e.into_inner()) = None;
         *self.known_cluster.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     /// The route's name.
@@ -284,7 +300,7 @@ impl Checkpointer {
             return None;
         }
         let hash = key_hash(key);
-        let target = {
+        let written = {
             let mut p = self.lock();
             if p.known.contains(&hash) {
                 return None;
@@ -299,44 +315,29 @@ impl Checkpointer {
                     self.lag.set(p.changed.len() as i64);
                 }
             }
-            target
+            p.waiting.entry(target).or_default().clone()
         };
-        let this = self.clone();
-        Some(Box::pin(async move { this.written(target).await }))
+        self.writer.call_once(|| {
+            tokio::spawn(write_intents(Arc::downgrade(self), self.intents.clone()));
+        });
+        self.intents.notify_one();
+        Some(Box::pin(written.cancelled_owned()))
     }
 
-    /// Returns once batch `target` (or a later one) is written, writing it if need be.
-    async fn written(&self, target: u64) {
-        while self.durable.load(Ordering::SeqCst) < target {
-            let writing = self.writing.lock().await;
-            // A write that took this intent may have ended while this one waited its turn.
-            if self.durable.load(Ordering::SeqCst) >= target {
-                return;
-            }
-            // After a failed write, one waiter tries again per delay, not each in turn.
-            let wait = self
-                .failed_at
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .map(|(at, delay)| delay.saturating_sub(at.elapsed()))
-                .unwrap_or_default();
-            if !wait.is_zero() {
-                drop(writing);
-                tokio::time::sleep(wait).await;
-                continue;
-            }
-            match self.flush_locked(writing).await {
-                Ok(()) => *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None,
-                Err(err) => {
-                    let mut failed = self.failed_at.lock().unwrap_or_else(|e| e.into_inner());
-                    let delay = failed.map_or(Duration::from_millis(100), |(_, d)| {
-                        (d * 2).min(Duration::from_secs(5))
-                    });
-                    *failed = Some((tokio::time::Instant::now(), delay));
-                    warn!(route = %self.route, error = %err, retry_in = ?delay, "Checkpoint write failed; messages of objects it does not know yet wait for it");
-                }
-            }
-        }
+    /// Batch `batch` (and every earlier one) is written: its intents' waiters go on.
+    fn made_durable(&self, batch: u64) {
+        self.durable.fetch_max(batch, Ordering::SeqCst);
+        let released = {
+            let mut p = self.lock();
+            let later = p.waiting.split_off(&(batch + 1));
+            std::mem::replace(&mut p.waiting, later)
+        };
+        released.values().for_each(CancellationToken::cancel);
+    }
+
+    /// Whether intents wait for a batch not written yet.
+    fn intents_wait(&self) -> bool {
+        !self.lock().waiting.is_empty()
     }
 
     /// Remembers that the sink settled `n` (about the object at `key`); nothing while fenced
@@ -421,7 +422,7 @@ impl Checkpointer {
             .take();
         let changed = taken.changed.as_ref().expect("taken above");
         if changed.is_empty() && taken.cluster.is_none() {
-            self.durable.fetch_max(batch_number, Ordering::SeqCst);
+            self.made_durable(batch_number);
             return Ok(());
         }
         // With leader election the write must end while the lease is valid: what it did not
@@ -490,8 +491,7 @@ impl Checkpointer {
                 }
                 self.lag.set(changed.len() as i64);
                 drop(p);
-                *self.failed_at.lock().unwrap_or_else(|e| e.into_inner()) = None;
-                self.durable.fetch_max(batch_number, Ordering::SeqCst);
+                self.made_durable(batch_number);
                 Ok(())
             }
             Err(Error::NotLeading) => Err(Error::NotLeading),
@@ -519,6 +519,49 @@ impl Checkpointer {
                     warn!(route = %self.route, error = %err, "Checkpoint write failed; retrying with the next batch")
                 }
             }
+        }
+    }
+}
+
+/// Writes the intents of `checkpointer` whenever some wait (see [`Checkpointer::intend`]): one
+/// batch at a time, each with every change recorded until it is taken; after a failure, again
+/// after a delay doubling from 100 ms to 5 s. Ends with the checkpointer.
+async fn write_intents(
+    checkpointer: std::sync::Weak<Checkpointer>,
+    wake: Arc<tokio::sync::Notify>,
+) {
+    let mut delay = None;
+    loop {
+        wake.notified().await;
+        loop {
+            let Some(c) = checkpointer.upgrade() else {
+                return;
+            };
+            if !c.intents_wait() {
+                break;
+            }
+            let writing = c.writing.lock().await;
+            // A write of another (the periodic one) may have taken them meanwhile.
+            if !c.intents_wait() {
+                break;
+            }
+            let failed = match c.flush_locked(writing).await {
+                Ok(()) => {
+                    delay = None;
+                    continue;
+                }
+                Err(err) => err,
+            };
+            let wait = delay.map_or(Duration::from_millis(100), |d: Duration| {
+                (d * 2).min(Duration::from_secs(5))
+            });
+            delay = Some(wait);
+            // The lease lapsed: the term's end (which releases the waiters) or a renewal comes.
+            if !matches!(failed, Error::NotLeading) {
+                warn!(route = %c.route, error = %failed, retry_in = ?wait, "Checkpoint write failed; messages of objects it does not know yet wait for it");
+            }
+            drop(c);
+            tokio::time::sleep(wait).await;
         }
     }
 }
@@ -854,6 +897,61 @@ mod tests {
         );
     }
 
+    /// Intents recorded while a write fails are written together by the next attempt; every
+    /// waiter goes on once, when its batch is written.
+    #[tokio::test(start_paused = true)]
+    async fn intents_wait_through_a_failed_write_and_go_with_one_batch() {
+        let store = Arc::new(SlowFailingStore::default());
+        let c = Arc::new(checkpointer(store.clone()));
+        let first = c.intend("ns/k0", &obj("ns", "k0", "1")).unwrap();
+        store.started.notified().await;
+        let rest: Vec<_> = (1..1000)
+            .map(|i| {
+                let name = format!("k{i}");
+                c.intend(&format!("ns/{name}"), &obj("ns", &name, "1"))
+                    .unwrap()
+            })
+            .collect();
+        store.release.notify_one();
+        first.await;
+        futures::future::join_all(rest).await;
+        let writes = store.writes.lock().unwrap().clone();
+        assert_eq!(writes.len(), 1, "{writes:?}");
+        assert_eq!(
+            writes[0].len(),
+            1000,
+            "the failed one's intent and the rest"
+        );
+        assert_eq!(c.lag.get(), 0);
+        assert!(
+            c.intend("ns/k7", &obj("ns", "k7", "1")).is_none(),
+            "known now"
+        );
+    }
+
+    /// A term's end releases those waiting for an intent whose write never ends.
+    #[tokio::test]
+    async fn the_end_of_a_term_releases_the_intents_waiters() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(Stalling {
+            stall: true.into(),
+            inner: FileCheckpointStore::beside(&dir.path().join("out.jsonl")),
+        });
+        let c = Arc::new(checkpointer(store));
+        let wait = c.intend("ns/a", &obj("ns", "a", "1")).expect("unknown");
+        let mut wait = std::pin::pin!(wait);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut wait)
+                .await
+                .is_err(),
+            "its write hangs"
+        );
+        c.end_term();
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .expect("released");
+    }
+
     #[tokio::test]
     async fn a_write_dropped_midway_puts_back_what_it_took() {
         let dir = tempfile::tempdir().unwrap();
@@ -864,14 +962,20 @@ mod tests {
         });
         let c = Arc::new(checkpointer(store.clone()));
         c.record_cluster("cluster-uid");
-        let wait = c.intend("ns/a", &obj("ns", "a", "1")).expect("unknown");
-        // The waiter's write hangs; its term ends and it is dropped mid-write.
+        c.record(
+            "ns/a",
+            &Notification::new(NotificationKind::Add {
+                obj: obj("ns", "a", "1"),
+                is_initial_list: false,
+            }),
+        );
+        // The write hangs and is dropped mid-write (a shutdown's flush given up).
         assert!(
-            tokio::time::timeout(Duration::from_millis(50), wait)
+            tokio::time::timeout(Duration::from_millis(50), c.flush())
                 .await
                 .is_err()
         );
-        assert_eq!(c.lag.get(), 1, "the intent is pending again");
+        assert_eq!(c.lag.get(), 1, "the change is pending again");
         store.stall.store(false, Ordering::SeqCst);
         c.flush().await.unwrap();
         let cp = FileCheckpointStore::beside(&out)
@@ -879,7 +983,7 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert!(cp["ns/a"].pending);
+        assert_eq!(cp["ns/a"].resource_version, "1");
         assert_eq!(cp[CLUSTER_KEY].uid, "cluster-uid", "the identity too");
     }
 }

@@ -92,6 +92,8 @@ pub struct RouteQueue {
     active: std::sync::atomic::AtomicBool,
     // Incremented by every `set_active`; see the module docs.
     term: std::sync::atomic::AtomicU64,
+    // Told of every `set_active` (see `term_ended`).
+    terms: tokio::sync::watch::Sender<()>,
     queue: RateLimitingQueue<Key>,
     state: Mutex<Pending>,
     budget: Arc<Budget>,
@@ -135,6 +137,7 @@ impl RouteQueue {
             name,
             active: std::sync::atomic::AtomicBool::new(true),
             term: std::sync::atomic::AtomicU64::new(0),
+            terms: tokio::sync::watch::Sender::new(()),
             queue: RateLimitingQueue::new(limiter, queue_metrics),
             state: Mutex::new(Pending::default()),
             budget,
@@ -211,6 +214,12 @@ impl RouteQueue {
         self.is_active() && self.term() == term
     }
 
+    /// Returns once `term` is not the current one any more (at once if it is not).
+    pub async fn term_ended(&self, term: u64) {
+        let mut changes = self.terms.subscribe();
+        let _ = changes.wait_for(|()| !self.is_current(term)).await;
+    }
+
     /// The current term (see the module docs).
     pub fn term(&self) -> u64 {
         self.term.load(Ordering::SeqCst)
@@ -227,6 +236,7 @@ impl RouteQueue {
             p.by_key.clear();
             n
         };
+        self.terms.send_replace(());
         if dropped > 0 {
             self.settle(dropped);
         }

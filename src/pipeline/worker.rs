@@ -335,14 +335,13 @@ impl Route {
     async fn complete(self: Arc<Self>, key: Key, mut handed: HandedOver, term: u64) {
         let queue = self.queue.queue();
         loop {
-            if let Some(mut intent) = handed.intent.take() {
+            if let Some(intent) = handed.intent.take() {
                 // Once the key is in the checkpoint its message may go; a term that ends
                 // meanwhile drops it (`hand_over` settles it) rather than waiting on.
-                while tokio::time::timeout(FENCE_RETRY_DELAY, &mut intent)
-                    .await
-                    .is_err()
-                    && self.queue.is_current(term)
-                {}
+                tokio::select! {
+                    () = intent => {}
+                    () = self.queue.term_ended(term) => {}
+                }
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
                     .await;
