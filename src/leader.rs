@@ -675,9 +675,10 @@ impl LeaderElector {
                     self.set_leading(true);
                 }
                 Outcome::NotLeading { holder } => {
-                    // Found held by another while leading: lost.
+                    // Found held by another while leading: lost, and another's already.
                     if let Some(t) = last_renewal {
                         self.lost = Some(t + self.lease_duration);
+                        self.fence.takeable_from(now);
                     }
                     last_renewal = None;
                     draining = None;

@@ -29,10 +29,7 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -58,8 +55,6 @@ pub struct Checkpointer {
     known_cluster: Mutex<Option<String>>,
     // Serializes writes, so that an older batch never lands after a newer one.
     writing: tokio::sync::Mutex<()>,
-    // The newest batch (see `Pending::taken`) written.
-    durable: AtomicU64,
     // Wakes the intent writer (see `write_intents`), started with the first intent.
     intents: Arc<tokio::sync::Notify>,
     writer: std::sync::Once,
@@ -170,7 +165,6 @@ impl Checkpointer {
             kind: Mutex::default(),
             known_cluster: Mutex::default(),
             writing: tokio::sync::Mutex::new(()),
-            durable: AtomicU64::new(0),
             intents: Arc::default(),
             writer: std::sync::Once::new(),
             lag,
@@ -326,7 +320,6 @@ impl Checkpointer {
 
     /// Batch `batch` (and every earlier one) is written: its intents' waiters go on.
     fn made_durable(&self, batch: u64) {
-        self.durable.fetch_max(batch, Ordering::SeqCst);
         let released = {
             let mut p = self.lock();
             let later = p.waiting.split_off(&(batch + 1));
@@ -552,14 +545,18 @@ async fn write_intents(
                 }
                 Err(err) => err,
             };
-            let wait = delay.map_or(Duration::from_millis(100), |d: Duration| {
-                (d * 2).min(Duration::from_secs(5))
-            });
-            delay = Some(wait);
-            // The lease lapsed: the term's end (which releases the waiters) or a renewal comes.
-            if !matches!(failed, Error::NotLeading) {
+            let wait = if matches!(failed, Error::NotLeading) {
+                // The lease lapsed: a renewal or the term's end (which releases the waiters)
+                // comes soon; looked at again shortly, without backing off.
+                Duration::from_millis(100)
+            } else {
+                let wait = delay.map_or(Duration::from_millis(100), |d: Duration| {
+                    (d * 2).min(Duration::from_secs(5))
+                });
+                delay = Some(wait);
                 warn!(route = %c.route, error = %failed, retry_in = ?wait, "Checkpoint write failed; messages of objects it does not know yet wait for it");
-            }
+                wait
+            };
             drop(c);
             tokio::time::sleep(wait).await;
         }
@@ -568,6 +565,8 @@ async fn write_intents(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
+
     use super::*;
     use crate::{informer::testing::obj, sinks::stdout::FileCheckpointStore};
 

@@ -299,9 +299,19 @@ struct State {
 const NOT_ABORTED: &str = "not aborted: another replica may hold the lease by now, and an \
      abort could fence its producer (its start aborts this transaction)";
 
-/// Whether nothing of a term under `fence` may be aborted any more (see [`NOT_ABORTED`]).
-fn deposed(fence: Option<&Fence>) -> bool {
-    fence.is_some_and(Fence::may_be_taken)
+/// The least time left before the lease could be another's for an abort to begin.
+const MIN_ABORT: Duration = Duration::from_millis(500);
+
+/// How long an abort begun now may take: until the lease could be another's (`takeable`,
+/// see [`NOT_ABORTED`]; `None`: without leader election), at most `CALL_TIMEOUT`; `None` when
+/// it is too late to begin one. Best effort: librdkafka goes on with an abort that timed out,
+/// but the new holder starts its producer only after its takeover wait.
+fn abort_budget(takeable: Option<tokio::time::Instant>) -> Option<Duration> {
+    let Some(takeable) = takeable else {
+        return Some(CALL_TIMEOUT);
+    };
+    let left = takeable.saturating_duration_since(tokio::time::Instant::now());
+    (left >= MIN_ABORT).then(|| left.min(CALL_TIMEOUT))
 }
 
 /// A message of the open transaction.
@@ -460,13 +470,17 @@ impl Transactions {
     /// until the next owner's producer or the broker's timeout ended it), unless another
     /// replica may hold the lease by now (see [`NOT_ABORTED`]).
     pub(super) fn end_term(&self) {
-        let (old, fence) = {
+        let (old, takeable) = {
             let mut st = self.lock();
             st.wanted = false;
             st.broken = None;
             st.poisoned = None;
             fail_all(&mut st, "the leadership term ended");
-            (st.producer.take(), st.fence.take())
+            let fence = st.fence.take();
+            (
+                st.producer.take(),
+                fence.as_ref().and_then(Fence::takeable_at),
+            )
         };
         self.set_problem(None);
         if let Some(producer) = old {
@@ -481,11 +495,16 @@ impl Transactions {
                 let closed = gate.write_owned().await;
                 let _ = tokio::task::spawn_blocking(move || {
                     let _closed = closed;
-                    if deposed(fence.as_ref()) {
+                    // A term begun here since fenced this producer: nothing to abort.
+                    let budget = abort_budget(takeable).filter(|_| fenced.started() == started);
+                    if budget.is_none() && fenced.started() == started {
                         warn!(sink = %sink, transactional_id = %id, "The term's producer goes without aborting its transaction: {NOT_ABORTED}");
-                    } else if producer.client().fatal_error().is_none() {
+                    }
+                    if let Some(budget) = budget
+                        && producer.client().fatal_error().is_none()
+                    {
                         // Nothing open (a commit ended it) is an error of state: as clean.
-                        let aborted = match producer.abort_transaction(CALL_TIMEOUT) {
+                        let aborted = match producer.abort_transaction(budget) {
                             Ok(()) => true,
                             Err(KafkaError::Transaction(e)) => e.code() == RDKafkaErrorCode::State,
                             Err(_) => false,
@@ -642,7 +661,7 @@ impl Transactions {
     /// not committed.
     pub(super) async fn commit(&self) -> Result<()> {
         let _closed = self.gate.write().await;
-        let (producer, open, silent, poisoned, deadline, fence) = {
+        let (producer, open, silent, poisoned, deadline, takeable) = {
             let mut st = self.lock();
             let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
                 return match &st.broken {
@@ -679,7 +698,7 @@ impl Transactions {
                 std::mem::take(&mut st.silent),
                 st.poisoned.take(),
                 deadline,
-                st.fence.clone(),
+                st.fence.as_ref().and_then(Fence::takeable_at),
             )
         };
         // Every record's delivery first (a commit flushes them anyway, and a failed one names
@@ -721,23 +740,24 @@ impl Transactions {
             if let (Some(i), true) = (i, message) {
                 results[i].1 = Err(e);
             }
-            if aborting.is_none() && failed.is_some() && !deposed(fence.as_ref()) {
-                aborting = Some(abort_in_background(&producer));
+            if aborting.is_none() && failed.is_some() {
+                aborting = abort_in_background(&producer, takeable);
             }
         }
-        if aborting.is_none() && failed.is_some() && !deposed(fence.as_ref()) {
-            aborting = Some(abort_in_background(&producer));
+        if aborting.is_none() && failed.is_some() {
+            aborting = abort_in_background(&producer, takeable);
         }
-        let fence = fence.as_ref();
         let outcome = match (aborting, failed) {
             (Some(aborting), Some(why)) => match aborting.await {
                 Ok(Ok(())) => Outcome::Aborted(why),
-                Ok(Err(e)) if is_retriable(&e) => self.abort(&producer, why, deadline, fence).await,
+                Ok(Err(e)) if is_retriable(&e) => {
+                    self.abort(&producer, why, deadline, takeable).await
+                }
                 Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
                 Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
             },
             (None, Some(why)) => Outcome::Unknown(format!("{why}; {NOT_ABORTED}")),
-            _ => self.try_commit(&producer, deadline, fence).await,
+            _ => self.try_commit(&producer, deadline, takeable).await,
         };
         let result = match outcome {
             Outcome::Committed => {
@@ -819,7 +839,7 @@ impl Transactions {
         &self,
         producer: &FutureProducer<KafkaContext>,
         deadline: Option<tokio::time::Instant>,
-        fence: Option<&Fence>,
+        takeable: Option<tokio::time::Instant>,
     ) -> Outcome {
         match self
             .retrying("commit", producer, deadline, |p| {
@@ -829,7 +849,7 @@ impl Transactions {
         {
             Ok(()) => Outcome::Committed,
             Err(ref e @ KafkaError::Transaction(ref r)) if r.txn_requires_abort() => {
-                self.abort(producer, format!("commit: {e}"), deadline, fence)
+                self.abort(producer, format!("commit: {e}"), deadline, takeable)
                     .await
             }
             Err(e) => Outcome::Unknown(format!("commit: {e}")),
@@ -844,18 +864,19 @@ impl Transactions {
         producer: &FutureProducer<KafkaContext>,
         why: String,
         deadline: Option<tokio::time::Instant>,
-        fence: Option<&Fence>,
+        takeable: Option<tokio::time::Instant>,
     ) -> Outcome {
-        if deposed(fence) {
+        if abort_budget(takeable).is_none() {
             return Outcome::Unknown(format!("{why}; {NOT_ABORTED}"));
         }
-        let deadline = match (deadline, fence.and_then(Fence::takeable_at)) {
+        // No attempt begins too late (see `abort_budget`).
+        let deadline = match (deadline, takeable.map(|t| t - MIN_ABORT)) {
             (Some(d), Some(t)) => Some(d.min(t)),
             (d, t) => d.or(t),
         };
         match self
-            .retrying("abort", producer, deadline, |p| {
-                p.abort_transaction(CALL_TIMEOUT)
+            .retrying("abort", producer, deadline, move |p| {
+                p.abort_transaction(abort_budget(takeable).unwrap_or(MIN_ABORT))
             })
             .await
         {
@@ -875,7 +896,10 @@ impl Transactions {
         what: &str,
         producer: &FutureProducer<KafkaContext>,
         deadline: Option<tokio::time::Instant>,
-        call: fn(&FutureProducer<KafkaContext>) -> rdkafka::error::KafkaResult<()>,
+        call: impl Fn(&FutureProducer<KafkaContext>) -> rdkafka::error::KafkaResult<()>
+        + Copy
+        + Send
+        + 'static,
     ) -> std::result::Result<(), KafkaError> {
         let mut attempt = 0u32;
         loop {
@@ -942,11 +966,16 @@ fn is_consequence(e: &KafkaError) -> bool {
 }
 
 /// One abort call on a blocking thread, started now (what it purges fails meanwhile).
+/// Aborts in the background, unless it is too late to begin (see [`abort_budget`]).
 fn abort_in_background(
     producer: &FutureProducer<KafkaContext>,
-) -> tokio::task::JoinHandle<rdkafka::error::KafkaResult<()>> {
+    takeable: Option<tokio::time::Instant>,
+) -> Option<tokio::task::JoinHandle<rdkafka::error::KafkaResult<()>>> {
+    let budget = abort_budget(takeable)?;
     let p = producer.clone();
-    tokio::task::spawn_blocking(move || p.abort_transaction(CALL_TIMEOUT))
+    Some(tokio::task::spawn_blocking(move || {
+        p.abort_transaction(budget)
+    }))
 }
 
 /// A delivery report's result.
