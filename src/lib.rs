@@ -27,21 +27,25 @@
 //! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs,
 //!                   patch.rs (diff: patch on the JSON text)
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
-//!                   template.rs, stdout/, kafka/, nats/ (each: config, sink, checkpoint store;
-//!                   kafka/ also client.rs (clients' settings and context), oauth.rs
-//!                   (OAUTHBEARER tokens from an OIDC endpoint), reader.rs)
+//!                   template.rs; stdout/, kafka/, nats/, each with the same rooms: config.rs
+//!                   (settings), sink.rs (the Sink), checkpoint.rs (the store), and for the
+//!                   brokers client.rs (connections, producers) and error.rs (what the
+//!                   client's errors mean); kafka/ also record.rs (the checkpoint record),
+//!                   transactions.rs, oauth.rs (OAUTHBEARER tokens), reader.rs
 //! pipeline/         route.rs (RouteBuilder), route_queue.rs, worker.rs, resume.rs,
-//!                   checkpoint.rs (Checkpointer), filter/ (mod: the stage; lanes: where
-//!                   it evaluates; expr: CEL; cel_json)
+//!                   checkpoint.rs (Checkpointer), filter/ (mod: RouteFilter; settings:
+//!                   the rules and reasons; stage: the evaluation; lanes: where it
+//!                   evaluates; expr: CEL and its errors; cel_json: JSON to CEL values)
 //! admin.rs          /metrics, /healthz, /readyz (and its settings)
 //! cluster.rs        the Kubernetes client, its settings and rate limit
-//! leader.rs         leader election on a Lease (and its settings)
-//! membership.rs     which replicas share the shards (membership Leases), who should own which
+//! leader/           leader election on a Lease: settings.rs, fence.rs (what workers check),
+//!                   handoff.rs (takeover wait, what a holder writes for the next), elector.rs,
+//!                   membership.rs (which replicas share the shards, who should own which)
 //! config/           the document: mod.rs (load, cross-references), resource.rs, sink.rs
 //! convert/          configs from other exporters: mod.rs (notes, secrets, YAML out), otel.rs
 //!                   (OpenTelemetry k8sobjects), event_exporter.rs (kubernetes-event-exporter)
 //! selection.rs      which kinds each configured resource selects, by discovery
-//! app/              mod.rs (build, run, layered shutdown), sinks.rs (opening sinks and stores),
+//! app/              mod.rs (build, run, layered shutdown), error.rs, sinks.rs (opening sinks and stores),
 //!                   resources.rs (wiring), checkpoints.rs (loading them, waiting routes),
 //!                   discovery.rs, leadership.rs, health.rs
 //! consumer/         tools for consumers: state.rs, tail.rs; event.rs (reading messages back),
@@ -56,7 +60,6 @@ pub mod consumer;
 pub mod convert;
 pub mod informer;
 pub mod leader;
-pub mod membership;
 pub mod message;
 pub mod metrics;
 pub mod pipeline;

@@ -40,7 +40,7 @@ const SOURCES: &[&str] = &[
     include_str!("../src/config/sink.rs"),
     include_str!("../src/cluster.rs"),
     include_str!("../src/admin.rs"),
-    include_str!("../src/leader.rs"),
+    include_str!("../src/leader/settings.rs"),
     include_str!("../src/shard.rs"),
     include_str!("../src/message/mod.rs"),
     include_str!("../src/sinks/secret.rs"),

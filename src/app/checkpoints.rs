@@ -23,7 +23,7 @@ use crate::pipeline::{Checkpointer, Resumer};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::Error;
+use super::error::Error;
 use crate::{
     informer::SharedIndexInformer,
     metrics::Metrics,

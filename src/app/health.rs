@@ -47,7 +47,7 @@ pub(super) fn readiness(
     pending: Arc<std::sync::Mutex<Vec<String>>>,
     waiting: Vec<WaitingRoutes>,
     fences: Vec<(String, crate::leader::Fence)>,
-    group_wait: Option<(String, crate::membership::ClaimWait)>,
+    group_wait: Option<(String, crate::leader::membership::ClaimWait)>,
     silent_after: Duration,
 ) -> admin::Readiness {
     let sharded = group_wait.is_some();

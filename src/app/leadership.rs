@@ -398,7 +398,7 @@ async fn begin_term(
     *leading.borrow() && !leading.has_changed().unwrap_or(true) && fence.wait_valid().await
 }
 
-/// Turns the shards assigned to this replica (see [`crate::membership`]) into what each
+/// Turns the shards assigned to this replica (see [`crate::leader::membership`]) into what each
 /// shard's elector campaigns for, and keeps `keb_leader` at 1 while this replica owns any
 /// shard.
 /// When `freeze` fires (shutdown), it stops campaigning for the shards this replica does not

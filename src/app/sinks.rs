@@ -5,7 +5,7 @@ use std::{collections::HashMap, sync::Arc};
 
 use tracing::info;
 
-use super::Error;
+use super::error::Error;
 use crate::{
     config::{Config, SinkType},
     metrics::Metrics,

@@ -6,7 +6,20 @@ use std::collections::HashMap;
 use cel::common::{types, value::Val};
 use serde::de::{Deserializer, MapAccess, SeqAccess, Visitor};
 
-use super::expr::{Fields, Usage};
+/// What an expression reads of one variable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Usage {
+    /// Nothing: the variable is not parsed at all.
+    Unused,
+    /// Only these fields, each read whole or only in some of its own fields
+    /// (`object.metadata.labels…` reads `labels` of `metadata`, nothing else of either).
+    Fields(Fields),
+    /// Anything (`size(object)`, `object["spec"]`, a macro variable of the same name).
+    Whole,
+}
+
+/// The fields read of a map, by name: each [`Usage::Whole`] or [`Usage::Fields`].
+pub(super) type Fields = HashMap<String, Usage>;
 
 /// CEL's `null`.
 pub(super) fn null<'v>() -> Box<dyn Val + 'v> {

@@ -2,18 +2,60 @@
 //! `object`, `oldObject` and `type`. What the expression reads is taken from CEL's own
 //! syntax tree, so that fields it never reads are not even parsed from the object's JSON.
 
-use std::{collections::HashMap, sync::Arc};
+use std::sync::Arc;
 
 use cel::{IdedExpr, common::ast::Expr as Node, common::value::Val};
 
-use super::{
-    Error,
-    cel_json::{null, to_val},
-};
+use super::cel_json::{Fields, Usage, null, to_val};
 use crate::informer::{CachedObject, EventType};
 
 /// The variables a filter sees.
 pub const VARIABLES: [&str; 3] = ["object", "oldObject", "type"];
+
+/// Errors of a filter's settings, found at load.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The expression does not parse.
+    #[error("syntax error at line {line}, column {column}: {message}")]
+    Syntax {
+        /// 1-based line.
+        line: isize,
+        /// 1-based column.
+        column: isize,
+        /// What the parser said.
+        message: String,
+    },
+    /// The expression names something that is neither a variable nor a function.
+    #[error("unknown name `{name}`{at}: a filter sees {vars} and CEL's standard functions", vars = VARIABLES.join(", "))]
+    UnknownName {
+        /// The name.
+        name: String,
+        /// ` at line L, column C`, when known.
+        at: String,
+    },
+    /// A `filter` reads `type` or `oldObject`: it decides which objects belong to the stream,
+    /// which a change cannot.
+    #[error(
+        "`filter` decides which objects belong to the stream and sees only `object`, but reads \
+         `{name}`{at}: put conditions on changes in `publish_if` (and `type != \"synced\"` is \
+         `events: [added, updated, deleted]`)"
+    )]
+    ChangeInMembership {
+        /// `type` or `oldObject`.
+        name: String,
+        /// ` at line L, column C`, when known.
+        at: String,
+    },
+    /// The expression does not give a boolean.
+    #[error("the expression must be a boolean, but gives a {0} value")]
+    NotBoolean(String),
+    /// An operator or function applied to types it does not take, whatever the object.
+    #[error("type error: {0}")]
+    Type(String),
+    /// An `ignore_fields` entry is not a JSON pointer to a field.
+    #[error("{0:?} is not a JSON pointer to a field (like \"/status\")")]
+    Pointer(String),
+}
 
 /// A compiled filter expression.
 pub struct Expr {
@@ -164,21 +206,6 @@ impl Expr {
         self.program.execute(&ctx)
     }
 }
-
-/// What an expression reads of one variable.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) enum Usage {
-    /// Nothing: the variable is not parsed at all.
-    Unused,
-    /// Only these fields, each read whole or only in some of its own fields
-    /// (`object.metadata.labels…` reads `labels` of `metadata`, nothing else of either).
-    Fields(Fields),
-    /// Anything (`size(object)`, `object["spec"]`, a macro variable of the same name).
-    Whole,
-}
-
-/// The fields read of a map, by name: each [`Usage::Whole`] or [`Usage::Fields`].
-pub(super) type Fields = HashMap<String, Usage>;
 
 /// What the expression rooted at `root` reads of the variable `var`, from CEL's syntax tree
 /// (macros expanded): when every use of `var` is a chain of field selections

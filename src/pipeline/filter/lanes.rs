@@ -31,7 +31,7 @@ use std::{
 use tokio::sync::Notify;
 use tracing::error;
 
-use super::{Stage, State};
+use super::stage::{Stage, State};
 use crate::{
     informer::{Key, Notification, ObjectRef},
     workqueue::queue::FastHash,

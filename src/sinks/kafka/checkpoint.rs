@@ -22,10 +22,12 @@ use tracing::info;
 use std::sync::Arc;
 
 use super::{
-    KafkaSink, KafkaSinkConfig,
     client::{KafkaClient, KafkaContext},
+    config::KafkaSinkConfig,
     reader::{TIMEOUT, read_to_end},
-    transactions::{CheckpointRecord, TransactionSet},
+    record::{CheckpointRecord, record_of},
+    sink::KafkaSink,
+    transactions::TransactionSet,
 };
 use crate::{
     sinks,
@@ -39,14 +41,6 @@ pub struct KafkaCheckpointStore {
     consumer: KafkaClient,
     // With `exactly_once`: writes go in the sink's open transaction of the route's shard.
     transactions: Option<Arc<TransactionSet>>,
-}
-
-/// The record of `change` to the checkpoint of `route`: key `["route", "namespace/name"]`,
-/// value the entry (`None`: a tombstone).
-pub(super) fn record_of(route: &str, (key, entry): Change) -> CheckpointRecord {
-    let k = serde_json::to_string(&(route, &key)).expect("strings serialize");
-    let v = entry.map(|e| serde_json::to_string(&e).expect("strings serialize"));
-    (k, v)
 }
 
 impl KafkaCheckpointStore {

@@ -24,7 +24,10 @@ use rdkafka::{
     producer::{FutureProducer, Producer as _},
 };
 
-use super::{KafkaSinkConfig, SaslMechanism, oauth::OAuthTokenSource};
+use super::{
+    config::{KafkaSinkConfig, SaslMechanism},
+    oauth::OAuthTokenSource,
+};
 
 /// The client context of every client of a sink. rdkafka's default logs every consumer error
 /// event as a "Global error" at ERROR level, the end of a partition (`PartitionEOF`, which a

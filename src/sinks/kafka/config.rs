@@ -12,6 +12,9 @@ use crate::{
     },
 };
 
+/// How long `init_transactions`, a commit and an abort of `exactly_once` may take.
+pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Settings of a `kafka` sink.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -478,17 +481,14 @@ impl KafkaSinkConfig {
             }
             // A transaction stays open for its interval, the deliveries of its last records
             // and the commit call: the broker must not abort it meanwhile.
-            let longest = self.transaction_interval
-                + self.delivery_timeout
-                + super::transactions::CALL_TIMEOUT;
+            let longest = self.transaction_interval + self.delivery_timeout + CALL_TIMEOUT;
             if self.transaction_timeout <= longest {
                 err(
                     "transaction_timeout",
                     format!(
                         "must exceed transaction_interval + delivery_timeout + {:?} ({:?}) \
                          with exactly_once: a transaction stays open that long at most",
-                        super::transactions::CALL_TIMEOUT,
-                        longest
+                        CALL_TIMEOUT, longest
                     ),
                 );
             }

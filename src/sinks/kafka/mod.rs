@@ -5,8 +5,10 @@
 mod checkpoint;
 mod client;
 mod config;
+mod error;
 mod oauth;
 pub mod reader;
+mod record;
 mod sink;
 mod transactions;
 

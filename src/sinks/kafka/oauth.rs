@@ -29,7 +29,7 @@ use http_body_util::{BodyExt, Full};
 use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, utf8_percent_encode};
 use serde::Deserialize;
 
-use super::{KafkaSaslConfig, config::check_token_endpoint};
+use super::config::{KafkaSaslConfig, check_token_endpoint};
 
 /// How long a token request may take, connection included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);

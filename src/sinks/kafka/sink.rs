@@ -33,9 +33,10 @@ use rdkafka::{
 use tracing::{error, info, warn};
 
 use super::{
-    KafkaMode, KafkaSinkConfig,
     client::{KafkaClient, KafkaContext},
-    is_valid_topic,
+    config::{KafkaMode, KafkaSinkConfig, is_valid_topic},
+    error::{classify, fatal},
+    record::{CheckpointRecord, record_of},
     transactions::TransactionSet,
 };
 use crate::{
@@ -416,7 +417,7 @@ impl KafkaSink {
     async fn hand_over(
         &self,
         m: &Message,
-        checkpoint: Option<super::transactions::CheckpointRecord>,
+        checkpoint: Option<CheckpointRecord>,
         shard: &str,
         lane: &Arc<Lane>,
     ) -> Result<Ack> {
@@ -564,45 +565,6 @@ impl KafkaSink {
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(2);
 const QUEUE_FULL_PATIENCE: Duration = Duration::from_secs(30);
 
-/// The fatal error the producer hit, if any: librdkafka's idempotent producer stops for good
-/// on one (an unrecoverable sequence gap, a fenced producer), and every later record fails.
-fn fatal(producer: &FutureProducer<KafkaContext>) -> Option<String> {
-    producer
-        .client()
-        .fatal_error()
-        .map(|(code, reason)| format!("the Kafka producer failed for good ({code:?}: {reason})"))
-}
-
-/// What a librdkafka error means for a record of `size` bytes to `topic`.
-pub(super) fn classify(
-    err: KafkaError,
-    topic: &str,
-    size: usize,
-    max_message_bytes: usize,
-) -> Error {
-    let code = err.rdkafka_error_code();
-    match code {
-        Some(RDKafkaErrorCode::MessageSizeTooLarge) => Error::TooLarge {
-            size,
-            max: max_message_bytes,
-        },
-        Some(
-            RDKafkaErrorCode::TopicAuthorizationFailed
-            | RDKafkaErrorCode::ClusterAuthorizationFailed
-            | RDKafkaErrorCode::SaslAuthenticationFailed
-            | RDKafkaErrorCode::Authentication,
-        ) => Error::Denied(err.to_string()),
-        Some(RDKafkaErrorCode::InvalidTopic) => Error::InvalidDestination {
-            destination: topic.to_owned(),
-            reason: err.to_string(),
-        },
-        Some(RDKafkaErrorCode::MessageTimedOut | RDKafkaErrorCode::RequestTimedOut) => {
-            Error::TimedOut(err.to_string())
-        }
-        _ => Error::Unavailable(err.to_string()),
-    }
-}
-
 /// Waits until `producer` has sent everything it holds (10 s at most).
 async fn flush(producer: FutureProducer<KafkaContext>) -> Result<()> {
     tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
@@ -680,7 +642,7 @@ impl Sink for KafkaSink {
         route: &'a str,
         change: Option<crate::sinks::checkpoint::Change>,
     ) -> BoxFuture<'a, Result<Ack>> {
-        let record = change.map(|c| super::checkpoint::record_of(route, c));
+        let record = change.map(|c| record_of(route, c));
         let shard = self
             .transactions
             .as_ref()
@@ -696,7 +658,7 @@ impl Sink for KafkaSink {
             .as_ref()
             .and_then(|set| set.get(set.key_of_route(route)))
         {
-            t.settle(super::checkpoint::record_of(route, change));
+            t.settle(record_of(route, change));
         }
     }
 

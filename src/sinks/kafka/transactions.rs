@@ -56,15 +56,15 @@ use tracing::{error, info, warn};
 
 use super::{
     client::{KafkaClient, KafkaContext},
-    sink::classify,
+    config::CALL_TIMEOUT,
+    error::{acl_hint, classify, is_consequence, is_retriable},
+    record::CheckpointRecord,
 };
 use crate::{
     leader::Fence,
     sinks::{Ack, Error, Result},
 };
 
-/// How long `init_transactions`, a commit and an abort may take.
-pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long before the broker would abort a transaction itself (`transaction_timeout` after
 /// it began) a commit or an abort the brokers answer retriably stops being tried again.
 const MARGIN: Duration = Duration::from_secs(5);
@@ -72,9 +72,6 @@ const MARGIN: Duration = Duration::from_secs(5);
 /// A delivery awaited at a commit: the index of its message (`None`: a checkpoint record
 /// without one), whether it is the message itself, and its result.
 type Waiting = BoxFuture<'static, (Option<usize>, bool, std::result::Result<(), KafkaError>)>;
-
-/// A checkpoint record: key, and value (`None`: a tombstone).
-pub(super) type CheckpointRecord = (String, Option<String>);
 
 /// What every producer of a sink's transactions is made with.
 #[derive(Clone)]
@@ -323,6 +320,30 @@ struct Handed {
     topic: String,
     size: usize,
 }
+
+/// What a commit took from the state (see `Transactions::take_open`).
+struct Closing {
+    producer: FutureProducer<KafkaContext>,
+    open: Vec<Handed>,
+    silent: Vec<(CheckpointRecord, DeliveryFuture)>,
+    poisoned: Option<String>,
+    // Shortly before the broker would abort the transaction itself.
+    deadline: Option<tokio::time::Instant>,
+    // From when the lease could be another's (see `abort_budget`).
+    takeable: Option<tokio::time::Instant>,
+}
+
+/// A message of a transaction being ended: where its answer goes, its own delivery's result,
+/// and its topic and size (for the classification of its error).
+struct Answer {
+    done: oneshot::Sender<Result<()>>,
+    own: std::result::Result<(), KafkaError>,
+    topic: String,
+    size: usize,
+}
+
+/// An abort under way on a blocking thread.
+type AbortTask = tokio::task::JoinHandle<rdkafka::error::KafkaResult<()>>;
 
 /// How a commit attempt ended.
 enum Outcome {
@@ -661,51 +682,101 @@ impl Transactions {
     /// not committed.
     pub(super) async fn commit(&self) -> Result<()> {
         let _closed = self.gate.write().await;
-        let (producer, open, silent, poisoned, deadline, takeable) = {
-            let mut st = self.lock();
-            let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
-                return match &st.broken {
-                    Some(why) => Err(Error::Unavailable(why.clone())),
-                    None => Ok(()),
-                };
-            };
-            let deadline = st
-                .opened_at
-                .map(|at| at + self.settings.timeout.saturating_sub(MARGIN));
-            if st.open.is_empty() && st.silent.is_empty() && st.backlog.is_empty() {
-                return Ok(());
-            }
-            // Without room, committed with the next: room comes as the records in flight are
-            // stored. Any other refusal (the transaction failed and waits for its abort, the
-            // producer fenced) aborts this one (or stops the term), the backlog kept for the
-            // next: returning here would leave it open for good.
-            match self.produce_backlog(&producer, &mut st) {
-                Ok(()) => {}
-                Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
-                    return Err(Error::Unavailable(format!(
-                        "checkpoint records wait for room in the producer: {e}"
-                    )));
-                }
-                Err(e) => {
-                    st.poisoned.get_or_insert_with(|| {
-                        format!("a checkpoint record could not be produced: {e}")
-                    });
-                }
-            }
-            (
-                producer,
-                std::mem::take(&mut st.open),
-                std::mem::take(&mut st.silent),
-                st.poisoned.take(),
-                deadline,
-                st.fence.as_ref().and_then(Fence::takeable_at),
-            )
+        let Some(Closing {
+            producer,
+            open,
+            silent,
+            poisoned,
+            deadline,
+            takeable,
+        }) = self.take_open()?
+        else {
+            return Ok(());
         };
-        // Every record's delivery first (a commit flushes them anyway, and a failed one names
-        // the cause); at the first failure the transaction is aborted at once, which fails
-        // the records still waiting (librdkafka would hold them until their timeout).
+        let (answers, silent_records, failed, aborting) = self
+            .deliveries(&producer, open, silent, poisoned, takeable)
+            .await;
+        let outcome = match (aborting, failed) {
+            (Some(aborting), Some(why)) => match aborting.await {
+                Ok(Ok(())) => Outcome::Aborted(why),
+                Ok(Err(e)) if is_retriable(&e) => {
+                    self.abort(&producer, why, deadline, takeable).await
+                }
+                Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
+                Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
+            },
+            (None, Some(why)) => Outcome::Unknown(format!("{why}; {NOT_ABORTED}")),
+            _ => self.try_commit(&producer, deadline, takeable).await,
+        };
+        let result = self.conclude(outcome, &producer, answers, silent_records);
+        dispose(Some(producer));
+        result
+    }
+
+    /// Takes the open transaction for its commit (the gate held), its checkpoint backlog
+    /// produced into it first; `None` when there is nothing to commit, an error when the term
+    /// cannot commit (broken) or the backlog waits for room.
+    fn take_open(&self) -> Result<Option<Closing>> {
+        let mut st = self.lock();
+        let Some(producer) = st.producer.clone().filter(|_| st.broken.is_none()) else {
+            return match &st.broken {
+                Some(why) => Err(Error::Unavailable(why.clone())),
+                None => Ok(None),
+            };
+        };
+        let deadline = st
+            .opened_at
+            .map(|at| at + self.settings.timeout.saturating_sub(MARGIN));
+        if st.open.is_empty() && st.silent.is_empty() && st.backlog.is_empty() {
+            return Ok(None);
+        }
+        // Without room, committed with the next: room comes as the records in flight are
+        // stored. Any other refusal (the transaction failed and waits for its abort, the
+        // producer fenced) aborts this one (or stops the term), the backlog kept for the
+        // next: returning here would leave it open for good.
+        match self.produce_backlog(&producer, &mut st) {
+            Ok(()) => {}
+            Err(e) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
+                return Err(Error::Unavailable(format!(
+                    "checkpoint records wait for room in the producer: {e}"
+                )));
+            }
+            Err(e) => {
+                st.poisoned.get_or_insert_with(|| {
+                    format!("a checkpoint record could not be produced: {e}")
+                });
+            }
+        }
+        Ok(Some(Closing {
+            producer,
+            open: std::mem::take(&mut st.open),
+            silent: std::mem::take(&mut st.silent),
+            poisoned: st.poisoned.take(),
+            deadline,
+            takeable: st.fence.as_ref().and_then(Fence::takeable_at),
+        }))
+    }
+
+    /// Awaits every record's delivery (a commit flushes them anyway, and a failed one names
+    /// the cause); at the first failure the transaction is aborted at once (if it still may
+    /// be, see [`abort_budget`]), which fails the records still waiting (librdkafka would hold
+    /// them until their timeout). Returns each message's answer to give, the silent
+    /// checkpoint records, why the transaction failed (if it did) and the abort under way.
+    async fn deliveries(
+        &self,
+        producer: &FutureProducer<KafkaContext>,
+        open: Vec<Handed>,
+        silent: Vec<(CheckpointRecord, DeliveryFuture)>,
+        poisoned: Option<String>,
+        takeable: Option<tokio::time::Instant>,
+    ) -> (
+        Vec<Answer>,
+        Vec<CheckpointRecord>,
+        Option<String>,
+        Option<AbortTask>,
+    ) {
         let mut waiting = FuturesUnordered::new();
-        let mut results = Vec::with_capacity(open.len());
+        let mut answers = Vec::with_capacity(open.len());
         for (i, h) in open.into_iter().enumerate() {
             waiting.push(
                 Box::pin(async move { (Some(i), true, delivered(h.delivery).await) }) as Waiting,
@@ -715,7 +786,12 @@ impl Transactions {
                     async move { (Some(i), false, delivered(d).await) },
                 ));
             }
-            results.push((h.done, Ok(()), h.topic, h.size));
+            answers.push(Answer {
+                done: h.done,
+                own: Ok(()),
+                topic: h.topic,
+                size: h.size,
+            });
         }
         let mut silent_records = Vec::with_capacity(silent.len());
         for (record, delivery) in silent {
@@ -730,7 +806,7 @@ impl Transactions {
             let Err(e) = result else { continue };
             if failed.is_none() {
                 failed = Some(match i.filter(|_| message) {
-                    Some(i) => format!("a message to {} failed: {e}", results[i].2),
+                    Some(i) => format!("a message to {} failed: {e}", answers[i].topic),
                     None => format!(
                         "a checkpoint record of {} failed: {e}",
                         self.settings.checkpoint_topic
@@ -738,81 +814,55 @@ impl Transactions {
                 });
             }
             if let (Some(i), true) = (i, message) {
-                results[i].1 = Err(e);
+                answers[i].own = Err(e);
             }
             if aborting.is_none() && failed.is_some() {
-                aborting = abort_in_background(&producer, takeable);
+                aborting = abort_in_background(producer, takeable);
             }
         }
         if aborting.is_none() && failed.is_some() {
-            aborting = abort_in_background(&producer, takeable);
+            aborting = abort_in_background(producer, takeable);
         }
-        let outcome = match (aborting, failed) {
-            (Some(aborting), Some(why)) => match aborting.await {
-                Ok(Ok(())) => Outcome::Aborted(why),
-                Ok(Err(e)) if is_retriable(&e) => {
-                    self.abort(&producer, why, deadline, takeable).await
-                }
-                Ok(Err(e)) => Outcome::Unknown(format!("{why}; the abort failed: {e}")),
-                Err(e) => Outcome::Unknown(format!("{why}; the abort task failed: {e}")),
-            },
-            (None, Some(why)) => Outcome::Unknown(format!("{why}; {NOT_ABORTED}")),
-            _ => self.try_commit(&producer, deadline, takeable).await,
-        };
-        let result = match outcome {
+        (answers, silent_records, failed, aborting)
+    }
+
+    /// Answers the transaction's messages as `outcome` says, and goes on: the next
+    /// transaction (after an abort, with the silent checkpoint records again first) or, for
+    /// an unknown outcome, no more until the next term.
+    fn conclude(
+        &self,
+        outcome: Outcome,
+        producer: &FutureProducer<KafkaContext>,
+        answers: Vec<Answer>,
+        silent_records: Vec<CheckpointRecord>,
+    ) -> Result<()> {
+        match outcome {
             Outcome::Committed => {
                 self.settings.outcomes[0].inc();
-                for (done, _, _, _) in results {
-                    let _ = done.send(Ok(()));
+                for a in answers {
+                    let _ = a.done.send(Ok(()));
                 }
                 self.set_problem(None);
-                let mut st = self.lock();
-                if let Some(p) = st.producer.clone().filter(|p| same(p, &producer)) {
-                    match p.begin_transaction() {
-                        Ok(()) => st.opened_at = Some(tokio::time::Instant::now()),
-                        Err(e) => {
-                            drop(st);
-                            self.stop(&producer, format!("begin_transaction failed: {e}"));
-                        }
-                    }
-                }
+                self.next_transaction(producer, None);
                 Ok(())
             }
             Outcome::Aborted(why) => {
                 self.settings.outcomes[1].inc();
-                warn!(sink = %self.settings.sink, error = %why, messages = results.len(), "Transaction aborted; its messages are sent again");
+                warn!(sink = %self.settings.sink, error = %why, messages = answers.len(), "Transaction aborted; its messages are sent again");
                 let reason = format!("sink {}: transaction aborted: {why}", self.settings.sink);
-                for (done, own, topic, size) in results {
+                for a in answers {
                     // A message's own error is its answer (too large, denied: final; a
                     // missing topic: retried with its backoff); every other message of the
                     // transaction is sent again.
-                    let err = match own {
+                    let err = match a.own {
                         Err(e) if !is_consequence(&e) => {
-                            classify(e, &topic, size, self.settings.max_message_bytes)
+                            classify(e, &a.topic, a.size, self.settings.max_message_bytes)
                         }
                         _ => Error::Aborted(reason.clone()),
                     };
-                    let _ = done.send(Err(err));
+                    let _ = a.done.send(Err(err));
                 }
-                let mut st = self.lock();
-                if st.producer.as_ref().is_some_and(|p| same(p, &producer)) {
-                    // Written again first, in the next transaction (the gate is still held:
-                    // before anything settled after this).
-                    for record in silent_records.into_iter().rev() {
-                        st.backlog.push_front(record);
-                    }
-                    match st.producer.as_ref().expect("checked").begin_transaction() {
-                        Ok(()) => {
-                            st.opened_at = Some(tokio::time::Instant::now());
-                            drop(st);
-                            self.set_problem(Some(reason.clone()));
-                        }
-                        Err(e) => {
-                            drop(st);
-                            self.stop(&producer, format!("begin_transaction failed: {e}"));
-                        }
-                    }
-                }
+                self.next_transaction(producer, Some((silent_records, reason.clone())));
                 Err(Error::Unavailable(reason))
             }
             Outcome::Unknown(why) => {
@@ -822,15 +872,47 @@ impl Transactions {
                      nothing is published until the next term resumes from the checkpoint",
                     self.settings.sink
                 );
-                for (done, _, _, _) in results {
-                    let _ = done.send(Err(Error::Aborted(reason.clone())));
+                for a in answers {
+                    let _ = a.done.send(Err(Error::Aborted(reason.clone())));
                 }
-                self.stop(&producer, reason.clone());
+                self.stop(producer, reason.clone());
                 Err(Error::Unavailable(reason))
             }
-        };
-        dispose(Some(producer));
-        result
+        }
+    }
+
+    /// Begins the next transaction on `producer` if it is still the term's (the gate is
+    /// still held: before anything settled after this); after an abort, its silent
+    /// checkpoint records are written again first and the reason stays the sink's problem
+    /// until a commit succeeds.
+    fn next_transaction(
+        &self,
+        producer: &FutureProducer<KafkaContext>,
+        aborted: Option<(Vec<CheckpointRecord>, String)>,
+    ) {
+        let mut st = self.lock();
+        if !st.producer.as_ref().is_some_and(|p| same(p, producer)) {
+            return;
+        }
+        let problem = aborted.map(|(silent_records, reason)| {
+            for record in silent_records.into_iter().rev() {
+                st.backlog.push_front(record);
+            }
+            reason
+        });
+        match st.producer.as_ref().expect("checked").begin_transaction() {
+            Ok(()) => {
+                st.opened_at = Some(tokio::time::Instant::now());
+                drop(st);
+                if problem.is_some() {
+                    self.set_problem(problem);
+                }
+            }
+            Err(e) => {
+                drop(st);
+                self.stop(producer, format!("begin_transaction failed: {e}"));
+            }
+        }
     }
 
     /// Commits, trying a retriable failure again until `deadline` (a commit that timed out may
@@ -947,30 +1029,12 @@ impl Transactions {
     }
 }
 
-/// Whether a commit or abort that failed so may be tried again.
-fn is_retriable(e: &KafkaError) -> bool {
-    matches!(e, KafkaError::Transaction(r) if r.is_retriable() && !r.is_fatal())
-}
-
-/// Whether a record's error is only the consequence of its transaction's failure (purged by
-/// the abort, refused while the transaction waited for it), not its own.
-fn is_consequence(e: &KafkaError) -> bool {
-    matches!(
-        e.rdkafka_error_code(),
-        Some(
-            RDKafkaErrorCode::PurgeQueue
-                | RDKafkaErrorCode::PurgeInflight
-                | RDKafkaErrorCode::State
-        )
-    )
-}
-
-/// One abort call on a blocking thread, started now (what it purges fails meanwhile).
-/// Aborts in the background, unless it is too late to begin (see [`abort_budget`]).
+/// One abort call on a blocking thread, started now (what it purges fails meanwhile), unless
+/// it is too late to begin one (see [`abort_budget`]).
 fn abort_in_background(
     producer: &FutureProducer<KafkaContext>,
     takeable: Option<tokio::time::Instant>,
-) -> Option<tokio::task::JoinHandle<rdkafka::error::KafkaResult<()>>> {
+) -> Option<AbortTask> {
     let budget = abort_budget(takeable)?;
     let p = producer.clone();
     Some(tokio::task::spawn_blocking(move || {
@@ -1020,16 +1084,6 @@ async fn commit_every_interval(this: Weak<Transactions>) {
         };
         // A failure is logged and answered where it happens.
         let _ = t.commit().await;
-    }
-}
-
-fn acl_hint(e: &KafkaError) -> &'static str {
-    match e.rdkafka_error_code() {
-        Some(
-            RDKafkaErrorCode::TransactionalIdAuthorizationFailed
-            | RDKafkaErrorCode::ClusterAuthorizationFailed,
-        ) => " (grant this principal WRITE and DESCRIBE on the transactional id)",
-        _ => "",
     }
 }
 

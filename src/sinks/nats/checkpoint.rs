@@ -21,8 +21,9 @@ use futures::{FutureExt, StreamExt, TryStreamExt, future::BoxFuture};
 use tracing::info;
 
 use super::{
-    NatsSink, NatsSinkConfig,
-    sink::{Conn, Conns, ShardConns},
+    client::{Conn, Conns, ShardConns},
+    config::NatsSinkConfig,
+    sink::NatsSink,
 };
 use crate::{
     sinks,

@@ -1,0 +1,90 @@
+//! What passes from one holder of a Lease to the next: the takeover wait, the holder's
+//! `delivered-within` annotation, and the Lease's duration in whole seconds.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+
+use super::settings::LeaderElectionConfig;
+
+/// How long a new leader waits after taking the lease over before it publishes (or reads a
+/// checkpoint): an old leader's last message may be delivered up to `longest_delivery` after
+/// it was handed over, and the old leader hands over only until `renew_deadline` after its
+/// last renewal began, which the others see at least `lease_duration` before they take over.
+pub fn takeover_wait(cfg: &LeaderElectionConfig, longest_delivery: Duration) -> Duration {
+    longest_delivery.saturating_sub(cfg.lease_duration.saturating_sub(cfg.renew_deadline))
+}
+
+/// The annotation a holder writes on its Lease at each renewal: how long after a renewal
+/// began a message handed over under the Lease can still be delivered (`renew_deadline`
+/// plus its longest delivery, or more while its own takeover wait still covers an earlier
+/// holder's), as a humantime duration followed by `;` and the holder's identity
+/// (`35s;pod-a`): a value another holder left (a release without this annotation renewed the
+/// Lease since) is not taken for the current holder's.
+pub const DELIVERED_WITHIN_ANNOTATION: &str = "kube-event-bridge.io/delivered-within";
+
+/// How long a taker waits after taking a lease over from a holder whose messages may be
+/// delivered until `delivered_within` after its last renewal began, when the lease lasts
+/// `lease_duration` (the taker judged it expired at least that long after that renewal).
+pub fn holders_wait(delivered_within: Duration, lease_duration: Duration) -> Duration {
+    delivered_within.saturating_sub(lease_duration)
+}
+
+/// What `lease`'s [`DELIVERED_WITHIN_ANNOTATION`] says, if `holder` wrote it.
+pub fn delivered_within_of(lease: &Lease, holder: &str) -> Option<Duration> {
+    let (within, by) = lease
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(DELIVERED_WITHIN_ANNOTATION)?
+        .rsplit_once(';')?;
+    (by == holder).then_some(())?;
+    humantime_serde::re::humantime::parse_duration(within.trim()).ok()
+}
+
+/// The [`DELIVERED_WITHIN_ANNOTATION`] value `holder` writes: `within` rounded up to whole
+/// seconds, tagged with it.
+pub fn delivered_within_text(within: Duration, holder: &str) -> String {
+    let whole = Duration::from_millis(within.as_millis().div_ceil(1000) as u64 * 1000);
+    format!(
+        "{};{holder}",
+        humantime_serde::re::humantime::format_duration(whole)
+    )
+}
+
+/// The longest takeover wait a configuration may imply (see [`takeover_wait`]): longer, and
+/// a failover publishes nothing for minutes.
+pub const MAX_TAKEOVER_WAIT: Duration = Duration::from_secs(300);
+
+/// `leaseDurationSeconds` for `duration`: whole seconds, rounded up (at least 1). Rounding
+/// down would let the others take the lease over before the holder's own deadline (a 4.5 s
+/// lease read as 4 s eats half a second of the margin `lease_duration - renew_deadline`).
+pub fn lease_seconds(duration: Duration) -> i32 {
+    let whole = duration.as_secs() + u64::from(duration.subsec_nanos() > 0);
+    whole.clamp(1, i32::MAX as u64) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_seconds_round_up() {
+        assert_eq!(lease_seconds(Duration::from_millis(4500)), 5);
+        assert_eq!(lease_seconds(Duration::from_secs(15)), 15);
+        assert_eq!(lease_seconds(Duration::from_millis(300)), 1);
+        assert_eq!(lease_seconds(Duration::ZERO), 1);
+    }
+
+    #[test]
+    fn the_takeover_wait_is_the_longest_delivery_beyond_the_lease_margin() {
+        let cfg = LeaderElectionConfig::default();
+        // 15 s lease, 10 s renew deadline: 5 s pass between the old leader's last hand-over
+        // and the takeover at the least.
+        assert_eq!(
+            takeover_wait(&cfg, Duration::from_secs(30)),
+            Duration::from_secs(25)
+        );
+        assert_eq!(takeover_wait(&cfg, Duration::from_secs(3)), Duration::ZERO);
+    }
+}
