@@ -35,7 +35,7 @@
 //! pipeline/         route.rs (RouteBuilder), route_queue.rs, worker.rs, resume.rs,
 //!                   checkpoint.rs (Checkpointer), filter/ (mod: RouteFilter; settings:
 //!                   the rules and reasons; stage: the evaluation; lanes: where it
-//!                   evaluates; expr: CEL and its errors; cel_json: JSON to CEL values)
+//!                   evaluates; expr: CEL and the settings' errors; cel_json: JSON to CEL values)
 //! admin.rs          /metrics, /healthz, /readyz (and its settings)
 //! cluster.rs        the Kubernetes client, its settings and rate limit
 //! leader/           leader election on a Lease: settings.rs, fence.rs (what workers check),
@@ -45,9 +45,9 @@
 //! convert/          configs from other exporters: mod.rs (notes, secrets, YAML out), otel.rs
 //!                   (OpenTelemetry k8sobjects), event_exporter.rs (kubernetes-event-exporter)
 //! selection.rs      which kinds each configured resource selects, by discovery
-//! app/              mod.rs (build, run, layered shutdown), error.rs, sinks.rs (opening sinks and stores),
-//!                   resources.rs (wiring), checkpoints.rs (loading them, waiting routes),
-//!                   discovery.rs, leadership.rs, health.rs
+//! app/              mod.rs (build, run, layered shutdown), error.rs, sinks.rs (opening
+//!                   sinks and stores), resources.rs (wiring), checkpoints.rs (loading them,
+//!                   waiting routes), discovery.rs, leadership.rs, health.rs
 //! consumer/         tools for consumers: state.rs, tail.rs; event.rs (reading messages back),
 //!                   progress.rs
 //! ```

@@ -44,7 +44,7 @@ pub struct Deposal {
     pub takeable_from: Instant,
 }
 
-/// One candidate for the lease. See the module docs.
+/// One candidate for the lease. See [`crate::leader`].
 pub struct LeaderElector {
     api: Api<Lease>,
     name: String,
@@ -95,7 +95,7 @@ enum Outcome {
 impl LeaderElector {
     /// A candidate for the lease described by `cfg` (namespace and identity already resolved),
     /// extending `fence` while it leads; after taking a lease over it waits `takeover_wait`
-    /// (see [`takeover_wait`]) before the fence is valid.
+    /// (see [`super::takeover_wait`]) before the fence is valid.
     pub fn new(
         client: Client,
         cfg: &LeaderElectionConfig,
@@ -131,7 +131,7 @@ impl LeaderElector {
 
     /// This holder's messages are delivered within `longest` of their hand-over (the
     /// longest delivery of its sinks): what its renewals tell the next holder (see the
-    /// module docs). Without it, what its own takeover wait implies.
+    /// docs of [`crate::leader`]). Without it, what its own takeover wait implies.
     pub fn delivering_within(mut self, cfg: &LeaderElectionConfig, longest: Duration) -> Self {
         self.delivered_within = cfg.renew_deadline + longest;
         self
@@ -160,7 +160,7 @@ impl LeaderElector {
         self
     }
 
-    /// Requests to hand the lease on (see the module docs): answer each once this replica
+    /// Requests to hand the lease on (see [`crate::leader`]): answer each once this replica
     /// publishes nothing more under the lease, `true` if nothing it handed over is still on
     /// its way.
     pub fn handovers(&mut self) -> tokio::sync::mpsc::UnboundedReceiver<Handover> {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// When this replica may hand messages over (see the module docs); shared by the elector,
+/// When this replica may hand messages over (see [`crate::leader`]); shared by the elector,
 /// which extends it with each renewal, and the routes and checkpointers, which check it.
 #[derive(Debug, Clone, Default)]
 pub struct Fence(std::sync::Arc<FenceTimes>);

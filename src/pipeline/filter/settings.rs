@@ -1,5 +1,6 @@
-//! A route filter's settings (`filter`, `publish_if`, `filter_error`, `ignore_fields`), their
-//! errors, the rules compiled from them, and the reasons a notification is filtered.
+//! A route filter's settings (`filter`, `publish_if`, `filter_error`, `ignore_fields`), the
+//! rules compiled from them (their errors are `expr::Error`), and the reasons a notification
+//! is filtered.
 
 use json_patch::jsonptr::PointerBuf;
 use prometheus::IntCounter;

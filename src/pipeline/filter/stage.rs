@@ -30,9 +30,9 @@ pub(super) struct State {
     pub(super) published: HashSet<Key>,
     // Per published key with changes not published: the old state of the first one, the last
     // published.
-    pub(super) bases: HashMap<Key, ObjectRef>,
+    bases: HashMap<Key, ObjectRef>,
     // Keys whose evaluation error was logged.
-    pub(super) logged: HashSet<Key>,
+    logged: HashSet<Key>,
 }
 
 impl State {
@@ -235,7 +235,7 @@ impl Stage {
         self.push(st, n);
     }
 
-    /// From a resume: the consumers have `key` (see [`NotificationHandler::on_known`]).
+    /// From a resume: the consumers have `key` (see [`crate::informer::NotificationHandler::on_known`]).
     pub(super) fn known(
         &self,
         st: &mut State,

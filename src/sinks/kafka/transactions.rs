@@ -327,9 +327,9 @@ struct Closing {
     open: Vec<Handed>,
     silent: Vec<(CheckpointRecord, DeliveryFuture)>,
     poisoned: Option<String>,
-    // Shortly before the broker would abort the transaction itself.
+    /// Shortly before the broker would abort the transaction itself.
     deadline: Option<tokio::time::Instant>,
-    // From when the lease could be another's (see `abort_budget`).
+    /// From when the lease could be another's (see `abort_budget`).
     takeable: Option<tokio::time::Instant>,
 }
 

@@ -1,5 +1,5 @@
 //! Connections to a NATS sink's servers: the options (credentials, TLS, events), one
-//! connection per leadership term and its retirement (see the sink's module docs).
+//! connection per leadership term and its retirement (see [`super::sink`]'s module docs).
 
 use std::{
     collections::HashSet,
@@ -19,14 +19,14 @@ use tracing::{info, warn};
 use super::config::{NatsMode, NatsSinkConfig};
 use crate::sinks::{Error, Result};
 
-/// One term's connection (see the module docs).
+/// One term's connection (see "Terms" in [`super::sink`]).
 pub(super) struct Conn {
     pub(super) client: async_nats::Client,
     pub(super) jetstream: Option<jetstream::Context>,
     /// Set when its term ended: it never reconnects.
     pub(super) retired: Arc<AtomicBool>,
     /// Whether it carried anything (a term that published nothing need not retire it).
-    pub(super) used: AtomicBool,
+    used: AtomicBool,
     /// The checkpoint bucket, opened on this connection when first used.
     kv: tokio::sync::OnceCell<kv::Store>,
 }
@@ -202,7 +202,7 @@ pub async fn connect_client(
 }
 
 /// A first connection that failed, naming the sink and its servers (credentials redacted).
-pub(super) fn cannot_connect(name: &str, cfg: &NatsSinkConfig, e: impl std::fmt::Display) -> Error {
+fn cannot_connect(name: &str, cfg: &NatsSinkConfig, e: impl std::fmt::Display) -> Error {
     Error::Setup(format!(
         "sink {name}: cannot connect to NATS at {}: {e}",
         cfg.servers_for_logs()
@@ -211,7 +211,7 @@ pub(super) fn cannot_connect(name: &str, cfg: &NatsSinkConfig, e: impl std::fmt:
 
 /// The options of a connection to the servers of a sink: its credentials and TLS settings;
 /// `events` hears the connection's events.
-pub(super) async fn options(
+async fn options(
     name: &str,
     cfg: &NatsSinkConfig,
     events: impl Fn(async_nats::Event) + Send + Sync + 'static,
@@ -268,7 +268,7 @@ pub(super) async fn options(
     Ok(options)
 }
 
-pub(super) fn on_event(sink: &str, denied: &Mutex<HashSet<String>>, event: async_nats::Event) {
+fn on_event(sink: &str, denied: &Mutex<HashSet<String>>, event: async_nats::Event) {
     match event {
         async_nats::Event::ServerError(async_nats::ServerError::Other(text))
             if text

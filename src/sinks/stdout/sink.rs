@@ -1,4 +1,4 @@
-//! Writing the lines (see the module docs).
+//! Writing the lines (see [`super`]).
 
 use std::path::Path;
 
@@ -13,7 +13,7 @@ use crate::{
     sinks::{Error, Result, Sink},
 };
 
-/// See the module docs.
+/// See [`super`].
 pub struct StdoutSink {
     name: String,
     out: Mutex<BufWriter<Box<dyn AsyncWrite + Send + Unpin>>>,
