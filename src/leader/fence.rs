@@ -142,8 +142,7 @@ impl Fence {
     /// an abortable error's abort, and Kafka can take that bump from an older epoch for a
     /// retry, fencing the new holder's producer instead.
     pub fn may_be_taken(&self) -> bool {
-        let from = self.0.takeable.load(std::sync::atomic::Ordering::SeqCst);
-        from > 0 && since_base(Instant::now()) >= from
+        self.takeable_at().is_some_and(|t| Instant::now() >= t)
     }
 
     /// Not valid from now on.
