@@ -505,11 +505,27 @@ async fn a_version_switch_while_a_new_leader_waits_for_its_relist_deletes_nothin
 /// waits 8 s − 3 s (the lease's duration) before publishing: the metric and `/readyz` say so
 /// meanwhile, and the end is logged. The same lease without the annotation (a holder of an
 /// older release), or with one another holder wrote (an older release renewed it since), is
-/// waited out with the taker's own settings: at once.
+/// waited out with the taker's own settings: at once. A holder that also announced what
+/// fences its messages (`kube-event-bridge.io/fenced-by`: no transactional ids, and what it
+/// sends otherwise delivered within 3 s, inside the lease) is taken over at once; one that
+/// announced an id the taker has no producer of is waited out as without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
-    for annotation in [Some("8s;an-old-pod"), None, Some("8s;another-pod")] {
-        let annotated = annotation == Some("8s;an-old-pod");
+    let fenced_by = |ids: &[&str]| {
+        json!({"holder": "an-old-pod", "transactionalIds": ids, "unfencedWithin": "3s"}).to_string()
+    };
+    let cases = [
+        (Some("8s;an-old-pod"), None, true),
+        (None, None, false),
+        (Some("8s;another-pod"), None, false),
+        (Some("8s;an-old-pod"), Some(fenced_by(&[])), false),
+        (
+            Some("8s;an-old-pod"),
+            Some(fenced_by(&["kube-event-bridge.elsewhere.kafka"])),
+            true,
+        ),
+    ];
+    for (annotation, fenced_by, annotated) in cases {
         let api = ApiServer::start().await;
         api.create(typed(&configmap("ns", "a", "1")));
         let renewed = jiff::Timestamp::now().to_string();
@@ -522,6 +538,9 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
         if let Some(value) = annotation {
             lease["metadata"]["annotations"] =
                 json!({"kube-event-bridge.io/delivered-within": value});
+        }
+        if let Some(value) = &fenced_by {
+            lease["metadata"]["annotations"]["kube-event-bridge.io/fenced-by"] = json!(value);
         }
         api.create(lease);
         let dir = tempfile::tempdir().unwrap();
@@ -570,7 +589,7 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
             let waited = taken_at.elapsed();
             assert!(
                 waited < Duration::from_secs(3),
-                "no annotation of this holder ({annotation:?}), no wait of the taker's own: published after {waited:?}"
+                "no annotation of this holder ({annotation:?}), or all it sends fenced or delivered within the lease ({fenced_by:?}), and no wait of the taker's own: published after {waited:?}"
             );
         }
         taker.stop().await;

@@ -325,30 +325,38 @@ async fn follow_change(
         r.set_leading(false).await;
         r.resumes().iter().for_each(|r| r.resumer.term_began());
         drop(r);
+        // The sinks' terms begin at once, the takeover wait after: a transactional producer
+        // fences the last holder's when it starts, ending its open transaction (which holds
+        // `read_committed` readers back) instead of leaving it to the broker's timeout, and
+        // the wait owes those transactions nothing (see
+        // `crate::leader::LeaderElector::fenced_by`). Nothing is published before the fence
+        // is valid.
+        let begun = begin_term(sinks, shard, leading, fence).await;
         // A lapse ends a wait without a change when the renewal lands just after
         // it: wait again while the elector still says leading.
-        let mut valid = fence.wait_valid().await;
-        while !valid && *leading.borrow() && !leading.has_changed().unwrap_or(true) {
+        let mut valid = begun && fence.wait_valid().await;
+        while begun && !valid && still_leading(leading) {
             tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             valid = fence.wait_valid().await;
         }
         if !valid {
-            warn!("Lost the lease during the takeover wait");
+            // Lost meanwhile: nothing of this term was published.
+            warn!("Lost the lease before publishing anything of the term");
+            sinks.iter().for_each(|s| {
+                s.abandon_queued();
+                s.end_term(shard);
+            });
             term_ended(resources).await;
             return false;
         }
     }
-    if now && !begin_term(sinks, shard, leading, fence).await {
-        // Lost meanwhile: nothing of this term was published.
-        sinks.iter().for_each(|s| {
-            s.abandon_queued();
-            s.end_term(shard);
-        });
-        term_ended(resources).await;
-        return false;
-    }
     resources.lock().await.set_leading(now).await;
     now
+}
+
+/// Whether the elector still says leading, and nothing changed since it was read.
+fn still_leading(leading: &tokio::sync::watch::Receiver<bool>) -> bool {
+    *leading.borrow() && !leading.has_changed().unwrap_or(true)
 }
 
 /// A term that began at the lease's acquisition ended before its routes were switched on:
@@ -361,12 +369,12 @@ async fn term_ended(resources: &tokio::sync::Mutex<Resources>) {
         .for_each(|r| r.resumer.term_ended());
 }
 
-/// Starts the term's transactions of every sink that has them (see
-/// [`crate::sinks::Sink::begin_term`]): a transactional producer fences the last leader's
-/// before the checkpoints are read, so what that one committed is in them and what it had not
-/// is aborted. A failure is tried again every second while this replica leads; the
-/// checkpoints are read (and anything published) only once every sink has started. Returns
-/// `false` when the lease was lost first.
+/// Starts the term of every sink (see [`crate::sinks::Sink::begin_term`]; its transactions,
+/// producer or connection), while the lease is held, its takeover wait under way or not: a
+/// transactional producer fences the last leader's before the checkpoints are read, so what
+/// that one committed is in them and what it had not is aborted. A failure is tried again
+/// every second while this replica leads; the checkpoints are read (and anything published)
+/// only once every sink has started. Returns `false` when the lease was lost first.
 async fn begin_term(
     sinks: &[Arc<dyn crate::sinks::Sink>],
     shard: crate::shard::Shard,
@@ -376,11 +384,15 @@ async fn begin_term(
     for sink in sinks {
         let mut warned = false;
         loop {
-            let still = || *leading.borrow() && !leading.has_changed().unwrap_or(true);
-            // A lapsed cap (sharded: the group's hold unconfirmed for a moment) is waited
-            // out; only a lost lease ends the term.
-            if !still() || !fence.wait_valid().await {
+            // Only a lost lease ends the term: a lapse (the renewal lands just after the
+            // deadline) is waited out, and a lapsed cap (sharded: the group's hold
+            // unconfirmed for a moment) does not stop it.
+            if !still_leading(leading) {
                 return false;
+            }
+            if fence.held_until().is_none() {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
             }
             match sink.begin_term(shard, Some(fence.clone())).await {
                 Ok(()) => break,
@@ -395,7 +407,7 @@ async fn begin_term(
         }
     }
     // The lease may have gone while a producer was made (its fence outlived by a slow broker).
-    *leading.borrow() && !leading.has_changed().unwrap_or(true) && fence.wait_valid().await
+    still_leading(leading)
 }
 
 /// Turns the shards assigned to this replica (see [`crate::leader::membership`]) into what each

@@ -224,6 +224,11 @@ impl App {
                     gauge,
                 )
                 .delivering_within(le, longest)
+                .fenced_by(
+                    le,
+                    config.transactional_ids(shard),
+                    config.longest_unfenced_delivery(),
+                )
                 .takeover_gauge(metrics.takeover_wait.with_label_values(&[&lease]));
                 if shard.is_whole() {
                     elector

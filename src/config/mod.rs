@@ -250,6 +250,36 @@ impl Config {
             .max_by_key(|(d, ..)| *d)
     }
 
+    /// The longest delivery (see [`Self::longest_delivery`]) of the sinks whose messages no
+    /// transaction fences: every sink but Kafka with `exactly_once`, whose messages (and
+    /// checkpoint records) all travel in transactions a new leader's producer fences.
+    pub fn longest_unfenced_delivery(&self) -> std::time::Duration {
+        self.sinks
+            .iter()
+            .filter_map(|s| match (&s.kafka, &s.nats) {
+                (Some(k), _) if k.exactly_once => None,
+                (Some(k), _) => Some(k.delivery_timeout),
+                (_, Some(n)) => Some(n.ack_timeout),
+                _ => None,
+            })
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// The `transactional.id`s of the producers that publish shard `shard` (the Kafka sinks
+    /// with `exactly_once`), sorted: what the shard's Lease holder announces (see
+    /// [`crate::leader::FencedBy`]).
+    pub fn transactional_ids(&self, shard: crate::shard::Shard) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .sinks
+            .iter()
+            .filter(|s| s.kafka.as_ref().is_some_and(|k| k.exactly_once))
+            .map(|s| crate::sinks::kafka::transactional_id(&self.cluster, &s.name, shard))
+            .collect();
+        ids.sort();
+        ids
+    }
+
     /// How long a new leader waits after taking the lease over (see
     /// [`crate::leader::takeover_wait`]).
     pub fn takeover_wait(&self) -> std::time::Duration {

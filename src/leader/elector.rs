@@ -18,8 +18,8 @@ use tracing::{debug, info, warn};
 use super::{
     fence::Fence,
     handoff::{
-        DELIVERED_WITHIN_ANNOTATION, delivered_within_of, delivered_within_text, holders_wait,
-        lease_seconds,
+        DELIVERED_WITHIN_ANNOTATION, FENCED_BY_ANNOTATION, FencedBy, delivered_within_of,
+        delivered_within_text, holders_wait, lease_seconds, takeover_wait,
     },
     settings::LeaderElectionConfig,
 };
@@ -66,6 +66,8 @@ pub struct LeaderElector {
     handovers: Option<tokio::sync::mpsc::UnboundedSender<Handover>>,
     // What this holder writes as `DELIVERED_WITHIN_ANNOTATION`.
     delivered_within: Duration,
+    // What fences its messages besides timers (see `fenced_by`).
+    fencing: Option<Fencing>,
     // `keb_takeover_wait_seconds` of this lease.
     wait_gauge: Option<prometheus::Gauge>,
     // Where deposals go (see `deposals`), and a lease lost while leading waiting to be seen
@@ -74,16 +76,35 @@ pub struct LeaderElector {
     lost: Option<Instant>,
 }
 
+/// What a holder's transactions fence (see [`LeaderElector::fenced_by`]).
+struct Fencing {
+    /// The `transactional.id`s of its producers under the lease.
+    ids: Vec<String>,
+    /// The takeover wait its own settings give what those do not fence.
+    unfenced_wait: Duration,
+    /// What it announces as `unfencedWithin` (before what its own wait still owes).
+    unfenced_within: Duration,
+}
+
 /// What identifies a lease record for expiry: its holder and renew time.
 type LeaseRecord = (Option<String>, Option<jiff::Timestamp>);
+
+/// The wait a taker owes the last holder's messages.
+#[derive(Debug, Clone, Copy, Default)]
+struct Takeover {
+    wait: Duration,
+    /// Whether the holder's transactions are fenced by this taker's producers, so that the
+    /// wait covers only what it sent otherwise (see [`LeaderElector::fenced_by`]).
+    fenced: bool,
+}
 
 enum Outcome {
     /// Holds the lease; `took_over` when it was another's (or an earlier run's of this
     /// identity), not released.
     Leading {
         took_over: bool,
-        /// What the last holder's annotation implies (see [`holders_wait`]).
-        holders_wait: Option<Duration>,
+        /// How long to wait before publishing, when taken over (see [`Takeover`]).
+        takeover: Takeover,
     },
     /// Another holds it (`holder`, when the read said whom).
     NotLeading {
@@ -123,6 +144,7 @@ impl LeaderElector {
             campaign: None,
             handovers: None,
             delivered_within: cfg.lease_duration + takeover_wait,
+            fencing: None,
             wait_gauge: None,
             deposals: None,
             lost: None,
@@ -135,6 +157,51 @@ impl LeaderElector {
     pub fn delivering_within(mut self, cfg: &LeaderElectionConfig, longest: Duration) -> Self {
         self.delivered_within = cfg.renew_deadline + longest;
         self
+    }
+
+    /// This holder's messages under the lease go through transactional producers of `ids`
+    /// (every one of them in a transaction: see [`crate::sinks::kafka`]'s `exactly_once`)
+    /// and otherwise through sinks delivered within `longest_unfenced` of their hand-over.
+    /// Each renewal announces that ([`FENCED_BY_ANNOTATION`]); taking over from a holder
+    /// whose ids are all among `ids`, this candidate's producers fence that holder's
+    /// transactions when its term begins, so it waits only for the rest: its own takeover
+    /// wait for `longest_unfenced`, or longer if the holder's announcement says so. A holder
+    /// that announced other ids, or nothing (an older release), is waited out in full.
+    pub fn fenced_by(
+        mut self,
+        cfg: &LeaderElectionConfig,
+        ids: Vec<String>,
+        longest_unfenced: Duration,
+    ) -> Self {
+        self.fencing = Some(Fencing {
+            ids,
+            unfenced_wait: takeover_wait(cfg, longest_unfenced),
+            unfenced_within: cfg.renew_deadline + longest_unfenced,
+        });
+        self
+    }
+
+    /// What taking the lease over from a holder owes it, by what the holder wrote
+    /// (`holders_wait`: its [`DELIVERED_WITHIN_ANNOTATION`]'s; `announced`: its
+    /// [`FENCED_BY_ANNOTATION`]) for a lease of `duration`.
+    fn takeover(
+        &self,
+        holders_wait: Option<Duration>,
+        announced: Option<FencedBy>,
+        duration: Duration,
+    ) -> Takeover {
+        match (&self.fencing, announced) {
+            (Some(own), Some(announced)) if announced.fenced_by(&own.ids) => Takeover {
+                wait: own
+                    .unfenced_wait
+                    .max(super::holders_wait(announced.unfenced_within, duration)),
+                fenced: true,
+            },
+            _ => Takeover {
+                wait: self.takeover_wait.max(holders_wait.unwrap_or_default()),
+                fenced: false,
+            },
+        }
     }
 
     /// Shows the takeover wait's remaining seconds in `gauge`.
@@ -307,17 +374,20 @@ impl LeaderElector {
             match outcome {
                 Outcome::Leading {
                     took_over,
-                    holders_wait,
+                    takeover,
                 } => {
                     let mut shown = None;
                     if last_renewal.is_none() {
                         let wait = if took_over {
-                            self.takeover_wait.max(holders_wait.unwrap_or_default())
+                            takeover.wait
                         } else {
                             Duration::ZERO
                         };
+                        if took_over && takeover.fenced {
+                            info!(lease = %self.name, wait = ?wait, "Took the lease over from a holder whose transactions this replica's producers fence: waiting only for what it sent otherwise");
+                        }
                         if !wait.is_zero() {
-                            info!(lease = %self.name, wait = ?wait, own = ?self.takeover_wait, holders = ?holders_wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
+                            info!(lease = %self.name, wait = ?wait, own = ?self.takeover_wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
                             shown = Some(now + wait);
                         }
                         // From when the lease was judged expired (after the read), not
@@ -419,13 +489,7 @@ impl LeaderElector {
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(self.name.clone()),
-                    annotations: Some(
-                        [(
-                            DELIVERED_WITHIN_ANNOTATION.to_owned(),
-                            self.delivered_within_text(Duration::ZERO),
-                        )]
-                        .into(),
-                    ),
+                    annotations: Some(self.annotations(Duration::ZERO).into_iter().collect()),
                     ..Default::default()
                 },
                 spec: Some(self.spec(now, now, 0)),
@@ -433,7 +497,7 @@ impl LeaderElector {
             return match self.api.create(&PostParams::default(), &lease).await {
                 Ok(_) => Outcome::Leading {
                     took_over: false,
-                    holders_wait: None,
+                    takeover: Takeover::default(),
                 },
                 Err(kube::Error::Api(s)) if s.code == 409 => Outcome::NotLeading { holder: None },
                 Err(e) => Outcome::Failed(format!("create lease: {e}")),
@@ -468,25 +532,32 @@ impl LeaderElector {
         } else {
             (now, spec.lease_transitions.unwrap_or(0) + 1)
         };
-        // What the last holder said of its deliveries (a holder of another release: nothing).
         // What the last holder said of its deliveries, if it said it (an earlier run of this
-        // identity counts: its messages may still be on their way too).
+        // identity counts: its messages may still be on their way too; a holder of another
+        // release: nothing).
         let holders_wait = holder
             .as_deref()
             .and_then(|h| delivered_within_of(&lease, h))
             .map(|within| holders_wait(within, duration));
+        let announced = holder.as_deref().and_then(|h| FencedBy::of(&lease, h));
         // Taking it over, this holder waits for the last one's messages: the wait it owes
         // is part of what it writes from the start.
+        let takeover = if holder.is_some() && !*self.leading.borrow() {
+            self.takeover(holders_wait, announced, duration)
+        } else {
+            Takeover::default()
+        };
         let owed = if holder.is_some() && !*self.leading.borrow() {
-            self.takeover_wait.max(holders_wait.unwrap_or_default())
+            takeover.wait
         } else {
             self.fence.takeover_left().unwrap_or_default()
         };
         lease.spec = Some(self.spec(acquired, now, transitions));
-        lease.metadata.annotations.get_or_insert_default().insert(
-            DELIVERED_WITHIN_ANNOTATION.to_owned(),
-            self.delivered_within_text(owed),
-        );
+        lease
+            .metadata
+            .annotations
+            .get_or_insert_default()
+            .extend(self.annotations(owed));
         // `replace` sends the resourceVersion we read: a concurrent writer makes it fail with 409.
         match self
             .api
@@ -495,7 +566,7 @@ impl LeaderElector {
         {
             Ok(_) => Outcome::Leading {
                 took_over: holder.is_some(),
-                holders_wait,
+                takeover,
             },
             Err(kube::Error::Api(s)) if s.code == 409 => {
                 if ours {
@@ -508,11 +579,24 @@ impl LeaderElector {
         }
     }
 
-    /// The annotation's value: this holder's own bound, or longer while the takeover wait it
-    /// `owed` (from this renewal on) still covers an earlier holder's messages, so that the
-    /// wait still owed travels on to whoever takes the Lease next. Rounded up to seconds.
-    fn delivered_within_text(&self, owed: Duration) -> String {
-        delivered_within_text(self.delivered_within.max(owed), &self.identity)
+    /// The annotations a renewal writes: this holder's own bounds, or longer while the
+    /// takeover wait it `owed` (from this renewal on) still covers an earlier holder's
+    /// messages, so that the wait still owed travels on to whoever takes the Lease next
+    /// (rounded up to seconds); with [`Self::fenced_by`], what its transactions fence.
+    fn annotations(&self, owed: Duration) -> Vec<(String, String)> {
+        let mut written = vec![(
+            DELIVERED_WITHIN_ANNOTATION.to_owned(),
+            delivered_within_text(self.delivered_within.max(owed), &self.identity),
+        )];
+        if let Some(own) = &self.fencing {
+            let announced = FencedBy {
+                holder: self.identity.clone(),
+                transactional_ids: own.ids.clone(),
+                unfenced_within: own.unfenced_within.max(owed),
+            };
+            written.push((FENCED_BY_ANNOTATION.to_owned(), announced.text()));
+        }
+        written
     }
 
     /// Counts `keb_takeover_wait_seconds` down to `until` while the fence waits for it, and

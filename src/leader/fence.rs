@@ -91,6 +91,15 @@ impl Fence {
             .then(|| fence_base() + Duration::from_nanos(until))
     }
 
+    /// Until when the lease is held, if it is held now, whether or not a takeover wait or a
+    /// lapsed cap holds publishing back: what a term may do that publishes nothing (start the
+    /// producers that fence the last holder's) is bounded by it.
+    pub fn held_until(&self) -> Option<Instant> {
+        let until = self.0.until.load(std::sync::atomic::Ordering::SeqCst);
+        let deadline = fence_base() + Duration::from_nanos(until);
+        (until > 0 && Instant::now() < deadline).then_some(deadline)
+    }
+
     /// Valid until `deadline`.
     pub fn extend_to(&self, deadline: Instant) {
         self.0.until.store(

@@ -1,5 +1,5 @@
 //! What passes from one holder of a Lease to the next: the takeover wait, the holder's
-//! `delivered-within` annotation, and the Lease's duration in whole seconds.
+//! `delivered-within` and `fenced-by` annotations, and the Lease's duration in whole seconds.
 
 use std::time::Duration;
 
@@ -52,6 +52,60 @@ pub fn delivered_within_text(within: Duration, holder: &str) -> String {
     )
 }
 
+/// The annotation a holder writes on its Lease at each renewal beside
+/// [`DELIVERED_WITHIN_ANNOTATION`]: what fences its messages other than timers (see
+/// [`FencedBy`]), as JSON. A taker whose own transactional producers include every one of
+/// these ids fences the holder's transactional messages itself when its term begins
+/// (`init_transactions`), so it waits only for what the holder sends otherwise.
+pub const FENCED_BY_ANNOTATION: &str = "kube-event-bridge.io/fenced-by";
+
+/// What a holder announces in [`FENCED_BY_ANNOTATION`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FencedBy {
+    /// The identity that wrote it: a value another holder left is not the current one's.
+    pub holder: String,
+    /// The `transactional.id`s of its producers under this Lease: every message they send is
+    /// in a transaction, which the next producer of the same id aborts (or lets commit before
+    /// it starts), and their later commits are refused.
+    pub transactional_ids: Vec<String>,
+    /// How long after a renewal began a message it handed over under the Lease *otherwise*
+    /// (sinks without `exactly_once`, dead letters) can still be delivered: `renew_deadline`
+    /// plus their longest delivery, or more while its own takeover wait still covers an
+    /// earlier holder's. `0s`: nothing but the transactions (and never before a renewal's
+    /// deadline, which the lease's margin covers).
+    #[serde(with = "humantime_serde")]
+    pub unfenced_within: Duration,
+}
+
+impl FencedBy {
+    /// What `lease`'s [`FENCED_BY_ANNOTATION`] says, if `holder` wrote it (a value that does not
+    /// parse counts as absent: the taker waits as for a holder that announced nothing).
+    pub fn of(lease: &Lease, holder: &str) -> Option<Self> {
+        let text = lease
+            .metadata
+            .annotations
+            .as_ref()?
+            .get(FENCED_BY_ANNOTATION)?;
+        let announced: Self = serde_json::from_str(text).ok()?;
+        (announced.holder == holder).then_some(announced)
+    }
+
+    /// The annotation's value (`unfenced_within` rounded up to whole seconds).
+    pub fn text(&self) -> String {
+        let mut rounded = self.clone();
+        rounded.unfenced_within =
+            Duration::from_millis(self.unfenced_within.as_millis().div_ceil(1000) as u64 * 1000);
+        serde_json::to_string(&rounded).expect("plain data serializes")
+    }
+
+    /// Whether a taker whose transactional producers have `own` ids fences everything this
+    /// holder's producers may still send: each of its ids is one of `own`.
+    pub fn fenced_by(&self, own: &[String]) -> bool {
+        self.transactional_ids.iter().all(|id| own.contains(id))
+    }
+}
+
 /// The longest takeover wait a configuration may imply (see [`takeover_wait`]): longer, and
 /// a failover publishes nothing for minutes.
 pub const MAX_TAKEOVER_WAIT: Duration = Duration::from_secs(300);
@@ -74,6 +128,36 @@ mod tests {
         assert_eq!(lease_seconds(Duration::from_secs(15)), 15);
         assert_eq!(lease_seconds(Duration::from_millis(300)), 1);
         assert_eq!(lease_seconds(Duration::ZERO), 1);
+    }
+
+    #[test]
+    fn a_holders_announcement_is_read_back_only_for_that_holder() {
+        let announced = FencedBy {
+            holder: "pod-a".into(),
+            transactional_ids: vec!["kube-event-bridge.prod.kafka".into()],
+            unfenced_within: Duration::from_millis(10_200),
+        };
+        let text = announced.text();
+        assert_eq!(
+            text,
+            r#"{"holder":"pod-a","transactionalIds":["kube-event-bridge.prod.kafka"],"unfencedWithin":"11s"}"#
+        );
+        let mut lease = Lease::default();
+        lease.metadata.annotations = Some([(FENCED_BY_ANNOTATION.to_owned(), text)].into());
+        let read = FencedBy::of(&lease, "pod-a").expect("pod-a's");
+        assert_eq!(read.unfenced_within, Duration::from_secs(11));
+        assert!(FencedBy::of(&lease, "pod-b").is_none(), "another holder's");
+        assert!(read.fenced_by(&[
+            "kube-event-bridge.prod.kafka".into(),
+            "kube-event-bridge.prod.other".into()
+        ]));
+        assert!(!read.fenced_by(&["kube-event-bridge.prod.other".into()]));
+        lease.metadata.annotations =
+            Some([(FENCED_BY_ANNOTATION.to_owned(), "not json".to_owned())].into());
+        assert!(
+            FencedBy::of(&lease, "pod-a").is_none(),
+            "unreadable: absent"
+        );
     }
 
     #[test]

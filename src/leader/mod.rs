@@ -60,7 +60,7 @@ mod settings;
 pub use elector::{Deposal, Handover, LeaderElector};
 pub use fence::{Fence, FenceCap, FenceTimes};
 pub use handoff::{
-    DELIVERED_WITHIN_ANNOTATION, MAX_TAKEOVER_WAIT, delivered_within_of, delivered_within_text,
-    holders_wait, lease_seconds, takeover_wait,
+    DELIVERED_WITHIN_ANNOTATION, FENCED_BY_ANNOTATION, FencedBy, MAX_TAKEOVER_WAIT,
+    delivered_within_of, delivered_within_text, holders_wait, lease_seconds, takeover_wait,
 };
 pub use settings::{LeaderElectionConfig, default_identity, default_namespace};

@@ -15,6 +15,18 @@ use crate::{
 /// How long `init_transactions`, a commit and an abort of `exactly_once` may take.
 pub(super) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// The `transactional.id` of sink `sink`'s producer for shard `shard` of cluster `cluster`
+/// with `exactly_once`: `kube-event-bridge.{cluster}.{sink}`, with `.{shard}` (its label)
+/// when sharded. The same on every replica: a new owner's producer fences the last one's.
+pub fn transactional_id(cluster: &str, sink: &str, shard: crate::shard::Shard) -> String {
+    let id = format!("kube-event-bridge.{cluster}.{sink}");
+    if shard.is_whole() {
+        id
+    } else {
+        format!("{id}.{}", shard.label())
+    }
+}
+
 /// Settings of a `kafka` sink.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]

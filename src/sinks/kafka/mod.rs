@@ -16,6 +16,6 @@ pub use checkpoint::KafkaCheckpointStore;
 pub use client::{KafkaClient, KafkaContext, client_config};
 pub use config::{
     Compression, KafkaMode, KafkaSaslConfig, KafkaSinkConfig, KafkaTlsConfig, KafkaTopicsConfig,
-    SaslMechanism, is_valid_topic,
+    SaslMechanism, is_valid_topic, transactional_id,
 };
 pub use sink::KafkaSink;

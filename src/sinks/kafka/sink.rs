@@ -294,10 +294,7 @@ impl KafkaSink {
                     .kafka_producer_fenced
                     .with_label_values(&[self.name.as_str()]),
             };
-            self.transactions = Some(Arc::new(TransactionSet::new(
-                settings,
-                format!("kube-event-bridge.{cluster}.{}", self.name),
-            )));
+            self.transactions = Some(Arc::new(TransactionSet::new(settings, cluster.to_owned())));
         }
         self
     }
@@ -669,7 +666,7 @@ impl Sink for KafkaSink {
     ) -> BoxFuture<'_, Result<()>> {
         async move {
             match &self.transactions {
-                Some(set) => set.of(&TransactionSet::key(shard)).begin_term(fence).await,
+                Some(set) => set.of(shard).begin_term(fence).await,
                 None => Ok(()),
             }
         }

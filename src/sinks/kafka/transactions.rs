@@ -56,7 +56,7 @@ use tracing::{error, info, warn};
 
 use super::{
     client::{KafkaClient, KafkaContext},
-    config::CALL_TIMEOUT,
+    config::{CALL_TIMEOUT, transactional_id},
     error::{acl_hint, classify, is_consequence, is_retriable},
     record::CheckpointRecord,
 };
@@ -398,9 +398,11 @@ impl Transactions {
     }
 
     /// A term begins: what the last one held fails, and this term's producer is made (fencing
-    /// every earlier producer of the id), but only while `until` (the lease's validity) has
-    /// not passed: `init_transactions` is given no longer than that. On an error nothing is
-    /// produced; the caller tries again while the term lasts.
+    /// every earlier producer of the id), but only while `fence`'s lease is held (during its
+    /// takeover wait too: the producer publishes nothing before the fence is valid, and
+    /// fencing the last holder's at once ends its open transaction, which would hold
+    /// `read_committed` readers back): `init_transactions` is given no longer than the lease
+    /// is held. On an error nothing is produced; the caller tries again while the term lasts.
     pub(super) async fn begin_term(&self, fence: Option<Fence>) -> Result<()> {
         let closed = self.gate.clone().write_owned().await;
         // From here a producer of this replica may fence the last one: a fence found on that
@@ -416,14 +418,14 @@ impl Transactions {
             st.producer.take()
         };
         dispose(old);
-        let timeout = match fence.as_ref().map(Fence::valid_until) {
+        let timeout = match fence.as_ref().map(Fence::held_until) {
             None => CALL_TIMEOUT,
             Some(until) => {
                 let left = until.map_or(Duration::ZERO, |u| {
                     u.saturating_duration_since(tokio::time::Instant::now())
                 });
                 if left < Duration::from_millis(100) {
-                    return Err(Error::Aborted("the lease is not valid any more".into()));
+                    return Err(Error::Aborted("the lease is not held any more".into()));
                 }
                 left.min(CALL_TIMEOUT)
             }
@@ -1092,17 +1094,17 @@ async fn commit_every_interval(this: Weak<Transactions>) {
 /// begins. Without sharding there is one, of key `""`.
 pub(super) struct TransactionSet {
     settings: Settings,
-    id: String,
+    cluster: String,
     by_shard: Mutex<std::collections::HashMap<String, Arc<Transactions>>>,
 }
 
 impl TransactionSet {
-    /// The transactions of `settings`' sink, `transactional.id` `id` (with `.{shard}` when
-    /// sharded).
-    pub(super) fn new(settings: Settings, id: String) -> Self {
+    /// The transactions of `settings`' sink in cluster `cluster` (their ids:
+    /// [`transactional_id`]).
+    pub(super) fn new(settings: Settings, cluster: String) -> Self {
         Self {
             settings,
-            id,
+            cluster,
             by_shard: Mutex::default(),
         }
     }
@@ -1128,16 +1130,12 @@ impl TransactionSet {
         crate::shard::label_of_route(route, &self.settings.sink)
     }
 
-    /// The transactions of shard `key`, made when asked for the first time.
-    pub(super) fn of(&self, key: &str) -> Arc<Transactions> {
+    /// The transactions of `shard`, made when asked for the first time.
+    pub(super) fn of(&self, shard: crate::shard::Shard) -> Arc<Transactions> {
         self.map()
-            .entry(key.to_owned())
+            .entry(Self::key(shard))
             .or_insert_with(|| {
-                let id = if key.is_empty() {
-                    self.id.clone()
-                } else {
-                    format!("{}.{key}", self.id)
-                };
+                let id = transactional_id(&self.cluster, &self.settings.sink, shard);
                 Transactions::new(self.settings.clone(), id)
             })
             .clone()
