@@ -508,22 +508,23 @@ async fn a_version_switch_while_a_new_leader_waits_for_its_relist_deletes_nothin
 /// waited out with the taker's own settings: at once. A holder that also announced what
 /// fences its messages (`kube-event-bridge.io/fenced-by`: no transactional ids, and what it
 /// sends otherwise delivered within 3 s, inside the lease) is taken over at once; one that
-/// announced an id the taker has no producer of is waited out as without it.
+/// announced an id the taker has no producer of, or whose announcement is of an earlier
+/// renewal (renewed since by a release that keeps it), is waited out as without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
-    let fenced_by = |ids: &[&str]| {
-        json!({"holder": "an-old-pod", "transactionalIds": ids, "unfencedWithin": "3s"}).to_string()
-    };
+    // The announced transactional ids, and whether announced at the Lease's renewal.
+    let none: Option<(&[&str], bool)> = None;
     let cases = [
-        (Some("8s;an-old-pod"), None, true),
-        (None, None, false),
-        (Some("8s;another-pod"), None, false),
-        (Some("8s;an-old-pod"), Some(fenced_by(&[])), false),
+        (Some("8s;an-old-pod"), none, true),
+        (None, none, false),
+        (Some("8s;another-pod"), none, false),
+        (Some("8s;an-old-pod"), Some((&[][..], true)), false),
         (
             Some("8s;an-old-pod"),
-            Some(fenced_by(&["kube-event-bridge.elsewhere.kafka"])),
+            Some((&["kube-event-bridge.elsewhere.kafka"][..], true)),
             true,
         ),
+        (Some("8s;an-old-pod"), Some((&[][..], false)), true),
     ];
     for (annotation, fenced_by, annotated) in cases {
         let api = ApiServer::start().await;
@@ -539,8 +540,16 @@ async fn a_taker_waits_out_the_last_holders_longer_deliveries() {
             lease["metadata"]["annotations"] =
                 json!({"kube-event-bridge.io/delivered-within": value});
         }
-        if let Some(value) = &fenced_by {
-            lease["metadata"]["annotations"]["kube-event-bridge.io/fenced-by"] = json!(value);
+        if let Some((ids, current)) = fenced_by {
+            let at = if current {
+                renewed.clone()
+            } else {
+                "2026-01-01T00:00:00Z".into()
+            };
+            let value = json!({"holder": "an-old-pod", "renewed": at,
+                               "transactionalIds": ids, "unfencedWithin": "3s"});
+            lease["metadata"]["annotations"]["kube-event-bridge.io/fenced-by"] =
+                json!(value.to_string());
         }
         api.create(lease);
         let dir = tempfile::tempdir().unwrap();

@@ -196,8 +196,9 @@ async fn hand_over(
 /// Losing leadership also drops what the sinks still queue of the ended term (see
 /// [`crate::sinks::Sink::abandon_queued`]): the new leader's messages must not be followed by
 /// older ones.
-/// Becoming leader waits the takeover wait first, without holding the resources (shutdown
-/// and discovery go on meanwhile); a loss during it is the next change.
+/// Becoming leader begins the sinks' terms (see [`begin_term`]) and waits the takeover wait,
+/// without holding the resources (shutdown and discovery go on meanwhile); a loss during it
+/// is the next change.
 /// With sharding, `handovers` counts this shard's changes of owner (`acquired`, `stopped`),
 /// and the elector's requests to hand the shard on are answered (see [`hand_over`]; `limit`
 /// bounds the drain): after a clean one, the sinks' queues are left alone (nothing of this
@@ -328,10 +329,16 @@ async fn follow_change(
         // The sinks' terms begin at once, the takeover wait after: a transactional producer
         // fences the last holder's when it starts, ending its open transaction (which holds
         // `read_committed` readers back) instead of leaving it to the broker's timeout, and
-        // the wait owes those transactions nothing (see
-        // `crate::leader::LeaderElector::fenced_by`). Nothing is published before the fence
-        // is valid.
+        // once every sink began, the wait owes those transactions nothing: it shortens to
+        // what the elector allowed for that (see
+        // `crate::leader::LeaderElector::announcing_transactions`). Until then the full wait
+        // stands (the lease is not released during it). Nothing is published before the
+        // fence is valid.
+        let takeover = fence.takeover_token();
         let begun = begin_term(sinks, shard, leading, fence).await;
+        if begun && let Some(left) = fence.holder_fenced(takeover) {
+            info!(left = ?left, "This term's producers fenced the last leader's transactions: what is left of the takeover wait is for its other messages");
+        }
         // A lapse ends a wait without a change when the renewal lands just after
         // it: wait again while the elector still says leading.
         let mut valid = begun && fence.wait_valid().await;

@@ -224,7 +224,7 @@ impl App {
                     gauge,
                 )
                 .delivering_within(le, longest)
-                .fenced_by(
+                .announcing_transactions(
                     le,
                     config.transactional_ids(shard),
                     config.longest_unfenced_delivery(),

@@ -66,7 +66,7 @@ pub struct LeaderElector {
     handovers: Option<tokio::sync::mpsc::UnboundedSender<Handover>>,
     // What this holder writes as `DELIVERED_WITHIN_ANNOTATION`.
     delivered_within: Duration,
-    // What fences its messages besides timers (see `fenced_by`).
+    // What fences its messages besides timers (see `announcing_transactions`).
     fencing: Option<Fencing>,
     // `keb_takeover_wait_seconds` of this lease.
     wait_gauge: Option<prometheus::Gauge>,
@@ -76,7 +76,7 @@ pub struct LeaderElector {
     lost: Option<Instant>,
 }
 
-/// What a holder's transactions fence (see [`LeaderElector::fenced_by`]).
+/// What a holder's transactions fence (see [`LeaderElector::announcing_transactions`]).
 struct Fencing {
     /// The `transactional.id`s of its producers under the lease.
     ids: Vec<String>,
@@ -93,9 +93,9 @@ type LeaseRecord = (Option<String>, Option<jiff::Timestamp>);
 #[derive(Debug, Clone, Copy, Default)]
 struct Takeover {
     wait: Duration,
-    /// Whether the holder's transactions are fenced by this taker's producers, so that the
-    /// wait covers only what it sent otherwise (see [`LeaderElector::fenced_by`]).
-    fenced: bool,
+    /// The shorter wait once this taker's producers fenced the holder's transactions, when
+    /// they can (see [`LeaderElector::announcing_transactions`]): what it sent otherwise.
+    fenced: Option<Duration>,
 }
 
 enum Outcome {
@@ -164,10 +164,12 @@ impl LeaderElector {
     /// and otherwise through sinks delivered within `longest_unfenced` of their hand-over.
     /// Each renewal announces that ([`FENCED_BY_ANNOTATION`]); taking over from a holder
     /// whose ids are all among `ids`, this candidate's producers fence that holder's
-    /// transactions when its term begins, so it waits only for the rest: its own takeover
-    /// wait for `longest_unfenced`, or longer if the holder's announcement says so. A holder
-    /// that announced other ids, or nothing (an older release), is waited out in full.
-    pub fn fenced_by(
+    /// transactions when its term begins, and from then on it waits only for the rest: its
+    /// own takeover wait for `longest_unfenced`, or longer if the holder's announcement says
+    /// so. Until its producers started (see [`super::Fence::holder_fenced`]) the full wait
+    /// stands, and is what it announces as owed. A holder that announced other ids, or
+    /// nothing (an older release), is waited out in full.
+    pub fn announcing_transactions(
         mut self,
         cfg: &LeaderElectionConfig,
         ids: Vec<String>,
@@ -190,18 +192,16 @@ impl LeaderElector {
         announced: Option<FencedBy>,
         duration: Duration,
     ) -> Takeover {
-        match (&self.fencing, announced) {
-            (Some(own), Some(announced)) if announced.fenced_by(&own.ids) => Takeover {
-                wait: own
-                    .unfenced_wait
-                    .max(super::holders_wait(announced.unfenced_within, duration)),
-                fenced: true,
-            },
-            _ => Takeover {
-                wait: self.takeover_wait.max(holders_wait.unwrap_or_default()),
-                fenced: false,
-            },
-        }
+        let wait = self.takeover_wait.max(holders_wait.unwrap_or_default());
+        let fenced = match (&self.fencing, announced) {
+            (Some(own), Some(announced)) if announced.covered_by(&own.ids) => Some(
+                own.unfenced_wait
+                    .max(super::holders_wait(announced.unfenced_within, duration))
+                    .min(wait),
+            ),
+            _ => None,
+        };
+        Takeover { wait, fenced }
     }
 
     /// Shows the takeover wait's remaining seconds in `gauge`.
@@ -376,23 +376,24 @@ impl LeaderElector {
                     took_over,
                     takeover,
                 } => {
-                    let mut shown = None;
+                    let mut shown = false;
                     if last_renewal.is_none() {
-                        let wait = if took_over {
-                            takeover.wait
+                        let takeover = if took_over {
+                            takeover
                         } else {
-                            Duration::ZERO
+                            Takeover::default()
                         };
-                        if took_over && takeover.fenced {
-                            info!(lease = %self.name, wait = ?wait, "Took the lease over from a holder whose transactions this replica's producers fence: waiting only for what it sent otherwise");
-                        }
-                        if !wait.is_zero() {
+                        let wait = takeover.wait;
+                        if let Some(fenced_wait) = takeover.fenced.filter(|_| !wait.is_zero()) {
+                            info!(lease = %self.name, wait = ?wait, fenced_wait = ?fenced_wait, "Took the lease over; publishing after the takeover wait, or after fenced_wait once this replica's producers fenced the last leader's transactions (its other messages may still be delivered until then)");
+                        } else if !wait.is_zero() {
                             info!(lease = %self.name, wait = ?wait, own = ?self.takeover_wait, "Took the lease over; publishing after the takeover wait (the last leader's messages may still be delivered until then)");
-                            shown = Some(now + wait);
                         }
+                        shown = !wait.is_zero();
                         // From when the lease was judged expired (after the read), not
                         // from when the attempt began.
-                        self.fence.not_before(now + wait);
+                        self.fence
+                            .not_before(now + wait, takeover.fenced.map(|w| now + w));
                     }
                     last_renewal = Some(started);
                     self.lost = None;
@@ -400,8 +401,8 @@ impl LeaderElector {
                     self.fence.extend_to(started + self.renew_deadline);
                     // Once the fence is extended: a count started before would find no wait
                     // under way (a first term's fence had no deadline yet) and end at once.
-                    if let Some(until) = shown {
-                        self.show_wait(until);
+                    if shown {
+                        self.show_wait();
                     }
                     self.set_leading(true);
                 }
@@ -489,7 +490,7 @@ impl LeaderElector {
             let lease = Lease {
                 metadata: ObjectMeta {
                     name: Some(self.name.clone()),
-                    annotations: Some(self.annotations(Duration::ZERO).into_iter().collect()),
+                    annotations: Some(self.annotations(Duration::ZERO, now).into_iter().collect()),
                     ..Default::default()
                 },
                 spec: Some(self.spec(now, now, 0)),
@@ -547,6 +548,8 @@ impl LeaderElector {
         } else {
             Takeover::default()
         };
+        // The full wait until this term's producers fenced the holder's (the fence then says
+        // what is left of the shorter one).
         let owed = if holder.is_some() && !*self.leading.borrow() {
             takeover.wait
         } else {
@@ -557,7 +560,7 @@ impl LeaderElector {
             .metadata
             .annotations
             .get_or_insert_default()
-            .extend(self.annotations(owed));
+            .extend(self.annotations(owed, now));
         // `replace` sends the resourceVersion we read: a concurrent writer makes it fail with 409.
         match self
             .api
@@ -582,8 +585,9 @@ impl LeaderElector {
     /// The annotations a renewal writes: this holder's own bounds, or longer while the
     /// takeover wait it `owed` (from this renewal on) still covers an earlier holder's
     /// messages, so that the wait still owed travels on to whoever takes the Lease next
-    /// (rounded up to seconds); with [`Self::fenced_by`], what its transactions fence.
-    fn annotations(&self, owed: Duration) -> Vec<(String, String)> {
+    /// (rounded up to seconds); with [`Self::announcing_transactions`], what its
+    /// transactions fence, tied to this renewal's `renewed` time.
+    fn annotations(&self, owed: Duration, renewed: jiff::Timestamp) -> Vec<(String, String)> {
         let mut written = vec![(
             DELIVERED_WITHIN_ANNOTATION.to_owned(),
             delivered_within_text(self.delivered_within.max(owed), &self.identity),
@@ -591,6 +595,7 @@ impl LeaderElector {
         if let Some(own) = &self.fencing {
             let announced = FencedBy {
                 holder: self.identity.clone(),
+                renewed,
                 transactional_ids: own.ids.clone(),
                 unfenced_within: own.unfenced_within.max(owed),
             };
@@ -599,14 +604,14 @@ impl LeaderElector {
         written
     }
 
-    /// Counts `keb_takeover_wait_seconds` down to `until` while the fence waits for it, and
-    /// logs the end of the wait.
-    fn show_wait(&self, until: Instant) {
+    /// Counts `keb_takeover_wait_seconds` down while the fence waits (a wait that the term's
+    /// producers shortened shows shorter from then on), and logs the end of the wait.
+    fn show_wait(&self) {
         let (fence, name) = (self.fence.clone(), self.name.clone());
         let gauge = self.wait_gauge.clone();
         tokio::spawn(async move {
             loop {
-                let left = until.saturating_duration_since(Instant::now());
+                let left = fence.takeover_left().unwrap_or_default();
                 if let Some(g) = &gauge {
                     g.set(left.as_secs_f64());
                 }

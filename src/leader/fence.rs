@@ -20,7 +20,15 @@ pub struct FenceTimes {
     // From when another replica may hold the lease (0: unknown): the last renewal's start
     // plus the lease's duration, or a release. Kept when the fence is revoked.
     takeable: std::sync::atomic::AtomicU64,
+    // Where a takeover wait may end instead of `from` once this term's producers fenced the
+    // last holder's transactions (0: it may not; see `Fence::holder_fenced`).
+    fenced_from: std::sync::atomic::AtomicU64,
 }
+
+/// A takeover wait as it was when a term's producers began to start (see
+/// [`Fence::holder_fenced`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TakeoverToken(u64);
 
 /// A deadline several fences share and never outlast: the sharded replicas' hold on the
 /// single-leader Lease (see [`crate::leader::membership`]), which every shard's fence is capped by,
@@ -108,11 +116,39 @@ impl Fence {
         );
     }
 
-    /// Not valid before `start` (a new leader's takeover wait).
-    pub fn not_before(&self, start: Instant) {
+    /// Not valid before `start` (a new leader's takeover wait), or before `fenced_start` once
+    /// the term's producers fenced the last holder's transactions (see
+    /// [`Self::holder_fenced`]).
+    pub fn not_before(&self, start: Instant, fenced_start: Option<Instant>) {
+        use std::sync::atomic::Ordering::SeqCst;
+        // Before `from`: whoever reads the new `from` reads this too.
+        self.0
+            .fenced_from
+            .store(fenced_start.map_or(0, |s| since_base(s).max(1)), SeqCst);
+        self.0.from.store(since_base(start), SeqCst);
+    }
+
+    /// The takeover wait under way now, to hand back to [`Self::holder_fenced`].
+    pub fn takeover_token(&self) -> TakeoverToken {
+        TakeoverToken(self.0.from.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    /// The term's producers fenced the last holder's transactions: the takeover wait of
+    /// `token` (if it is still the one under way: a later takeover set another) ends where the
+    /// elector allowed for that, if it did. Returns what is left of the wait then.
+    pub fn holder_fenced(&self, token: TakeoverToken) -> Option<Duration> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let fenced = self.0.fenced_from.load(SeqCst);
+        if fenced == 0 || fenced >= token.0 {
+            return None;
+        }
         self.0
             .from
-            .store(since_base(start), std::sync::atomic::Ordering::SeqCst);
+            .compare_exchange(token.0, fenced, SeqCst, SeqCst)
+            .ok()?;
+        Some(Duration::from_nanos(
+            fenced.saturating_sub(since_base(Instant::now())),
+        ))
     }
 
     /// Whether a takeover wait is under way (leading, not valid yet).
@@ -194,7 +230,7 @@ mod tests {
         assert!(!fence.is_valid(), "not leading");
         let now = Instant::now();
         fence.extend_to(now + Duration::from_secs(10));
-        fence.not_before(now + Duration::from_secs(3));
+        fence.not_before(now + Duration::from_secs(3), None);
         assert!(!fence.is_valid(), "waiting");
         assert!(fence.wait_valid().await);
         assert!(now.elapsed() >= Duration::from_secs(3));
@@ -203,7 +239,7 @@ mod tests {
         // A loss ends a takeover wait at once.
         let now = Instant::now();
         fence.extend_to(now + Duration::from_secs(10));
-        fence.not_before(now + Duration::from_secs(5));
+        fence.not_before(now + Duration::from_secs(5), None);
         let waiting = tokio::spawn({
             let fence = fence.clone();
             async move { fence.wait_valid().await }
@@ -212,6 +248,38 @@ mod tests {
         fence.revoke();
         assert!(!waiting.await.unwrap());
         assert!(now.elapsed() < Duration::from_secs(2));
+    }
+
+    /// A takeover wait shortens to what the elector allowed once the term's producers fenced
+    /// the last holder's, and only the wait they began under: not one without that allowance,
+    /// nor a later takeover's.
+    #[tokio::test(start_paused = true)]
+    async fn producers_that_fenced_the_last_holder_shorten_only_their_own_takeover_wait() {
+        let fence = Fence::default();
+        let now = Instant::now();
+        fence.extend_to(now + Duration::from_secs(30));
+        fence.not_before(now + Duration::from_secs(19), None);
+        let token = fence.takeover_token();
+        assert_eq!(fence.holder_fenced(token), None, "no shorter wait allowed");
+        fence.not_before(
+            now + Duration::from_secs(19),
+            Some(now + Duration::from_secs(5)),
+        );
+        let token = fence.takeover_token();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(fence.holder_fenced(token), Some(Duration::from_secs(4)));
+        assert_eq!(fence.takeover_left(), Some(Duration::from_secs(4)));
+        assert!(fence.wait_valid().await);
+        assert_eq!(now.elapsed(), Duration::from_secs(5));
+        // A later takeover set its own wait meanwhile: the old token shortens nothing.
+        let now = Instant::now();
+        let stale = fence.takeover_token();
+        fence.not_before(
+            now + Duration::from_secs(19),
+            Some(now + Duration::from_secs(2)),
+        );
+        assert_eq!(fence.holder_fenced(stale), None);
+        assert_eq!(fence.takeover_left(), Some(Duration::from_secs(19)));
     }
 
     /// The lease may be another's once the last renewal's duration ran out, revoked or not.

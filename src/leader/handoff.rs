@@ -65,6 +65,10 @@ pub const FENCED_BY_ANNOTATION: &str = "kube-event-bridge.io/fenced-by";
 pub struct FencedBy {
     /// The identity that wrote it: a value another holder left is not the current one's.
     pub holder: String,
+    /// The renew time it wrote with it: a value left from an earlier renewal (renewed since
+    /// by a release that keeps annotations it does not know, under the same identity) is not
+    /// the current one's either.
+    pub renewed: jiff::Timestamp,
     /// The `transactional.id`s of its producers under this Lease: every message they send is
     /// in a transaction, which the next producer of the same id aborts (or lets commit before
     /// it starts), and their later commits are refused.
@@ -79,8 +83,10 @@ pub struct FencedBy {
 }
 
 impl FencedBy {
-    /// What `lease`'s [`FENCED_BY_ANNOTATION`] says, if `holder` wrote it (a value that does not
-    /// parse counts as absent: the taker waits as for a holder that announced nothing).
+    /// What `lease`'s [`FENCED_BY_ANNOTATION`] says, if `holder` wrote it with the Lease's
+    /// current renew time (compared to the microsecond, as the API server keeps it). Anything
+    /// else (a value that does not parse, of another holder or renewal) counts as absent: the
+    /// taker waits as for a holder that announced nothing.
     pub fn of(lease: &Lease, holder: &str) -> Option<Self> {
         let text = lease
             .metadata
@@ -88,7 +94,10 @@ impl FencedBy {
             .as_ref()?
             .get(FENCED_BY_ANNOTATION)?;
         let announced: Self = serde_json::from_str(text).ok()?;
-        (announced.holder == holder).then_some(announced)
+        let renewed = lease.spec.as_ref()?.renew_time.as_ref()?.0;
+        (announced.holder == holder
+            && announced.renewed.as_microsecond() == renewed.as_microsecond())
+        .then_some(announced)
     }
 
     /// The annotation's value (`unfenced_within` rounded up to whole seconds).
@@ -99,9 +108,10 @@ impl FencedBy {
         serde_json::to_string(&rounded).expect("plain data serializes")
     }
 
-    /// Whether a taker whose transactional producers have `own` ids fences everything this
-    /// holder's producers may still send: each of its ids is one of `own`.
-    pub fn fenced_by(&self, own: &[String]) -> bool {
+    /// Whether a taker whose transactional producers have `own` ids fences what this holder's
+    /// transactions may still bring (each of its ids is one of `own`): then only what it
+    /// sends otherwise (`unfenced_within`) needs a wait.
+    pub fn covered_by(&self, own: &[String]) -> bool {
         self.transactional_ids.iter().all(|id| own.contains(id))
     }
 }
@@ -132,26 +142,40 @@ mod tests {
 
     #[test]
     fn a_holders_announcement_is_read_back_only_for_that_holder() {
+        let renewed: jiff::Timestamp = "2026-12-02T10:00:00.123456789Z".parse().unwrap();
         let announced = FencedBy {
             holder: "pod-a".into(),
+            renewed,
             transactional_ids: vec!["kube-event-bridge.prod.kafka".into()],
             unfenced_within: Duration::from_millis(10_200),
         };
         let text = announced.text();
         assert_eq!(
             text,
-            r#"{"holder":"pod-a","transactionalIds":["kube-event-bridge.prod.kafka"],"unfencedWithin":"11s"}"#
+            r#"{"holder":"pod-a","renewed":"2026-12-02T10:00:00.123456789Z","transactionalIds":["kube-event-bridge.prod.kafka"],"unfencedWithin":"11s"}"#
         );
         let mut lease = Lease::default();
         lease.metadata.annotations = Some([(FENCED_BY_ANNOTATION.to_owned(), text)].into());
+        let renew = |lease: &mut Lease, at: &str| {
+            lease.spec.get_or_insert_default().renew_time = Some(
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(at.parse().unwrap()),
+            )
+        };
+        // The renew time as the API server keeps it: to the microsecond.
+        renew(&mut lease, "2026-12-02T10:00:00.123456Z");
         let read = FencedBy::of(&lease, "pod-a").expect("pod-a's");
         assert_eq!(read.unfenced_within, Duration::from_secs(11));
         assert!(FencedBy::of(&lease, "pod-b").is_none(), "another holder's");
-        assert!(read.fenced_by(&[
+        assert!(read.covered_by(&[
             "kube-event-bridge.prod.kafka".into(),
             "kube-event-bridge.prod.other".into()
         ]));
-        assert!(!read.fenced_by(&["kube-event-bridge.prod.other".into()]));
+        assert!(!read.covered_by(&["kube-event-bridge.prod.other".into()]));
+        renew(&mut lease, "2026-12-02T10:00:02.5Z");
+        assert!(
+            FencedBy::of(&lease, "pod-a").is_none(),
+            "renewed since by a release that does not write it"
+        );
         lease.metadata.annotations =
             Some([(FENCED_BY_ANNOTATION.to_owned(), "not json".to_owned())].into());
         assert!(

@@ -21,11 +21,21 @@
 //!   duration, so replicas with other settings (a rolling update that lowers
 //!   `delivery_timeout`) still wait out the old holder's messages. A lease without it
 //!   (written by an older release) is waited out with the taker's own settings. The wait
-//!   shows as `keb_takeover_wait_seconds{lease}` and in `/readyz`, and its end is logged. Messages the old leader handed over before its fence ended are then
-//!   delivered or failed for good before the new leader reads a checkpoint or publishes.
-//!   (This rests on timers, like the lease itself; a process frozen between a hand-over and
-//!   its producer's write to the socket can still deliver that message late: only the broker
-//!   can fence that, as Kafka transactions do.)
+//!   shows as `keb_takeover_wait_seconds{lease}` and in `/readyz`, and its end is logged.
+//!   Messages the old leader handed over before its fence ended are then delivered or failed
+//!   for good before the new leader reads a checkpoint or publishes. (This rests on timers,
+//!   like the lease itself; a process frozen between a hand-over and its producer's write to
+//!   the socket can still deliver that message late: only the broker can fence that, as
+//!   Kafka transactions do.)
+//! - Where transactions fence, the timers are not needed for them: each renewal also writes
+//!   [`FENCED_BY_ANNOTATION`] (the holder's transactional ids under the lease, and when what
+//!   it sends otherwise is delivered, tied to that renewal), and a taker whose own
+//!   transactional producers cover every announced id begins its sinks' terms at once (their
+//!   `init_transactions` aborts the holder's open transaction and refuses its later
+//!   commits); once they all began, [`Fence::holder_fenced`] shortens its wait to what the
+//!   rest needs (its own wait for those sinks, or the holder's announcement's). Until then the
+//!   full wait stands, is what it announces as owed, and keeps the lease from being
+//!   released.
 //! - On shutdown the leader releases the lease (empty holder), so a standby takes over at
 //!   once instead of waiting for expiry.
 //! - A lease lost while leading (renewals failed past the deadline, or another holder found

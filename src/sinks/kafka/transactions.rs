@@ -299,16 +299,24 @@ const NOT_ABORTED: &str = "not aborted: another replica may hold the lease by no
 /// The least time left before the lease could be another's for an abort to begin.
 const MIN_ABORT: Duration = Duration::from_millis(500);
 
-/// How long an abort begun now may take: until the lease could be another's (`takeable`,
-/// see [`NOT_ABORTED`]; `None`: without leader election), at most `CALL_TIMEOUT`; `None` when
-/// it is too late to begin one. Best effort: librdkafka goes on with an abort that timed out,
-/// but the new holder starts its producer only after its takeover wait.
+/// How long before the lease could be another's an abort must have ended: the producer is
+/// dropped once it returns, and what librdkafka still sends of an abort that timed out goes
+/// out meanwhile.
+const ABORT_MARGIN: Duration = Duration::from_millis(250);
+
+/// How long an abort begun now may take: until `ABORT_MARGIN` before the lease could be
+/// another's (`takeable`, see [`NOT_ABORTED`]; `None`: without leader election), at most
+/// `CALL_TIMEOUT`; `None` when it is too late to begin one. Best effort: librdkafka goes on
+/// with an abort that timed out until the producer is dropped, and a taker's producer starts
+/// as soon as it takes the lease (before any takeover wait), so a request of it sent after
+/// `takeable` could still fence the taker's producer (its transaction's outcome unknown,
+/// `/healthz` restarts it; nothing is lost).
 fn abort_budget(takeable: Option<tokio::time::Instant>) -> Option<Duration> {
     let Some(takeable) = takeable else {
         return Some(CALL_TIMEOUT);
     };
     let left = takeable.saturating_duration_since(tokio::time::Instant::now());
-    (left >= MIN_ABORT).then(|| left.min(CALL_TIMEOUT))
+    (left >= MIN_ABORT).then(|| (left - ABORT_MARGIN).min(CALL_TIMEOUT))
 }
 
 /// A message of the open transaction.
