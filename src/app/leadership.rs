@@ -27,6 +27,7 @@ impl Resources {
     /// is in the cache (each object handed over once). The listeners of an informer whose
     /// list fails stay off (nothing of it is published) until a list succeeds or the term
     /// ends.
+    /// The relists it waits for are those [`Self::relist_for_term`] asked for, if it did.
     pub(super) async fn set_leading(&mut self, leading: bool) {
         self.leading = leading;
         // Ends the last term's pending switch-ons before anything is switched off.
@@ -45,6 +46,8 @@ impl Resources {
             r.checkpointer.end_term();
             r.resumer.term_ended();
         });
+        // Asked for in an ended term, or now (below) for this one.
+        let mut relists = std::mem::take(&mut self.term_relists);
         if !leading {
             // Another replica's shard from now on: nothing of it stays cached here.
             self.recycle_informers().await;
@@ -66,12 +69,16 @@ impl Resources {
         let waiting = Arc::new(waiting);
         for informer in informers {
             let (term, waiting) = (self.term.clone(), waiting.clone());
+            let asked = relists
+                .iter()
+                .position(|(i, _)| Arc::ptr_eq(i, &informer))
+                .map(|at| relists.swap_remove(at).1);
             tokio::spawn(async move {
                 let not_waiting = |l: &crate::informer::ProcessorListener| {
                     !waiting.iter().any(|p| l.name().starts_with(p))
                 };
                 if let Some(objects) = informer
-                    .activate_listeners_after_relist(&term, not_waiting)
+                    .activate_listeners_after_relist_since(&term, not_waiting, asked)
                     .await
                 {
                     info!(informer = %informer.name(), objects, "Leading: relisted; handed the listed state to the routes");
@@ -82,6 +89,24 @@ impl Resources {
         if self.cold.is_some() {
             self.spawn_informers();
         }
+    }
+}
+
+impl Resources {
+    /// A term is about to begin here: every running informer lists again from now on, while
+    /// the sinks' terms begin and the takeover wait and the checkpoint reads go on, and
+    /// [`Self::set_leading`] waits for those lists instead of asking for new ones. Any list
+    /// begun after the term began will do: the last leader handed nothing over after its
+    /// fence ended, which was before this replica could take the lease, so such a list is at
+    /// least as new as anything it published (what changes later reaches the cache through
+    /// the watch before the listeners are switched on, and is handed over with it).
+    pub(super) fn relist_for_term(&mut self) {
+        self.term_relists = self
+            .wired
+            .iter()
+            .flat_map(|w| w.informers.iter())
+            .filter_map(|i| Some((i.clone(), i.request_relist()?)))
+            .collect();
     }
 }
 
@@ -324,6 +349,7 @@ async fn follow_change(
         // replica published is not out until the wait, the term's start and the resume are.
         let mut r = resources.lock().await;
         r.set_leading(false).await;
+        r.relist_for_term();
         r.resumes().iter().for_each(|r| r.resumer.term_began());
         drop(r);
         // The sinks' terms begin at once, the takeover wait after: a transactional producer
@@ -550,6 +576,7 @@ mod tests {
             gone_since: Default::default(),
             live: None,
             cold: None,
+            term_relists: Vec::new(),
         }
     }
 

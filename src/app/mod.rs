@@ -181,6 +181,7 @@ impl App {
                 gone_since: Default::default(),
                 live: None,
                 cold: (!shard.is_whole()).then(|| wiring.clone()),
+                term_relists: Vec::new(),
             };
             for (index, api_resource, namespaced) in &resolved {
                 let mut wired = wiring

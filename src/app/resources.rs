@@ -163,6 +163,9 @@ pub(super) struct Resources {
     /// wiring makes fresh ones (not running) for the next term. `None`: informers always run
     /// (single-leader mode: standbys keep warm caches).
     pub(super) cold: Option<Arc<Wiring>>,
+    /// The relists asked for as this replica's term began (see `relist_for_term`), by
+    /// informer: becoming leader waits for these instead of asking again.
+    pub(super) term_relists: Vec<(Arc<SharedIndexInformer>, u64)>,
 }
 
 /// What runs once the app runs.

@@ -429,6 +429,27 @@ impl SharedIndexInformer {
         cancel: &CancellationToken,
         which: impl Fn(&ProcessorListener) -> bool,
     ) -> Option<usize> {
+        self.activate_listeners_after_relist_since(cancel, which, None)
+            .await
+    }
+
+    /// Asks the reflector for a new consistent list now, on a running informer (one not
+    /// running yet lists when it starts): its number, for
+    /// [`activate_listeners_after_relist_since`](Self::activate_listeners_after_relist_since).
+    pub fn request_relist(&self) -> Option<u64> {
+        self.is_running().then(|| self.reflector.request_relist())
+    }
+
+    /// [`activate_listeners_after_relist`](Self::activate_listeners_after_relist), with the
+    /// list `request` (of [`request_relist`](Self::request_relist)) asked for earlier, or a
+    /// later one: a list asked for when it was known to be needed (a term's start), which
+    /// runs while the caller prepares the rest. `None`: asked for now.
+    pub async fn activate_listeners_after_relist_since(
+        &self,
+        cancel: &CancellationToken,
+        which: impl Fn(&ProcessorListener) -> bool,
+        request: Option<u64>,
+    ) -> Option<usize> {
         if !self.is_running() {
             // Its first list is the fresh one: hand the cache over once it is applied (a
             // cache seeded from an informer it replaces would otherwise pass unchanged
@@ -446,7 +467,7 @@ impl SharedIndexInformer {
                 }
             }
         } else {
-            let request = self.reflector.request_relist();
+            let request = request.unwrap_or_else(|| self.reflector.request_relist());
             loop {
                 if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {
                     return None;

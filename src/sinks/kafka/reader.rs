@@ -104,6 +104,9 @@ fn reader(client: KafkaClient, isolation: &str) -> Result<ReaderConsumer, String
     config
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
+        // A read to the end: an empty fetch (how the end shows) should come back at once,
+        // not after librdkafka's default 500 ms wait for more.
+        .set("fetch.wait.max.ms", "20")
         .set("isolation.level", isolation)
         .set("group.id", "kube-event-bridge-reader");
     client
