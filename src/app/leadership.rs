@@ -101,12 +101,18 @@ impl Resources {
     /// least as new as anything it published (what changes later reaches the cache through
     /// the watch before the listeners are switched on, and is handed over with it).
     pub(super) fn relist_for_term(&mut self) {
-        self.term_relists = self
-            .wired
-            .iter()
-            .flat_map(|w| w.informers.iter())
-            .filter_map(|i| Some((i.clone(), i.request_relist()?)))
-            .collect();
+        let mut relists: Vec<(Arc<crate::informer::SharedIndexInformer>, u64)> = Vec::new();
+        for informer in self.wired.iter().flat_map(|w| w.informers.iter()) {
+            // Once each: an informer that several resources share would drop the list it
+            // began for the first ask.
+            if relists.iter().any(|(i, _)| Arc::ptr_eq(i, informer)) {
+                continue;
+            }
+            if let Some(asked) = informer.request_relist() {
+                relists.push((informer.clone(), asked));
+            }
+        }
+        self.term_relists = relists;
     }
 }
 
@@ -395,7 +401,8 @@ fn still_leading(leading: &tokio::sync::watch::Receiver<bool>) -> bool {
 /// A term that began at the lease's acquisition ended before its routes were switched on:
 /// none of them resumes (`keb_route_resuming` back to 0).
 async fn term_ended(resources: &tokio::sync::Mutex<Resources>) {
-    let resources = resources.lock().await;
+    let mut resources = resources.lock().await;
+    resources.term_relists.clear();
     resources
         .resumes()
         .iter()

@@ -87,10 +87,20 @@ pub type ReaderConsumer = BaseConsumer<KafkaContext>;
 pub fn consumer(client: impl Into<KafkaClient>) -> Result<ReaderConsumer, String> {
     // What a transaction committed, never what one aborted or has not committed yet
     // (exactly-once sinks).
-    reader(client.into(), "read_committed")
+    reader(client.into(), "read_committed", None)
 }
 
-fn reader(client: KafkaClient, isolation: &str) -> Result<ReaderConsumer, String> {
+/// A consumer like [`consumer`] for a read to the end: an empty fetch (how the end shows)
+/// comes back after 20 ms, not after librdkafka's default 500 ms wait for more.
+fn reading_to_end(client: &KafkaClient) -> Result<ReaderConsumer, String> {
+    reader(client.clone(), "read_committed", Some("20"))
+}
+
+fn reader(
+    client: KafkaClient,
+    isolation: &str,
+    fetch_wait_ms: Option<&str>,
+) -> Result<ReaderConsumer, String> {
     let mut config = client.config.clone();
     for producer_only in [
         "enable.idempotence",
@@ -104,11 +114,11 @@ fn reader(client: KafkaClient, isolation: &str) -> Result<ReaderConsumer, String
     config
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "true")
-        // A read to the end: an empty fetch (how the end shows) should come back at once,
-        // not after librdkafka's default 500 ms wait for more.
-        .set("fetch.wait.max.ms", "20")
         .set("isolation.level", isolation)
         .set("group.id", "kube-event-bridge-reader");
+    if let Some(ms) = fetch_wait_ms {
+        config.set("fetch.wait.max.ms", ms);
+    }
     client
         .create(&config, |c: &ReaderConsumer| c.client())
         .map_err(|e| format!("consumer: {e}"))
@@ -138,7 +148,7 @@ fn read_topic_to_end(
     topic: &str,
     each: &mut impl FnMut(Record),
 ) -> Result<(), String> {
-    let consumer = consumer(client)?;
+    let consumer = reading_to_end(client)?;
     // The end: each partition's high watermark now, as a read_uncommitted client sees it. A
     // read_committed one sees the last stable offset, which any open transaction holds back
     // (another shard's, another replica's): reading only to there would miss what was
@@ -256,5 +266,5 @@ fn read_topic_to_end(
 
 /// A consumer like [`consumer`] that reads uncommitted (for the high watermark only).
 fn uncommitted(client: &KafkaClient) -> Result<ReaderConsumer, String> {
-    reader(client.clone(), "read_uncommitted")
+    reader(client.clone(), "read_uncommitted", None)
 }
