@@ -259,6 +259,35 @@ fn shard_of(key: &str) -> u32 {
         .unwrap()
 }
 
+/// What each shard with copies saw: how many copies, the later copy of one object, and every
+/// line of every replica's log that names the shard.
+fn dump_shards(replicas: &[Replica], duplicates: &[Repeat], events: &[Value]) {
+    let mut shards: HashMap<u32, usize> = HashMap::new();
+    duplicates
+        .iter()
+        .for_each(|(k, _, _)| *shards.entry(shard_of(k)).or_default() += 1);
+    for (shard, copies) in shards {
+        eprintln!("=== shard {shard}: {copies} objects sent twice");
+        if let Some((key, rv, _)) = duplicates.iter().find(|(k, _, _)| shard_of(k) == shard) {
+            for e in events.iter().filter(|e| key_and_version(e) == (key.clone(), rv.clone())) {
+                let mut head = e.clone();
+                head["data"]["object"] = Value::Null;
+                eprintln!("  copy of {key}: {head}");
+            }
+        }
+        let names = [
+            format!("-shard-{shard}-of-"),
+            format!("#{shard}-of-"),
+            format!("shard {shard}/"),
+        ];
+        for r in replicas {
+            for line in r.log().lines().filter(|l| names.iter().any(|n| l.contains(n))) {
+                eprintln!("  {}: {line}", r.identity);
+            }
+        }
+    }
+}
+
 /// A message sent more than once: its `(key, resourceVersion, type)`.
 type Repeat = (String, String, String);
 
@@ -411,6 +440,7 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
             println!("duplicated {}: {head}", key_and_version(e).0);
         }
         dump(&replicas);
+        dump_shards(&replicas, &duplicates, &first);
     }
     println!(
         "{} messages for {n} objects before any change, {} duplicated ({} more excused: their shard's term was lost to a starved renewal, {:?})",

@@ -205,9 +205,12 @@ impl Checkpointer {
         (key.to_owned(), entry)
     }
 
-    /// With leader election: records acknowledgements and writes only while `fence` is
-    /// valid, so that a deposed leader's late acknowledgements never reach the store (see
-    /// [`Self::end_term`]).
+    /// With leader election: records acknowledgements only while the lease is held, so that
+    /// a deposed leader's late acknowledgements never reach the store (see
+    /// [`Self::end_term`]), and writes only while `fence` is valid. A lapsed cap (sharded: the
+    /// group's hold unconfirmed for a moment) holds writes back but drops no acknowledgement:
+    /// what was published before it is acknowledged during it, and a hand-over's last write
+    /// must hold it, or the next owner sends it again.
     pub fn with_fence(mut self, fence: Option<crate::leader::Fence>) -> Self {
         self.fence = fence;
         self
@@ -215,6 +218,12 @@ impl Checkpointer {
 
     fn fenced(&self) -> bool {
         self.fence.as_ref().is_some_and(|f| !f.is_valid())
+    }
+
+    /// Whether the lease is not held (lost, or not taken yet): acknowledgements are not
+    /// recorded then.
+    fn deposed(&self) -> bool {
+        self.fence.as_ref().is_some_and(|f| !f.is_held())
     }
 
     /// Whether its lease lapsed (with leader election): it writes nothing then.
@@ -333,10 +342,10 @@ impl Checkpointer {
         !self.lock().waiting.is_empty()
     }
 
-    /// Remembers that the sink settled `n` (about the object at `key`); nothing while fenced
-    /// (a deposed leader's late acknowledgement).
+    /// Remembers that the sink settled `n` (about the object at `key`); nothing once the
+    /// lease is not held (a deposed leader's late acknowledgement).
     pub fn record(&self, key: &str, n: &Notification) {
-        if self.fenced() || self.transactional {
+        if self.deposed() || self.transactional {
             return;
         }
         let change = match n.kind() {
@@ -684,6 +693,37 @@ mod tests {
         c.flush().await.unwrap();
         let written = store.load("configmap/out").await.unwrap().unwrap();
         assert_eq!(written.keys().collect::<Vec<_>>(), ["ns/c"]);
+    }
+
+    /// Sharded: the group's hold unconfirmed for a moment caps every shard's fence. The
+    /// acknowledgements of what was published before arrive meanwhile: kept, and written once
+    /// the cap is extended (dropped, a clean hand-over's last write would leave their intents
+    /// for the next owner to send again).
+    #[tokio::test]
+    async fn a_lapsed_cap_holds_writes_back_and_keeps_acknowledgements() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileCheckpointStore::beside(&dir.path().join("out.jsonl")));
+        let cap = crate::leader::FenceCap::default();
+        let fence = crate::leader::Fence::capped(cap.clone());
+        let c = checkpointer(store.clone()).with_fence(Some(fence.clone()));
+        let now = tokio::time::Instant::now();
+        fence.extend_to(now + Duration::from_secs(60));
+        cap.extend_to(now + Duration::from_millis(20));
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(fence.is_held() && !fence.is_valid(), "the cap lapsed");
+        c.record(
+            "ns/a",
+            &Notification::new(NotificationKind::Add {
+                obj: obj("ns", "a", "1"),
+                is_initial_list: false,
+            }),
+        );
+        assert_eq!(c.lag.get(), 1, "recorded");
+        assert!(matches!(c.flush().await, Err(Error::NotLeading)));
+        cap.extend_to(tokio::time::Instant::now() + Duration::from_secs(60));
+        c.flush().await.unwrap();
+        let written = store.load("configmap/out").await.unwrap().unwrap();
+        assert_eq!(written.keys().collect::<Vec<_>>(), ["ns/a"]);
     }
 
     #[tokio::test]
