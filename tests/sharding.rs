@@ -269,7 +269,10 @@ fn dump_shards(replicas: &[Replica], duplicates: &[Repeat], events: &[Value]) {
     for (shard, copies) in shards {
         eprintln!("=== shard {shard}: {copies} objects sent twice");
         if let Some((key, rv, _)) = duplicates.iter().find(|(k, _, _)| shard_of(k) == shard) {
-            for e in events.iter().filter(|e| key_and_version(e) == (key.clone(), rv.clone())) {
+            for e in events
+                .iter()
+                .filter(|e| key_and_version(e) == (key.clone(), rv.clone()))
+            {
                 let mut head = e.clone();
                 head["data"]["object"] = Value::Null;
                 eprintln!("  copy of {key}: {head}");
@@ -281,7 +284,11 @@ fn dump_shards(replicas: &[Replica], duplicates: &[Repeat], events: &[Value]) {
             format!("shard {shard}/"),
         ];
         for r in replicas {
-            for line in r.log().lines().filter(|l| names.iter().any(|n| l.contains(n))) {
+            for line in r
+                .log()
+                .lines()
+                .filter(|l| names.iter().any(|n| l.contains(n)))
+            {
                 eprintln!("  {}: {line}", r.identity);
             }
         }

@@ -12,7 +12,7 @@ use std::{
 };
 
 use rdkafka::{
-    ClientConfig, Message,
+    ClientConfig,
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
     client::DefaultClientContext,
     consumer::{BaseConsumer, Consumer},
@@ -503,6 +503,30 @@ pub struct Record {
 }
 
 impl Record {
+    /// The record a consumer read.
+    pub fn of(m: &impl rdkafka::Message) -> Self {
+        let headers = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_owned(),
+                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        Self {
+            partition: m.partition(),
+            offset: m.offset(),
+            key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+            value: m.payload().map(<[u8]>::to_vec),
+            headers,
+        }
+    }
+
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
@@ -568,26 +592,7 @@ pub fn consume_until(
         );
         if let Some(result) = consumer.poll(Duration::from_millis(200)) {
             let m: OwnedMessage = result.expect("consume").detach();
-            let headers = m
-                .headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|h| {
-                            (
-                                h.key.to_owned(),
-                                String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            out.push(Record {
-                partition: m.partition(),
-                offset: m.offset(),
-                key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
-                value: m.payload().map(<[u8]>::to_vec),
-                headers,
-            });
+            out.push(Record::of(&m));
         }
     }
     out
@@ -639,16 +644,7 @@ pub fn read_topic(brokers: &str, topic: &str, committed: bool) -> Vec<Record> {
                 at_end.insert(p);
             }
             Some(Err(e)) => panic!("reading {topic}: {e}"),
-            Some(Ok(m)) => {
-                use rdkafka::Message as _;
-                out.push(Record {
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
-                    value: m.payload().map(<[u8]>::to_vec),
-                    headers: Vec::new(),
-                });
-            }
+            Some(Ok(m)) => out.push(Record::of(&m)),
         }
     }
     out

@@ -1,0 +1,554 @@
+//! The consumers users already run, against what the bridge wrote to real Kafka from a real
+//! kube-apiserver: the CloudEvents SDKs (Go's sdk-go with its Sarama binding, Java's
+//! cloudevents-kafka `CloudEventDeserializer`) read every message in binary and in structured
+//! mode with each attribute of the type the CloudEvents type system gives it in that mode, and
+//! the data as the bridge meant it; and the examples under `examples/` (Go, Java, Python,
+//! Rust) fold the events topics and a state topic into exactly the API server's objects.
+//! `scripts/build-examples` builds them (`scripts/test` runs it); a missing one fails here.
+
+mod support;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::{Path, PathBuf},
+    process::Command,
+    time::Duration,
+};
+
+use kube::api::ApiResource;
+use serde_json::{Value, json};
+use support::{
+    built_tool,
+    cluster::Cluster,
+    config::{ConfigBuilder, kafka_sink},
+    kafka::{Kafka, Record, read_topic},
+    parity::ready,
+    replica::{Replica, dump},
+    wait::{self, Patience},
+};
+
+const NS: &str = "consumers";
+
+/// The three topics: binary mode, structured mode with `exactly_once`, and a state topic.
+struct Topics {
+    binary: String,
+    structured: String,
+    state: String,
+}
+
+/// The bridge watches ConfigMaps in [`NS`] and writes each change to the three topics.
+fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, kubeconfig: &Path) -> Replica {
+    let brokers = kafka.brokers();
+    let config = ConfigBuilder::new()
+        .cluster("consumers")
+        .resource(json!({"api_version": "v1", "kind": "ConfigMap", "namespaces": [NS]}))
+        .sink(kafka_sink(
+            "binary",
+            &brokers,
+            json!({
+                "topic": topics.binary,
+                "encoding": "binary",
+                "checkpoint_topic": format!("{}.checkpoints", topics.binary),
+            }),
+        ))
+        .sink(kafka_sink(
+            "structured",
+            &brokers,
+            json!({
+                "topic": topics.structured,
+                "exactly_once": true,
+                "transaction_interval": "200ms",
+                "checkpoint_topic": format!("{}.checkpoints", topics.structured),
+            }),
+        ))
+        .sink(kafka_sink(
+            "state",
+            &brokers,
+            json!({
+                "mode": "state",
+                "topic": topics.state,
+                "checkpoint_topic": format!("{}.checkpoints", topics.state),
+            }),
+        ))
+        .route("configmap", &["binary", "structured", "state"])
+        .value();
+    Replica::start(dir, "bridge", &config, kubeconfig)
+}
+
+fn configmap(name: &str, value: &str) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": NS, "labels": {"app": "consumers"}},
+        "data": {"value": value},
+    })
+}
+
+/// The ConfigMaps API of [`NS`].
+async fn configmaps(cluster: &Cluster) -> kube::Api<k8s_openapi::api::core::v1::ConfigMap> {
+    kube::Api::namespaced(cluster.client().await, NS)
+}
+
+fn name(i: usize) -> String {
+    format!("cm-{i:02}")
+}
+
+async fn create(
+    api: &kube::Api<k8s_openapi::api::core::v1::ConfigMap>,
+    range: std::ops::Range<usize>,
+    value: &str,
+) {
+    for i in range {
+        api.create(
+            &Default::default(),
+            &serde_json::from_value(configmap(&name(i), value)).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+}
+
+async fn update(
+    api: &kube::Api<k8s_openapi::api::core::v1::ConfigMap>,
+    range: std::ops::Range<usize>,
+    value: &str,
+) {
+    for i in range {
+        let mut cm = api.get(&name(i)).await.unwrap();
+        cm.data = Some([("value".to_owned(), value.to_owned())].into());
+        api.replace(&name(i), &Default::default(), &cm)
+            .await
+            .unwrap();
+    }
+}
+
+async fn delete(
+    api: &kube::Api<k8s_openapi::api::core::v1::ConfigMap>,
+    range: std::ops::Range<usize>,
+) {
+    for i in range {
+        api.delete(&name(i), &Default::default()).await.unwrap();
+    }
+}
+
+/// What a consumer ends with, compared with the API server, in the suite's loss columns.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Ending {
+    lost_deletes: Vec<String>,
+    phantom_deletes: Vec<String>,
+    stale: Vec<String>,
+    missing: Vec<String>,
+}
+
+/// `state` (key → resourceVersion, as an example prints it) against `live` (key → (uid,
+/// resourceVersion)); a live key the example lacks is a phantom delete if the topic holds any
+/// message about it, else missing.
+fn ending(
+    state: &BTreeMap<String, String>,
+    live: &BTreeMap<String, (String, String)>,
+    seen: &BTreeSet<String>,
+) -> Ending {
+    let mut e = Ending::default();
+    for (key, rv) in state {
+        match live.get(key) {
+            None => e.lost_deletes.push(key.clone()),
+            Some((_, want)) if want != rv => e.stale.push(key.clone()),
+            Some(_) => {}
+        }
+    }
+    for key in live.keys().filter(|k| !state.contains_key(*k)) {
+        if seen.contains(key) {
+            e.phantom_deletes.push(key.clone());
+        } else {
+            e.missing.push(key.clone());
+        }
+    }
+    e
+}
+
+/// The CloudEvent a record holds as the bridge meant it: each attribute's CloudEvents type
+/// and value in the record's content mode, and the data.
+fn meant(record: &Record) -> (BTreeMap<String, (String, String)>, Value) {
+    let type_of = |name: &str, value: &Value| -> String {
+        match (name, value) {
+            ("source", _) => "URI-reference".into(),
+            ("time", _) => "Timestamp".into(),
+            (_, Value::Bool(_)) => "Boolean".into(),
+            (_, Value::Number(_)) => "Integer".into(),
+            _ => "String".into(),
+        }
+    };
+    let text = |value: &Value| match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let mut attributes = BTreeMap::new();
+    if record.header("content-type") == Some("application/cloudevents+json") {
+        let event = record.json();
+        for (name, value) in event.as_object().unwrap() {
+            if name != "data" {
+                attributes.insert(name.clone(), (type_of(name, value), text(value)));
+            }
+        }
+        return (attributes, event["data"].clone());
+    }
+    // Binary mode: every attribute is a header string (a Boolean extension too).
+    for (name, value) in &record.headers {
+        let name = match name.as_str() {
+            "content-type" => "datacontenttype",
+            other => match other.strip_prefix("ce_") {
+                Some(n) => n,
+                None => continue,
+            },
+        };
+        let ty = type_of(name, &Value::String(value.clone()));
+        attributes.insert(name.to_owned(), (ty, value.clone()));
+    }
+    (attributes, record.json())
+}
+
+/// How the events an SDK consumer printed differ from what the bridge meant: one line per
+/// mismatch; and the attributes the SDK added on its own (allowed).
+fn mismatches(
+    printed: &[Value],
+    records: &BTreeMap<(i32, i64), Record>,
+) -> (Vec<String>, BTreeSet<String>) {
+    let mut wrong = Vec::new();
+    let mut added = BTreeSet::new();
+    for event in printed {
+        let at = (
+            event["partition"].as_i64().unwrap() as i32,
+            event["offset"].as_i64().unwrap(),
+        );
+        let Some(record) = records.get(&at) else {
+            wrong.push(format!("{at:?}: no such record"));
+            continue;
+        };
+        let (want, data) = meant(record);
+        let got = event["attributes"].as_object().unwrap();
+        for (name, (ty, value)) in &want {
+            let Some(seen) = got.get(name) else {
+                wrong.push(format!("{at:?} {name}: missing"));
+                continue;
+            };
+            let (seen_ty, seen_value) = (
+                seen["type"].as_str().unwrap(),
+                seen["value"].as_str().unwrap(),
+            );
+            if seen_ty != ty {
+                wrong.push(format!(
+                    "{at:?} {name}: {seen_ty} {seen_value:?}, meant {ty} {value:?}"
+                ));
+                continue;
+            }
+            let same = if ty == "Timestamp" {
+                seen_value.parse::<jiff::Timestamp>().ok() == value.parse::<jiff::Timestamp>().ok()
+            } else {
+                seen_value == value
+            };
+            if !same {
+                wrong.push(format!("{at:?} {name}: {seen_value:?}, meant {value:?}"));
+            }
+        }
+        added.extend(got.keys().filter(|k| !want.contains_key(*k)).cloned());
+        if event["data"] != data {
+            wrong.push(format!("{at:?} data: {}, meant {data}", event["data"]));
+        }
+    }
+    (wrong, added)
+}
+
+/// One example run over `topic`: the events it printed (with `--print-events`) and its final
+/// state (key → resourceVersion).
+struct Run {
+    events: Vec<Value>,
+    messages: u64,
+    state: BTreeMap<String, String>,
+}
+
+/// Starts `command`, waits for it (2 min at most) and parses what it printed.
+async fn run(what: &str, mut command: Command) -> Run {
+    let output = tokio::task::spawn_blocking(move || {
+        command
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("the example runs")
+    });
+    let output = tokio::time::timeout(Duration::from_secs(120), output)
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not end within 2 min"))
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\n{}\n{stdout}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let mut lines: Vec<Value> = stdout
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{what}: {e}: {l}")))
+        .collect();
+    let last = lines
+        .pop()
+        .unwrap_or_else(|| panic!("{what} printed nothing"));
+    let state = last["state"]
+        .as_object()
+        .unwrap_or_else(|| panic!("{what}: no state in {last}"))
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+        .collect();
+    Run {
+        events: lines,
+        messages: last["messages"].as_u64().unwrap(),
+        state,
+    }
+}
+
+/// The command that runs example `language` over `topic` (a state topic when `state`),
+/// exiting after 3 s without a message.
+fn example(language: &str, brokers: &str, topic: &str, state: bool, events: bool) -> Command {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut c = match language {
+        "go" => {
+            let mut c = Command::new(built_tool(
+                "examples/go/consume-sdk-go",
+                "scripts/build-examples",
+            ));
+            c.args(["-brokers", brokers, "-topic", topic, "-idle-exit", "3s"]);
+            if state {
+                c.arg("-state");
+            }
+            if events {
+                c.arg("-print-events");
+            }
+            return c;
+        }
+        "java" => {
+            let jars: PathBuf = built_tool("examples/java/jars", "scripts/build-examples");
+            let mut c = Command::new("java");
+            c.arg("-cp")
+                .arg(format!("{}/*", jars.display()))
+                .arg(root.join("examples/java/Consume.java"))
+                .args(["--idle-exit", "3000ms"]);
+            if events {
+                c.arg("--print-events");
+            }
+            c
+        }
+        "python" => {
+            let mut c = Command::new("python3");
+            c.arg(root.join("examples/python/consume.py"))
+                .args(["--idle-exit", "3"]);
+            c
+        }
+        "rust" => {
+            let mut c = Command::new(built_tool(
+                "debug/examples/consume",
+                "scripts/build-examples",
+            ));
+            c.args(["--idle-exit", "3"]);
+            c
+        }
+        other => panic!("no example in {other}"),
+    };
+    c.args(["--brokers", brokers, "--topic", topic]);
+    if state {
+        c.arg("--state");
+    }
+    c
+}
+
+/// Every example folds each topic into exactly the API server's objects, and the Go and Java
+/// SDKs read every event of both content modes with the attributes, types and data the bridge
+/// meant (SDK additions such as `partitionkey` allowed).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_servers_objects() {
+    let cluster = Cluster::start().await;
+    cluster.create_namespace(NS).await;
+    let kafka = Kafka::shared();
+    let topics = Topics {
+        binary: "consumers.binary".into(),
+        structured: "consumers.structured".into(),
+        state: "consumers.state".into(),
+    };
+    for t in [&topics.binary, &topics.structured, &topics.state] {
+        kafka.create_topic(t, 3);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = cluster.kubeconfig();
+    let api = configmaps(&cluster).await;
+    // Ten objects before the bridge starts: its first list (`k8sinitial`, a Boolean).
+    create(&api, 0..10, "0").await;
+    let mut replica = bridge(dir.path(), kafka, &topics, &kubeconfig);
+    ready(&replica).await;
+    // Changes it watches: 30 created, 15 updated (5 twice), 10 deleted, 3 of them created again
+    // (new uids under old keys).
+    create(&api, 10..40, "0").await;
+    update(&api, 0..15, "1").await;
+    update(&api, 0..5, "2").await;
+    delete(&api, 20..30).await;
+    create(&api, 20..23, "again").await;
+    let brokers = kafka.brokers();
+    // Published once each topic's fold is the server's (the examples read what is there then).
+    let read = |topic: &str| {
+        let (brokers, topic) = (brokers.clone(), topic.to_owned());
+        async move {
+            tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, true))
+                .await
+                .unwrap()
+        }
+    };
+    // A state topic's value is the object (its attributes travel as headers beside it).
+    let folded = |records: &[Record], state_topic: bool| -> BTreeMap<String, String> {
+        let mut state = BTreeMap::new();
+        for r in records {
+            let (rv, deleted) = match &r.value {
+                None => (String::new(), true),
+                Some(_) if state_topic => (
+                    r.json()["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap()
+                        .to_owned(),
+                    false,
+                ),
+                Some(_) => {
+                    let (attributes, data) = meant(r);
+                    let ty = &attributes["type"].1;
+                    (
+                        data["object"]["metadata"]["resourceVersion"]
+                            .as_str()
+                            .unwrap_or_default()
+                            .to_owned(),
+                        ty.ends_with(".deleted"),
+                    )
+                }
+            };
+            if deleted {
+                state.remove(&r.key);
+            } else {
+                state.insert(r.key.clone(), rv);
+            }
+        }
+        state
+    };
+    let resource = ApiResource::erase::<k8s_openapi::api::core::v1::ConfigMap>(&());
+    let mut records = BTreeMap::new();
+    let mut live = BTreeMap::new();
+    for round in ["live", "restart"] {
+        if round == "restart" {
+            // Stopped, changed while down, started again: its resume sends what changed (`k8sresumed`,
+            // and deletes found by the list, `k8sfinalstateunknown`).
+            replica.terminate();
+            delete(&api, 0..3).await;
+            update(&api, 5..8, "while down").await;
+            replica = bridge(dir.path(), kafka, &topics, &kubeconfig);
+            ready(&replica).await;
+        }
+        live = cluster.objects(&resource, Some(NS)).await;
+        let want: BTreeMap<String, String> = live
+            .iter()
+            .map(|(k, (_, rv))| (k.clone(), rv.clone()))
+            .collect();
+        for topic in [&topics.binary, &topics.structured, &topics.state] {
+            let mut got = Vec::new();
+            wait::until(
+                format!("{topic} folds into the server's objects"),
+                Patience::of(Duration::from_secs(90)).polling(Duration::from_millis(500)),
+                async || {
+                    got = read(topic).await;
+                    folded(&got, topic == &topics.state) == want
+                },
+            )
+            .await;
+            records.insert(topic.clone(), got);
+        }
+    }
+    assert_eq!(live.len(), 30);
+    if replica.log().contains(" ERROR ") {
+        dump(std::slice::from_ref(&replica));
+    }
+
+    // What the stream holds: every type, and each Boolean extension the scenario makes.
+    let mut kinds: BTreeMap<String, usize> = BTreeMap::new();
+    for r in &records[&topics.structured] {
+        let (attributes, _) = meant(r);
+        let ty = &attributes["type"].1;
+        *kinds
+            .entry(ty.rsplit('.').next().unwrap().to_owned())
+            .or_default() += 1;
+        for (name, (ty, _)) in &attributes {
+            if ty == "Boolean" {
+                *kinds.entry(name.clone()).or_default() += 1;
+            }
+        }
+    }
+    println!("the structured topic holds {kinds:?}");
+    for kind in [
+        "added",
+        "updated",
+        "deleted",
+        "k8sinitial",
+        "k8sresumed",
+        "k8sfinalstateunknown",
+    ] {
+        assert!(kinds.contains_key(kind), "no {kind} in {kinds:?}");
+    }
+
+    // The SDKs, both content modes.
+    let mut failures = Vec::new();
+    for language in ["go", "java"] {
+        for topic in [&topics.binary, &topics.structured] {
+            let r = run(
+                &format!("{language} SDK on {topic}"),
+                example(language, &brokers, topic, false, true),
+            )
+            .await;
+            let by_offset: BTreeMap<(i32, i64), Record> = records[topic]
+                .iter()
+                .map(|r| ((r.partition, r.offset), r.clone()))
+                .collect();
+            let (wrong, added) = mismatches(&r.events, &by_offset);
+            println!(
+                "{language} SDK, {topic}: {} events read of {} records, {} attribute or data mismatches, added on its own: {added:?}",
+                r.events.len(),
+                by_offset.len(),
+                wrong.len()
+            );
+            for w in wrong.iter().take(10) {
+                println!("  {w}");
+            }
+            if r.events.len() != by_offset.len() || !wrong.is_empty() {
+                failures.push(format!("{language} SDK on {topic}"));
+            }
+        }
+    }
+
+    // Every example, every topic: the state it ends with.
+    for language in ["go", "java", "python", "rust"] {
+        for topic in [&topics.binary, &topics.structured, &topics.state] {
+            let state = topic == &topics.state;
+            let r = run(
+                &format!("{language} example on {topic}"),
+                example(language, &brokers, topic, state, false),
+            )
+            .await;
+            let seen: BTreeSet<String> = records[topic].iter().map(|r| r.key.clone()).collect();
+            let e = ending(&r.state, &live, &seen);
+            println!(
+                "{language} example, {topic}: {} messages, {} objects; lost deletes {}, phantom deletes {}, stale {}, missing {}",
+                r.messages,
+                r.state.len(),
+                e.lost_deletes.len(),
+                e.phantom_deletes.len(),
+                e.stale.len(),
+                e.missing.len()
+            );
+            if e != Ending::default() {
+                println!("  {e:?}");
+                failures.push(format!("{language} example on {topic}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:?}");
+}
