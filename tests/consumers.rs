@@ -1,9 +1,10 @@
 //! The consumers users already run, against what the bridge wrote to real Kafka from a real
-//! kube-apiserver: the CloudEvents SDKs (Go's sdk-go with its Sarama binding, Java's
-//! cloudevents-kafka `CloudEventDeserializer`) read every message in binary and in structured
+//! kube-apiserver (and to NATS JetStream): the CloudEvents SDKs (Go's sdk-go with its Sarama and
+//! NATS JetStream bindings, Java's cloudevents-kafka `CloudEventDeserializer`) read every message in binary and in structured
 //! mode with each attribute of the type the CloudEvents type system gives it in that mode, and
 //! the data as the bridge meant it; and the examples under `examples/` (Go, Java, Python,
-//! Rust) fold the events topics and a state topic into exactly the API server's objects.
+//! Rust) fold the events topics and a state topic (Go: JetStream streams too) into exactly the
+//! API server's objects.
 //! `scripts/build-examples` builds them (`scripts/test` runs it); a missing one fails here.
 
 mod support;
@@ -36,9 +37,28 @@ struct Topics {
     state: String,
 }
 
-/// The bridge watches ConfigMaps in [`NS`] and writes each change to the three topics.
-fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, kubeconfig: &Path) -> Replica {
+/// The JetStream streams, binary and structured mode, each over subjects of its own.
+const NATS_STREAMS: [(&str, &str); 2] = [
+    ("CONSUMERS_BINARY", "binary"),
+    ("CONSUMERS_STRUCTURED", "structured"),
+];
+
+/// The bridge watches ConfigMaps in [`NS`] and writes each change to the three topics and the
+/// two JetStream streams.
+fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, nats: &str, kubeconfig: &Path) -> Replica {
     let brokers = kafka.brokers();
+    let nats_sink = |stream: &str, encoding: &str| {
+        let prefix = stream.to_lowercase();
+        support::config::nats_sink(
+            &format!("nats-{encoding}"),
+            nats,
+            json!({
+                "encoding": encoding,
+                "subject": format!("{prefix}.{{kind}}.{{namespace}}.{{name}}"),
+                "stream": {"name": stream, "create": true, "subjects": [format!("{prefix}.>")]},
+            }),
+        )
+    };
     let config = ConfigBuilder::new()
         .cluster("consumers")
         .resource(json!({"api_version": "v1", "kind": "ConfigMap", "namespaces": [NS]}))
@@ -70,7 +90,18 @@ fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, kubeconfig: &Path) -> Repl
                 "checkpoint_topic": format!("{}.checkpoints", topics.state),
             }),
         ))
-        .route("configmap", &["binary", "structured", "state"])
+        .sink(nats_sink(NATS_STREAMS[0].0, NATS_STREAMS[0].1))
+        .sink(nats_sink(NATS_STREAMS[1].0, NATS_STREAMS[1].1))
+        .route(
+            "configmap",
+            &[
+                "binary",
+                "structured",
+                "state",
+                "nats-binary",
+                "nats-structured",
+            ],
+        )
         .value();
     Replica::start(dir, "bridge", &config, kubeconfig)
 }
@@ -195,7 +226,10 @@ fn meant(record: &Record) -> (BTreeMap<String, (String, String)>, Value) {
     for (name, value) in &record.headers {
         let name = match name.as_str() {
             "content-type" => "datacontenttype",
-            other => match other.strip_prefix("ce_") {
+            other => match other
+                .strip_prefix("ce_")
+                .or_else(|| other.strip_prefix("ce-"))
+            {
                 Some(n) => n,
                 None => continue,
             },
@@ -305,6 +339,57 @@ async fn run(what: &str, mut command: Command) -> Run {
     }
 }
 
+/// The Go example over JetStream stream `stream`.
+fn go_over_nats(url: &str, stream: &str) -> Command {
+    let mut c = Command::new(built_tool(
+        "examples/go/consume-sdk-go",
+        "scripts/build-examples",
+    ));
+    c.args([
+        "-nats",
+        url,
+        "-stream",
+        stream,
+        "-idle-exit",
+        "3s",
+        "-print-events",
+    ]);
+    c
+}
+
+/// What a JetStream stream holds, as records (partition 0, the stream sequence as offset; the
+/// key is the event's subject attribute, `namespace/name`).
+async fn nats_records(url: &str, stream: &str) -> Vec<Record> {
+    support::nats::read_stream(url, stream)
+        .await
+        .into_iter()
+        .map(|m| {
+            let headers: Vec<(String, String)> = m
+                .headers
+                .iter()
+                .flat_map(|(name, values)| {
+                    values
+                        .iter()
+                        .map(|v| (name.to_string(), v.as_str().to_owned()))
+                        .collect::<Vec<_>>()
+                })
+                .collect();
+            let mut r = Record {
+                partition: 0,
+                offset: m.sequence as i64,
+                key: String::new(),
+                value: Some(m.payload.to_vec()),
+                headers,
+            };
+            r.key = match r.header("ce-subject") {
+                Some(subject) => subject.to_owned(),
+                None => r.json()["subject"].as_str().unwrap_or_default().to_owned(),
+            };
+            r
+        })
+        .collect()
+}
+
 /// The command that runs example `language` over `topic` (a state topic when `state`),
 /// exiting after 3 s without a message.
 fn example(language: &str, brokers: &str, topic: &str, state: bool, events: bool) -> Command {
@@ -375,12 +460,13 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
     for t in [&topics.binary, &topics.structured, &topics.state] {
         kafka.create_topic(t, 3);
     }
+    let nats = support::nats::NatsServer::start();
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = cluster.kubeconfig();
     let api = configmaps(&cluster).await;
     // Ten objects before the bridge starts: its first list (`k8sinitial`, a Boolean).
     create(&api, 0..10, "0").await;
-    let mut replica = bridge(dir.path(), kafka, &topics, &kubeconfig);
+    let mut replica = bridge(dir.path(), kafka, &topics, &nats.url(), &kubeconfig);
     ready(&replica).await;
     // Changes it watches: 30 created, 15 updated (5 twice), 10 deleted, 3 of them created again
     // (new uids under old keys).
@@ -442,7 +528,7 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
             replica.terminate();
             delete(&api, 0..3).await;
             update(&api, 5..8, "while down").await;
-            replica = bridge(dir.path(), kafka, &topics, &kubeconfig);
+            replica = bridge(dir.path(), kafka, &topics, &nats.url(), &kubeconfig);
             ready(&replica).await;
         }
         live = cluster.objects(&resource, Some(NS)).await;
@@ -462,6 +548,19 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
             )
             .await;
             records.insert(topic.clone(), got);
+        }
+        for (stream, _) in NATS_STREAMS {
+            let mut got = Vec::new();
+            wait::until(
+                format!("JetStream stream {stream} folds into the server's objects"),
+                Patience::of(Duration::from_secs(90)).polling(Duration::from_millis(500)),
+                async || {
+                    got = nats_records(&nats.url(), stream).await;
+                    folded(&got, false) == want
+                },
+            )
+            .await;
+            records.insert(stream.to_owned(), got);
         }
     }
     assert_eq!(live.len(), 30);
@@ -495,31 +594,46 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
         assert!(kinds.contains_key(kind), "no {kind} in {kinds:?}");
     }
 
-    // The SDKs, both content modes.
+    // The SDKs, both content modes: Go and Java over Kafka, Go over JetStream (which also
+    // folds the streams).
     let mut failures = Vec::new();
+    let mut sdk_runs = Vec::new();
     for language in ["go", "java"] {
         for topic in [&topics.binary, &topics.structured] {
-            let r = run(
-                &format!("{language} SDK on {topic}"),
-                example(language, &brokers, topic, false, true),
-            )
-            .await;
-            let by_offset: BTreeMap<(i32, i64), Record> = records[topic]
-                .iter()
-                .map(|r| ((r.partition, r.offset), r.clone()))
-                .collect();
-            let (wrong, added) = mismatches(&r.events, &by_offset);
-            println!(
-                "{language} SDK, {topic}: {} events read of {} records, {} attribute or data mismatches, added on its own: {added:?}",
-                r.events.len(),
-                by_offset.len(),
-                wrong.len()
-            );
-            for w in wrong.iter().take(10) {
-                println!("  {w}");
-            }
-            if r.events.len() != by_offset.len() || !wrong.is_empty() {
-                failures.push(format!("{language} SDK on {topic}"));
+            let what = format!("{language} SDK on Kafka topic {topic}");
+            let r = run(&what, example(language, &brokers, topic, false, true)).await;
+            sdk_runs.push((what, topic.clone(), r));
+        }
+    }
+    for (stream, _) in NATS_STREAMS {
+        let what = format!("go SDK on JetStream stream {stream}");
+        let r = run(&what, go_over_nats(&nats.url(), stream)).await;
+        sdk_runs.push((what, stream.to_owned(), r));
+    }
+    for (what, source, r) in &sdk_runs {
+        let by_offset: BTreeMap<(i32, i64), Record> = records[source]
+            .iter()
+            .map(|r| ((r.partition, r.offset), r.clone()))
+            .collect();
+        let (wrong, added) = mismatches(&r.events, &by_offset);
+        println!(
+            "{what}: {} events read of {} messages, {} attribute or data mismatches, added on its own: {added:?}",
+            r.events.len(),
+            by_offset.len(),
+            wrong.len()
+        );
+        for w in wrong.iter().take(10) {
+            println!("  {w}");
+        }
+        if r.events.len() != by_offset.len() || !wrong.is_empty() {
+            failures.push(what.clone());
+        }
+        if source.starts_with("CONSUMERS_") {
+            let seen: BTreeSet<String> = records[source].iter().map(|r| r.key.clone()).collect();
+            let e = ending(&r.state, &live, &seen);
+            println!("  {what} ends with {} objects: {e:?}", r.state.len());
+            if e != Ending::default() {
+                failures.push(format!("{what}: its fold"));
             }
         }
     }

@@ -1,9 +1,11 @@
-// A consumer of kube-event-bridge's Kafka topics built on the CloudEvents Go SDK
-// (github.com/cloudevents/sdk-go/v2 with its Sarama binding): it reads a topic from the
-// beginning, folds the stream into the current state of every object by message order, and
-// prints that state. Start from here: replace `apply` with what your service does.
+// A consumer of kube-event-bridge's Kafka topics (or NATS JetStream streams) built on the
+// CloudEvents Go SDK (github.com/cloudevents/sdk-go/v2 with its Sarama and NATS JetStream
+// bindings): it reads a topic (or stream) from the beginning, folds the stream into the
+// current state of every object by message order, and prints that state. Start from here:
+// replace `apply` with what your service does.
 //
 //	go run . -brokers localhost:9092 -topic k8s.prod.core.configmaps
+//	go run . -nats nats://localhost:4222 -stream KUBE_EVENTS
 //
 // Events topics are read as CloudEvents (binary or structured mode, as each message's headers
 // say); a state topic (the object as the value, a tombstone for a delete) with -state.
@@ -14,6 +16,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"log"
@@ -24,9 +27,11 @@ import (
 
 	"github.com/IBM/sarama"
 	"github.com/cloudevents/sdk-go/protocol/kafka_sarama/v2"
+	"github.com/cloudevents/sdk-go/protocol/nats_jetstream/v2"
 	"github.com/cloudevents/sdk-go/v2/binding"
 	"github.com/cloudevents/sdk-go/v2/event"
 	"github.com/cloudevents/sdk-go/v2/types"
+	"github.com/nats-io/nats.go"
 )
 
 // The object's state as folded so far, by key (`namespace/name`, or `name`).
@@ -59,12 +64,23 @@ func main() {
 	idle := flag.Duration("idle-exit", 0, "exit once no message came for this long and print the state (0: run until interrupted)")
 	events := flag.Bool("print-events", false, "print each event's attributes (with their CloudEvents types) and data as the SDK read them")
 	stateTopic := flag.Bool("state", false, "the topic is a state topic (mode: state): the object as the value, a tombstone for a delete")
+	natsURL := flag.String("nats", "", "read the JetStream stream -stream on this NATS server instead of Kafka")
+	stream := flag.String("stream", "", "with -nats: the stream (required)")
 	flag.Parse()
-	if *topic == "" {
-		fmt.Fprintln(os.Stderr, "-topic is required")
+	var err error
+	switch {
+	case *natsURL != "" && *stream != "":
+		err = runNATS(*natsURL, *stream, *idle, *events)
+	case *natsURL != "":
+		fmt.Fprintln(os.Stderr, "-stream is required with -nats")
 		os.Exit(2)
+	case *topic == "":
+		fmt.Fprintln(os.Stderr, "-topic (or -nats and -stream) is required")
+		os.Exit(2)
+	default:
+		err = run(strings.Split(*brokers, ","), *topic, *idle, *events, *stateTopic)
 	}
-	if err := run(strings.Split(*brokers, ","), *topic, *idle, *events, *stateTopic); err != nil {
+	if err != nil {
 		log.Fatal(err)
 	}
 }
@@ -135,7 +151,7 @@ func run(brokers []string, topic string, idle time.Duration, events, stateTopic 
 				return fmt.Errorf("partition %d offset %d: invalid CloudEvent: %w", m.Partition, m.Offset, err)
 			}
 			if events {
-				if err := out.Encode(describe(m, ev)); err != nil {
+				if err := out.Encode(describe(m.Partition, m.Offset, ev)); err != nil {
 					return err
 				}
 			}
@@ -143,23 +159,85 @@ func run(brokers []string, topic string, idle time.Duration, events, stateTopic 
 				return err
 			}
 		case <-timeout:
-			versions := map[string]string{}
-			for k, obj := range s {
-				var o struct {
-					Metadata struct {
-						ResourceVersion string `json:"resourceVersion"`
-					} `json:"metadata"`
-				}
-				_ = json.Unmarshal(obj, &o)
-				versions[k] = o.Metadata.ResourceVersion
-			}
-			return out.Encode(map[string]any{"messages": n, "state": versions})
+			return s.print(out, n)
 		}
 	}
 }
 
-// describe: every attribute with its CloudEvents type as the SDK holds it, and the data.
-func describe(m *sarama.ConsumerMessage, ev *event.Event) map[string]any {
+// runNATS: the same over a JetStream stream, from its first message (an ordered consumer of
+// every subject). The key is the event's subject (`namespace/name`).
+func runNATS(url, stream string, idle time.Duration, events bool) error {
+	nc, err := nats.Connect(url)
+	if err != nil {
+		return fmt.Errorf("connecting to %s: %w", url, err)
+	}
+	defer nc.Close()
+	js, err := nc.JetStream()
+	if err != nil {
+		return err
+	}
+	sub, err := js.SubscribeSync(">", nats.BindStream(stream), nats.OrderedConsumer(), nats.DeliverAll())
+	if err != nil {
+		return fmt.Errorf("stream %s: %w", stream, err)
+	}
+	defer sub.Unsubscribe()
+	s := state{}
+	out := json.NewEncoder(os.Stdout)
+	n := 0
+	for {
+		wait := idle
+		if wait == 0 {
+			wait = time.Hour
+		}
+		m, err := sub.NextMsg(wait)
+		if errors.Is(err, nats.ErrTimeout) && idle > 0 {
+			return s.print(out, n)
+		} else if errors.Is(err, nats.ErrTimeout) {
+			continue
+		} else if err != nil {
+			return err
+		}
+		n++
+		meta, err := m.Metadata()
+		if err != nil {
+			return err
+		}
+		ev, err := binding.ToEvent(context.Background(), nats_jetstream.NewMessage(m))
+		if err != nil {
+			return fmt.Errorf("stream sequence %d: not a CloudEvent: %w", meta.Sequence.Stream, err)
+		}
+		if err := ev.Validate(); err != nil {
+			return fmt.Errorf("stream sequence %d: invalid CloudEvent: %w", meta.Sequence.Stream, err)
+		}
+		if events {
+			if err := out.Encode(describe(0, int64(meta.Sequence.Stream), ev)); err != nil {
+				return err
+			}
+		}
+		if err := s.apply(ev.Subject(), ev); err != nil {
+			return err
+		}
+	}
+}
+
+// print writes what the state holds: each key's resourceVersion.
+func (s state) print(out *json.Encoder, messages int) error {
+	versions := map[string]string{}
+	for k, obj := range s {
+		var o struct {
+			Metadata struct {
+				ResourceVersion string `json:"resourceVersion"`
+			} `json:"metadata"`
+		}
+		_ = json.Unmarshal(obj, &o)
+		versions[k] = o.Metadata.ResourceVersion
+	}
+	return out.Encode(map[string]any{"messages": messages, "state": versions})
+}
+
+// describe: every attribute with its CloudEvents type as the SDK holds it, and the data, of
+// the message at `offset` of `partition` (NATS: the stream sequence, partition 0).
+func describe(partition int32, offset int64, ev *event.Event) map[string]any {
 	attributes := map[string]any{}
 	put := func(name string, value any) {
 		t, v := "String", ""
@@ -205,8 +283,8 @@ func describe(m *sarama.ConsumerMessage, ev *event.Event) map[string]any {
 		put(name, value)
 	}
 	return map[string]any{
-		"partition":  m.Partition,
-		"offset":     m.Offset,
+		"partition":  partition,
+		"offset":     offset,
 		"attributes": attributes,
 		"data":       json.RawMessage(ev.Data()),
 	}
