@@ -45,7 +45,15 @@ const NATS_STREAMS: [(&str, &str); 2] = [
 
 /// The bridge watches ConfigMaps in [`NS`] and writes each change to the three topics and the
 /// two JetStream streams.
-fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, nats: &str, kubeconfig: &Path) -> Replica {
+/// `resync`: every object again every 2 s (`synced`).
+fn bridge(
+    dir: &Path,
+    kafka: &Kafka,
+    topics: &Topics,
+    nats: &str,
+    kubeconfig: &Path,
+    resync: bool,
+) -> Replica {
     let brokers = kafka.brokers();
     let nats_sink = |stream: &str, encoding: &str| {
         let prefix = stream.to_lowercase();
@@ -61,7 +69,10 @@ fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, nats: &str, kubeconfig: &P
     };
     let config = ConfigBuilder::new()
         .cluster("consumers")
-        .resource(json!({"api_version": "v1", "kind": "ConfigMap", "namespaces": [NS]}))
+        .resource(json!({
+            "api_version": "v1", "kind": "ConfigMap", "namespaces": [NS],
+            "resync_period": if resync { "2s" } else { "0s" },
+        }))
         .sink(kafka_sink(
             "binary",
             &brokers,
@@ -77,7 +88,9 @@ fn bridge(dir: &Path, kafka: &Kafka, topics: &Topics, nats: &str, kubeconfig: &P
             json!({
                 "topic": topics.structured,
                 "exactly_once": true,
-                "transaction_interval": "200ms",
+                // Long transactions: the SIGKILL below leaves one open (aborted when the
+                // next producer starts), which read_committed consumers must not see.
+                "transaction_interval": "2s",
                 "checkpoint_topic": format!("{}.checkpoints", topics.structured),
             }),
         ))
@@ -240,50 +253,150 @@ fn meant(record: &Record) -> (BTreeMap<String, (String, String)>, Value) {
     (attributes, record.json())
 }
 
-/// How the events an SDK consumer printed differ from what the bridge meant: one line per
-/// mismatch; and the attributes the SDK added on its own (allowed).
+/// The attributes every event of a namespaced object has (docs/src/message-format.md).
+const REQUIRED: [&str; 16] = [
+    "specversion",
+    "id",
+    "source",
+    "type",
+    "subject",
+    "time",
+    "datacontenttype",
+    "k8scluster",
+    "k8sgroup",
+    "k8sversion",
+    "k8skind",
+    "k8sresource",
+    "k8snamespace",
+    "k8sname",
+    "k8suid",
+    "k8sresourceversion",
+];
+
+/// The Boolean extensions: present (true) or absent.
+const FLAGS: [&str; 5] = [
+    "k8sinitial",
+    "k8sfinalstateunknown",
+    "k8sresumed",
+    "k8sfilteredout",
+    "k8struncated",
+];
+
+/// What an SDK may add on its own (the Go SDK's Sarama binding: where the message was read).
+const SDK_ADDITIONS: [&str; 4] = [
+    "partitionkey",
+    "kafkatopic",
+    "kafkapartition",
+    "kafkaoffset",
+];
+
+/// The CloudEvents type of attribute `name` in binary or structured mode, as the message
+/// format documents it, whatever the bridge wrote: in binary mode every extension travels as
+/// a header string, a Boolean one too.
+fn documented_type(name: &str, binary: bool) -> Option<&'static str> {
+    match name {
+        "source" => Some("URI-reference"),
+        "time" => Some("Timestamp"),
+        n if FLAGS.contains(&n) => Some(if binary { "String" } else { "Boolean" }),
+        n if REQUIRED.contains(&n) => Some("String"),
+        _ => None,
+    }
+}
+
+/// How the events an SDK consumer printed differ from what the bridge meant (`records`, by
+/// partition and offset) and from the documented format: one line per mismatch; and the
+/// attributes the SDK added on its own (only [`SDK_ADDITIONS`] are allowed).
 fn mismatches(
     printed: &[Value],
     records: &BTreeMap<(i32, i64), Record>,
 ) -> (Vec<String>, BTreeSet<String>) {
     let mut wrong = Vec::new();
     let mut added = BTreeSet::new();
-    for event in printed {
-        let at = (
-            event["partition"].as_i64().unwrap() as i32,
-            event["offset"].as_i64().unwrap(),
-        );
+    // Every record once, nothing else (an aborted transaction's records are not in `records`).
+    let offsets: Vec<(i32, i64)> = printed
+        .iter()
+        .map(|e| {
+            (
+                e["partition"].as_i64().unwrap() as i32,
+                e["offset"].as_i64().unwrap(),
+            )
+        })
+        .collect();
+    let distinct: BTreeSet<_> = offsets.iter().copied().collect();
+    if distinct.len() != offsets.len() {
+        wrong.push(format!(
+            "{} events read twice",
+            offsets.len() - distinct.len()
+        ));
+    }
+    let unread = records.keys().filter(|k| !distinct.contains(k)).count();
+    if unread > 0 {
+        wrong.push(format!("{unread} records not read"));
+    }
+    for (event, at) in printed.iter().zip(offsets) {
         let Some(record) = records.get(&at) else {
-            wrong.push(format!("{at:?}: no such record"));
+            wrong.push(format!("{at:?}: read, but no committed record there"));
             continue;
         };
+        let binary = record.header("content-type") != Some("application/cloudevents+json");
         let (want, data) = meant(record);
         let got = event["attributes"].as_object().unwrap();
-        for (name, (ty, value)) in &want {
-            let Some(seen) = got.get(name) else {
+        let seen = |name: &str| {
+            got.get(name).map(|a| {
+                (
+                    a["type"].as_str().unwrap().to_owned(),
+                    a["value"].as_str().unwrap().to_owned(),
+                )
+            })
+        };
+        // The documented format: every required attribute, each attribute's type.
+        for name in REQUIRED {
+            if seen(name).is_none() {
                 wrong.push(format!("{at:?} {name}: missing"));
+            }
+        }
+        for name in got.keys() {
+            let (ty, value) = seen(name).unwrap();
+            match documented_type(name, binary) {
+                Some(documented) if documented != ty => wrong.push(format!(
+                    "{at:?} {name}: {ty} {value:?}, documented {documented}"
+                )),
+                Some(_) => {}
+                None if SDK_ADDITIONS.contains(&name.as_str()) => {
+                    added.insert(name.clone());
+                }
+                None => wrong.push(format!("{at:?} {name}: {ty} {value:?}, not ours")),
+            }
+            if FLAGS.contains(&name.as_str()) && value != "true" {
+                wrong.push(format!(
+                    "{at:?} {name}: {value:?} (a flag is true or absent)"
+                ));
+            }
+        }
+        for (name, documented) in [
+            ("specversion", "1.0"),
+            ("datacontenttype", "application/json"),
+        ] {
+            if seen(name).is_some_and(|(_, v)| v != documented) {
+                wrong.push(format!("{at:?} {name}: not {documented}"));
+            }
+        }
+        // What the bridge wrote: each attribute's value, and the data.
+        for (name, (_, value)) in &want {
+            let Some((ty, seen_value)) = seen(name) else {
+                wrong.push(format!("{at:?} {name}: written, not read"));
                 continue;
             };
-            let (seen_ty, seen_value) = (
-                seen["type"].as_str().unwrap(),
-                seen["value"].as_str().unwrap(),
-            );
-            if seen_ty != ty {
-                wrong.push(format!(
-                    "{at:?} {name}: {seen_ty} {seen_value:?}, meant {ty} {value:?}"
-                ));
-                continue;
-            }
             let same = if ty == "Timestamp" {
-                seen_value.parse::<jiff::Timestamp>().ok() == value.parse::<jiff::Timestamp>().ok()
+                let parsed = |v: &str| v.parse::<jiff::Timestamp>().ok();
+                parsed(&seen_value).is_some() && parsed(&seen_value) == parsed(value)
             } else {
-                seen_value == value
+                &seen_value == value
             };
             if !same {
                 wrong.push(format!("{at:?} {name}: {seen_value:?}, meant {value:?}"));
             }
         }
-        added.extend(got.keys().filter(|k| !want.contains_key(*k)).cloned());
         if event["data"] != data {
             wrong.push(format!("{at:?} data: {}, meant {data}", event["data"]));
         }
@@ -339,12 +452,21 @@ async fn run(what: &str, mut command: Command) -> Run {
     }
 }
 
+/// The Go example's binary.
+fn go_example() -> PathBuf {
+    fresh(
+        built_tool("examples/go/consume-sdk-go", "scripts/build-examples"),
+        &[
+            "examples/go/main.go",
+            "examples/go/go.mod",
+            "examples/go/go.sum",
+        ],
+    )
+}
+
 /// The Go example over JetStream stream `stream`.
 fn go_over_nats(url: &str, stream: &str) -> Command {
-    let mut c = Command::new(built_tool(
-        "examples/go/consume-sdk-go",
-        "scripts/build-examples",
-    ));
+    let mut c = Command::new(go_example());
     c.args([
         "-nats",
         url,
@@ -390,16 +512,27 @@ async fn nats_records(url: &str, stream: &str) -> Vec<Record> {
         .collect()
 }
 
+/// `built` (by `scripts/build-examples`), failing when a file of `sources` changed since.
+fn fresh(built: PathBuf, sources: &[&str]) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).unwrap();
+    for source in sources {
+        assert!(
+            modified(&root.join(source)) <= modified(&built),
+            "{} is older than {source}: run scripts/build-examples",
+            built.display()
+        );
+    }
+    built
+}
+
 /// The command that runs example `language` over `topic` (a state topic when `state`),
 /// exiting after 3 s without a message.
 fn example(language: &str, brokers: &str, topic: &str, state: bool, events: bool) -> Command {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut c = match language {
         "go" => {
-            let mut c = Command::new(built_tool(
-                "examples/go/consume-sdk-go",
-                "scripts/build-examples",
-            ));
+            let mut c = Command::new(go_example());
             c.args(["-brokers", brokers, "-topic", topic, "-idle-exit", "3s"]);
             if state {
                 c.arg("-state");
@@ -415,7 +548,7 @@ fn example(language: &str, brokers: &str, topic: &str, state: bool, events: bool
             c.arg("-cp")
                 .arg(format!("{}/*", jars.display()))
                 .arg(root.join("examples/java/Consume.java"))
-                .args(["--idle-exit", "3000ms"]);
+                .args(["--idle-exit", "3"]);
             if events {
                 c.arg("--print-events");
             }
@@ -428,9 +561,9 @@ fn example(language: &str, brokers: &str, topic: &str, state: bool, events: bool
             c
         }
         "rust" => {
-            let mut c = Command::new(built_tool(
-                "debug/examples/consume",
-                "scripts/build-examples",
+            let mut c = Command::new(fresh(
+                built_tool("debug/examples/consume", "scripts/build-examples"),
+                &["examples/rust/consume.rs"],
             ));
             c.args(["--idle-exit", "3"]);
             c
@@ -466,7 +599,7 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
     let api = configmaps(&cluster).await;
     // Ten objects before the bridge starts: its first list (`k8sinitial`, a Boolean).
     create(&api, 0..10, "0").await;
-    let mut replica = bridge(dir.path(), kafka, &topics, &nats.url(), &kubeconfig);
+    let mut replica = bridge(dir.path(), kafka, &topics, &nats.url(), &kubeconfig, true);
     ready(&replica).await;
     // Changes it watches: 30 created, 15 updated (5 twice), 10 deleted, 3 of them created again
     // (new uids under old keys).
@@ -523,12 +656,14 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
     let mut live = BTreeMap::new();
     for round in ["live", "restart"] {
         if round == "restart" {
-            // Stopped, changed while down, started again: its resume sends what changed (`k8sresumed`,
-            // and deletes found by the list, `k8sfinalstateunknown`).
-            replica.terminate();
+            // SIGKILLed just after a burst (its exactly_once transaction open), changed while
+            // down, started again without resyncs: its resume sends what changed
+            // (`k8sresumed`, and deletes found by the list, `k8sfinalstateunknown`).
+            update(&api, 30..40, "burst").await;
+            replica.signal("KILL");
             delete(&api, 0..3).await;
             update(&api, 5..8, "while down").await;
-            replica = bridge(dir.path(), kafka, &topics, &nats.url(), &kubeconfig);
+            replica = bridge(dir.path(), kafka, &topics, &nats.url(), &kubeconfig, false);
             ready(&replica).await;
         }
         live = cluster.objects(&resource, Some(NS)).await;
@@ -564,6 +699,24 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
         }
     }
     assert_eq!(live.len(), 30);
+    // The killed replica's open transaction was aborted: records a read_uncommitted consumer
+    // would see and a read_committed one must not.
+    let uncommitted = {
+        let (brokers, topic) = (brokers.clone(), topics.structured.clone());
+        tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, false).len())
+            .await
+            .unwrap()
+    };
+    let committed = records[&topics.structured].len();
+    println!(
+        "{}: {committed} records committed, {} aborted",
+        topics.structured,
+        uncommitted - committed
+    );
+    assert!(
+        uncommitted > committed,
+        "no aborted records: {uncommitted} read uncommitted, {committed} committed"
+    );
     if replica.log().contains(" ERROR ") {
         dump(std::slice::from_ref(&replica));
     }
@@ -587,6 +740,7 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
         "added",
         "updated",
         "deleted",
+        "synced",
         "k8sinitial",
         "k8sresumed",
         "k8sfinalstateunknown",
@@ -661,6 +815,15 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
             if e != Ending::default() {
                 println!("  {e:?}");
                 failures.push(format!("{language} example on {topic}"));
+            }
+            // Every committed record, nothing of the aborted transaction.
+            if r.messages != records[topic].len() as u64 {
+                println!(
+                    "  read {} messages of {} committed",
+                    r.messages,
+                    records[topic].len()
+                );
+                failures.push(format!("{language} example on {topic}: its count"));
             }
         }
     }

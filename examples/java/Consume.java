@@ -61,12 +61,12 @@ public class Consume {
             switch (args[i]) {
                 case "--brokers" -> brokers = args[++i];
                 case "--topic" -> topic = args[++i];
-                case "--idle-exit" -> idleExit = Duration.ofMillis(Long.parseLong(args[++i].replace("ms", "")));
+                case "--idle-exit" -> idleExit = Duration.ofMillis((long) (Double.parseDouble(args[++i]) * 1000));
                 case "--print-events" -> printEvents = true;
                 case "--state" -> stateTopic = true;
                 default -> {
                     System.err.println("unknown argument " + args[i]
-                        + " (--brokers B --topic T [--state] [--idle-exit MILLISms] [--print-events])");
+                        + " (--brokers B --topic T [--state] [--idle-exit SECONDS] [--print-events])");
                     System.exit(2);
                 }
             }
@@ -126,10 +126,14 @@ public class Consume {
     static Map<String, Object> describe(ConsumerRecord<String, ?> record, CloudEvent event) throws Exception {
         Map<String, Object> attributes = new TreeMap<>();
         for (String name : event.getAttributeNames()) {
-            attributes.put(name, typed(event.getAttribute(name)));
+            if (event.getAttribute(name) != null) {
+                attributes.put(name, typed(event.getAttribute(name)));
+            }
         }
         for (String name : event.getExtensionNames()) {
-            attributes.put(name, typed(event.getExtension(name)));
+            if (event.getExtension(name) != null) {
+                attributes.put(name, typed(event.getExtension(name)));
+            }
         }
         Map<String, Object> out = new LinkedHashMap<>();
         out.put("partition", record.partition());

@@ -66,7 +66,8 @@ def main():
     consumer = Consumer(
         {
             "bootstrap.servers": args.brokers,
-            # Partitions are assigned, not subscribed: no group coordinates anything.
+            # Partitions are assigned, not subscribed, and nothing is committed: the client
+            # wants a group id all the same.
             "group.id": f"example-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",

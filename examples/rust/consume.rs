@@ -110,7 +110,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &args.brokers)
-        // Partitions are assigned, not subscribed: no group coordinates anything.
+        // Partitions are assigned, not subscribed, and nothing is committed: librdkafka
+        // wants a group id all the same.
         .set("group.id", format!("example-{}", std::process::id()))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")

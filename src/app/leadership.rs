@@ -175,6 +175,17 @@ async fn hand_over(
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
+    // A lapsed cap (sharded: the group's hold unconfirmed for a moment) holds the writes back:
+    // waited out within the limit, while the lease is held.
+    while !fence.is_valid() {
+        if tokio::time::Instant::now() >= deadline || !fence.is_held() {
+            warn!(
+                "Handing a shard on: the lease's fence did not become valid again; the lease expires instead"
+            );
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     for checkpointer in &checkpointers {
         match tokio::time::timeout_at(deadline, checkpointer.flush()).await {
             Ok(Ok(())) => {}

@@ -60,7 +60,7 @@ pub struct Checkpointer {
     writer: std::sync::Once,
     lag: IntGauge,
     failures: IntCounter,
-    // With leader election: records and writes only while it is valid.
+    // With leader election: records while the lease is held, writes while it is valid.
     fence: Option<crate::leader::Fence>,
     // The sink writes the checkpoint records in its transactions (see `in_transactions`).
     transactional: bool,
@@ -226,7 +226,8 @@ impl Checkpointer {
         self.fence.as_ref().is_some_and(|f| !f.is_held())
     }
 
-    /// Whether its lease lapsed (with leader election): it writes nothing then.
+    /// Whether its fence is not valid (with leader election: the lease lapsed, or a sharded
+    /// replica's cap did): it writes nothing then.
     pub fn is_fenced(&self) -> bool {
         self.fenced()
     }
@@ -699,7 +700,7 @@ mod tests {
     /// acknowledgements of what was published before arrive meanwhile: kept, and written once
     /// the cap is extended (dropped, a clean hand-over's last write would leave their intents
     /// for the next owner to send again).
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_lapsed_cap_holds_writes_back_and_keeps_acknowledgements() {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(FileCheckpointStore::beside(&dir.path().join("out.jsonl")));

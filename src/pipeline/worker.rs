@@ -531,9 +531,14 @@ impl Route {
         let Some(c) = &self.checkpointer else {
             return;
         };
+        // A late settlement of an ended term: its record would land among the next term's
+        // (undoing an intent the next term wrote for the same key, say).
+        if !self.queue.is_current(term) {
+            return;
+        }
         if !c.is_transactional() {
             c.record(key, n);
-        } else if !delivered && self.queue.is_current(term) {
+        } else if !delivered {
             let change = super::Checkpointer::change_of(key, n);
             self.delivery.sink.settle_silently(c.route(), change);
         }
