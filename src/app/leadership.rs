@@ -175,19 +175,25 @@ async fn hand_over(
         }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
-    // A lapsed cap (sharded: the group's hold unconfirmed for a moment) holds the writes back:
-    // waited out within the limit, while the lease is held.
-    while !fence.is_valid() {
-        if tokio::time::Instant::now() >= deadline || !fence.is_held() {
-            warn!(
-                "Handing a shard on: the lease's fence did not become valid again; the lease expires instead"
-            );
-            return false;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
     for checkpointer in &checkpointers {
-        match tokio::time::timeout_at(deadline, checkpointer.flush()).await {
+        // A lapsed cap (sharded: the group's hold unconfirmed for a moment) holds the write
+        // back: waited out within the limit, while the lease is held.
+        let flushed = loop {
+            while !fence.is_valid() {
+                if tokio::time::Instant::now() >= deadline || !fence.is_held() {
+                    warn!(
+                        "Handing a shard on: the lease's fence did not become valid again; the lease expires instead"
+                    );
+                    return false;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            match tokio::time::timeout_at(deadline, checkpointer.flush()).await {
+                Ok(Err(crate::pipeline::checkpoint::Error::NotLeading)) if fence.is_held() => {}
+                other => break other,
+            }
+        };
+        match flushed {
             Ok(Ok(())) => {}
             Ok(Err(err)) => {
                 warn!(route = %checkpointer.route(), error = %err, "Handing a shard on: the checkpoint write failed; the lease expires instead");

@@ -522,10 +522,15 @@ impl Resources {
                 .informers
                 .iter()
                 .for_each(|i| i.deactivate_listeners());
-            wired
-                .routes
-                .iter()
-                .for_each(|r| r.route.queue().set_active(false));
+            // New queues start off. Those of routes wired before are off already, or still
+            // drain a hand-over, which switches them off at its end: switching them now would
+            // end their term under the acknowledgements in flight (see `Route::record`).
+            if routes_too {
+                wired
+                    .routes
+                    .iter()
+                    .for_each(|r| r.route.queue().set_active(false));
+            }
         }
         let Some(live) = self.live.as_ref() else {
             return;
