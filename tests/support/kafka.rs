@@ -16,7 +16,6 @@ use rdkafka::{
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
     client::DefaultClientContext,
     consumer::{BaseConsumer, Consumer},
-    message::{Headers, OwnedMessage},
 };
 
 /// The cluster id every test node is formatted with (22 characters of base64: 16 bytes). A
@@ -503,27 +502,15 @@ pub struct Record {
 }
 
 impl Record {
-    /// The record a consumer read.
-    pub fn of(m: &impl rdkafka::Message) -> Self {
-        let headers = m
-            .headers()
-            .map(|h| {
-                h.iter()
-                    .map(|h| {
-                        (
-                            h.key.to_owned(),
-                            String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+    /// The record a consumer read, as the crate's reader takes it.
+    pub fn of(m: &rdkafka::message::BorrowedMessage<'_>) -> Self {
+        let r = kube_event_bridge::sinks::kafka::reader::Record::from(m);
         Self {
-            partition: m.partition(),
-            offset: m.offset(),
-            key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
-            value: m.payload().map(<[u8]>::to_vec),
-            headers,
+            partition: r.partition,
+            offset: r.offset,
+            key: String::from_utf8_lossy(&r.key).into_owned(),
+            value: r.value,
+            headers: r.headers,
         }
     }
 
@@ -591,8 +578,7 @@ pub fn consume_until(
             out.len()
         );
         if let Some(result) = consumer.poll(Duration::from_millis(200)) {
-            let m: OwnedMessage = result.expect("consume").detach();
-            out.push(Record::of(&m));
+            out.push(Record::of(&result.expect("consume")));
         }
     }
     out
