@@ -6,7 +6,8 @@
 use kube_event_bridge::config::Config;
 use serde_json::{Value, json};
 
-/// Where each config struct sits in the YAML document.
+/// Where each config struct sits in the YAML document; a struct used in several sections (or
+/// flattened into one) is listed once per section.
 const SECTIONS: &[(&str, &str)] = &[
     ("Config", ""),
     ("KubernetesConfig", "kubernetes."),
@@ -24,10 +25,11 @@ const SECTIONS: &[(&str, &str)] = &[
     ("RouteConfig", "routes[]."),
     ("NatsSinkConfig", "sinks[].nats."),
     ("NatsAuthConfig", "sinks[].nats.auth."),
-    ("NatsTlsConfig", "sinks[].nats.tls."),
+    ("TlsFiles", "sinks[].nats.tls."),
     ("NatsStreamConfig", "sinks[].nats.stream."),
     ("KafkaSinkConfig", "sinks[].kafka."),
     ("KafkaTlsConfig", "sinks[].kafka.tls."),
+    ("TlsFiles", "sinks[].kafka.tls."),
     ("KafkaSaslConfig", "sinks[].kafka.sasl."),
     ("KafkaTopicsConfig", "sinks[].kafka.create_topics."),
     ("SecretRef", "(secret)."),
@@ -44,6 +46,7 @@ const SOURCES: &[&str] = &[
     include_str!("../src/shard.rs"),
     include_str!("../src/message/mod.rs"),
     include_str!("../src/sinks/secret.rs"),
+    include_str!("../src/sinks/tls.rs"),
     include_str!("../src/sinks/stdout/config.rs"),
     include_str!("../src/sinks/nats/config.rs"),
     include_str!("../src/sinks/kafka/config.rs"),
@@ -116,23 +119,28 @@ fn fields() -> Vec<(String, String, String)> {
     let (kafka_effective, kafka_sections_effective) =
         (effective_of(&kafka), effective_of(&kafka_sections));
     let mut out = Vec::new();
-    let mut prefix: Option<&str> = None;
+    let mut prefixes: Vec<&str> = Vec::new();
     let mut doc: Vec<String> = Vec::new();
     let mut rename: Option<String> = None;
+    let mut flattened = false;
     let mut seen_structs = Vec::new();
     for line in src.lines().map(str::trim) {
         if let Some(name) = line
             .strip_prefix("pub struct ")
             .and_then(|l| l.strip_suffix(" {"))
         {
-            prefix = SECTIONS.iter().find(|(s, _)| *s == name).map(|(_, p)| *p);
+            prefixes = SECTIONS
+                .iter()
+                .filter(|(s, _)| *s == name)
+                .map(|(_, p)| *p)
+                .collect();
             if line.starts_with("pub struct")
                 && src.contains(&format!(
                     "#[serde(deny_unknown_fields)]\npub struct {name} {{"
                 ))
             {
                 assert!(
-                    prefix.is_some(),
+                    !prefixes.is_empty(),
                     "config struct {name} is missing from SECTIONS in this test"
                 );
                 seen_structs.push(name.to_owned());
@@ -141,11 +149,16 @@ fn fields() -> Vec<(String, String, String)> {
             continue;
         }
         if line == "}" {
-            prefix = None;
+            prefixes.clear();
         }
-        let Some(prefix) = prefix else { continue };
+        if prefixes.is_empty() {
+            continue;
+        }
         if let Some(d) = line.strip_prefix("///") {
             doc.push(d.trim().to_owned());
+        } else if line == "#[serde(flatten)]" {
+            // The flattened struct's fields are listed under this section (see SECTIONS).
+            flattened = true;
         } else if let Some(r) = line
             .strip_prefix("#[serde(rename = \"")
             .and_then(|r| r.split('"').next())
@@ -153,46 +166,55 @@ fn fields() -> Vec<(String, String, String)> {
             rename = Some(r.to_owned());
         } else if let Some(field) = line.strip_prefix("pub ").and_then(|l| l.split(':').next()) {
             let name = rename.take().unwrap_or_else(|| field.to_owned());
-            let path = format!("{prefix}{name}");
-            // A field of an optional section is described as if the section were present.
-            let in_optional_section = path.matches('.').count() > 1;
-            let kafka_section = [
-                "sinks[].kafka.sasl.",
-                "sinks[].kafka.tls.",
-                "sinks[].kafka.create_topics.",
-            ];
-            let (input, effective) = if kafka_section.iter().any(|p| path.starts_with(p)) {
-                (&kafka_sections, &kafka_sections_effective)
-            } else if path.starts_with("sinks[].kafka.") {
-                (&kafka, &kafka_effective)
-            } else if path.starts_with("sinks[].nats.") {
-                (&nats, &nats_effective)
-            } else if in_optional_section {
-                (&sections, &sections_effective)
-            } else {
-                (&minimal, &minimal_effective)
-            };
-            let default = if path.starts_with("(secret).") {
-                "one of file, env".to_owned()
-            } else if lookup(input, &path).is_some() {
-                "required".to_owned()
-            } else {
-                match lookup(effective, &path) {
-                    None | Some(Value::Null) => "unset".to_owned(),
-                    Some(Value::Object(m)) if m.is_empty() => "`{}`".to_owned(),
-                    Some(Value::Object(_)) => "see below".to_owned(),
-                    Some(v) => format!("`{v}`"),
-                }
-            };
-            out.push((path, doc.join(" "), default));
+            if std::mem::take(&mut flattened) {
+                doc.clear();
+                continue;
+            }
+            for prefix in &prefixes {
+                let path = format!("{prefix}{name}");
+                // A field of an optional section is described as if the section were present.
+                let in_optional_section = path.matches('.').count() > 1;
+                let kafka_section = [
+                    "sinks[].kafka.sasl.",
+                    "sinks[].kafka.tls.",
+                    "sinks[].kafka.create_topics.",
+                ];
+                let (input, effective) = if kafka_section.iter().any(|p| path.starts_with(p)) {
+                    (&kafka_sections, &kafka_sections_effective)
+                } else if path.starts_with("sinks[].kafka.") {
+                    (&kafka, &kafka_effective)
+                } else if path.starts_with("sinks[].nats.") {
+                    (&nats, &nats_effective)
+                } else if in_optional_section {
+                    (&sections, &sections_effective)
+                } else {
+                    (&minimal, &minimal_effective)
+                };
+                let default = if path.starts_with("(secret).") {
+                    "one of file, env".to_owned()
+                } else if lookup(input, &path).is_some() {
+                    "required".to_owned()
+                } else {
+                    match lookup(effective, &path) {
+                        None | Some(Value::Null) => "unset".to_owned(),
+                        Some(Value::Object(m)) if m.is_empty() => "`{}`".to_owned(),
+                        Some(Value::Object(_)) => "see below".to_owned(),
+                        Some(v) => format!("`{v}`"),
+                    }
+                };
+                out.push((path, doc.join(" "), default));
+            }
             doc.clear();
         } else if !line.starts_with("#[") {
             doc.clear();
         }
     }
+    let mut sections: Vec<&str> = SECTIONS.iter().map(|(s, _)| *s).collect();
+    sections.sort_unstable();
+    sections.dedup();
     assert_eq!(
         seen_structs.len(),
-        SECTIONS.len(),
+        sections.len(),
         "every section maps to a struct: {seen_structs:?}"
     );
     out

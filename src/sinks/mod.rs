@@ -7,6 +7,7 @@ pub mod nats;
 pub mod secret;
 pub mod stdout;
 pub mod template;
+pub mod tls;
 
 pub use checkpoint::CheckpointStore;
 pub use secret::SecretRef;

@@ -270,10 +270,10 @@ pub fn client_config(
     };
     c.set("security.protocol", protocol);
     if let Some(tls) = &cfg.tls {
-        if let Some(ca) = &tls.ca_file {
+        if let Some(ca) = &tls.files.ca_file {
             c.set("ssl.ca.location", ca.display().to_string());
         }
-        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+        if let Some((cert, key)) = tls.files.client_pair() {
             c.set("ssl.certificate.location", cert.display().to_string());
             c.set("ssl.key.location", key.display().to_string());
         }

@@ -1,6 +1,6 @@
 //! Settings of a `kafka` sink.
 
-use std::{collections::BTreeMap, path::PathBuf, time::Duration};
+use std::{collections::BTreeMap, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
@@ -9,6 +9,7 @@ use crate::{
     sinks::{
         SecretRef,
         template::{Field, Template},
+        tls::TlsFiles,
     },
 };
 
@@ -155,15 +156,9 @@ impl Compression {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaTlsConfig {
-    /// PEM file of the CA that signed the brokers' certificates; unset means the system roots.
-    #[serde(default)]
-    pub ca_file: Option<PathBuf>,
-    /// PEM client certificate, for mutual TLS (with `key_file`).
-    #[serde(default)]
-    pub cert_file: Option<PathBuf>,
-    /// PEM private key of `cert_file`.
-    #[serde(default)]
-    pub key_file: Option<PathBuf>,
+    /// The certificate files (`ca_file`, `cert_file`, `key_file`), as every sink has them.
+    #[serde(flatten)]
+    pub files: TlsFiles,
     /// Password of an encrypted `key_file`.
     #[serde(default)]
     pub key_password: Option<SecretRef>,
@@ -461,8 +456,8 @@ impl KafkaSinkConfig {
             }
         }
         if let Some(tls) = &self.tls {
-            if tls.cert_file.is_some() != tls.key_file.is_some() {
-                err("tls", "cert_file and key_file go together".into());
+            if let Some(reason) = tls.files.problem() {
+                err("tls", reason);
             }
             if let Some(reason) = tls.key_password.as_ref().and_then(SecretRef::problem) {
                 err("tls.key_password", reason);
@@ -538,6 +533,24 @@ mod tests {
 
     fn paths(errors: Vec<(String, String)>) -> Vec<String> {
         errors.into_iter().map(|(p, _)| p).collect()
+    }
+
+    #[test]
+    fn tls_takes_the_shared_files_and_its_key_password_and_refuses_anything_else() {
+        let tls: KafkaTlsConfig = serde_json::from_value(serde_json::json!({
+            "ca_file": "/ca.pem", "cert_file": "/c.pem", "key_file": "/k.pem",
+            "key_password": {"env": "KEY_PASSWORD"}}))
+        .unwrap();
+        assert_eq!(
+            tls.files.client_pair().map(|(c, _)| c.as_path()),
+            Some("/c.pem".as_ref())
+        );
+        assert!(tls.key_password.is_some());
+        let err = serde_json::from_value::<KafkaTlsConfig>(
+            serde_json::json!({"ca_file": "/ca.pem", "cert": "/c.pem"}),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown field `cert`"), "{err}");
     }
 
     #[test]

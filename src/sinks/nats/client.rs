@@ -261,7 +261,7 @@ async fn options(
         if let Some(ca) = &tls.ca_file {
             options = options.add_root_certificates(ca.clone());
         }
-        if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+        if let Some((cert, key)) = tls.client_pair() {
             options = options.add_client_certificate(cert.clone(), key.clone());
         }
     }

@@ -4,7 +4,10 @@ use std::{path::PathBuf, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
-use crate::{message::Encoding, sinks::SecretRef};
+use crate::{
+    message::Encoding,
+    sinks::{SecretRef, tls::TlsFiles},
+};
 
 /// Settings of a `nats` sink.
 #[derive(Debug, Clone, Serialize, Deserialize, schemars::JsonSchema)]
@@ -42,7 +45,7 @@ pub struct NatsSinkConfig {
     pub auth: NatsAuthConfig,
     /// TLS settings; a `tls://` server URL or this section turns TLS on.
     #[serde(default)]
-    pub tls: Option<NatsTlsConfig>,
+    pub tls: Option<TlsFiles>,
     /// The JetStream stream the subjects belong to (required in `jetstream` mode).
     #[serde(default)]
     pub stream: Option<NatsStreamConfig>,
@@ -85,21 +88,6 @@ pub struct NatsAuthConfig {
     /// A `.creds` file (JWT and NKey seed).
     #[serde(default)]
     pub credentials_file: Option<PathBuf>,
-}
-
-/// TLS towards the NATS servers.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct NatsTlsConfig {
-    /// PEM file of the CA that signed the servers' certificates; unset means the system roots.
-    #[serde(default)]
-    pub ca_file: Option<PathBuf>,
-    /// PEM client certificate, for mutual TLS (with `key_file`).
-    #[serde(default)]
-    pub cert_file: Option<PathBuf>,
-    /// PEM private key of `cert_file`.
-    #[serde(default)]
-    pub key_file: Option<PathBuf>,
 }
 
 /// The JetStream stream a sink publishes into.
@@ -322,10 +310,8 @@ impl NatsSinkConfig {
                 err(name, reason);
             }
         }
-        if let Some(tls) = &self.tls
-            && tls.cert_file.is_some() != tls.key_file.is_some()
-        {
-            err("tls", "cert_file and key_file go together".into());
+        if let Some(reason) = self.tls.as_ref().and_then(TlsFiles::problem) {
+            err("tls", reason);
         }
         errors
     }

@@ -9,7 +9,7 @@ mod sink;
 pub use checkpoint::{NatsCheckpointStore, READ_STALL};
 pub use client::connect_client;
 pub use config::{
-    NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, NatsTlsConfig, StreamRetention,
-    StreamStorage, scrub_url_credentials,
+    NatsAuthConfig, NatsMode, NatsSinkConfig, NatsStreamConfig, StreamRetention, StreamStorage,
+    scrub_url_credentials,
 };
 pub use sink::NatsSink;
