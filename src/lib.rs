@@ -27,7 +27,7 @@
 //! message/          mod.rs (envelope, Encoder, MessageConfig), trim.rs, transform.rs,
 //!                   patch.rs (diff: patch on the JSON text)
 //! sinks/            Sink and its errors; checkpoint.rs (the store contract), secret.rs,
-//!                   template.rs; stdout/, kafka/, nats/, each with the same rooms: config.rs
+//!                   template.rs, tls.rs (the TLS files every broker sink reads); stdout/, kafka/, nats/, each with the same rooms: config.rs
 //!                   (settings), sink.rs (the Sink), checkpoint.rs (the store), and for the
 //!                   brokers client.rs (connections, producers) and error.rs (what the
 //!                   client's errors mean); kafka/ also record.rs (the checkpoint record),
@@ -45,9 +45,11 @@
 //! convert/          configs from other exporters: mod.rs (notes, secrets, YAML out), otel.rs
 //!                   (OpenTelemetry k8sobjects), event_exporter.rs (kubernetes-event-exporter)
 //! selection.rs      which kinds each configured resource selects, by discovery
-//! app/              mod.rs (build, run, layered shutdown), error.rs, sinks.rs (opening
-//!                   sinks and stores), resources.rs (wiring), checkpoints.rs (loading them,
-//!                   waiting routes), discovery.rs, leadership.rs, health.rs
+//! app/              mod.rs (App: build, then run), build.rs (resolving kinds, one part per
+//!                   shard, electors, membership), start.rs (what runs), shutdown.rs (the
+//!                   layers), error.rs, sinks.rs (opening sinks and stores), resources.rs
+//!                   (wiring), checkpoints.rs (loading them, waiting routes), discovery.rs,
+//!                   leadership.rs, health.rs
 //! consumer/         tools for consumers: state.rs, tail.rs; event.rs (reading messages back),
 //!                   progress.rs
 //! ```

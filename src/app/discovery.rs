@@ -458,224 +458,321 @@ pub(super) async fn refresh(
     resources: &mut Resources,
     answers: &Answers,
 ) -> Option<tokio::time::Instant> {
-    let config = &wiring.config;
-    let metrics = &wiring.metrics;
-    let grace = config.kubernetes.discovery_grace;
     let mut recheck: Option<tokio::time::Instant> = None;
-    for (index, r) in config.resources.iter().enumerate() {
-        let name = r.effective_name();
-        let mut version_gone = None;
-        let (want, unanswered, not_served) = match answers[index].clone() {
-            Ok(selection) => (
-                selection
-                    .kinds
-                    .into_iter()
-                    .map(|k| (k.api_resource, k.namespaced))
-                    .collect::<Vec<_>>(),
-                selection.unanswered,
-                None,
-            ),
-            Err((true, not_served)) => (Vec::new(), Vec::new(), Some(not_served)),
-            Err((false, err)) => {
-                // One answer for every shard: said once.
-                if wiring.shard.index == 0 {
-                    warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
-                }
-                // Gone must be answered without a break.
-                let wired = &resources.wired;
-                resources.gone_since.retain(|&i, _| wired[i].index != index);
-                continue;
-            }
-        };
-        let wired: Vec<(usize, &ApiResource, bool)> = resources
-            .wired
-            .iter()
-            .map(|w| (w.index, &w.api_resource, !w.informers.is_empty()))
-            .collect();
-        let Plan { start, stop } = plan(index, &want, &wired);
-        // Kinds served (again) are not going.
-        for (i, w) in resources.wired.iter().enumerate() {
-            if w.index == index && want.iter().any(|(a, _)| same_kind(a, &w.api_resource)) {
-                resources.gone_since.remove(&i);
-            }
-        }
-        // Kinds gone before a resume of theirs began (this replica took the lease or the
-        // shard over after its informers stopped), still not served as discovery answers
-        // now: no informer of theirs will sync, and their checkpointed objects went with
-        // them.
-        if resources.leading {
-            for w in resources.wired.iter().filter(|w| {
-                w.index == index
-                    && w.gone
-                    && !unanswered.contains(&w.api_resource.group)
-                    && !want.iter().any(|(a, _)| same_kind(a, &w.api_resource))
-                    && w.routes
-                        .iter()
-                        .any(|r| r.resume.as_ref().is_some_and(|r| r.resumer.is_resuming()))
-            }) {
-                // Deleting is for good: asked again now, under the lock (the pass's answer
-                // may predate a CRD created again).
-                match served_at(&wiring.client, &w.api_resource).await {
-                    Ok(versions) if versions.is_empty() => {}
-                    _ => continue,
-                }
-                // No informer of the kind ran here (or it stopped before this term's resume
-                // began): its objects are found gone at the version of the Lease this replica
-                // holds (written at its acquisition or a renewal since, so past anything the
-                // last owner published of them), or at a version its informers saw, kept by
-                // the resumer, if they did.
-                let le = &wiring.config.leader_election;
-                let now = if le.enabled {
-                    let lease = if wiring.shard.is_whole() {
-                        le.lease_name.clone()
-                    } else {
-                        format!("{}-shard-{}", le.lease_name, wiring.shard.label())
-                    };
-                    let ns = crate::leader::default_namespace(le);
-                    crate::cluster::lease_resource_version(&wiring.client, &ns, &lease).await
-                } else {
-                    None
-                };
-                for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
-                    if resume.resumer.is_resuming() {
-                        info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");
-                        resume.resumer.kind_gone(now.clone());
-                    }
-                }
-            }
-        }
-        for s in start {
-            let mut switched = None;
-            let (i, new, api_resource) = match s {
-                Start::Again(i) => {
-                    // New informers: a resume still running waits for their initial state.
-                    informers_replaced(&resources.wired[i]);
-                    (i, false, resources.wired[i].api_resource.clone())
-                }
-                Start::Switch(i, api_resource) => {
-                    switched = Some(switch_version(wiring, resources, i, &api_resource).await);
-                    (i, false, api_resource)
-                }
-                Start::New(api_resource, namespaced) => {
-                    match wiring.wire(index, api_resource.clone(), namespaced).await {
-                        Ok(wired) => {
-                            resources.wired.push(wired);
-                            (resources.wired.len() - 1, true, api_resource)
-                        }
-                        Err(err) => {
-                            warn!(resource = %name, error = %err, "Cannot wire a kind now served; retrying at the next refresh");
-                            continue;
-                        }
-                    }
-                }
-            };
-            wiring.add_informers(&mut resources.wired[i]);
-            let mut held = Vec::new();
-            if let Some((base, h)) = switched {
-                held = h;
-                hand_over(&resources.wired[i], base, &mut held, &resources.term).await;
-            }
-            resources.start(i, new, &held).await;
-            info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
-        }
-        let now = tokio::time::Instant::now();
-        for i in stop {
-            let group = &resources.wired[i].api_resource.group;
-            if unanswered.contains(group) {
-                // Its group did not answer: unknown is not gone.
-                resources.gone_since.remove(&i);
-                continue;
-            }
-            let since = *resources.gone_since.entry(i).or_insert(now);
-            if now < since + grace {
-                if since == now {
-                    info!(resource = %kind_name(r, &resources.wired[i].api_resource), ?grace, "Discovery says it is no longer served; stopping it if that lasts");
-                }
-                let at = since + grace;
-                recheck = Some(recheck.map_or(at, |r| r.min(at)));
-                continue;
-            }
-            // A version no longer served, of a kind served at another: its objects live on.
-            let elsewhere = match served_at(&wiring.client, &resources.wired[i].api_resource).await
-            {
-                Ok(versions) => versions,
-                Err(err) => {
-                    warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
-                    resources.gone_since.remove(&i);
-                    continue;
-                }
-            };
-            resources.gone_since.remove(&i);
-            if !elsewhere.is_empty() {
-                stop_informers(wiring, resources, i).await;
-                let wired = &resources.wired[i];
-                let reason = format!(
-                    "{}/{} is no longer served, but the kind is, at {elsewhere:?}: its objects \
-                     live on (nothing is deleted); set api_version to a served version",
-                    wired.api_resource.group, wired.api_resource.version
-                );
-                warn!(resource = %kind_name(r, &wired.api_resource), "{reason}");
-                version_gone = Some(reason);
-                continue;
-            }
-            // Its objects' deletes came from the watch; what is still cached goes as deleted,
-            // to every resource an informer serves (the kind is gone for all of them).
-            let gone = resources.wired[i].informers.clone();
-            gone.iter().for_each(|i| i.mark_gone());
-            futures::future::join_all(gone.iter().map(|i| i.stop())).await;
-            for informer in &gone {
-                wiring.factory.remove(informer);
-            }
-            // Every resource holding one of them watches the same kind: it goes as a whole.
-            let holders: Vec<usize> = (0..resources.wired.len())
-                .filter(|&j| {
-                    resources.wired[j]
-                        .informers
-                        .iter()
-                        .any(|x| gone.iter().any(|g| Arc::ptr_eq(x, g)))
-                })
-                .collect();
-            for j in holders {
-                let rest: Vec<_> = resources.wired[j].informers.clone();
-                rest.iter().for_each(|i| i.mark_gone());
-                futures::future::join_all(rest.iter().map(|i| i.stop())).await;
-                let gone_at = crate::informer::newest_resource_version(
-                    rest.iter().filter_map(|i| i.last_resource_version()),
-                );
-                for informer in &rest {
-                    wiring.factory.remove(informer);
-                }
-                let w = &mut resources.wired[j];
-                w.set_informers(Vec::new());
-                w.gone = true;
-                // Listeners that were off (a resume waiting for a relist) got no deletes.
-                for r in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
-                    r.resumer.kind_gone(gone_at.clone());
-                }
-                if j != i {
-                    resources.gone_since.remove(&j);
-                }
-            }
-            warn!(resource = %kind_name(r, &resources.wired[i].api_resource), "No longer served (its CRD was deleted?): informers stopped");
-        }
-        let active = resources
-            .wired
-            .iter()
-            .any(|w| w.index == index && !w.informers.is_empty());
-        if active {
-            resources.pending.remove(&index);
-            metrics.resource_pending.with_label_values(&[&name]).set(0);
-        } else {
-            let reason = version_gone
-                .or(not_served)
-                .unwrap_or_else(|| "no kind selected".into());
-            resources
-                .pending
-                .insert(index, wiring.pending_reason(index, &reason));
-            metrics.resource_pending.with_label_values(&[&name]).set(1);
+    // One answer per configured resource (see `look_up`).
+    for (index, answer) in answers.iter().enumerate() {
+        if let Some(at) = refresh_resource(wiring, resources, index, answer).await {
+            recheck = Some(recheck.map_or(at, |r| r.min(at)));
         }
     }
     recheck
+}
+
+/// What discovery answered for one configured resource.
+struct Answer {
+    /// The kinds it selects, and whether each is namespaced.
+    want: Vec<(ApiResource, bool)>,
+    /// Groups whose discovery failed: what they would select is unknown, not gone.
+    unanswered: Vec<String>,
+    /// Why nothing is selected, when the resource is not served.
+    not_served: Option<String>,
+}
+
+impl Answer {
+    /// The answer, or `None` when the lookup failed for another reason than "not served".
+    fn of(answer: &Result<crate::selection::Selection, (bool, String)>) -> Option<Self> {
+        match answer.clone() {
+            Ok(selection) => Some(Self {
+                want: selection
+                    .kinds
+                    .into_iter()
+                    .map(|k| (k.api_resource, k.namespaced))
+                    .collect(),
+                unanswered: selection.unanswered,
+                not_served: None,
+            }),
+            Err((true, not_served)) => Some(Self {
+                want: Vec::new(),
+                unanswered: Vec::new(),
+                not_served: Some(not_served),
+            }),
+            Err((false, _)) => None,
+        }
+    }
+
+    fn wants(&self, kind: &ApiResource) -> bool {
+        self.want.iter().any(|(a, _)| same_kind(a, kind))
+    }
+}
+
+/// [`refresh`] for `resources[index]`: applies the [`plan`] of its answer, and keeps its
+/// pending reason. Returns when to look again, if a kind's grace is not over yet.
+async fn refresh_resource(
+    wiring: &Wiring,
+    resources: &mut Resources,
+    index: usize,
+    answer: &Result<crate::selection::Selection, (bool, String)>,
+) -> Option<tokio::time::Instant> {
+    let name = wiring.config.resources[index].effective_name();
+    let Some(answer) = Answer::of(answer) else {
+        // One answer for every shard: said once.
+        if wiring.shard.index == 0
+            && let Err((_, err)) = answer
+        {
+            warn!(resource = %name, error = %err, "Discovery failed; looking again at the next refresh");
+        }
+        // Gone must be answered without a break.
+        let wired = &resources.wired;
+        resources.gone_since.retain(|&i, _| wired[i].index != index);
+        return None;
+    };
+    let wired: Vec<(usize, &ApiResource, bool)> = resources
+        .wired
+        .iter()
+        .map(|w| (w.index, &w.api_resource, !w.informers.is_empty()))
+        .collect();
+    let Plan { start, stop } = plan(index, &answer.want, &wired);
+    // Kinds served (again) are not going.
+    for (i, w) in resources.wired.iter().enumerate() {
+        if w.index == index && answer.wants(&w.api_resource) {
+            resources.gone_since.remove(&i);
+        }
+    }
+    if resources.leading {
+        complete_gone_resumes(wiring, resources, index, &answer).await;
+    }
+    for s in start {
+        start_kind(wiring, resources, index, s).await;
+    }
+    let mut recheck = None;
+    let mut version_gone = None;
+    let now = tokio::time::Instant::now();
+    for i in stop {
+        match stop_kind(wiring, resources, i, &answer, now).await {
+            Stopped::Not { recheck: Some(at) } => {
+                recheck = Some(recheck.map_or(at, |r: tokio::time::Instant| r.min(at)));
+            }
+            Stopped::Not { recheck: None } => {}
+            Stopped::VersionGone(reason) => version_gone = Some(reason),
+            Stopped::Gone => {}
+        }
+    }
+    let active = resources
+        .wired
+        .iter()
+        .any(|w| w.index == index && !w.informers.is_empty());
+    let pending = wiring.metrics.resource_pending.with_label_values(&[&name]);
+    if active {
+        resources.pending.remove(&index);
+        pending.set(0);
+    } else {
+        let reason = version_gone
+            .or(answer.not_served)
+            .unwrap_or_else(|| "no kind selected".into());
+        resources
+            .pending
+            .insert(index, wiring.pending_reason(index, &reason));
+        pending.set(1);
+    }
+    recheck
+}
+
+/// Kinds of `resources[index]` gone before a resume of theirs began (this replica took the
+/// lease or the shard over after its informers stopped), still not served as discovery
+/// answers now: no informer of theirs will sync, and their checkpointed objects went with
+/// them, so their resumes complete with a delete for every checkpointed key.
+async fn complete_gone_resumes(
+    wiring: &Wiring,
+    resources: &Resources,
+    index: usize,
+    answer: &Answer,
+) {
+    for w in resources.wired.iter().filter(|w| {
+        w.index == index
+            && w.gone
+            && !answer.unanswered.contains(&w.api_resource.group)
+            && !answer.wants(&w.api_resource)
+            && w.routes
+                .iter()
+                .any(|r| r.resume.as_ref().is_some_and(|r| r.resumer.is_resuming()))
+    }) {
+        // Deleting is for good: asked again now, under the lock (the pass's answer may
+        // predate a CRD created again).
+        match served_at(&wiring.client, &w.api_resource).await {
+            Ok(versions) if versions.is_empty() => {}
+            _ => continue,
+        }
+        // No informer of the kind ran here (or it stopped before this term's resume began):
+        // its objects are found gone at the version of the Lease this replica holds (written
+        // at its acquisition or a renewal since, so past anything the last owner published
+        // of them), or at a version its informers saw, kept by the resumer, if they did.
+        let le = &wiring.config.leader_election;
+        let now = if le.enabled {
+            let lease = if wiring.shard.is_whole() {
+                le.lease_name.clone()
+            } else {
+                format!("{}-shard-{}", le.lease_name, wiring.shard.label())
+            };
+            let ns = crate::leader::default_namespace(le);
+            crate::cluster::lease_resource_version(&wiring.client, &ns, &lease).await
+        } else {
+            None
+        };
+        for resume in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
+            if resume.resumer.is_resuming() {
+                info!(route = %resume.checkpointer.route(), "Its kind is still not served: every object of its checkpoint is deleted");
+                resume.resumer.kind_gone(now.clone());
+            }
+        }
+    }
+}
+
+/// Starts watching a kind of `resources[index]` as `start` says.
+async fn start_kind(wiring: &Wiring, resources: &mut Resources, index: usize, start: Start) {
+    let r = &wiring.config.resources[index];
+    let mut switched = None;
+    let (i, new, api_resource) = match start {
+        Start::Again(i) => {
+            // New informers: a resume still running waits for their initial state.
+            informers_replaced(&resources.wired[i]);
+            (i, false, resources.wired[i].api_resource.clone())
+        }
+        Start::Switch(i, api_resource) => {
+            switched = Some(switch_version(wiring, resources, i, &api_resource).await);
+            (i, false, api_resource)
+        }
+        Start::New(api_resource, namespaced) => {
+            match wiring.wire(index, api_resource.clone(), namespaced).await {
+                Ok(wired) => {
+                    resources.wired.push(wired);
+                    (resources.wired.len() - 1, true, api_resource)
+                }
+                Err(err) => {
+                    warn!(resource = %r.effective_name(), error = %err, "Cannot wire a kind now served; retrying at the next refresh");
+                    return;
+                }
+            }
+        }
+    };
+    wiring.add_informers(&mut resources.wired[i]);
+    let mut held = Vec::new();
+    if let Some((base, h)) = switched {
+        held = h;
+        hand_over(&resources.wired[i], base, &mut held, &resources.term).await;
+    }
+    resources.start(i, new, &held).await;
+    info!(resource = %kind_name(r, &api_resource), "The API server serves it now; watching (its first list is delivered)");
+}
+
+/// What [`stop_kind`] did.
+enum Stopped {
+    /// Nothing (yet): its group did not answer, discovery failed, or the kind's grace is not
+    /// over (then: when it is).
+    Not {
+        recheck: Option<tokio::time::Instant>,
+    },
+    /// Its version is no longer served but the kind is, at another: its informers stopped
+    /// and nothing was deleted; the reason says so.
+    VersionGone(String),
+    /// The kind is gone: every resource watching it stopped, what they cached went as
+    /// deleted.
+    Gone,
+}
+
+/// Stops watching `resources.wired[i]`, which discovery no longer selects, once that lasted
+/// `kubernetes.discovery_grace`.
+async fn stop_kind(
+    wiring: &Wiring,
+    resources: &mut Resources,
+    i: usize,
+    answer: &Answer,
+    now: tokio::time::Instant,
+) -> Stopped {
+    let grace = wiring.config.kubernetes.discovery_grace;
+    let r = &wiring.config.resources[resources.wired[i].index];
+    if answer
+        .unanswered
+        .contains(&resources.wired[i].api_resource.group)
+    {
+        // Its group did not answer: unknown is not gone.
+        resources.gone_since.remove(&i);
+        return Stopped::Not { recheck: None };
+    }
+    let since = *resources.gone_since.entry(i).or_insert(now);
+    if now < since + grace {
+        if since == now {
+            info!(resource = %kind_name(r, &resources.wired[i].api_resource), ?grace, "Discovery says it is no longer served; stopping it if that lasts");
+        }
+        return Stopped::Not {
+            recheck: Some(since + grace),
+        };
+    }
+    // A version no longer served, of a kind served at another: its objects live on.
+    let elsewhere = match served_at(&wiring.client, &resources.wired[i].api_resource).await {
+        Ok(versions) => versions,
+        Err(err) => {
+            warn!(resource = %r.effective_name(), error = %err, "Discovery failed; looking again at the next refresh");
+            resources.gone_since.remove(&i);
+            return Stopped::Not { recheck: None };
+        }
+    };
+    resources.gone_since.remove(&i);
+    if !elsewhere.is_empty() {
+        stop_informers(wiring, resources, i).await;
+        let wired = &resources.wired[i];
+        let reason = format!(
+            "{}/{} is no longer served, but the kind is, at {elsewhere:?}: its objects \
+             live on (nothing is deleted); set api_version to a served version",
+            wired.api_resource.group, wired.api_resource.version
+        );
+        warn!(resource = %kind_name(r, &wired.api_resource), "{reason}");
+        return Stopped::VersionGone(reason);
+    }
+    kind_gone(wiring, resources, i).await;
+    warn!(resource = %kind_name(r, &resources.wired[i].api_resource), "No longer served (its CRD was deleted?): informers stopped");
+    Stopped::Gone
+}
+
+/// `resources.wired[i]`'s kind is gone. Its objects' deletes came from the watch; what is
+/// still cached goes as deleted, to every resource an informer serves (the kind is gone for
+/// all of them).
+async fn kind_gone(wiring: &Wiring, resources: &mut Resources, i: usize) {
+    let gone = resources.wired[i].informers.clone();
+    gone.iter().for_each(|i| i.mark_gone());
+    futures::future::join_all(gone.iter().map(|i| i.stop())).await;
+    for informer in &gone {
+        wiring.factory.remove(informer);
+    }
+    // Every resource holding one of them watches the same kind: it goes as a whole.
+    let holders: Vec<usize> = (0..resources.wired.len())
+        .filter(|&j| {
+            resources.wired[j]
+                .informers
+                .iter()
+                .any(|x| gone.iter().any(|g| Arc::ptr_eq(x, g)))
+        })
+        .collect();
+    for j in holders {
+        let rest: Vec<_> = resources.wired[j].informers.clone();
+        rest.iter().for_each(|i| i.mark_gone());
+        futures::future::join_all(rest.iter().map(|i| i.stop())).await;
+        let gone_at = crate::informer::newest_resource_version(
+            rest.iter().filter_map(|i| i.last_resource_version()),
+        );
+        for informer in &rest {
+            wiring.factory.remove(informer);
+        }
+        let w = &mut resources.wired[j];
+        w.set_informers(Vec::new());
+        w.gone = true;
+        // Listeners that were off (a resume waiting for a relist) got no deletes.
+        for r in w.routes.iter().filter_map(|r| r.resume.as_ref()) {
+            r.resumer.kind_gone(gone_at.clone());
+        }
+        if j != i {
+            resources.gone_since.remove(&j);
+        }
+    }
 }
 
 /// The versions at which the group of `kind` serves its resource now (none: the kind is

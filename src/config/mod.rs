@@ -328,6 +328,43 @@ impl Config {
             }
             r.validate(&mut p.at(format!("resources[{i}]")));
         }
+        let sink_names = self.validate_sinks(&mut p);
+        if self.leader_election.enabled {
+            let wait = self.takeover_wait();
+            if wait > crate::leader::MAX_TAKEOVER_WAIT {
+                let (_, i, setting) = self.longest_delivery().expect("a wait needs a sink");
+                p.add(
+                    format!("sinks[{i}].{setting}"),
+                    format!(
+                        "with leader election a new leader waits this long, less \
+                         leader_election.lease_duration - renew_deadline, before it publishes \
+                         (the last leader's messages may be delivered until then): {:?}; at most \
+                         {:?} is allowed, shorten it",
+                        wait,
+                        crate::leader::MAX_TAKEOVER_WAIT
+                    ),
+                );
+            }
+        }
+        let routed = self.validate_routes(&mut p, &resource_names, &sink_names);
+        self.validate_overlaps(&mut p);
+        for (i, r) in self.resources.iter().enumerate() {
+            if !routed.contains(r.effective_name().as_str()) {
+                p.add(
+                    format!("resources[{i}]"),
+                    format!("{:?} is not used by any route", r.effective_name()),
+                );
+            }
+        }
+        if p.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Invalid(p.into_vec()))
+        }
+    }
+
+    /// The sinks' names (each given once) and dead letters; returns the names.
+    fn validate_sinks(&self, p: &mut Problems) -> HashSet<&str> {
         if self.sinks.is_empty() {
             p.add("sinks", "at least one sink is required");
         }
@@ -370,23 +407,17 @@ impl Config {
                 }
             }
         }
-        if self.leader_election.enabled {
-            let wait = self.takeover_wait();
-            if wait > crate::leader::MAX_TAKEOVER_WAIT {
-                let (_, i, setting) = self.longest_delivery().expect("a wait needs a sink");
-                p.add(
-                    format!("sinks[{i}].{setting}"),
-                    format!(
-                        "with leader election a new leader waits this long, less \
-                         leader_election.lease_duration - renew_deadline, before it publishes \
-                         (the last leader's messages may be delivered until then): {:?}; at most \
-                         {:?} is allowed, shorten it",
-                        wait,
-                        crate::leader::MAX_TAKEOVER_WAIT
-                    ),
-                );
-            }
-        }
+        sink_names
+    }
+
+    /// Every route names a resource and sinks that exist, each pair once; returns the
+    /// resources routed.
+    fn validate_routes<'a>(
+        &'a self,
+        p: &mut Problems,
+        resource_names: &HashSet<String>,
+        sink_names: &HashSet<&str>,
+    ) -> HashSet<&'a str> {
         if self.routes.is_empty() {
             p.add("routes", "at least one route is required");
         }
@@ -423,9 +454,13 @@ impl Config {
                 }
             }
         }
-        // Two entries that can select the same object and send it to one sink render the same
-        // topic (or subject, or file) and key from two queues with no order between them: a
-        // `k8sfilteredout` delete from one could land after the other's `added`.
+        routed
+    }
+
+    /// Two entries that can select the same object and send it to one sink render the same
+    /// topic (or subject, or file) and key from two queues with no order between them: a
+    /// `k8sfilteredout` delete from one could land after the other's `added`.
+    fn validate_overlaps(&self, p: &mut Problems) {
         let mut seen: Vec<(&str, &str)> = Vec::new();
         for (i, route) in self.routes.iter().enumerate() {
             let Some(r) = self
@@ -468,19 +503,6 @@ impl Config {
                     .iter()
                     .map(|s| (route.resource.as_str(), s.as_str())),
             );
-        }
-        for (i, r) in self.resources.iter().enumerate() {
-            if !routed.contains(r.effective_name().as_str()) {
-                p.add(
-                    format!("resources[{i}]"),
-                    format!("{:?} is not used by any route", r.effective_name()),
-                );
-            }
-        }
-        if p.is_empty() {
-            Ok(())
-        } else {
-            Err(Error::Invalid(p.into_vec()))
         }
     }
 

@@ -130,7 +130,44 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
         }
     }
 
-    // Which exporters each k8sobjects receiver feeds, through the logs pipelines.
+    let feeds = feeds(doc, &receivers, &mut notes);
+    let mut sinks = sinks(doc, &feeds, &mut notes);
+    let mut out = Receivers::default();
+    for (rname, receiver) in &receivers {
+        out.add(rname, receiver, &feeds, &sinks, &mut notes);
+    }
+    if out.need_stdout {
+        sinks.insert(
+            "stdout".into(),
+            json!({ "name": "stdout", "type": "stdout" }),
+        );
+    }
+    if out.resources.is_empty() {
+        return Err(Error::Format(
+            "no k8sobjects receiver lists an object the bridge can watch (objects[].name)".into(),
+        ));
+    }
+    let mut config = json!({
+        "resources": out.resources,
+        "sinks": sinks.into_values().collect::<Vec<_>>(),
+        "routes": out.routes,
+    });
+    if out.leader {
+        config["leader_election"] = json!({ "enabled": true });
+    }
+    Ok(Conversion {
+        config,
+        notes: notes.0,
+    })
+}
+
+/// Which exporters each k8sobjects receiver feeds, through the logs pipelines (and the
+/// connectors between them).
+fn feeds<'a>(
+    doc: &Value,
+    receivers: &BTreeMap<&'a str, &Value>,
+    notes: &mut Notes,
+) -> BTreeMap<&'a str, BTreeSet<String>> {
     let mut feeds: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
     let pipelines = doc.pointer("/service/pipelines").and_then(Value::as_object);
     for (pname, p) in pipelines.into_iter().flatten() {
@@ -180,8 +217,15 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             ));
         }
     }
+    feeds
+}
 
-    // Sinks from the exporters that are fed.
+/// Sinks from the exporters that are fed, by exporter name.
+fn sinks(
+    doc: &Value,
+    feeds: &BTreeMap<&str, BTreeSet<String>>,
+    notes: &mut Notes,
+) -> BTreeMap<String, Value> {
     let exporters = doc.get("exporters").and_then(Value::as_object);
     let mut sinks: BTreeMap<String, Value> = BTreeMap::new();
     let fed: BTreeSet<&String> = feeds.values().flatten().collect();
@@ -192,23 +236,43 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             ));
             continue;
         };
-        if let Some(sink) = sink(name, exporter, &mut notes) {
+        if let Some(sink) = sink(name, exporter, notes) {
             sinks.insert(name.clone(), sink);
         }
     }
+    sinks
+}
 
-    let mut resources = Vec::new();
-    let mut routes = Vec::new();
-    let mut names = BTreeSet::new();
-    let mut need_stdout = false;
-    let mut leader = false;
-    for (rname, receiver) in &receivers {
+/// The resources and routes made of the receivers' objects so far.
+#[derive(Default)]
+struct Receivers {
+    resources: Vec<Value>,
+    routes: Vec<Value>,
+    /// Resource names taken.
+    names: BTreeSet<String>,
+    /// A receiver feeds no exporter the bridge has: its objects go to standard output.
+    need_stdout: bool,
+    /// A receiver used the Collector's leader elector.
+    leader: bool,
+}
+
+impl Receivers {
+    /// The resources and routes of receiver `rname`: one per object it lists, routed to the
+    /// sinks it feeds.
+    fn add(
+        &mut self,
+        rname: &str,
+        receiver: &Value,
+        feeds: &BTreeMap<&str, BTreeSet<String>>,
+        sinks: &BTreeMap<String, Value>,
+        notes: &mut Notes,
+    ) {
         let path = format!("receivers.{rname}");
         unused(
             receiver,
             &["objects", "auth_type", "k8s_leader_elector", "error_mode"],
             &path,
-            &mut notes,
+            notes,
         );
         match text(receiver, "auth_type").as_deref() {
             None | Some("serviceAccount") | Some("kubeConfig") => {}
@@ -218,7 +282,7 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             )),
         }
         if text(receiver, "k8s_leader_elector").is_some() {
-            leader = true;
+            self.leader = true;
             notes.add(format!(
                 "{path}.k8s_leader_elector: replaced by leader_election (a Lease of the \
                  bridge's own; see the Scaling and leader election chapter)"
@@ -234,7 +298,7 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             })
             .unwrap_or_default();
         let targets = if targets.is_empty() {
-            need_stdout = true;
+            self.need_stdout = true;
             notes.add(format!(
                 "{path}: no logs pipeline takes it to an exporter the bridge has (kafka, \
                  debug, logging, file); its objects go to standard output"
@@ -257,7 +321,7 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             .unwrap_or_default();
         for (i, object) in objects.iter().enumerate() {
             let opath = format!("{path}.objects[{i}]");
-            let Some(resource) = resource(object, &opath, &mut notes) else {
+            let Some(resource) = resource(object, &opath, notes) else {
                 continue;
             };
             let base = format!(
@@ -266,39 +330,17 @@ pub(crate) fn convert(doc: &Value) -> Result<Conversion> {
             );
             let mut name = base.clone();
             let mut n = 2;
-            while !names.insert(name.clone()) {
+            while !self.names.insert(name.clone()) {
                 name = format!("{base}-{n}");
                 n += 1;
             }
             let mut resource = resource;
             resource["name"] = json!(name);
-            resources.push(resource);
-            routes.push(json!({ "resource": name, "sinks": targets }));
+            self.resources.push(resource);
+            self.routes
+                .push(json!({ "resource": name, "sinks": targets }));
         }
     }
-    if need_stdout {
-        sinks.insert(
-            "stdout".into(),
-            json!({ "name": "stdout", "type": "stdout" }),
-        );
-    }
-    if resources.is_empty() {
-        return Err(Error::Format(
-            "no k8sobjects receiver lists an object the bridge can watch (objects[].name)".into(),
-        ));
-    }
-    let mut config = json!({
-        "resources": resources,
-        "sinks": sinks.into_values().collect::<Vec<_>>(),
-        "routes": routes,
-    });
-    if leader {
-        config["leader_election"] = json!({ "enabled": true });
-    }
-    Ok(Conversion {
-        config,
-        notes: notes.0,
-    })
 }
 
 /// `name` is `kind` or `kind/anything`.
@@ -540,61 +582,14 @@ fn sink(name: &str, exporter: &Value, notes: &mut Notes) -> Option<Value> {
         ));
     }
     if let Some(producer) = exporter.get("producer") {
-        unused(
-            producer,
-            &["compression", "max_message_bytes"],
-            &format!("{path}.producer"),
-            notes,
-        );
-        if let Some(c) = text(producer, "compression") {
-            match compression(&c) {
-                Some(ours) => kafka["compression"] = json!(ours),
-                None => notes.add(format!(
-                    "{path}.producer.compression: {c} is not none, gzip, snappy, lz4 or zstd"
-                )),
-            }
-        }
-        if let Some(m) = text(producer, "max_message_bytes") {
-            properties.insert("message.max.bytes".into(), json!(m));
-        }
+        producer_settings(producer, &path, &mut kafka, &mut properties, notes);
     }
-    let tls = exporter
+    if let Some(tls) = exporter
         .get("tls")
-        .or_else(|| exporter.pointer("/auth/tls"));
-    if let Some(tls) = tls {
-        let tpath = format!("{path}.tls");
-        unused(
-            tls,
-            &[
-                "ca_file",
-                "cert_file",
-                "key_file",
-                "insecure",
-                "insecure_skip_verify",
-            ],
-            &tpath,
-            notes,
-        );
-        if flag(tls, "insecure") {
-            notes.add(format!(
-                "{tpath}.insecure: true (plain text): the bridge connects without TLS when \
-                 `tls` is unset"
-            ));
-        } else {
-            let mut t = serde_json::Map::new();
-            for key in ["ca_file", "cert_file", "key_file"] {
-                if let Some(v) = text(tls, key) {
-                    t.insert(key.into(), json!(v));
-                }
-            }
-            if flag(tls, "insecure_skip_verify") {
-                notes.add(format!(
-                    "{tpath}.insecure_skip_verify: not offered: the bridge always verifies \
-                     the brokers' certificates (set ca_file)"
-                ));
-            }
-            kafka["tls"] = Value::Object(t);
-        }
+        .or_else(|| exporter.pointer("/auth/tls"))
+        && let Some(ours) = kafka_tls(tls, &format!("{path}.tls"), notes)
+    {
+        kafka["tls"] = ours;
     }
     if let Some(sasl) = exporter.pointer("/auth/sasl") {
         let spath = format!("{path}.auth.sasl");
@@ -617,6 +612,71 @@ fn sink(name: &str, exporter: &Value, notes: &mut Notes) -> Option<Value> {
         kafka["properties"] = Value::Object(properties);
     }
     Some(json!({ "name": name, "type": "kafka", "kafka": kafka }))
+}
+
+/// An exporter's `producer` settings as the Kafka sink's (`compression`) and librdkafka
+/// `properties`.
+fn producer_settings(
+    producer: &Value,
+    path: &str,
+    kafka: &mut Value,
+    properties: &mut serde_json::Map<String, Value>,
+    notes: &mut Notes,
+) {
+    unused(
+        producer,
+        &["compression", "max_message_bytes"],
+        &format!("{path}.producer"),
+        notes,
+    );
+    if let Some(c) = text(producer, "compression") {
+        match compression(&c) {
+            Some(ours) => kafka["compression"] = json!(ours),
+            None => notes.add(format!(
+                "{path}.producer.compression: {c} is not none, gzip, snappy, lz4 or zstd"
+            )),
+        }
+    }
+    if let Some(m) = text(producer, "max_message_bytes") {
+        properties.insert("message.max.bytes".into(), json!(m));
+    }
+}
+
+/// An exporter's `tls` settings as the Kafka sink's, or `None` for plain text.
+fn kafka_tls(tls: &Value, tpath: &str, notes: &mut Notes) -> Option<Value> {
+    unused(
+        tls,
+        &[
+            "ca_file",
+            "cert_file",
+            "key_file",
+            "insecure",
+            "insecure_skip_verify",
+        ],
+        tpath,
+        notes,
+    );
+    if flag(tls, "insecure") {
+        notes.add(format!(
+            "{tpath}.insecure: true (plain text): the bridge connects without TLS when \
+             `tls` is unset"
+        ));
+        None
+    } else {
+        let mut t = serde_json::Map::new();
+        for key in ["ca_file", "cert_file", "key_file"] {
+            if let Some(v) = text(tls, key) {
+                t.insert(key.into(), json!(v));
+            }
+        }
+        if flag(tls, "insecure_skip_verify") {
+            notes.add(format!(
+                "{tpath}.insecure_skip_verify: not offered: the bridge always verifies \
+                 the brokers' certificates (set ca_file)"
+            ));
+        }
+        Some(Value::Object(t))
+    }
 }
 
 #[cfg(test)]

@@ -539,12 +539,16 @@ async fn next_or_relist(
     Some(event)
 }
 
+/// What one step yields (an event to hand on, if any) and the state it leaves.
+type Step = (Option<Result<Event<ObjectRef>, Error>>, State);
+
+/// One step of the list+watch: a relist request first, else the state's own step.
 async fn step(
     api: &Api<DynamicObject>,
     config: &ListWatchConfig,
     state: State,
     relists: &mut Requests,
-) -> (Option<Result<Event<ObjectRef>, Error>>, State) {
+) -> Step {
     if relists.rx.has_changed().unwrap_or(false) {
         relists.rx.borrow_and_update();
         return (None, State::Empty);
@@ -563,54 +567,19 @@ async fn step(
             relists.listed(None);
             (Some(Ok(Event::InitDone)), State::Idle)
         }
-        State::Idle => {
-            tokio::select! {
-                changed = relists.rx.changed(), if relists.rx.has_changed().is_ok() => {
-                    if changed.is_ok() {
-                        relists.rx.borrow_and_update();
-                        return (None, State::Empty);
-                    }
-                }
-                _ = tokio::time::sleep(IDLE_HEARD) => config.activity.touch(),
-            }
-            (None, State::Idle)
-        }
-        State::Empty if config.streaming => {
-            let permit = list_permit(config).await;
-            relists.list_starts();
-            if let Some(filter) = &config.shard {
-                // A watch-list echoes no `shardInfo`: a list of one object tells whether the
-                // server applies the selector (again at each list: API servers change).
-                // Best effort: the mode only tells operators, and a service account may watch
-                // without listing.
-                match probe_page(api, config).await {
-                    Ok(page) => filter.note_mode(page.metadata.shard_info.is_some()),
-                    Err(err) => {
-                        tracing::debug!(shard = %filter.shard, error = %err, "Cannot tell whether the API server applies the shard selector")
-                    }
-                }
-            }
-            match watch(api, config, "", true).await {
-                Ok(stream) => (
-                    Some(Ok(Event::Init)),
-                    State::InitialWatch { stream, permit },
-                ),
-                Err(err) => (Some(Err(Error::WatchStartFailed(err))), State::Empty),
-            }
-        }
+        State::Idle => idle(config, relists).await,
+        State::Empty if config.streaming => start_streaming_list(api, config, relists).await,
         State::Empty => {
             let permit = list_permit(config).await;
             relists.list_starts();
-            (
-                Some(Ok(Event::Init)),
-                State::InitPage {
-                    continue_token: None,
-                    objects: VecDeque::new(),
-                    last_rv: None,
-                    next: None,
-                    permit,
-                },
-            )
+            let page = State::InitPage {
+                continue_token: None,
+                objects: VecDeque::new(),
+                last_rv: None,
+                next: None,
+                permit,
+            };
+            (Some(Ok(Event::Init)), page)
         }
         State::InitPage {
             continue_token,
@@ -620,16 +589,14 @@ async fn step(
             permit,
         } => {
             if let Some(object) = objects.pop_front() {
-                return (
-                    Some(Ok(Event::InitApply(object))),
-                    State::InitPage {
-                        continue_token,
-                        objects,
-                        last_rv,
-                        next,
-                        permit,
-                    },
-                );
+                let page = State::InitPage {
+                    continue_token,
+                    objects,
+                    last_rv,
+                    next,
+                    permit,
+                };
+                return (Some(Ok(Event::InitApply(object))), page);
             }
             if continue_token.is_none()
                 && let Some(rv) = last_rv
@@ -637,88 +604,10 @@ async fn step(
                 relists.listed(Some(&rv));
                 return (Some(Ok(Event::InitDone)), State::InitListed { rv });
             }
-            let first = continue_token.is_none();
-            let page = match next {
-                Some(next) => match next.await {
-                    Ok(page) => page,
-                    Err(failed) if failed.is_panic() => {
-                        std::panic::resume_unwind(failed.into_panic())
-                    }
-                    // Cancelled (the runtime shuts down): the list starts over, if ever.
-                    Err(_) => return (None, State::Empty),
-                },
-                None => list_page(api, config, continue_token).await,
-            };
-            match page {
-                Ok(list) => {
-                    config.activity.touch();
-                    let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
-                    let continue_token = list.metadata.continue_.filter(|s| !s.is_empty());
-                    if last_rv.is_none() && continue_token.is_none() {
-                        return (Some(Err(Error::NoResourceVersion)), State::Empty);
-                    }
-                    // Out-of-shard items were dropped as the page was decoded.
-                    let items = list.items;
-                    if let Some(filter) = &config.shard
-                        && first
-                    {
-                        filter.note_mode(list.metadata.shard_info.is_some());
-                    }
-                    // The next page is fetched and decoded while this one is handed on.
-                    let next = continue_token
-                        .clone()
-                        .map(|token| prefetch(api, config, token));
-                    (
-                        None,
-                        State::InitPage {
-                            continue_token,
-                            objects: items.into(),
-                            last_rv,
-                            next,
-                            permit,
-                        },
-                    )
-                }
-                // An expired continue token included: the list starts over.
-                Err(err) => (Some(Err(Error::InitialListFailed(err))), State::Empty),
-            }
+            next_page(api, config, continue_token, next, permit).await
         }
-        State::InitialWatch { mut stream, permit } => {
-            match next_or_relist(&mut stream, relists, &config.activity).await {
-                None => (None, State::Empty),
-                Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => (
-                    Some(Ok(Event::InitApply(obj))),
-                    State::InitialWatch { stream, permit },
-                ),
-                // The API server never sends these during the initial events.
-                Some(Some(Ok(WatchEvent::Deleted(_)))) => {
-                    (None, State::InitialWatch { stream, permit })
-                }
-                Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
-                    if bm
-                        .metadata
-                        .annotations
-                        .contains_key("k8s.io/initial-events-end")
-                    {
-                        relists.listed(Some(&bm.metadata.resource_version));
-                        (
-                            Some(Ok(Event::InitDone)),
-                            State::Watching {
-                                rv: bm.metadata.resource_version,
-                                stream,
-                            },
-                        )
-                    } else {
-                        (None, State::InitialWatch { stream, permit })
-                    }
-                }
-                // The initial events are a whole or nothing: any error starts them over.
-                Some(Some(Ok(WatchEvent::Error(status)))) => {
-                    (Some(Err(Error::WatchError(status))), State::Empty)
-                }
-                Some(Some(Err(err))) => (Some(Err(Error::WatchFailed(err))), State::Empty),
-                Some(None) => (None, State::Empty),
-            }
+        State::InitialWatch { stream, permit } => {
+            initial_events(config, stream, permit, relists).await
         }
         State::InitListed { rv } => match watch(api, config, &rv, false).await {
             Ok(stream) => {
@@ -734,40 +623,175 @@ async fn step(
                 (Some(Err(Error::WatchStartFailed(err))), next)
             }
         },
-        State::Watching { rv, mut stream } => {
-            match next_or_relist(&mut stream, relists, &config.activity).await {
-                None => (None, State::Empty),
-                Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
-                    let rv = obj.resource_version().map_or(rv, str::to_owned);
-                    (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
-                }
-                Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
-                    let rv = obj.resource_version().map_or(rv, str::to_owned);
-                    (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
-                }
-                // A bookmark, or an event of another shard (see `watch_events`).
-                Some(Some(Ok(WatchEvent::Bookmark(bm)))) => (
-                    None,
-                    State::Watching {
-                        rv: bm.metadata.resource_version,
-                        stream,
-                    },
-                ),
-                Some(Some(Ok(WatchEvent::Error(status)))) => {
-                    let next = if is_rv_unavailable(&status) {
-                        State::Empty
-                    } else {
-                        State::Watching { rv, stream }
-                    };
-                    (Some(Err(Error::WatchError(status))), next)
-                }
-                Some(Some(Err(err))) => (
-                    Some(Err(Error::WatchFailed(err))),
-                    State::Watching { rv, stream },
-                ),
-                // A watch that ends (its timeout) is started again from where it was.
-                Some(None) => (None, State::InitListed { rv }),
+        State::Watching { rv, stream } => watching(config, rv, stream, relists).await,
+    }
+}
+
+/// An idle list+watch: counts as heard from every [`IDLE_HEARD`] until a relist is asked for.
+async fn idle(config: &ListWatchConfig, relists: &mut Requests) -> Step {
+    tokio::select! {
+        changed = relists.rx.changed(), if relists.rx.has_changed().is_ok() => {
+            if changed.is_ok() {
+                relists.rx.borrow_and_update();
+                return (None, State::Empty);
             }
         }
+        _ = tokio::time::sleep(IDLE_HEARD) => config.activity.touch(),
+    }
+    (None, State::Idle)
+}
+
+/// Starts a streaming list: a watch that sends the initial events first.
+async fn start_streaming_list(
+    api: &Api<DynamicObject>,
+    config: &ListWatchConfig,
+    relists: &mut Requests,
+) -> Step {
+    let permit = list_permit(config).await;
+    relists.list_starts();
+    if let Some(filter) = &config.shard {
+        // A watch-list echoes no `shardInfo`: a list of one object tells whether the
+        // server applies the selector (again at each list: API servers change).
+        // Best effort: the mode only tells operators, and a service account may watch
+        // without listing.
+        match probe_page(api, config).await {
+            Ok(page) => filter.note_mode(page.metadata.shard_info.is_some()),
+            Err(err) => {
+                tracing::debug!(shard = %filter.shard, error = %err, "Cannot tell whether the API server applies the shard selector")
+            }
+        }
+    }
+    match watch(api, config, "", true).await {
+        Ok(stream) => (
+            Some(Ok(Event::Init)),
+            State::InitialWatch { stream, permit },
+        ),
+        Err(err) => (Some(Err(Error::WatchStartFailed(err))), State::Empty),
+    }
+}
+
+/// The next page of a paged list (prefetched as `next` when there is one), whose objects the
+/// next steps hand on while the page after it is fetched.
+async fn next_page(
+    api: &Api<DynamicObject>,
+    config: &ListWatchConfig,
+    continue_token: Option<String>,
+    next: Option<NextPage>,
+    permit: Permit,
+) -> Step {
+    let first = continue_token.is_none();
+    let page = match next {
+        Some(next) => match next.await {
+            Ok(page) => page,
+            Err(failed) if failed.is_panic() => std::panic::resume_unwind(failed.into_panic()),
+            // Cancelled (the runtime shuts down): the list starts over, if ever.
+            Err(_) => return (None, State::Empty),
+        },
+        None => list_page(api, config, continue_token).await,
+    };
+    let list = match page {
+        Ok(list) => list,
+        // An expired continue token included: the list starts over.
+        Err(err) => return (Some(Err(Error::InitialListFailed(err))), State::Empty),
+    };
+    config.activity.touch();
+    let last_rv = list.metadata.resource_version.filter(|s| !s.is_empty());
+    let continue_token = list.metadata.continue_.filter(|s| !s.is_empty());
+    if last_rv.is_none() && continue_token.is_none() {
+        return (Some(Err(Error::NoResourceVersion)), State::Empty);
+    }
+    if let Some(filter) = &config.shard
+        && first
+    {
+        filter.note_mode(list.metadata.shard_info.is_some());
+    }
+    // The next page is fetched and decoded while this one is handed on.
+    let next = continue_token
+        .clone()
+        .map(|token| prefetch(api, config, token));
+    // Out-of-shard items were dropped as the page was decoded.
+    let page = State::InitPage {
+        continue_token,
+        objects: list.items.into(),
+        last_rv,
+        next,
+        permit,
+    };
+    (None, page)
+}
+
+/// One step of a streaming list's initial events, up to the bookmark that ends them.
+async fn initial_events(
+    config: &ListWatchConfig,
+    mut stream: WatchStream,
+    permit: Permit,
+    relists: &mut Requests,
+) -> Step {
+    match next_or_relist(&mut stream, relists, &config.activity).await {
+        None => (None, State::Empty),
+        Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => (
+            Some(Ok(Event::InitApply(obj))),
+            State::InitialWatch { stream, permit },
+        ),
+        // The API server never sends these during the initial events.
+        Some(Some(Ok(WatchEvent::Deleted(_)))) => (None, State::InitialWatch { stream, permit }),
+        Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
+            if bm
+                .metadata
+                .annotations
+                .contains_key("k8s.io/initial-events-end")
+            {
+                relists.listed(Some(&bm.metadata.resource_version));
+                let rv = bm.metadata.resource_version;
+                (Some(Ok(Event::InitDone)), State::Watching { rv, stream })
+            } else {
+                (None, State::InitialWatch { stream, permit })
+            }
+        }
+        // The initial events are a whole or nothing: any error starts them over.
+        Some(Some(Ok(WatchEvent::Error(status)))) => {
+            (Some(Err(Error::WatchError(status))), State::Empty)
+        }
+        Some(Some(Err(err))) => (Some(Err(Error::WatchFailed(err))), State::Empty),
+        Some(None) => (None, State::Empty),
+    }
+}
+
+/// One event of the watch that follows the list, from `rv`.
+async fn watching(
+    config: &ListWatchConfig,
+    rv: String,
+    mut stream: WatchStream,
+    relists: &mut Requests,
+) -> Step {
+    match next_or_relist(&mut stream, relists, &config.activity).await {
+        None => (None, State::Empty),
+        Some(Some(Ok(WatchEvent::Added(obj) | WatchEvent::Modified(obj)))) => {
+            let rv = obj.resource_version().map_or(rv, str::to_owned);
+            (Some(Ok(Event::Apply(obj))), State::Watching { rv, stream })
+        }
+        Some(Some(Ok(WatchEvent::Deleted(obj)))) => {
+            let rv = obj.resource_version().map_or(rv, str::to_owned);
+            (Some(Ok(Event::Delete(obj))), State::Watching { rv, stream })
+        }
+        // A bookmark, or an event of another shard (see `watch_events`).
+        Some(Some(Ok(WatchEvent::Bookmark(bm)))) => {
+            let rv = bm.metadata.resource_version;
+            (None, State::Watching { rv, stream })
+        }
+        Some(Some(Ok(WatchEvent::Error(status)))) => {
+            let next = if is_rv_unavailable(&status) {
+                State::Empty
+            } else {
+                State::Watching { rv, stream }
+            };
+            (Some(Err(Error::WatchError(status))), next)
+        }
+        Some(Some(Err(err))) => (
+            Some(Err(Error::WatchFailed(err))),
+            State::Watching { rv, stream },
+        ),
+        // A watch that ends (its timeout) is started again from where it was.
+        Some(None) => (None, State::InitListed { rv }),
     }
 }

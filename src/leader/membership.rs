@@ -326,13 +326,10 @@ impl Membership {
             {
                 return Group::Held(holder.clone());
             }
-            let annotation = |name: &str| {
-                current
-                    .as_ref()
-                    .and_then(|l| l.metadata.annotations.as_ref()?.get(name).cloned())
-            };
             // The group's takeover wait, under this group only (another holder's is stale).
-            let wait = annotation(GROUP_WAIT_ANNOTATION)
+            let wait = current
+                .as_ref()
+                .and_then(|l| l.metadata.annotations.as_ref()?.get(GROUP_WAIT_ANNOTATION))
                 .filter(|_| foreign.is_none() && record.0.is_some())
                 .and_then(|w| {
                     let (wait, tag) = w.split_once(';')?;
@@ -348,88 +345,22 @@ impl Membership {
                 && *before != record
                 && foreign.is_none()
                 && record.0.is_some()
+                && self.renewed_by_another(current.as_ref(), *looked, wait.is_some(), wait_over)
             {
-                if wait_over {
-                    self.cap.extend_to(*looked + self.renew_deadline);
-                }
-                let lasts = *looked + self.renew_deadline
-                    > Instant::now() + self.retry_period * 2 + self.renew_deadline / 10;
-                let theirs = current
-                    .as_ref()
-                    .and_then(|l| crate::leader::delivered_within_of(l, &ours))
-                    .unwrap_or_default();
-                let remove = wait.is_some() && wait_over;
-                if lasts && theirs >= self.delivered_within && !remove {
-                    return Group::Ours;
-                }
+                return Group::Ours;
             }
-            let mut lease = current.unwrap_or_else(|| Lease {
-                metadata: ObjectMeta {
-                    name: Some(self.group.clone()),
-                    ..Default::default()
-                },
-                spec: None,
-            });
-            // Microseconds, as the API server keeps it: the next look compares it exactly.
-            let now = jiff::Timestamp::from_microsecond(jiff::Timestamp::now().as_microsecond())
-                .expect("now is in range");
-            let transitions =
-                spec.lease_transitions.unwrap_or(0) + i32::from(record.0.as_deref() != Some(&ours));
             let owed = foreign.as_deref().map(|h| {
-                let holders = crate::leader::delivered_within_of(&lease, h)
+                let holders = current
+                    .as_ref()
+                    .and_then(|l| crate::leader::delivered_within_of(l, h))
                     .map(|w| crate::leader::holders_wait(w, duration))
                     .unwrap_or_default()
                     .min(crate::leader::MAX_TAKEOVER_WAIT);
                 self.takeover_wait.max(holders)
             });
-            let within = crate::leader::delivered_within_of(&lease, &ours)
-                .unwrap_or_default()
-                .max(self.delivered_within);
-            lease.spec = Some(LeaseSpec {
-                holder_identity: Some(ours.clone()),
-                lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
-                renew_time: Some(MicroTime(now)),
-                acquire_time: if record.0.as_deref() == Some(ours.as_str()) {
-                    spec.acquire_time.clone()
-                } else {
-                    Some(MicroTime(now))
-                },
-                lease_transitions: Some(transitions),
-                ..Default::default()
-            });
-            let annotations = lease.metadata.annotations.get_or_insert_default();
-            annotations.insert(
-                crate::leader::DELIVERED_WITHIN_ANNOTATION.to_owned(),
-                crate::leader::delivered_within_text(within, &ours),
-            );
-            let tag = transitions.to_string();
-            match owed {
-                Some(owed) => {
-                    annotations.insert(
-                        GROUP_WAIT_ANNOTATION.to_owned(),
-                        format!("{}s;{tag}", owed.as_millis().div_ceil(1000)),
-                    );
-                }
-                None if foreign.is_some() || record.0.is_none() || wait_over => {
-                    annotations.remove(GROUP_WAIT_ANNOTATION);
-                }
-                None => {}
-            }
-            let exists = lease.metadata.resource_version.is_some();
-            let write = async {
-                if exists {
-                    self.api
-                        .replace(&self.group, &PostParams::default(), &lease)
-                        .await
-                        .map(|_| ())
-                } else {
-                    self.api
-                        .create(&PostParams::default(), &lease)
-                        .await
-                        .map(|_| ())
-                }
-            };
-            match tokio::time::timeout(self.renew_deadline, write).await {
+            let remove_wait = foreign.is_some() || record.0.is_none() || wait_over;
+            let (lease, now, tag) = self.group_lease(current, &spec, &record, owed, remove_wait);
+            match self.write_group(&lease).await {
                 Ok(Ok(())) => {
                     self.group_seen =
                         Some(((Some(ours.clone()), Some(now)), Instant::now(), start));
@@ -449,6 +380,111 @@ impl Membership {
             }
         }
         Group::Unknown("the Lease changed under two writes in a row".into())
+    }
+
+    /// Another member renewed the group's Lease (`current`) since this replica's look at
+    /// `looked`: the cap extends from that look (once the group's wait is over), and this
+    /// replica need not renew it itself if the renewal lasts past its next look, announces a
+    /// `delivered-within` as long as its own, and no wait annotation is to be removed.
+    fn renewed_by_another(
+        &self,
+        current: Option<&Lease>,
+        looked: Instant,
+        waiting: bool,
+        wait_over: bool,
+    ) -> bool {
+        if wait_over {
+            self.cap.extend_to(looked + self.renew_deadline);
+        }
+        let lasts = looked + self.renew_deadline
+            > Instant::now() + self.retry_period * 2 + self.renew_deadline / 10;
+        let theirs = current
+            .and_then(|l| crate::leader::delivered_within_of(l, &self.group_holder()))
+            .unwrap_or_default();
+        let remove = waiting && wait_over;
+        lasts && theirs >= self.delivered_within && !remove
+    }
+
+    /// The group's Lease as this replica writes it over `current` (read with `spec` and
+    /// `record`): held by this replica, renewed now, with its `delivered-within`, and the
+    /// group's wait annotation set to `owed` (a takeover) or removed when `remove_wait`.
+    /// Returns it, the renew time written and the takeover's tag.
+    fn group_lease(
+        &self,
+        current: Option<Lease>,
+        spec: &LeaseSpec,
+        record: &Record,
+        owed: Option<Duration>,
+        remove_wait: bool,
+    ) -> (Lease, jiff::Timestamp, String) {
+        let ours = self.group_holder();
+        let mut lease = current.unwrap_or_else(|| Lease {
+            metadata: ObjectMeta {
+                name: Some(self.group.clone()),
+                ..Default::default()
+            },
+            spec: None,
+        });
+        // Microseconds, as the API server keeps it: the next look compares it exactly.
+        let now = jiff::Timestamp::from_microsecond(jiff::Timestamp::now().as_microsecond())
+            .expect("now is in range");
+        let transitions =
+            spec.lease_transitions.unwrap_or(0) + i32::from(record.0.as_deref() != Some(&ours));
+        let within = crate::leader::delivered_within_of(&lease, &ours)
+            .unwrap_or_default()
+            .max(self.delivered_within);
+        lease.spec = Some(LeaseSpec {
+            holder_identity: Some(ours.clone()),
+            lease_duration_seconds: Some(crate::leader::lease_seconds(self.lease_duration)),
+            renew_time: Some(MicroTime(now)),
+            acquire_time: if record.0.as_deref() == Some(ours.as_str()) {
+                spec.acquire_time.clone()
+            } else {
+                Some(MicroTime(now))
+            },
+            lease_transitions: Some(transitions),
+            ..Default::default()
+        });
+        let annotations = lease.metadata.annotations.get_or_insert_default();
+        annotations.insert(
+            crate::leader::DELIVERED_WITHIN_ANNOTATION.to_owned(),
+            crate::leader::delivered_within_text(within, &ours),
+        );
+        let tag = transitions.to_string();
+        match owed {
+            Some(owed) => {
+                annotations.insert(
+                    GROUP_WAIT_ANNOTATION.to_owned(),
+                    format!("{}s;{tag}", owed.as_millis().div_ceil(1000)),
+                );
+            }
+            None if remove_wait => {
+                annotations.remove(GROUP_WAIT_ANNOTATION);
+            }
+            None => {}
+        }
+        (lease, now, tag)
+    }
+
+    /// Writes the group's Lease (creates it if it has no version), within the renew deadline.
+    async fn write_group(
+        &self,
+        lease: &Lease,
+    ) -> Result<kube::Result<()>, tokio::time::error::Elapsed> {
+        let write = async {
+            if lease.metadata.resource_version.is_some() {
+                self.api
+                    .replace(&self.group, &PostParams::default(), lease)
+                    .await
+                    .map(|_| ())
+            } else {
+                self.api
+                    .create(&PostParams::default(), lease)
+                    .await
+                    .map(|_| ())
+            }
+        };
+        tokio::time::timeout(self.renew_deadline, write).await
     }
 
     /// Notes the group's takeover wait `wait`, tagged `tag`, first seen at `at`: no shard is
