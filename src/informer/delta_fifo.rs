@@ -6,18 +6,25 @@
 //! - Two consecutive `Deleted` deltas collapse into one: the older is kept, unless it is a
 //!   final-state-unknown tombstone, then the newer (real) one is kept.
 //! - `delete` of a key that is neither queued nor cached is ignored.
-//! - `replace` (every list and relist) queues `Replaced` for every listed object and a
-//!   final-state-unknown `Deleted` for every queued or cached key the list no longer holds:
-//!   objects that vanished while the watch was down are not forgotten.
+//! - A (re)list queues `Replaced` for every listed object as it arrives (`begin_list`,
+//!   `listed`), and when it is whole (`end_list`) a final-state-unknown `Deleted` for every
+//!   queued or cached key it does not hold: objects that vanished while the watch was down
+//!   are not forgotten. `replace` is the three at once, client-go's `Replace`.
 //! - `resync` queues `Sync` only for cached keys with nothing queued, so a stale cached copy is
 //!   never queued behind a newer event.
 //! - `pop` hands the head key's deltas to a closure that runs under the FIFO lock, like
 //!   client-go: while the informer applies deltas to the cache, `resync` and `replace` cannot
 //!   observe a cache that is behind a popped delta.
-//! - `has_synced` is true once every key of the first `replace` (tombstones included) was
-//!   popped, or once an add/update/delete came before any replace.
+//! - `has_synced` is true once the first list is whole and every key it queued (tombstones
+//!   included) was popped, or once an add/update/delete came before any list.
 //!
-//! Unlike client-go, nothing here transforms objects (the reflector does, before enqueueing).
+//! Unlike client-go, a list's objects pop while it is still running (client-go's reflector
+//! collects the whole list and then calls `Replace`): the first pages reach the sinks while the
+//! last are fetched, and no list is held in memory beside the cache. Nothing is lost by it: a
+//! list that fails midway starts over, what its first part queued are real states at a
+//! consistent version (a later list finds them again, unchanged, which is a resync that
+//! publishes nothing, or changed, which is a real update), and only a whole list decides what
+//! vanished. Also unlike client-go, nothing here transforms objects (the reflector does, before enqueueing).
 //! `Replace`'s resourceVersion (the list's) is kept on each tombstone it makes: the version at
 //! which the object was found gone, which its message reports (see
 //! [`Notification::gone_at`](super::Notification::gone_at)).
@@ -111,6 +118,8 @@ struct State {
     // The resourceVersion of the newest list replaced, and of the newest one popped entirely.
     replaced_at: Option<Arc<str>>,
     applied_at: Option<Arc<str>>,
+    // The keys of the list in progress, so far.
+    listing: Option<std::collections::HashSet<String>>,
     closed: bool,
 }
 
@@ -170,56 +179,36 @@ impl DeltaFifo {
         self.notify.notify_one();
     }
 
-    /// A (re)list result: `Replaced` for each listed object, and a final-state-unknown
-    /// `Deleted` for every queued or known key the list does not hold, found gone at the
-    /// list's `resource_version`.
+    /// A whole (re)list at once: [`begin_list`](Self::begin_list), its objects, and
+    /// [`end_list`](Self::end_list) under one lock.
     pub fn replace(&self, list: Vec<ObjectRef>, resource_version: Option<Arc<str>>) {
         let mut s = self.lock();
-        let mut listed = std::collections::HashSet::with_capacity(list.len());
+        s.listing = Some(std::collections::HashSet::with_capacity(list.len()));
         for obj in list {
-            let key = meta_namespace_key(&obj);
-            listed.insert(key.clone());
-            s.enqueue(key, Delta::new(DeltaType::Replaced, obj));
+            s.list_one(obj);
         }
-        let mut queued_deletions = 0;
-        // Keys only in the queue: tombstone carries the newest queued object.
-        let queued_only: Vec<(String, ObjectRef)> = s
-            .items
-            .iter()
-            .filter(|(k, _)| !listed.contains(*k))
-            .map(|(k, d)| {
-                (
-                    k.clone(),
-                    d.last().expect("deltas are never empty").object.clone(),
-                )
-            })
-            .collect();
-        for (key, newest) in queued_only {
-            queued_deletions += 1;
-            s.enqueue(key, Delta::tombstone(newest, resource_version.clone()));
-        }
-        // Keys only in the cache, with nothing queued.
-        for (key, cached) in self.known.entries() {
-            if listed.contains(&key) || s.items.contains_key(&key) {
-                continue;
-            }
-            queued_deletions += 1;
-            s.enqueue(key, Delta::tombstone(cached, resource_version.clone()));
-        }
-        if !s.populated {
-            s.populated = true;
-            s.initial_population_count = listed.len() + queued_deletions;
-        }
-        // Every key queued now (this list's and those queued before it) pops before the list
-        // counts as applied.
-        s.replaces += 1;
-        s.replace_remaining = s.queue.len();
-        s.replaced_at = resource_version;
-        if s.replace_remaining == 0 {
-            s.replaced_through = s.replaces;
-            s.applied_at = s.replaced_at.clone();
-        }
+        s.end_list(&self.known, resource_version);
         drop(s);
+        self.notify.notify_one();
+    }
+
+    /// A (re)list begins (forgetting what a list interrupted before it held): its objects come
+    /// with [`listed`](Self::listed) as they arrive, and pop at once.
+    pub fn begin_list(&self) {
+        self.lock().listing = Some(std::collections::HashSet::new());
+    }
+
+    /// Queues `Replaced` for an object of the list in progress.
+    pub fn listed(&self, obj: ObjectRef) {
+        self.lock().list_one(obj);
+        self.notify.notify_one();
+    }
+
+    /// The list in progress is whole, at `resource_version`: a final-state-unknown `Deleted`
+    /// for every queued or known key it does not hold, found gone at that version. It counts
+    /// as applied (and the first one as synced) once every key queued now has popped.
+    pub fn end_list(&self, resource_version: Option<Arc<str>>) {
+        self.lock().end_list(&self.known, resource_version);
         self.notify.notify_one();
     }
 
@@ -321,6 +310,54 @@ impl DeltaFifo {
 }
 
 impl State {
+    fn list_one(&mut self, obj: ObjectRef) {
+        let key = meta_namespace_key(&obj);
+        self.listing.get_or_insert_default().insert(key.clone());
+        self.enqueue(key, Delta::new(DeltaType::Replaced, obj));
+    }
+
+    fn end_list(&mut self, known: &Indexer, resource_version: Option<Arc<str>>) {
+        let listed = self.listing.take().unwrap_or_default();
+        // Keys only in the queue: tombstone carries the newest queued object.
+        let queued_only: Vec<(String, ObjectRef)> = self
+            .items
+            .iter()
+            .filter(|(k, _)| !listed.contains(*k))
+            .map(|(k, d)| {
+                (
+                    k.clone(),
+                    d.last().expect("deltas are never empty").object.clone(),
+                )
+            })
+            .collect();
+        for (key, newest) in queued_only {
+            self.enqueue(key, Delta::tombstone(newest, resource_version.clone()));
+        }
+        // Keys only in the cache, with nothing queued (those of the list that popped already
+        // are listed).
+        for (key, cached) in known.entries() {
+            if listed.contains(&key) || self.items.contains_key(&key) {
+                continue;
+            }
+            self.enqueue(key, Delta::tombstone(cached, resource_version.clone()));
+        }
+        if !self.populated {
+            // The first list: what is still queued (its keys that have not popped, and the
+            // deletions) pops before it is synced.
+            self.populated = true;
+            self.initial_population_count = self.queue.len();
+        }
+        // Every key queued now (this list's and those queued before it) pops before the list
+        // counts as applied.
+        self.replaces += 1;
+        self.replace_remaining = self.queue.len();
+        self.replaced_at = resource_version;
+        if self.replace_remaining == 0 {
+            self.replaced_through = self.replaces;
+            self.applied_at = self.replaced_at.clone();
+        }
+    }
+
     fn enqueue(&mut self, key: String, delta: Delta) {
         match self.items.get_mut(&key) {
             Some(deltas) => {
@@ -539,6 +576,66 @@ mod tests {
         assert!(f.has_synced());
         f.replace(vec![obj("ns", "a", "2")], None);
         assert!(f.has_synced(), "later relists do not unsync");
+    }
+
+    #[test]
+    fn a_listed_object_pops_before_its_list_ends_and_only_the_whole_list_syncs() {
+        let (f, known) = fifo();
+        known.upsert("ns/gone", obj("ns", "gone", "1"));
+        f.begin_list();
+        f.listed(obj("ns", "a", "5"));
+        let first = pop_all(&f);
+        assert_eq!(
+            first,
+            [(
+                "ns/a".to_owned(),
+                vec![(DeltaType::Replaced, "5".to_owned(), false)],
+                true
+            )]
+        );
+        assert!(!f.has_synced(), "the list is not whole yet");
+        assert_eq!(f.replaces(), (0, 0));
+        known.upsert("ns/a", obj("ns", "a", "5"));
+        f.listed(obj("ns", "b", "6"));
+        f.end_list(Some("9".into()));
+        assert!(!f.has_synced(), "b and the deletion have not popped");
+        let rest = pop_all(&f);
+        assert_eq!(
+            rest.iter()
+                .map(|e| (e.0.as_str(), e.1[0].0, e.2))
+                .collect::<Vec<_>>(),
+            [
+                ("ns/b", DeltaType::Replaced, true),
+                ("ns/gone", DeltaType::Deleted, true)
+            ],
+            "only what the whole list lacks is deleted, not a's popped key"
+        );
+        assert!(f.has_synced());
+        assert_eq!(f.replaces(), (1, 1));
+    }
+
+    #[test]
+    fn a_list_that_starts_over_deletes_only_what_the_whole_one_lacks() {
+        let (f, known) = fifo();
+        known.upsert("ns/a", obj("ns", "a", "1"));
+        known.upsert("ns/b", obj("ns", "b", "1"));
+        known.upsert("ns/c", obj("ns", "c", "1"));
+        f.begin_list();
+        f.listed(obj("ns", "a", "2"));
+        f.listed(obj("ns", "b", "1"));
+        // The list fails (an expired continue token) and starts over: c was never listed by
+        // the first, a is gone by the second.
+        f.begin_list();
+        f.listed(obj("ns", "b", "1"));
+        f.listed(obj("ns", "c", "3"));
+        f.end_list(Some("7".into()));
+        let popped = pop_all(&f);
+        let deleted: Vec<&str> = popped
+            .iter()
+            .filter(|e| e.1.iter().any(|d| d.0 == DeltaType::Deleted))
+            .map(|e| e.0.as_str())
+            .collect();
+        assert_eq!(deleted, ["ns/a"], "{popped:?}");
     }
 
     #[test]

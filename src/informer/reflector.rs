@@ -10,16 +10,17 @@
 //!
 //! | watcher event    | FIFO                                     |
 //! |------------------|------------------------------------------|
-//! | `Init`           | start collecting a (re)list              |
-//! | `InitApply(obj)` | collect                                  |
-//! | `InitDone`       | `replace(list)`                          |
+//! | `Init`           | `begin_list()`                           |
+//! | `InitApply(obj)` | `listed(obj)`: it pops at once           |
+//! | `InitDone`       | `end_list(rv)`: what the list lacks is deleted |
 //! | `Apply(obj)`     | `update(obj)` (the informer decides add/update by the cache) |
 //! | `Delete(obj)`    | `delete(obj)`                            |
 //!
 //! # Recovery
 //! Errors are logged, counted, and retried by the watcher with backoff; nothing already in the
-//! FIFO or cache is dropped. A list interrupted by an error is discarded and the next `Init`
-//! starts it again, so a partial list never reaches `replace` (which would delete the rest).
+//! FIFO or cache is dropped. A list interrupted by an error starts again at the next `Init`;
+//! what its first part queued stays (real states at a consistent version), but only a whole
+//! list decides what vanished, so a partial one deletes nothing.
 //! A refusal (403 Forbidden) is reported with the verb and resource (log, the
 //! `forbidden` gauge, [`Reflector::problem`] for `/readyz`) and retried like any error, so a
 //! permission granted later takes effect without a restart.
@@ -195,7 +196,8 @@ impl Reflector {
             list_watch(self.api.clone(), self.config.clone(), &self.relists).default_backoff();
         let mut serving = 0;
         futures::pin_mut!(stream);
-        let mut listing: Option<Vec<ObjectRef>> = None;
+        // Objects of the list in progress so far.
+        let mut listed = 0u64;
         let mut lists = 0u64;
         loop {
             let event = tokio::select! {
@@ -221,18 +223,19 @@ impl Reflector {
                         info!(informer = %self.name, "Relisting");
                     }
                     lists += 1;
-                    listing = Some(Vec::new());
+                    listed = 0;
+                    self.fifo.begin_list();
                     serving = self.relists.listing_for();
                 }
                 // A list's items are in no version order: the list's own version counts, at
                 // `InitDone`.
                 Ok(watcher::Event::InitApply(obj)) => {
-                    listing.get_or_insert_default().push(obj);
+                    listed += 1;
+                    self.metrics.listed.inc();
+                    self.fifo.listed(obj);
                 }
                 Ok(watcher::Event::InitDone) => {
-                    let list = listing.take().unwrap_or_default();
-                    self.metrics.listed.inc_by(list.len() as u64);
-                    debug!(informer = %self.name, objects = list.len(), "List complete");
+                    debug!(informer = %self.name, objects = listed, "List complete");
                     // client-go's lastSyncResourceVersion: the list's, not its last item's.
                     let listed_at = self.relists.listed_at();
                     if let Some(rv) = &listed_at {
@@ -241,7 +244,7 @@ impl Reflector {
                             .lock()
                             .unwrap_or_else(|e| e.into_inner()) = rv.to_string();
                     }
-                    self.fifo.replace(list, listed_at);
+                    self.fifo.end_list(listed_at);
                     let generation = self.fifo.replaces().0;
                     *self.served.lock().unwrap_or_else(|e| e.into_inner()) = (serving, generation);
                 }
