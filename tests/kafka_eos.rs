@@ -21,7 +21,6 @@ use serde_json::{Value, json};
 use support::{
     ApiServer,
     config::{ConfigBuilder, kafka_sink},
-    differences, fold_in_order,
     kafka::{Kafka, read_topic},
     objects::{configmap, configmap_with_data, typed},
     replica::Replica,
@@ -133,18 +132,15 @@ async fn assert_exactly_once(kafka: &Kafka, api: &ApiServer, what: &str) -> Vec<
     let events = quiet(kafka).await;
     let repeats = repeated_ids(&events);
     let copies = repeated_states(&events);
-    let found = differences(&fold_in_order(&events), &api.objects("v1", "ConfigMap"));
+    let found = support::compare(&events, &api.objects("v1", "ConfigMap"));
     println!(
-        "{what}: {} committed messages, {} ids read twice, {} states read twice; last message wins: {} lost deletes, {} phantom deletes, {} stale, {} missing",
+        "{what}: {} committed messages, {} ids read twice, {} states read twice; last message wins: {}",
         events.len(),
         repeats.len(),
         copies.len(),
-        found.lost_deletes.len(),
-        found.phantom_deletes.len(),
-        found.stale.len(),
-        found.missing.len(),
+        found.counts(),
     );
-    assert!(found.is_empty(), "{what}: {found:?}");
+    assert!(found.is_empty(), "{what}: {found}");
     assert!(
         repeats.is_empty(),
         "{what}: {} ids read twice, for example {:?}",

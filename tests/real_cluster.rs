@@ -16,9 +16,10 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ApiResource, DeleteParams, PostParams};
 use serde_json::{Value, json};
 use support::{
+    Differences,
     cluster::{Cluster, ClusterOptions, ReferenceInformer},
     config::ConfigBuilder,
-    delivered, differences, event_type, fold_in_order, json_lines,
+    delivered, event_type, json_lines,
     objects::{configmap, configmaps},
     parity::{
         Comparison, Rng, bridge, bridge_seen, client_go_seen, fsu, ready, seed, settle, workload,
@@ -486,19 +487,8 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
     for (kind, resource) in &kinds {
         want.push((*kind, cluster.objects(resource, Some(ns)).await));
     }
-    // Each kind's messages folded in order (support::fold_in_order), against its objects.
-    let compare = |events: &[Value]| {
-        let mut d = support::Differences::default();
-        for (kind, live) in &want {
-            let of_kind = fold_in_order(events.iter().filter(|e| e["k8skind"] == *kind));
-            let k = differences(&of_kind, live);
-            d.lost_deletes.extend(k.lost_deletes);
-            d.phantom_deletes.extend(k.phantom_deletes);
-            d.stale.extend(k.stale);
-            d.missing.extend(k.missing);
-        }
-        d
-    };
+    // Each kind's messages folded in order, against its objects.
+    let compare = |events: &[Value]| support::compare_kinds(events, &want);
     wait::until(
         "the stream folds to the server's objects",
         Patience::of(Duration::from_secs(60)),
@@ -515,14 +505,11 @@ async fn three_api_server_restarts_under_a_wildcard_delete_nothing_live() {
         .filter(|t| t.iter().filter(|t| *t == "added").count() > 1)
         .count();
     println!(
-        "3 restarts: {} messages, {deletes} deletes (3 made), objects added twice {relisted_adds}, lost deletes {}, phantom deletes {}, stale {}, missing {}",
+        "3 restarts: {} messages, {deletes} deletes (3 made), objects added twice {relisted_adds}, {}",
         events.len(),
-        d.lost_deletes.len(),
-        d.phantom_deletes.len(),
-        d.stale.len(),
-        d.missing.len()
+        d.counts()
     );
-    assert!(d.is_empty(), "{d:?}");
+    assert!(d.is_empty(), "{d}");
     assert_eq!(deletes, 3, "only the deletes made");
     assert_eq!(relisted_adds, 0, "nothing added again");
     // Exactly the changes made, nothing re-published by a relist or a discovery blip.
@@ -720,7 +707,7 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
     wait::until(
         "the stream folds to the server's objects",
         Patience::of(Duration::from_secs(60)),
-        async || differences(&fold_in_order(&destination.read().await), &live).is_empty(),
+        async || support::compare(&destination.read().await, &live).is_empty(),
     )
     .await;
     // Stopped before the last read, so that nothing late escapes it.
@@ -759,11 +746,11 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
         .iter()
         .filter(|e| event_type(e) == "deleted" && e["k8sfinalstateunknown"] == true)
         .count();
-    let d = differences(&fold_in_order(&events), &live);
+    let d = support::compare(&events, &live);
     println!(
         "resume ({}, {}): {} messages after the restart (40 expected), {} not marked resumed, \
          unchanged replayed {replayed}, final-state-unknown deletes {fsu_deletes} (15 expected), \
-         lost deletes {}, phantom deletes {}, stale {}, missing {}",
+         {}",
         match destination {
             Destination::JetStream(_) => "JetStream",
             Destination::Kafka(..) => "Kafka",
@@ -771,12 +758,9 @@ async fn resume(destination: Destination, kill: bool, cluster_name: &str) {
         if kill { "SIGKILL" } else { "SIGTERM" },
         after.len(),
         unmarked.len(),
-        d.lost_deletes.len(),
-        d.phantom_deletes.len(),
-        d.stale.len(),
-        d.missing.len(),
+        d.counts(),
     );
-    assert!(d.is_empty(), "{d:?}");
+    assert!(d.is_empty(), "{d}");
     assert_eq!(replayed, 0, "unchanged objects are not replayed");
     // The checkpoint held every acknowledged message when the first replica stopped, so
     // after a SIGKILL as after a SIGTERM the changes are exactly those, each once, resumed.
@@ -960,21 +944,14 @@ async fn failover(destination: Destination, cluster_name: &str) {
     let changes = writer.await.unwrap();
 
     let live = cluster.objects(&configmaps(), Some(ns)).await;
-    let dedup = |events: &[Value]| {
-        let mut seen = BTreeSet::new();
-        events
-            .iter()
-            .filter(|e| seen.insert(e["id"].as_str().unwrap().to_owned()))
-            .cloned()
-            .collect::<Vec<_>>()
-    };
     wait::until(
         "the stream folds to the server's objects",
         Patience::of(Duration::from_secs(60)),
         async || {
             let events = destination.read().await;
-            differences(&fold_in_order(&events), &live).is_empty()
-                && differences(&fold_in_order(&dedup(&events)), &live).is_empty()
+            support::compare_both(&events, &live)
+                .iter()
+                .all(Differences::is_empty)
         },
     )
     .await;
@@ -983,16 +960,15 @@ async fn failover(destination: Destination, cluster_name: &str) {
         r.terminate();
     }
     let events = destination.read().await;
-    let d = differences(&fold_in_order(&events), &live);
-    let deduplicated = differences(&fold_in_order(&dedup(&events)), &live);
+    let [d, deduplicated] = support::compare_both(&events, &live);
     let ids: BTreeSet<&str> = events.iter().map(|e| e["id"].as_str().unwrap()).collect();
     let (backwards, wrong_ids, twice) = versions_and_delete_ids(&events);
     let resumed = events.iter().filter(|e| e["k8sresumed"] == true).count();
     println!(
         "failover ({}): {changes} changes, {} messages, {} repeated ids, {} live objects, \
-         {resumed} resumed; lost deletes {}, phantom deletes {}, stale {}, missing {} (both \
-         consumer models); {} messages back in resourceVersion, {} deletes with another id, \
-         {twice} objects deleted both on a watch and by the resume",
+         {resumed} resumed; last message wins: {}; deduplicated by id: {}; {} messages back \
+         in resourceVersion, {} deletes with another id, {twice} objects deleted both on a \
+         watch and by the resume",
         match destination {
             Destination::JetStream(_) => "JetStream",
             Destination::Kafka(..) => "Kafka",
@@ -1000,15 +976,13 @@ async fn failover(destination: Destination, cluster_name: &str) {
         events.len(),
         events.len() - ids.len(),
         live.len(),
-        d.lost_deletes.len(),
-        d.phantom_deletes.len(),
-        d.stale.len(),
-        d.missing.len(),
+        d.counts(),
+        deduplicated.counts(),
         backwards.len(),
         wrong_ids.len(),
     );
-    assert!(d.is_empty(), "{d:?}");
-    assert!(deduplicated.is_empty(), "{deduplicated:?}");
+    assert!(d.is_empty(), "{d}");
+    assert!(deduplicated.is_empty(), "{deduplicated}");
     assert!(backwards.is_empty(), "{backwards:?}");
     assert!(wrong_ids.is_empty(), "{wrong_ids:?}");
 }
@@ -1139,7 +1113,7 @@ async fn a_fenced_replica_fails_healthz_until_it_leads_again() {
     wait::until(
         "the committed stream folds to the server's objects",
         Patience::of(Duration::from_secs(60)),
-        async || differences(&fold_in_order(&read_committed().await), &live).is_empty(),
+        async || support::compare(&read_committed().await, &live).is_empty(),
     )
     .await;
     let events = read_committed().await;
@@ -1261,21 +1235,14 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
             .map(|m| serde_json::from_slice(&m.payload).unwrap())
             .collect()
     };
-    let dedup = |events: &[Value]| {
-        let mut seen = BTreeSet::new();
-        events
-            .iter()
-            .filter(|e| seen.insert(e["id"].as_str().unwrap().to_owned()))
-            .cloned()
-            .collect::<Vec<_>>()
-    };
     wait::until(
         "the stream folds to the matching objects",
         Patience::of(Duration::from_secs(60)),
         async || {
             let events = read().await;
-            differences(&fold_in_order(&events), &matching).is_empty()
-                && differences(&fold_in_order(&dedup(&events)), &matching).is_empty()
+            support::compare_both(&events, &matching)
+                .iter()
+                .all(Differences::is_empty)
         },
     )
     .await;
@@ -1284,8 +1251,7 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
         r.terminate();
     }
     let events = read().await;
-    let d = differences(&fold_in_order(&events), &matching);
-    let deduplicated = differences(&fold_in_order(&dedup(&events)), &matching);
+    let [d, deduplicated] = support::compare_both(&events, &matching);
     let filtered_out = events
         .iter()
         .filter(|e| e["k8sfilteredout"] == true)
@@ -1293,17 +1259,14 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
     let resumed = events.iter().filter(|e| e["k8sresumed"] == true).count();
     println!(
         "filter + resume + failover: 500 changes, {} messages ({filtered_out} filtered out, \
-         {resumed} resumed), {} matching objects; lost deletes {}, phantom deletes {}, stale {}, \
-         missing {} (both consumer models)",
+         {resumed} resumed), {} matching objects; last message wins: {}; deduplicated by id: {}",
         events.len(),
         matching.len(),
-        d.lost_deletes.len(),
-        d.phantom_deletes.len(),
-        d.stale.len(),
-        d.missing.len(),
+        d.counts(),
+        deduplicated.counts(),
     );
-    assert!(d.is_empty(), "{d:?}");
-    assert!(deduplicated.is_empty(), "{deduplicated:?}");
+    assert!(d.is_empty(), "{d}");
+    assert!(deduplicated.is_empty(), "{deduplicated}");
     assert!(filtered_out > 0 && resumed > 0, "the run exercised both");
 }
 
@@ -1330,7 +1293,7 @@ async fn every_delete(destination: &Destination, ns: &str, n: usize, what: &str)
         "every Gadget's delete",
         Patience::of(Duration::from_secs(60 + n as u64 / 100)),
         async || {
-            let folded = fold_in_order(&destination.read().await);
+            let folded = support::fold_in_order(&destination.read().await);
             (0..n).all(|i| {
                 folded
                     .get(&format!("{ns}/g{i:02}"))

@@ -33,7 +33,7 @@ use support::{
     Differences,
     cluster::{Cluster, ClusterOptions},
     config::{ConfigBuilder, NATS_STREAM, nats_sink},
-    deployed::{compare, counts, read, replica_metrics, samples},
+    deployed::{compare, read, replica_metrics, samples},
     nats::{NatsServer, stream_len},
     objects::{configmap, configmaps, custom_resource, spread_namespaces},
     replica::{Replica, dump, shards_spread},
@@ -467,12 +467,7 @@ async fn sharded(server_side: bool) {
         r.terminate();
     }
     let events = read(&url).await;
-    let mut ids = std::collections::HashSet::new();
-    let deduplicated: Vec<Value> = events
-        .iter()
-        .filter(|e| ids.insert(e["id"].as_str().unwrap().to_owned()))
-        .cloned()
-        .collect();
+    let deduplicated = support::deduplicated(&events);
     let repeated = events.len() - deduplicated.len();
     found = (
         compare(&cluster, &events, "ConfigMap", &configmaps()).await,
@@ -493,12 +488,12 @@ async fn sharded(server_side: bool) {
         },
         mode_line,
         events.len(),
-        counts(&found.0),
-        counts(&found.1),
+        found.0.counts(),
+        found.1.counts(),
         started.elapsed()
     );
-    assert!(found.0.is_empty(), "ConfigMaps: {:?}", found.0);
-    assert!(found.1.is_empty(), "Widgets: {:?}", found.1);
+    assert!(found.0.is_empty(), "ConfigMaps: {}", found.0);
+    assert!(found.1.is_empty(), "Widgets: {}", found.1);
     assert!(
         found_deduplicated.0.is_empty() && found_deduplicated.1.is_empty(),
         "deduplicated by id: {found_deduplicated:?}"
@@ -584,12 +579,12 @@ async fn a_change_of_the_shard_count_loses_no_delete_and_replays_nothing() {
             "run {run} with {shards} shard(s): {} messages ({}), {}",
             after.len(),
             after.join(", "),
-            counts(&d)
+            d.counts()
         );
         if !folded || !d.is_empty() {
             dump(std::slice::from_ref(&replica));
         }
-        assert!(d.is_empty(), "run {run} with {shards} shard(s): {d:?}");
+        assert!(d.is_empty(), "run {run} with {shards} shard(s): {d}");
         if run > 0 {
             // Exactly the changes made while nobody ran, each once: 3 deletes, 2 updates and
             // 2 creates of this test's objects (kube-system's ConfigMaps did not change).
@@ -686,7 +681,7 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
         if !ok {
             replicas.iter().for_each(|r| dump(std::slice::from_ref(*r)));
             let d = compare(&cluster, &read(&url).await, "ConfigMap", &configmaps()).await;
-            panic!("{what}: {}", counts(&d));
+            panic!("{what}: {d}");
         }
     };
     let mut change = 0;
@@ -796,7 +791,7 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
          ran: {standby} and {standby_back}, sent twice: {}, {}",
         events.len(),
         twice.len(),
-        counts(&d)
+        d.counts()
     );
     assert_eq!(
         standby, 0,

@@ -32,7 +32,6 @@ use serde_json::{Value, json};
 use support::{
     ApiServer,
     config::{ConfigBuilder, NATS_STREAM, kafka_sink, nats_sink},
-    differences, fold_in_order,
     kafka::{Kafka, Record, consume_all},
     nats::{NatsServer, read_stream},
     objects::{configmap, spread_namespaces, typed},
@@ -544,21 +543,18 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
     }
     let events = read().await;
     let live = api.objects("v1", "ConfigMap");
-    let found = differences(&fold_in_order(&events), &live);
+    let found = support::compare(&events, &live);
     let repeats = repeated(&events);
     println!(
-        "{changes} changes; {timings}; {} messages; last message wins: {} lost deletes, {} phantom deletes, {} stale, {} missing; {} sent twice",
+        "{changes} changes; {timings}; {} messages; last message wins: {}; {} sent twice",
         events.len(),
-        found.lost_deletes.len(),
-        found.phantom_deletes.len(),
-        found.stale.len(),
-        found.missing.len(),
+        found.counts(),
         repeats.len(),
     );
     if !found.is_empty() {
         dump(&replicas);
     }
-    assert!(found.is_empty(), "{found:?}");
+    assert!(found.is_empty(), "{found}");
     // Replicas that join or leave (SIGTERM) hand their shards on drained: the next owner
     // finds every message in the checkpoint and sends none again. (A SIGKILLed replica's
     // unwritten acknowledgements are sent again: duplicates are what a crash may cost.)

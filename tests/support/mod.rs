@@ -6,6 +6,7 @@ pub mod api_server;
 pub mod cluster;
 pub mod config;
 pub mod deployed;
+pub mod fold;
 pub mod kafka;
 pub mod loopback;
 pub mod model;
@@ -26,6 +27,11 @@ use kube_event_bridge::informer::{Notification, NotificationHandler, Notificatio
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub use api_server::ApiServer;
+#[allow(unused_imports)] // each test binary uses a different part
+pub use fold::{
+    Differences, assert_both_match_cluster, assert_matches_cluster, compare, compare_both,
+    compare_kinds, deduplicated, differences, fold_in_order,
+};
 use objects::{configmap, typed};
 use wait::PATIENCE;
 
@@ -378,72 +384,6 @@ pub fn degraded(metrics: &kube_event_bridge::metrics::Metrics, sink: &str) -> [u
             .with_label_values(&[sink, "configmap", step])
             .get()
     })
-}
-
-/// What a consumer that folds a stream by the order it reads it ends with, per object key:
-/// the last message's object uid and resourceVersion, `None` when the last message is a
-/// delete. Resyncs are folded like updates.
-pub fn fold_in_order<'a>(
-    events: impl IntoIterator<Item = &'a serde_json::Value>,
-) -> std::collections::BTreeMap<String, Option<(String, String)>> {
-    let mut folded = std::collections::BTreeMap::new();
-    for e in events {
-        let meta = &e["data"]["object"]["metadata"];
-        let state = (event_type(e) != "deleted").then(|| {
-            (
-                meta["uid"].as_str().unwrap_or_default().to_owned(),
-                meta["resourceVersion"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-            )
-        });
-        folded.insert(e["subject"].as_str().unwrap().to_owned(), state);
-    }
-    folded
-}
-
-/// How a folded stream differs from the API server's objects (see [`fold_in_order`]).
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Differences {
-    /// Gone from the server, last message not a delete (or of another incarnation).
-    pub lost_deletes: Vec<String>,
-    /// Live on the server, last message a delete.
-    pub phantom_deletes: Vec<String>,
-    /// Live, last message of an older state (or another incarnation).
-    pub stale: Vec<String>,
-    /// Live, never published.
-    pub missing: Vec<String>,
-}
-
-impl Differences {
-    /// Whether the consumer ends with exactly the server's objects.
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-}
-
-/// Compares `folded` with `live` (the server's objects that belong to the stream, as
-/// [`ApiServer::objects`] gives them).
-pub fn differences(
-    folded: &std::collections::BTreeMap<String, Option<(String, String)>>,
-    live: &std::collections::BTreeMap<String, (String, String)>,
-) -> Differences {
-    let mut d = Differences::default();
-    for (key, state) in folded {
-        match (state, live.get(key)) {
-            (Some(_), None) => d.lost_deletes.push(key.clone()),
-            (None, Some(_)) => d.phantom_deletes.push(key.clone()),
-            (Some(got), Some(want)) if got != want => d.stale.push(key.clone()),
-            _ => {}
-        }
-    }
-    d.missing = live
-        .keys()
-        .filter(|k| !folded.contains_key(*k))
-        .cloned()
-        .collect();
-    d
 }
 
 /// A message about ConfigMap `ns/{name}` of cluster `cluster`, with `payload` as it is (for
