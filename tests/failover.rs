@@ -141,17 +141,8 @@ async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> O
     stop.store(true, Ordering::Relaxed);
     let changes = writer.await.unwrap();
     let quiet = async || {
-        let (mut last, mut since) = (0, tokio::time::Instant::now());
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-        while since.elapsed() < Duration::from_secs(4) {
-            assert!(tokio::time::Instant::now() < deadline, "never quiet");
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let n = read().await.len();
-            if n != last {
-                (last, since) = (n, tokio::time::Instant::now());
-            }
-        }
-        last
+        let count = async || read().await.len();
+        wait::quiet(Duration::from_secs(4), Duration::from_secs(120), count).await
     };
     let before_thaw = quiet().await;
     let before: Vec<Value> = read().await;

@@ -8,7 +8,10 @@ use std::{
 
 use serde_json::Value;
 
-use super::event_type;
+use super::{
+    event_type,
+    wait::{self, Patience},
+};
 
 /// Per object key (`namespace/name`): uid and resourceVersion, as [`super::ApiServer::objects`]
 /// and [`super::cluster::Cluster::objects`] give the server's objects.
@@ -176,4 +179,25 @@ pub fn assert_both_match_cluster(what: &str, events: &[Value], live: &Objects) {
         "{what}: the fold differs from the server; last message wins: {last_wins}; \
          deduplicated by id: {deduplicated}"
     );
+}
+
+/// Waits (up to 60 s) until what `read` returns folds to `live` ([`compare`]); panics naming
+/// `what` otherwise.
+pub async fn until_matches(what: &str, read: impl AsyncFn() -> Vec<Value>, live: &Objects) {
+    let patience = Patience::of(std::time::Duration::from_secs(60));
+    wait::until(what, patience, async || {
+        compare(&read().await, live).is_empty()
+    })
+    .await;
+}
+
+/// [`until_matches`] for both consumer models ([`compare_both`]).
+pub async fn until_both_match(what: &str, read: impl AsyncFn() -> Vec<Value>, live: &Objects) {
+    let patience = Patience::of(std::time::Duration::from_secs(60));
+    wait::until(what, patience, async || {
+        compare_both(&read().await, live)
+            .iter()
+            .all(Differences::is_empty)
+    })
+    .await;
 }

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod api_server;
+pub mod broker;
 pub mod cluster;
 pub mod config;
 pub mod deployed;
@@ -30,7 +31,7 @@ pub use api_server::ApiServer;
 #[allow(unused_imports)] // each test binary uses a different part
 pub use fold::{
     Differences, assert_both_match_cluster, assert_matches_cluster, compare, compare_both,
-    compare_kinds, deduplicated, differences, fold_in_order,
+    compare_kinds, deduplicated, differences, fold_in_order, until_both_match, until_matches,
 };
 use objects::{configmap, typed};
 use wait::PATIENCE;

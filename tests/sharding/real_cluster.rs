@@ -12,8 +12,6 @@
 //!
 //! The RBAC of deploy/ and of the Helm chart is tested in tests/deploy.rs.
 
-mod support;
-
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::{
@@ -23,6 +21,7 @@ use std::{
     time::Duration,
 };
 
+use crate::{AT_ONCE, support};
 use futures::StreamExt;
 use k8s_openapi::api::{coordination::v1::Lease, core::v1::ConfigMap};
 use kube::api::{
@@ -35,7 +34,7 @@ use support::{
     config::{ConfigBuilder, NATS_STREAM, nats_sink},
     deployed::{compare, read, replica_metrics, samples},
     nats::{NatsServer, stream_len},
-    objects::{configmap, configmaps, custom_resource, spread_namespaces},
+    objects::{configmap, configmaps, custom_resource, spread_namespace, spread_namespaces},
     replica::{Replica, dump, shards_spread},
     wait::{self, Patience},
 };
@@ -57,11 +56,7 @@ fn widgets() -> ApiResource {
 
 /// ConfigMap `i`: its namespace and name.
 fn configmap_name(i: usize) -> (String, String) {
-    thread_local! {
-        static NAMESPACES: Vec<String> = spread_namespaces();
-    }
-    let ns = NAMESPACES.with(|n| n[i % n.len()].clone());
-    (ns, format!("cm-{i:04}"))
+    (spread_namespace(i), format!("cm-{i:04}"))
 }
 
 fn widget(name: &str, value: &str) -> DynamicObject {
@@ -227,6 +222,7 @@ async fn apiserver_metrics(cluster: &Cluster) -> String {
 }
 
 async fn sharded(server_side: bool) {
+    let _turn = AT_ONCE.acquire().await.unwrap();
     let started = tokio::time::Instant::now();
     let options = ClusterOptions {
         feature_gates: if server_side {
@@ -524,6 +520,7 @@ async fn checkpoint_lag(replica: &Replica) -> Option<f64> {
 /// resumed from no checkpoint: adds for everything and none of the deletes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_of_the_shard_count_loses_no_delete_and_replays_nothing() {
+    let _turn = AT_ONCE.acquire().await.unwrap();
     let cluster = Cluster::start().await;
     let client = cluster.client().await;
     let namespaces: Vec<String> = spread_namespaces().into_iter().take(6).collect();
@@ -649,6 +646,7 @@ fn counted_config(identity: &str, shards: u32, sink: &Value) -> Value {
 /// sent twice. Before this guard, both published every object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_leader_and_sharded_replicas_never_publish_together() {
+    let _turn = AT_ONCE.acquire().await.unwrap();
     let cluster = Cluster::start().await;
     let client = cluster.client().await;
     let namespaces: Vec<String> = spread_namespaces().into_iter().take(4).collect();
