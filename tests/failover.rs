@@ -27,17 +27,15 @@ use std::{
 use serde_json::{Value, json};
 use support::{
     ApiServer, Differences,
-    config::{ConfigBuilder, NATS_STREAM, kafka_sink, nats_sink},
+    broker::Broker,
+    config::ConfigBuilder,
     deduplicated, fold_in_order,
-    kafka::{Kafka, consume_all},
-    nats::{NatsServer, read_stream},
     objects::{configmap, typed},
     replica::Replica,
     wait::{self, Patience},
 };
 
 const OBJECTS: usize = 300;
-const TOPIC: &str = "k8s.test.core.configmaps";
 
 /// A replica's config: ConfigMaps to `sink`, leader election with fast timings.
 fn config(identity: &str, sink: &Value) -> Value {
@@ -84,15 +82,6 @@ async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u
         tokio::time::sleep(pause).await;
     }
     changes
-}
-
-/// The stream's events, in stream order.
-async fn jetstream_events(url: &str) -> Vec<Value> {
-    read_stream(url, NATS_STREAM)
-        .await
-        .iter()
-        .map(|m| serde_json::from_slice(&m.payload).unwrap())
-        .collect()
 }
 
 /// Drops every message whose id was read before (a consumer deduplicating by id).
@@ -230,39 +219,21 @@ fn slow(mut sink: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_kafka() {
-    let broker = Kafka::start();
-    let brokers = broker.brokers();
-    broker.create_topic(TOPIC, 3);
+    let broker = Broker::own_kafka();
     // librdkafka gives up on a message after 3 s: the new leader waits 2 s of it out.
     // Batches as in production: Apache Kafka's watermarks count every record of a batch (tansu,
     // used before, needed one record per batch), and `consume_all` reads up to them.
-    let sink = slow(kafka_sink(
-        "kafka",
-        &brokers,
-        json!({"delivery_timeout": "3s"}),
-    ));
-    let read = async || -> Vec<Value> {
-        let brokers = brokers.clone();
-        tokio::task::spawn_blocking(move || {
-            consume_all(&brokers, TOPIC, 3)
-                .iter()
-                .map(|r| r.json())
-                .collect()
-        })
-        .await
-        .unwrap()
-    };
-    let found = freeze_the_leader(sink, read).await;
+    let mut sink = broker.sink("kafka");
+    sink["kafka"]["delivery_timeout"] = json!("3s");
+    let found = freeze_the_leader(slow(sink), async || broker.read().await).await;
     assert_consistent(&found);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_jetstream() {
-    let nats = NatsServer::start();
-    let url = nats.url();
-    let sink = slow(nats_sink("nats", &url, json!({})));
-    let read = async || jetstream_events(&url).await;
-    let found = freeze_the_leader(sink, read).await;
+    let broker = Broker::jetstream();
+    let sink = slow(broker.sink("nats"));
+    let found = freeze_the_leader(sink, async || broker.read().await).await;
     assert_consistent(&found);
 }
 
@@ -274,14 +245,13 @@ async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_jets
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover_get_their_deletes()
 {
-    let nats = NatsServer::start();
-    let url = nats.url();
-    let mut sink = nats_sink("nats", &url, json!({}));
+    let broker = Broker::jetstream();
+    let mut sink = broker.sink("nats");
     sink["checkpoint_interval"] = json!("1h");
     let api = ApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let read = async || jetstream_events(&url).await;
+    let read = async || broker.read().await;
     let mut a = start(dir.path(), "replica-a", &sink, &kubeconfig);
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
     wait::until("replica-a to lead", patience, async || {
