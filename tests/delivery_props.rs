@@ -28,7 +28,7 @@ use kube_event_bridge::{
     informer::{Notification, NotificationKind, ObjectRef},
     message::{Encoder, Encoding},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, RouteBuilder},
+    pipeline::{self, Budget, RouteBuilder},
     workqueue::rate_limiter::RetrySettings,
 };
 use objects::{Meta, cached, configmap_with_data, configmaps};
@@ -109,12 +109,7 @@ fn run_case(
         });
         let metrics = Arc::new(Metrics::new());
         let budget = Arc::new(Budget::new(1_000_000));
-        let delivery = Arc::new(Delivery {
-            sink: sink.clone(),
-            dead_letter: None,
-            publish_limit: None,
-            max_retries: None,
-        });
+        let delivery = fake_sink::delivery_to(sink.clone(), None);
         let message = MessageConfig {
             include_old_object: true,
             ..MessageConfig::default()

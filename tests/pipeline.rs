@@ -482,12 +482,7 @@ async fn after_a_reference_the_next_update_carries_no_patch() {
         ..FakeSink::named("test")
     });
     let metrics = Arc::new(Metrics::new());
-    let delivery = Arc::new(Delivery {
-        sink: sink.clone(),
-        dead_letter: None,
-        publish_limit: None,
-        max_retries: None,
-    });
+    let delivery = fake_sink::delivery_to(sink.clone(), None);
     let message = MessageConfig {
         include_old_object: false,
         diff: kube_event_bridge::message::DiffMode::Patch,
@@ -546,12 +541,7 @@ async fn after_a_reference_the_next_update_carries_no_patch() {
 async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
     let sink = Arc::new(FakeSink::named("test"));
     let metrics = Arc::new(Metrics::new());
-    let delivery = Arc::new(Delivery {
-        sink: sink.clone(),
-        dead_letter: None,
-        publish_limit: None,
-        max_retries: Some(1),
-    });
+    let delivery = fake_sink::delivery_to(sink.clone(), Some(1));
     let encoder = Encoder::new(
         "test",
         &configmaps(),

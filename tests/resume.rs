@@ -154,12 +154,7 @@ async fn ten_thousand_unchanged_objects_publish_nothing_after_a_restart() {
     let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;
-    let unchanged = || {
-        app.metrics
-            .resume_objects
-            .with_label_values(&["configmap/out", "unchanged"])
-            .get()
-    };
+    let unchanged = || app.unchanged_on_resume("configmap/out");
     wait::until("every object compared", PATIENCE, async || {
         unchanged() == 10_000
     })
@@ -576,13 +571,7 @@ async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
     api.delete("v1", "ConfigMap", "ns", "cm-0");
     // The checkpoint file cannot be read: a directory stands where it was.
     let checkpoint = dir.path().join("out.jsonl.checkpoint");
-    let saved = dir.path().join("saved.checkpoint");
-    std::fs::rename(&checkpoint, &saved).unwrap();
-    // A link to a directory, so that renaming the saved file over it brings the checkpoint
-    // back in one step: a checkpoint briefly absent reads as "nothing published yet".
-    let blocker = dir.path().join("blocker");
-    std::fs::create_dir(&blocker).unwrap();
-    std::os::unix::fs::symlink(&blocker, &checkpoint).unwrap();
+    let saved = support::block_checkpoint(&checkpoint);
     let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;

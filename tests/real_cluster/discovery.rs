@@ -465,10 +465,7 @@ async fn a_crd_deleted_while_nobody_leads_delivers_its_deletes_from_the_checkpoi
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crd_deleted_while_no_replica_runs_delivers_its_deletes_from_the_checkpoint() {
     // `REAL_CLUSTER_GADGETS` runs it at scale (the CI run is small).
-    let n: usize = std::env::var("REAL_CLUSTER_GADGETS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(10);
+    let n = support::scaled("REAL_CLUSTER_GADGETS", 10);
     let ns = "crd-gone-down";
     let cluster = gadgets(ns, n).await;
     let destination = Broker::jetstream();

@@ -40,10 +40,7 @@ use support::{
 const SHARDS: u32 = 12;
 
 fn objects() -> usize {
-    std::env::var("SHARDING_TEST_OBJECTS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(1_200)
+    support::scaled("SHARDING_TEST_OBJECTS", 1_200)
 }
 
 /// Fast leases (4 s) for CI; with `SHARDING_TEST_DEFAULT_LEASES=1`, the defaults (15 s).
@@ -80,25 +77,9 @@ fn shard_holders(api: &ApiServer) -> Vec<Option<String>> {
         .collect()
 }
 
-/// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
-/// re-creates.
+/// Changes objects at about `per_second` until `stop` ([`support::churn`]).
 async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u64 {
-    let n = objects() as u64;
-    let mut changes = 0u64;
-    let pause = Duration::from_micros(1_000_000 / per_second);
-    while !stop.load(Ordering::Relaxed) {
-        let i = (changes * 7919 % n) as usize;
-        let (ns, name) = name_of(i);
-        let value = format!("v{changes}");
-        match api.get("v1", "ConfigMap", &ns, &name) {
-            None => api.create(typed(&configmap(&ns, &name, &value))),
-            Some(_) if changes.is_multiple_of(7) => api.delete("v1", "ConfigMap", &ns, &name),
-            Some(_) => api.update(typed(&configmap(&ns, &name, &value))),
-        };
-        changes += 1;
-        tokio::time::sleep(pause).await;
-    }
-    changes
+    support::churn(api, objects(), name_of, per_second, stop).await
 }
 
 /// What happens to the replicas while objects change.

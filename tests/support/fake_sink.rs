@@ -6,7 +6,7 @@
 
 use std::{
     sync::{
-        Mutex,
+        Arc, Mutex,
         atomic::{AtomicU64, AtomicUsize, Ordering},
     },
     time::Duration,
@@ -15,6 +15,7 @@ use std::{
 use futures::{FutureExt, future::BoxFuture};
 use kube_event_bridge::{
     message::Message,
+    pipeline::Delivery,
     sinks::{self, Sink},
 };
 
@@ -92,6 +93,16 @@ pub struct FakeSink {
     pub next: AtomicUsize,
     /// What was stored, in order (read it with [`FakeSink::accepted`]).
     pub log: Mutex<Vec<Accepted>>,
+}
+
+/// A route's delivery to `sink` alone: no dead letter, no publish limit, and `max_retries`.
+pub fn delivery_to(sink: Arc<FakeSink>, max_retries: Option<u32>) -> Arc<Delivery> {
+    Arc::new(Delivery {
+        sink,
+        dead_letter: None,
+        publish_limit: None,
+        max_retries,
+    })
 }
 
 impl FakeSink {

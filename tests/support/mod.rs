@@ -206,6 +206,28 @@ pub struct RunningApp {
 }
 
 impl RunningApp {
+    /// How many objects the resume of `route` (`configmap/out`) found unchanged since its
+    /// checkpoint (`keb_resume_objects`).
+    pub fn unchanged_on_resume(&self, route: &str) -> u64 {
+        let outcome = [route, "unchanged"];
+        self.metrics
+            .resume_objects
+            .with_label_values(&outcome)
+            .get()
+    }
+
+    /// How many of `sink`'s ConfigMap publishes failed as a broker outage fails them
+    /// (`keb_sink_failed` with reason `timeout` or `unavailable`).
+    pub fn outage_failures(&self, sink: &str) -> u64 {
+        ["timeout", "unavailable"]
+            .iter()
+            .map(|r| {
+                let labels = [sink, "configmap", r];
+                self.metrics.sink_failed.with_label_values(&labels).get()
+            })
+            .sum()
+    }
+
     /// Builds the service against `api` and runs it.
     pub async fn start(config: kube_event_bridge::config::Config, api: &ApiServer) -> Self {
         // The service's own client for its `kubernetes` settings (rate limit, retries, stall
@@ -385,6 +407,74 @@ pub fn degraded(metrics: &kube_event_bridge::metrics::Metrics, sink: &str) -> [u
             .with_label_values(&[sink, "configmap", step])
             .get()
     })
+}
+
+/// Makes a file sink's checkpoint file unreadable until the test renames the file returned
+/// over it again: the checkpoint moved aside (`saved.checkpoint` beside it) and a link to a
+/// directory in its place, so that the rename brings the checkpoint back in one step (a
+/// checkpoint briefly absent reads as "nothing published yet").
+pub fn block_checkpoint(checkpoint: &std::path::Path) -> std::path::PathBuf {
+    let dir = checkpoint.parent().unwrap();
+    let saved = dir.join("saved.checkpoint");
+    std::fs::rename(checkpoint, &saved).unwrap();
+    let blocker = dir.join("blocker");
+    std::fs::create_dir(&blocker).unwrap();
+    std::os::unix::fs::symlink(&blocker, checkpoint).unwrap();
+    saved
+}
+
+/// How many of something a test runs with: the environment variable `var`'s number (to run
+/// it at scale), else `default` (the CI run).
+pub fn scaled(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Creates ConfigMap `ns/cm-{i}` (`v: 1`) and updates it (`v: 2`) for each `i` below `n`, in
+/// a task of its own, pausing 20 ms after every `every`-th: a load of `2 n` notifications.
+pub fn spawn_creates_and_updates(
+    api: &Arc<ApiServer>,
+    n: usize,
+    every: usize,
+) -> tokio::task::JoinHandle<()> {
+    let api = api.clone();
+    tokio::spawn(async move {
+        for i in 0..n {
+            api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+            api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
+            if i % every == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    })
+}
+
+/// Changes ConfigMaps on `api` at about `per_second` until `stop`, the one of change `c`
+/// being `name_of(c * 7919 % objects)`: updates mostly, a delete every seventh change (where
+/// the object is there), a create where it is gone. Returns how many changes it made.
+pub async fn churn(
+    api: Arc<ApiServer>,
+    objects: usize,
+    name_of: impl Fn(usize) -> (String, String),
+    per_second: u64,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> u64 {
+    let mut changes = 0u64;
+    let pause = std::time::Duration::from_micros(1_000_000 / per_second);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let (ns, name) = name_of((changes * 7919 % objects as u64) as usize);
+        let value = format!("v{changes}");
+        match api.get("v1", "ConfigMap", &ns, &name) {
+            None => api.create(typed(&configmap(&ns, &name, &value))),
+            Some(_) if changes.is_multiple_of(7) => api.delete("v1", "ConfigMap", &ns, &name),
+            Some(_) => api.update(typed(&configmap(&ns, &name, &value))),
+        };
+        changes += 1;
+        tokio::time::sleep(pause).await;
+    }
+    changes
 }
 
 /// A message about ConfigMap `ns/{name}` of cluster `cluster`, with `payload` as it is (for
