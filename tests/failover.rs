@@ -84,8 +84,6 @@ async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u
     changes
 }
 
-/// Drops every message whose id was read before (a consumer deduplicating by id).
-
 /// What a consumer ends with after a failover with a thaw.
 struct Outcome {
     /// How each consumer model differs from the API server.
