@@ -9,40 +9,20 @@
 //! `cargo bench --bench pipeline [-- NOTIFICATIONS OBJECTS WORKERS OBJECT_BYTES]`; `BENCH_ONLY=off`
 //! (any part of a configuration's label) runs only the matching configuration.
 
+#[path = "../tests/support/fake_sink.rs"]
+mod fake_sink;
 mod support;
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicU64, Ordering},
-};
+use std::sync::{Arc, atomic::Ordering};
 
-use futures::{FutureExt, future::BoxFuture};
+use fake_sink::FakeSink;
 use kube_event_bridge::{
     config::{DiffMode, MessageConfig, ResourceConfig},
-    message::{Encoder, Encoding, Message},
+    message::{Encoder, Encoding},
     metrics::Metrics,
     pipeline::filter::Rules,
-    sinks::{self, Sink},
 };
 use support::{Figures, RouteSpec, Timed, alternating, percentiles, run_bridge};
-
-/// Accepts every message at once.
-struct AckSink {
-    count: AtomicU64,
-}
-
-impl Sink for AckSink {
-    fn name(&self) -> &str {
-        "ack"
-    }
-    fn publish<'a>(&'a self, _: &'a Message) -> BoxFuture<'a, sinks::Result<()>> {
-        self.count.fetch_add(1, Ordering::Relaxed);
-        async { Ok(()) }.boxed()
-    }
-    fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
-        async { Ok(()) }.boxed()
-    }
-}
 
 fn main() {
     let args: Vec<usize> = std::env::args()
@@ -120,8 +100,10 @@ fn main() {
             };
             let rules = if filter { rules() } else { None };
             let notes = alternating(total, objects, size);
-            let sink = Arc::new(Timed::new(AckSink {
-                count: AtomicU64::new(0),
+            // Accepts every message at once, keeping nothing.
+            let sink = Arc::new(Timed::new(FakeSink {
+                discard: true,
+                ..FakeSink::named("ack")
             }));
             let run = runtime.block_on(run_bridge(
                 sink.clone(),
@@ -132,7 +114,7 @@ fn main() {
                     ..RouteSpec::new(&metrics, name, workers, backlog)
                 },
             ));
-            let delivered = sink.inner.count.load(Ordering::Relaxed);
+            let delivered = sink.inner.attempts.load(Ordering::Relaxed);
             let (p50, p99) = percentiles(std::mem::take(&mut *sink.samples.lock().unwrap()));
             let figures = Figures {
                 events: delivered as usize,

@@ -11,46 +11,28 @@
 //! after a scripted delay, so several keys are in flight at once. Bounded cases here
 //! (`KEB_DELIVERY_CASES`, default 48); more with e.g. `KEB_DELIVERY_CASES=2000`.
 
+#[path = "support/fake_sink.rs"]
+mod fake_sink;
 #[path = "support/objects.rs"]
 mod objects;
 
 use std::{
     collections::{BTreeMap, HashSet},
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicUsize, Ordering},
-    },
+    sync::Arc,
     time::Duration,
 };
 
-use futures::{FutureExt, future::BoxFuture};
+use fake_sink::{FakeSink, Outcome};
 use kube_event_bridge::{
     config::MessageConfig,
     informer::{Notification, NotificationKind, ObjectRef},
-    message::{Encoder, Encoding, Message},
+    message::{Encoder, Encoding},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, RouteBuilder},
-    sinks::{self, Sink},
+    pipeline::{self, Budget, RouteBuilder},
     workqueue::rate_limiter::RetrySettings,
 };
 use objects::{Meta, cached, configmap_with_data, configmaps};
 use proptest::prelude::*;
-
-/// What happens to one hand-over.
-#[derive(Debug, Clone, Copy)]
-enum Outcome {
-    /// Stored and acknowledged.
-    Stored,
-    /// Not stored; the acknowledgement fails (retriable).
-    Failed,
-    /// Stored, but the acknowledgement is lost (a timeout: retriable).
-    LostButStored,
-    /// Refused as too large in the acknowledgement, unless it is a reference already (then
-    /// stored): the route sends it again trimmed.
-    TooLarge,
-    /// Refused at the hand-over itself (a full local queue: retriable).
-    Refused,
-}
 
 fn outcome() -> impl Strategy<Value = Outcome> {
     prop_oneof![
@@ -64,89 +46,6 @@ fn outcome() -> impl Strategy<Value = Outcome> {
 
 /// One stored message: (key, id, type, uid, resourceVersion).
 type Stored = (String, String, String, String, String);
-
-/// A broker log fed by the route, with a scripted outcome per hand-over.
-struct ScriptedSink {
-    script: Vec<(Outcome, u8)>,
-    next: AtomicUsize,
-    /// JetStream's deduplication: a message whose id was stored among the last `window`
-    /// messages is acknowledged but not stored again. `None`: every copy is kept (Kafka).
-    window: Option<usize>,
-    log: Mutex<Vec<Stored>>,
-}
-
-impl ScriptedSink {
-    fn store(&self, m: &Message, v: &serde_json::Value) {
-        let mut log = self.log.lock().unwrap();
-        if let Some(window) = self.window {
-            let from = log.len().saturating_sub(window);
-            if log[from..].iter().any(|s| s.1 == m.id) {
-                return;
-            }
-        }
-        let attr = |name: &str| v[name].as_str().unwrap_or_default().to_owned();
-        let ty = attr("type").rsplit('.').next().unwrap().to_owned();
-        log.push((
-            m.key.clone(),
-            m.id.clone(),
-            ty,
-            attr("k8suid"),
-            attr("k8sresourceversion"),
-        ));
-    }
-}
-
-impl Sink for ScriptedSink {
-    fn name(&self) -> &str {
-        "scripted"
-    }
-
-    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<()>> {
-        async move { self.submit(m).await?.await }.boxed()
-    }
-
-    fn submit<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<sinks::Ack>> {
-        async move {
-            let i = self.next.fetch_add(1, Ordering::SeqCst);
-            let (outcome, delay) = self.script.get(i).copied().unwrap_or((Outcome::Stored, 0));
-            let v: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
-            let reference = v["k8struncated"] == true;
-            let result = match outcome {
-                Outcome::Refused => {
-                    return Err(sinks::Error::Io(std::io::Error::other("queue full")));
-                }
-                Outcome::Stored => {
-                    self.store(m, &v);
-                    Ok(())
-                }
-                Outcome::TooLarge if reference => {
-                    self.store(m, &v);
-                    Ok(())
-                }
-                Outcome::TooLarge => Err(sinks::Error::TooLarge {
-                    size: m.payload.len(),
-                    max: m.payload.len() - 1,
-                }),
-                Outcome::Failed => Err(sinks::Error::Io(std::io::Error::other("failed"))),
-                Outcome::LostButStored => {
-                    self.store(m, &v);
-                    Err(sinks::Error::Io(std::io::Error::other("ack timed out")))
-                }
-            };
-            let delay = Duration::from_millis(delay as u64);
-            Ok(async move {
-                tokio::time::sleep(delay).await;
-                result
-            }
-            .boxed())
-        }
-        .boxed()
-    }
-
-    fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
-        async { Ok(()) }.boxed()
-    }
-}
 
 /// What the cluster does to one of a few objects.
 #[derive(Debug, Clone, Copy)]
@@ -203,20 +102,14 @@ fn run_case(
         .build()
         .unwrap();
     rt.block_on(async move {
-        let sink = Arc::new(ScriptedSink {
+        let sink = Arc::new(FakeSink {
             script,
-            next: AtomicUsize::new(0),
             window,
-            log: Mutex::default(),
+            ..FakeSink::named("scripted")
         });
         let metrics = Arc::new(Metrics::new());
         let budget = Arc::new(Budget::new(1_000_000));
-        let delivery = Arc::new(Delivery {
-            sink: sink.clone(),
-            dead_letter: None,
-            publish_limit: None,
-            max_retries: None,
-        });
+        let delivery = fake_sink::delivery_to(sink.clone(), None);
         let message = MessageConfig {
             include_old_object: true,
             ..MessageConfig::default()
@@ -296,7 +189,15 @@ fn run_case(
         running
             .drain(tokio::time::Instant::now() + Duration::from_secs(5))
             .await;
-        let log = sink.log.lock().unwrap().clone();
+        let log: Vec<Stored> = sink
+            .accepted()
+            .iter()
+            .map(|a| {
+                let attr = |name: &str| a.attribute(name).to_owned();
+                let ty = a.event_type().to_owned();
+                (a.key.clone(), a.id.clone(), ty, attr("k8suid"), attr("k8sresourceversion"))
+            })
+            .collect();
         for deduplicate in [false, true] {
             let model = if deduplicate {
                 "deduplicate by id, then last wins"

@@ -32,7 +32,7 @@ use support::{
     cluster::Cluster,
     config::nats_sink,
     deployed::{
-        DEPLOY_NAMESPACE, allowed, apply_rbac, caught_up, change, compare, counts,
+        DEPLOY_NAMESPACE, allowed, apply_rbac, caught_up, change, compare,
         deploy_service_account_kubeconfig, forbidden_gauges, rbac_of, read, ready, refusals,
         run_helm, service_account_kubeconfig, wait_ready, yaml_docs,
     },
@@ -195,7 +195,7 @@ async fn rbac_is_enough_and_a_missing_verb_is_reported(
     caught_up(cluster, &url, "ConfigMap", &configmaps(), &second).await;
     // The refused kind received none of those changes (it lists, but cannot watch).
     let behind = compare(cluster, &read(&url).await, "Deployment", &deployments()).await;
-    eprintln!("Deployment while refused: {}", counts(&behind));
+    eprintln!("Deployment while refused: {}", behind.counts());
     assert_eq!(
         behind,
         Differences {

@@ -697,10 +697,7 @@ async fn discovery_failures_and_brief_gaps_delete_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crd_version_change_under_a_wildcard_deletes_and_replays_nothing() {
     // KEB_SWITCH_OBJECTS=20000 runs it at scale (printing duplicates and the peak held).
-    let n: usize = std::env::var("KEB_SWITCH_OBJECTS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(30);
+    let n = support::scaled("KEB_SWITCH_OBJECTS", 30);
     let patience = PATIENCE * (1 + n / 5000) as u32;
     let api = ApiServer::start().await;
     api.install_crd(GROUP, "v1beta1", "Widget", "widgets", true);
@@ -889,12 +886,11 @@ async fn a_version_switch_onto_a_shared_informer_publishes_only_what_changed() {
             };
             assert_eq!(d[&format!("Widget ns/w{i}")], want, "{out:?} w{i}");
         }
-        let events = support::cloudevent_lines(out);
-        let d = support::differences(
-            &support::fold_in_order(&events),
+        support::assert_matches_cluster(
+            &format!("{out:?}"),
+            &support::cloudevent_lines(out),
             &api.objects(&format!("{GROUP}/v1"), "Widget"),
         );
-        assert!(d.is_empty(), "{out:?}: {d:?}");
     }
 }
 
@@ -926,13 +922,7 @@ async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
     assert!(app.stop().await.undelivered.is_empty());
     api.delete(&format!("{GROUP}/v1beta1"), "Widget", "ns", "w0");
     let checkpoint = dir.path().join("out.jsonl.checkpoint");
-    let saved = dir.path().join("saved.checkpoint");
-    std::fs::rename(&checkpoint, &saved).unwrap();
-    // A link to a directory, so that renaming the saved file over it brings the checkpoint
-    // back in one step: a checkpoint briefly absent reads as "nothing published yet".
-    let blocker = dir.path().join("blocker");
-    std::fs::create_dir(&blocker).unwrap();
-    std::os::unix::fs::symlink(&blocker, &checkpoint).unwrap();
+    let saved = support::block_checkpoint(&checkpoint);
     let app = RunningApp::start(config(), &api).await;
     app.synced().await;
     api.serve_crd_at(GROUP, "widgets", "v1");
@@ -956,11 +946,11 @@ async fn a_route_waiting_for_its_checkpoint_follows_a_version_switch() {
     assert_eq!(events.len(), 12, "{d:?}");
     assert_eq!(d["Widget ns/w0"], ["added", "deleted"]);
     assert_eq!(d["Widget ns/w1"], ["added", "updated"]);
-    let d = support::differences(
-        &support::fold_in_order(&events),
+    support::assert_matches_cluster(
+        "the widgets",
+        &events,
         &api.objects(&format!("{GROUP}/v1"), "Widget"),
     );
-    assert!(d.is_empty(), "{d:?}");
 }
 
 /// A sharded replica looks discovery up once per pass for all its shards, not once per shard

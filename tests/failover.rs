@@ -15,7 +15,7 @@
 mod support;
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     path::Path,
     sync::{
         Arc,
@@ -27,17 +27,15 @@ use std::{
 use serde_json::{Value, json};
 use support::{
     ApiServer, Differences,
-    config::{ConfigBuilder, NATS_STREAM, kafka_sink, nats_sink},
-    differences, fold_in_order,
-    kafka::{Kafka, consume_all},
-    nats::{NatsServer, read_stream},
+    broker::Broker,
+    config::ConfigBuilder,
+    deduplicated, fold_in_order,
     objects::{configmap, typed},
     replica::Replica,
     wait::{self, Patience},
 };
 
 const OBJECTS: usize = 300;
-const TOPIC: &str = "k8s.test.core.configmaps";
 
 /// A replica's config: ConfigMaps to `sink`, leader election with fast timings.
 fn config(identity: &str, sink: &Value) -> Value {
@@ -86,25 +84,6 @@ async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u
     changes
 }
 
-/// The stream's events, in stream order.
-async fn jetstream_events(url: &str) -> Vec<Value> {
-    read_stream(url, NATS_STREAM)
-        .await
-        .iter()
-        .map(|m| serde_json::from_slice(&m.payload).unwrap())
-        .collect()
-}
-
-/// Drops every message whose id was read before (a consumer deduplicating by id).
-fn deduplicated(events: &[Value]) -> Vec<Value> {
-    let mut seen = HashSet::new();
-    events
-        .iter()
-        .filter(|e| seen.insert(e["id"].as_str().unwrap_or_default().to_owned()))
-        .cloned()
-        .collect()
-}
-
 /// What a consumer ends with after a failover with a thaw.
 struct Outcome {
     /// How each consumer model differs from the API server.
@@ -149,17 +128,8 @@ async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> O
     stop.store(true, Ordering::Relaxed);
     let changes = writer.await.unwrap();
     let quiet = async || {
-        let (mut last, mut since) = (0, tokio::time::Instant::now());
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-        while since.elapsed() < Duration::from_secs(4) {
-            assert!(tokio::time::Instant::now() < deadline, "never quiet");
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let n = read().await.len();
-            if n != last {
-                (last, since) = (n, tokio::time::Instant::now());
-            }
-        }
-        last
+        let count = async || read().await.len();
+        wait::quiet(Duration::from_secs(4), Duration::from_secs(120), count).await
     };
     let before_thaw = quiet().await;
     let before: Vec<Value> = read().await;
@@ -184,10 +154,7 @@ async fn freeze_the_leader(sink: Value, read: impl AsyncFn() -> Vec<Value>) -> O
         .map(|e| e["subject"].as_str().unwrap_or_default().to_owned())
         .collect();
     let live = api.objects("v1", "ConfigMap");
-    let found = [
-        differences(&fold_in_order(&events), &live),
-        differences(&fold_in_order(&deduplicated(&events)), &live),
-    ];
+    let found = support::compare_both(&events, &live);
     println!(
         "{changes} changes, {before_thaw} messages before the thaw, {after_thaw} after (objects {late:?}); last wins: {:?}; deduplicated by id: {:?}",
         found[0], found[1]
@@ -250,39 +217,21 @@ fn slow(mut sink: Value) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_kafka() {
-    let broker = Kafka::start();
-    let brokers = broker.brokers();
-    broker.create_topic(TOPIC, 3);
+    let broker = Broker::own_kafka();
     // librdkafka gives up on a message after 3 s: the new leader waits 2 s of it out.
     // Batches as in production: Apache Kafka's watermarks count every record of a batch (tansu,
     // used before, needed one record per batch), and `consume_all` reads up to them.
-    let sink = slow(kafka_sink(
-        "kafka",
-        &brokers,
-        json!({"delivery_timeout": "3s"}),
-    ));
-    let read = async || -> Vec<Value> {
-        let brokers = brokers.clone();
-        tokio::task::spawn_blocking(move || {
-            consume_all(&brokers, TOPIC, 3)
-                .iter()
-                .map(|r| r.json())
-                .collect()
-        })
-        .await
-        .unwrap()
-    };
-    let found = freeze_the_leader(sink, read).await;
+    let mut sink = broker.sink("kafka");
+    sink["kafka"]["delivery_timeout"] = json!("3s");
+    let found = freeze_the_leader(slow(sink), async || broker.read().await).await;
     assert_consistent(&found);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_jetstream() {
-    let nats = NatsServer::start();
-    let url = nats.url();
-    let sink = slow(nats_sink("nats", &url, json!({})));
-    let read = async || jetstream_events(&url).await;
-    let found = freeze_the_leader(sink, read).await;
+    let broker = Broker::jetstream();
+    let sink = slow(broker.sink("nats"));
+    let found = freeze_the_leader(sink, async || broker.read().await).await;
     assert_consistent(&found);
 }
 
@@ -294,14 +243,13 @@ async fn a_frozen_leader_thawed_after_a_failover_publishes_nothing_stale_to_jets
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover_get_their_deletes()
 {
-    let nats = NatsServer::start();
-    let url = nats.url();
-    let mut sink = nats_sink("nats", &url, json!({}));
+    let broker = Broker::jetstream();
+    let mut sink = broker.sink("nats");
     sink["checkpoint_interval"] = json!("1h");
     let api = ApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let read = async || jetstream_events(&url).await;
+    let read = async || broker.read().await;
     let mut a = start(dir.path(), "replica-a", &sink, &kubeconfig);
     let patience = Patience::of(Duration::from_secs(60)).polling(Duration::from_millis(100));
     wait::until("replica-a to lead", patience, async || {
@@ -329,12 +277,11 @@ async fn objects_added_just_before_a_leader_dies_and_deleted_before_the_takeover
     assert_eq!(events.len(), 40);
     let live = api.objects("v1", "ConfigMap");
     assert!(live.is_empty());
+    support::assert_both_match_cluster("after the failover", &events, &live);
     for folded in [
         fold_in_order(&events),
         fold_in_order(&deduplicated(&events)),
     ] {
-        let d = differences(&folded, &live);
-        assert!(d.is_empty(), "{d:?}");
         assert_eq!(folded.len(), 20);
     }
 }

@@ -11,14 +11,12 @@ use std::{
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube_event_bridge::{
-    config::{Config, SinkConfig},
-    pipeline::checkpoint::CLUSTER_KEY,
-    sinks::kafka::KafkaSink,
+    config::Config, pipeline::checkpoint::CLUSTER_KEY, sinks::kafka::KafkaSink,
 };
 use serde_json::{Value, json};
 use support::{
     ApiServer, RunningApp,
-    config::{ConfigBuilder, kafka_sink},
+    config::{ConfigBuilder, kafka_settings, kafka_sink},
     event_type,
     kafka::{Kafka, Record, consume},
     objects::{Meta, configmap, configmap_with_data, named, typed},
@@ -541,12 +539,8 @@ async fn the_state_and_checkpoint_topics_compact_to_exactly_the_live_objects() {
     // A restart resumes from the compacted checkpoint: all 17 unchanged, nothing published.
     let second = RunningApp::start(cfg(), &api).await;
     second.synced().await;
-    let unchanged = second
-        .metrics
-        .resume_objects
-        .with_label_values(&["configmap/state", "unchanged"]);
     wait::until("17 objects compared", PATIENCE, async || {
-        unchanged.get() == 17
+        second.unchanged_on_resume("configmap/state") == 17
     })
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -730,30 +724,8 @@ async fn a_broker_outage_during_load_loses_nothing() {
         .build();
     let running = RunningApp::start(cfg, &api).await;
     running.synced().await;
-    let writer = tokio::spawn({
-        let api = api.clone();
-        async move {
-            for i in 0..150 {
-                api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
-                api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
-                if i % 10 == 0 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    });
-    let failed = || -> u64 {
-        ["timeout", "unavailable"]
-            .iter()
-            .map(|r| {
-                running
-                    .metrics
-                    .sink_failed
-                    .with_label_values(&["kafka", "configmap", r])
-                    .get()
-            })
-            .sum()
-    };
+    let writer = support::spawn_creates_and_updates(&api, 150, 10);
+    let failed = || running.outage_failures("kafka");
     tokio::time::sleep(Duration::from_millis(100)).await;
     mock.broker_down(1).unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await; // longer than the delivery timeout
@@ -816,44 +788,38 @@ async fn a_broker_outage_during_load_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_tls_or_sasl_settings_are_clear_start_errors() {
     let brokers = Kafka::shared().brokers();
-    let sink = |extra: Value| {
-        serde_json::from_value::<SinkConfig>(kafka_sink("kafka", &brokers, extra))
-            .unwrap()
-            .kafka
-            .unwrap()
+    // The start error of a sink with `extra` settings (`why` it must fail).
+    let refused = async |extra: Value, why: &str| {
+        let sink = kafka_settings(kafka_sink("kafka", &brokers, extra));
+        KafkaSink::connect("kafka", &sink)
+            .await
+            .err()
+            .expect(why)
+            .to_string()
     };
-    let err = KafkaSink::connect(
-        "kafka",
-        &sink(json!({"tls": {"ca_file": "/nonexistent/ca.pem"}})),
+    let err = refused(
+        json!({"tls": {"ca_file": "/nonexistent/ca.pem"}}),
+        "a missing CA file fails",
     )
-    .await
-    .err()
-    .expect("a missing CA file fails")
-    .to_string();
+    .await;
     assert!(
         err.contains("/nonexistent/ca.pem") || err.contains("ssl.ca.location"),
         "{err}"
     );
     // SAFETY: no other test in this binary reads this variable.
     unsafe { std::env::set_var("KEB_TEST_KAFKA_PASSWORD", "hunter2") };
-    let err = KafkaSink::connect(
-        "kafka",
-        &sink(json!({"sasl": {"mechanism": "SCRAM-SHA-512", "username": "bridge", "password": {"env": "KEB_TEST_KAFKA_PASSWORD"}}})),
+    let err = refused(
+        json!({"sasl": {"mechanism": "SCRAM-SHA-512", "username": "bridge", "password": {"env": "KEB_TEST_KAFKA_PASSWORD"}}}),
+        "SASL against a broker without SASL fails",
     )
-    .await
-    .err()
-    .expect("SASL against a broker without SASL fails")
-    .to_string();
+    .await;
     assert!(err.contains(&brokers), "{err}");
     assert!(!err.contains("hunter2"), "secrets never appear in errors");
-    let err = KafkaSink::connect(
-        "kafka",
-        &sink(json!({"sasl": {"mechanism": "PLAIN", "username": "bridge", "password": {"env": "KEB_TEST_UNSET_VAR"}}})),
+    let err = refused(
+        json!({"sasl": {"mechanism": "PLAIN", "username": "bridge", "password": {"env": "KEB_TEST_UNSET_VAR"}}}),
+        "a password from an unset variable fails",
     )
-    .await
-    .err()
-    .unwrap()
-    .to_string();
+    .await;
     assert!(
         err.contains("sasl.password") && err.contains("KEB_TEST_UNSET_VAR"),
         "{err}"
@@ -947,11 +913,7 @@ async fn a_restart_resumes_from_the_checkpoint_topic() {
     })
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let unchanged = second
-        .metrics
-        .resume_objects
-        .with_label_values(&["configmap/kafka", "unchanged"])
-        .get();
+    let unchanged = second.unchanged_on_resume("configmap/kafka");
     assert_eq!(
         (published(&second, "kafka") as usize, unchanged),
         (expected, 60 - 13),
@@ -1361,16 +1323,7 @@ async fn failed_reports_of_pipelined_messages_are_retried_and_the_newest_state_c
         published() >= 150
     })
     .await;
-    let failed: u64 = ["timeout", "unavailable"]
-        .iter()
-        .map(|r| {
-            running
-                .metrics
-                .sink_failed
-                .with_label_values(&["kafka", "configmap", r])
-                .get()
-        })
-        .sum();
+    let failed = running.outage_failures("kafka");
     let report = running.stop().await;
     assert!(report.undelivered.is_empty(), "{:?}", report.undelivered);
     assert!(failed > 0, "the injected errors made reports fail");
@@ -1607,12 +1560,7 @@ async fn a_hand_over_of_one_shard_purges_none_of_another_shards_records() {
     use kube_event_bridge::{shard::Shard, sinks::Sink};
     let topics = Topics::of("shard-lanes");
     Kafka::shared().create_topic(&topics.events(), 1);
-    let cfg = serde_json::from_value::<SinkConfig>(
-        topics.sink("kafka", json!({"properties": {"linger.ms": "2000"}})),
-    )
-    .unwrap()
-    .kafka
-    .unwrap();
+    let cfg = kafka_settings(topics.sink("kafka", json!({"properties": {"linger.ms": "2000"}})));
     let sink = Arc::new(KafkaSink::connect("kafka", &cfg).await.unwrap());
     let shards = [0, 1].map(|index| Shard { index, count: 2 });
     let [a, b] = shards.map(|shard| sink.clone().shard_view(shard).expect("a view per shard"));

@@ -21,7 +21,6 @@ use serde_json::{Value, json};
 use support::{
     ApiServer,
     config::{ConfigBuilder, kafka_sink},
-    differences, fold_in_order,
     kafka::{Kafka, read_topic},
     objects::{configmap, configmap_with_data, typed},
     replica::Replica,
@@ -37,23 +36,9 @@ fn name_of(i: usize) -> (String, String) {
     (format!("ns-{}", i % 12), format!("cm-{i:03}"))
 }
 
-/// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
-/// re-creates.
+/// Changes objects at about `per_second` until `stop` ([`support::churn`]).
 async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u64 {
-    let mut changes = 0u64;
-    let pause = Duration::from_micros(1_000_000 / per_second);
-    while !stop.load(Ordering::Relaxed) {
-        let (ns, name) = name_of((changes * 7919 % OBJECTS as u64) as usize);
-        let value = format!("v{changes}");
-        match api.get("v1", "ConfigMap", &ns, &name) {
-            None => api.create(typed(&configmap(&ns, &name, &value))),
-            Some(_) if changes.is_multiple_of(7) => api.delete("v1", "ConfigMap", &ns, &name),
-            Some(_) => api.update(typed(&configmap(&ns, &name, &value))),
-        };
-        changes += 1;
-        tokio::time::sleep(pause).await;
-    }
-    changes
+    support::churn(api, OBJECTS, name_of, per_second, stop).await
 }
 
 /// The events a `read_committed` consumer reads, in topic order per partition.
@@ -133,18 +118,15 @@ async fn assert_exactly_once(kafka: &Kafka, api: &ApiServer, what: &str) -> Vec<
     let events = quiet(kafka).await;
     let repeats = repeated_ids(&events);
     let copies = repeated_states(&events);
-    let found = differences(&fold_in_order(&events), &api.objects("v1", "ConfigMap"));
+    let found = support::compare(&events, &api.objects("v1", "ConfigMap"));
     println!(
-        "{what}: {} committed messages, {} ids read twice, {} states read twice; last message wins: {} lost deletes, {} phantom deletes, {} stale, {} missing",
+        "{what}: {} committed messages, {} ids read twice, {} states read twice; last message wins: {}",
         events.len(),
         repeats.len(),
         copies.len(),
-        found.lost_deletes.len(),
-        found.phantom_deletes.len(),
-        found.stale.len(),
-        found.missing.len(),
+        found.counts(),
     );
-    assert!(found.is_empty(), "{what}: {found:?}");
+    assert!(found.is_empty(), "{what}: {found}");
     assert!(
         repeats.is_empty(),
         "{what}: {} ids read twice, for example {:?}",

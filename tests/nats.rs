@@ -17,7 +17,7 @@ use kube_event_bridge::{
 use serde_json::{Value, json};
 use support::{
     ApiServer, RunningApp,
-    config::{ConfigBuilder, NATS_STREAM as STREAM, nats_sink},
+    config::{ConfigBuilder, NATS_STREAM as STREAM, nats_settings, nats_sink},
     event_type,
     nats::{NatsServer, read_stream, stream_len},
     objects::{Meta, configmap, named, typed},
@@ -31,14 +31,7 @@ async fn sink_and_store(
     Arc<NatsSink>,
     kube_event_bridge::sinks::nats::NatsCheckpointStore,
 ) {
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(nats_sink(
-        "nats",
-        &nats.url(),
-        json!({}),
-    ))
-    .unwrap()
-    .nats
-    .unwrap();
+    let cfg = nats_settings(nats_sink("nats", &nats.url(), json!({})));
     let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
     let store = kube_event_bridge::sinks::nats::NatsCheckpointStore::open("nats", &cfg, &sink)
         .await
@@ -213,33 +206,13 @@ async fn a_server_restart_during_load_loses_nothing() {
     let running = RunningApp::start(cfg, &api).await;
     // Once the marker is in, the informer watches: every write below is one notification.
     wait_for_stream(&nats.url(), 1).await;
-    let writer = tokio::spawn({
-        let api = api.clone();
-        async move {
-            for i in 0..200 {
-                api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
-                api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
-                if i % 20 == 0 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    });
+    let writer = support::spawn_creates_and_updates(&api, 200, 20);
     wait_for_stream(&nats.url(), 51).await;
     // Mid-load, down for longer than the ack timeout: publishes fail or time out and are retried.
     tokio::task::block_in_place(|| nats.restart_after(Duration::from_millis(1500)));
     writer.await.unwrap();
     wait_for_stream(&nats.url(), 401).await;
-    let failed: u64 = ["timeout", "unavailable"]
-        .iter()
-        .map(|r| {
-            running
-                .metrics
-                .sink_failed
-                .with_label_values(&["nats", "configmap", r])
-                .get()
-        })
-        .sum();
+    let failed = running.outage_failures("nats");
     // New objects first wait for their checkpoint intent (a KV write on the same server), so
     // the outage shows as failed publishes or as failed checkpoint writes (retried).
     let checkpoint_failed = running
@@ -400,10 +373,7 @@ async fn wrong_credentials_are_a_clear_start_error_and_right_ones_work() {
             &nats.url(),
             json!({"auth": {"user": "bridge", "password": {"env": var}}, "mode": "core", "stream": null}),
         );
-        serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink)
-            .unwrap()
-            .nats
-            .unwrap()
+        nats_settings(sink)
     };
     // SAFETY: tests in this binary do not read these variables concurrently.
     unsafe {
@@ -439,30 +409,17 @@ async fn a_stream_that_does_not_cover_the_subjects_is_a_start_error() {
         })
         .await
         .unwrap();
-    let sink = nats_sink("nats", &nats.url(), json!({"stream": {"name": "OTHER"}}));
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink)
-        .unwrap()
-        .nats
-        .unwrap();
-    let err = NatsSink::connect("nats", &cfg)
-        .await
-        .err()
-        .unwrap()
-        .to_string();
+    let refused = async |stream: &str| {
+        let sink = nats_sink("nats", &nats.url(), json!({"stream": {"name": stream}}));
+        let connected = NatsSink::connect("nats", &nats_settings(sink)).await;
+        connected.err().expect("a start error").to_string()
+    };
+    let err = refused("OTHER").await;
     assert!(
         err.contains("stream OTHER") && err.contains("do not cover \"k8s.*.*.*.*.*\""),
         "{err}"
     );
-    let missing = nats_sink("nats", &nats.url(), json!({"stream": {"name": "NOPE"}}));
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(missing)
-        .unwrap()
-        .nats
-        .unwrap();
-    let err = NatsSink::connect("nats", &cfg)
-        .await
-        .err()
-        .unwrap()
-        .to_string();
+    let err = refused("NOPE").await;
     assert!(
         err.contains("stream NOPE") && err.contains("stream.create"),
         "{err}"
@@ -503,10 +460,7 @@ async fn core_mode_publishes_to_subscribers_and_health_follows_the_connection() 
     running.stop().await;
 
     let sink_cfg = nats_sink("nats", &nats.url(), json!({"mode": "core", "stream": null}));
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink_cfg)
-        .unwrap()
-        .nats
-        .unwrap();
+    let cfg = nats_settings(sink_cfg);
     let sink = NatsSink::connect("nats", &cfg).await.unwrap();
     assert!(sink.health().is_ok());
     nats.stop();
@@ -546,11 +500,7 @@ async fn a_restart_resumes_from_the_checkpoint_bucket() {
     let second = RunningApp::start(cfg(), &api).await;
     wait_for_stream(&nats.url(), (40 + expected) as u64).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let unchanged = second
-        .metrics
-        .resume_objects
-        .with_label_values(&["configmap/nats", "unchanged"])
-        .get();
+    let unchanged = second.unchanged_on_resume("configmap/nats");
     assert!(second.stop().await.undelivered.is_empty());
     assert_eq!(unchanged, 40 - 9, "objects unchanged while down");
     let raw = read_stream(&nats.url(), STREAM).await;
@@ -786,10 +736,7 @@ async fn an_ended_terms_publishes_buffered_while_disconnected_are_never_sent() {
     use kube_event_bridge::message::{Encoder, Encoding, MessageConfig};
     let mut nats = NatsServer::start();
     let sink_cfg = nats_sink("nats", &nats.url(), json!({}));
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink_cfg)
-        .unwrap()
-        .nats
-        .unwrap();
+    let cfg = nats_settings(sink_cfg);
     let sink = NatsSink::connect("nats", &cfg).await.unwrap();
     let configmaps = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("", "v1", "ConfigMap"),
@@ -935,10 +882,7 @@ async fn a_clean_hand_over_in_core_mode_sends_what_the_connection_buffered() {
     let mut sub = client.subscribe("k8s.>").await.unwrap();
     client.flush().await.unwrap();
     let sink_cfg = nats_sink("nats", &nats.url(), json!({"mode": "core", "stream": null}));
-    let cfg = serde_json::from_value::<kube_event_bridge::config::SinkConfig>(sink_cfg)
-        .unwrap()
-        .nats
-        .unwrap();
+    let cfg = nats_settings(sink_cfg);
     let sink = Arc::new(NatsSink::connect("nats", &cfg).await.unwrap());
     let shard = Shard { index: 1, count: 3 };
     let view = sink.clone().shard_view(shard).unwrap();

@@ -1,6 +1,8 @@
 //! The delivery pipeline with test sinks that fail, are slow, stall or reject: route queue →
 //! workers → encoder → sink, fed by a synthetic informer (notifications pushed directly).
 
+#[path = "support/fake_sink.rs"]
+mod fake_sink;
 #[path = "support/objects.rs"]
 mod objects;
 #[path = "support/wait.rs"]
@@ -8,113 +10,22 @@ mod wait;
 
 use std::{
     collections::HashMap,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
-    },
+    sync::{Arc, atomic::Ordering},
     time::Duration,
 };
 
-use futures::{FutureExt, future::BoxFuture};
+use fake_sink::FakeSink;
 use kube_event_bridge::{
     config::MessageConfig,
     informer::{Notification, NotificationKind, ObjectRef},
-    message::{Encoder, Encoding, Message},
+    message::{Encoder, Encoding},
     metrics::Metrics,
     pipeline::{self, Budget, Delivery, Route, RouteBuilder, RouteQueue},
-    sinks::{self, Sink},
+    sinks::Sink,
     workqueue::{TokenBucket, rate_limiter::RetrySettings},
 };
 use objects::{Meta, cached, configmap_with_data, configmaps};
 use wait::Patience;
-
-/// A sink whose behaviour a test chooses.
-#[derive(Default)]
-struct TestSink {
-    name: String,
-    /// Every n-th attempt fails with a retriable error (0: never).
-    fail_every: u64,
-    /// Keys whose publishes always fail (retriable).
-    always_fail: Vec<String>,
-    /// Payloads above this size fail for good.
-    max_size: Option<usize>,
-    /// Time each publish takes.
-    delay: Duration,
-    /// Publishes never complete.
-    stall: bool,
-    attempts: AtomicU64,
-    /// Publishes started (a stalled one never counts as an attempt).
-    publishing: AtomicU64,
-    /// (key, id, payload) of every accepted message, in acceptance order.
-    accepted: Mutex<Vec<(String, String, serde_json::Value)>>,
-}
-
-impl Sink for TestSink {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn publish<'a>(&'a self, m: &'a Message) -> BoxFuture<'a, sinks::Result<()>> {
-        async move {
-            self.publishing.fetch_add(1, Ordering::SeqCst);
-            if self.stall {
-                futures::future::pending::<()>().await;
-            }
-            if !self.delay.is_zero() {
-                tokio::time::sleep(self.delay).await;
-            }
-            let attempt = self.attempts.fetch_add(1, Ordering::SeqCst) + 1;
-            if (self.fail_every > 0 && attempt.is_multiple_of(self.fail_every))
-                || self.always_fail.contains(&m.key)
-            {
-                return Err(sinks::Error::Io(std::io::Error::other("injected failure")));
-            }
-            if let Some(max) = self.max_size.filter(|max| m.payload.len() > *max) {
-                return Err(sinks::Error::TooLarge {
-                    size: m.payload.len(),
-                    max,
-                });
-            }
-            let payload = serde_json::from_slice(&m.payload).unwrap();
-            self.accepted
-                .lock()
-                .unwrap()
-                .push((m.key.clone(), m.id.clone(), payload));
-            Ok(())
-        }
-        .boxed()
-    }
-
-    fn flush(&self) -> BoxFuture<'_, sinks::Result<()>> {
-        async { Ok(()) }.boxed()
-    }
-}
-
-impl TestSink {
-    fn named(name: &str) -> Self {
-        Self {
-            name: name.into(),
-            ..Default::default()
-        }
-    }
-
-    /// Accepted messages per key: (resourceVersion, type) in acceptance order.
-    fn by_key(&self) -> HashMap<String, Vec<(u64, String)>> {
-        let mut out: HashMap<String, Vec<(u64, String)>> = HashMap::new();
-        for (key, _, v) in self.accepted.lock().unwrap().iter() {
-            let rv = v["k8sresourceversion"].as_str().unwrap().parse().unwrap();
-            let ty = v["type"]
-                .as_str()
-                .unwrap()
-                .rsplit('.')
-                .next()
-                .unwrap()
-                .to_owned();
-            out.entry(key.clone()).or_default().push((rv, ty));
-        }
-        out
-    }
-}
 
 /// ConfigMap `ns/name` at resourceVersion `rv` (uid `uid-{name}`) with `padding` bytes of
 /// data, as the informer would cache it.
@@ -143,8 +54,8 @@ fn fast_retries() -> RetrySettings {
 }
 
 fn harness(
-    sink: Arc<TestSink>,
-    dead_letter: Option<Arc<TestSink>>,
+    sink: Arc<FakeSink>,
+    dead_letter: Option<Arc<FakeSink>>,
     cap: usize,
     max_retries: Option<u32>,
 ) -> Harness {
@@ -152,8 +63,8 @@ fn harness(
 }
 
 fn harness_with(
-    sink: Arc<TestSink>,
-    dead_letter: Option<Arc<TestSink>>,
+    sink: Arc<FakeSink>,
+    dead_letter: Option<Arc<FakeSink>>,
     cap: usize,
     max_retries: Option<u32>,
     publish_limit: Option<TokenBucket>,
@@ -261,9 +172,9 @@ async fn settled(budget: &Budget) {
 // Retries wait on tokio time: paused, the backoff costs no wall-clock time.
 #[tokio::test(start_paused = true)]
 async fn with_a_flaky_sink_every_notification_arrives_in_order_per_object() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         fail_every: 3,
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
     let h = harness(sink.clone(), None, 1_000_000, None);
     let running = pipeline::start(&[(h.route.clone(), 4)]);
@@ -299,9 +210,9 @@ async fn with_a_flaky_sink_every_notification_arrives_in_order_per_object() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_ten_times_slower_than_the_input_keeps_memory_under_the_cap_by_coalescing() {
     // 2 workers × 1 ms per publish: at most ~2000 notifications/s; the input comes at once.
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         delay: Duration::from_millis(1),
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
     let cap = 100;
     let objects = 200;
@@ -352,11 +263,11 @@ async fn a_sink_ten_times_slower_than_the_input_keeps_memory_under_the_cap_by_co
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_too_large_is_trimmed_to_a_reference_and_one_that_never_fits_is_dead_lettered() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         max_size: Some(4_000),
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
-    let dlq = Arc::new(TestSink::named("dlq"));
+    let dlq = Arc::new(FakeSink::named("dlq"));
     let h = harness(sink.clone(), Some(dlq.clone()), 1_000, None);
     let running = pipeline::start(&[(h.route.clone(), 2)]);
     let long_name = "l".repeat(5_000);
@@ -386,9 +297,13 @@ async fn a_message_too_large_is_trimmed_to_a_reference_and_one_that_never_fits_i
     // The sink refused the whole object at hand-over: it went again as a reference.
     assert_eq!(delivered["ns/huge"], [(2, "added".to_string())]);
     assert!(!delivered.contains_key(&format!("ns/{long_name}")));
-    let records = dlq.accepted.lock().unwrap().clone();
+    let records = dlq.accepted();
     assert_eq!(records.len(), 1);
-    let (key, id, record) = &records[0];
+    let fake_sink::Accepted {
+        key,
+        id,
+        payload: record,
+    } = &records[0];
     assert_eq!(key, &format!("ns/{long_name}"));
     assert_eq!(id, &format!("uid-{long_name}:4:added"));
     assert_eq!(record["reason"], "too_large");
@@ -417,11 +332,11 @@ async fn a_message_too_large_is_trimmed_to_a_reference_and_one_that_never_fits_i
 // Retries wait on tokio time: paused, the backoff costs no wall-clock time.
 #[tokio::test(start_paused = true)]
 async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         always_fail: vec!["ns/bad".into()],
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
-    let dlq = Arc::new(TestSink::named("dlq"));
+    let dlq = Arc::new(FakeSink::named("dlq"));
     let h = harness(sink.clone(), Some(dlq.clone()), 1_000, Some(3));
     let running = pipeline::start(&[(h.route.clone(), 2)]);
     h.queue.push(Notification::new(NotificationKind::Add {
@@ -434,16 +349,16 @@ async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
     }));
     settled(&h.budget).await;
     assert_eq!(sink.by_key()["ns/good"].len(), 1);
-    let records = dlq.accepted.lock().unwrap().clone();
+    let records = dlq.accepted();
     assert_eq!(records.len(), 1);
-    assert_eq!(records[0].2["reason"], "max_retries");
+    assert_eq!(records[0].payload["reason"], "max_retries");
     // The key is released: its next notification is tried (and, still failing, given up).
     h.queue.push(Notification::new(NotificationKind::Update {
         old: object("bad", 1, 10),
         new: object("bad", 3, 10),
     }));
     settled(&h.budget).await;
-    assert_eq!(dlq.accepted.lock().unwrap().len(), 2);
+    assert_eq!(dlq.stored(), 2);
     assert_eq!(
         h.metrics
             .sink_failed
@@ -462,9 +377,9 @@ async fn max_retries_fails_one_notification_for_good_and_keeps_the_key_going() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_delivers_everything_pending_within_the_grace_period() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         delay: Duration::from_micros(200),
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
     let h = harness(sink.clone(), None, 1_000_000, None);
     let running = pipeline::start(&[(h.route.clone(), 4)]);
@@ -476,14 +391,14 @@ async fn shutdown_delivers_everything_pending_within_the_grace_period() {
         .await;
     assert!(left.is_empty(), "{left:?}");
     assert_eq!(sink.by_key(), pushed);
-    assert_eq!(sink.accepted.lock().unwrap().len(), total);
+    assert_eq!(sink.stored(), total);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_sink_at_shutdown_is_reported_not_waited_for_forever() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         stall: true,
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
     let h = harness(sink.clone(), None, 1_000, None);
     let running = pipeline::start(&[(h.route.clone(), 2)]);
@@ -500,7 +415,7 @@ async fn a_stalled_sink_at_shutdown_is_reported_not_waited_for_forever() {
 
 #[tokio::test(start_paused = true)]
 async fn the_publish_rate_limit_spaces_publishes() {
-    let sink = Arc::new(TestSink::named("test"));
+    let sink = Arc::new(FakeSink::named("test"));
     let h = harness_with(
         sink.clone(),
         None,
@@ -518,15 +433,15 @@ async fn the_publish_rate_limit_spaces_publishes() {
         elapsed >= Duration::from_millis(1400) && elapsed < Duration::from_millis(1500),
         "{elapsed:?}"
     );
-    assert_eq!(sink.accepted.lock().unwrap().len(), 15);
+    assert_eq!(sink.stored(), 15);
     drop(running);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_stalled_workers_are_given_up_on_together_at_the_deadline() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         stall: true,
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
     let h = harness(sink.clone(), None, 1_000, None);
     let running = pipeline::start(&[(h.route.clone(), 64)]);
@@ -562,17 +477,12 @@ async fn many_stalled_workers_are_given_up_on_together_at_the_deadline() {
 /// and the one after it carries a patch again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_reference_the_next_update_carries_no_patch() {
-    let sink = Arc::new(TestSink {
+    let sink = Arc::new(FakeSink {
         max_size: Some(4_000),
-        ..TestSink::named("test")
+        ..FakeSink::named("test")
     });
     let metrics = Arc::new(Metrics::new());
-    let delivery = Arc::new(Delivery {
-        sink: sink.clone(),
-        dead_letter: None,
-        publish_limit: None,
-        max_retries: None,
-    });
+    let delivery = fake_sink::delivery_to(sink.clone(), None);
     let message = MessageConfig {
         include_old_object: false,
         diff: kube_event_bridge::message::DiffMode::Patch,
@@ -598,13 +508,7 @@ async fn after_a_reference_the_next_update_carries_no_patch() {
         }));
     }
     settled(&budget).await;
-    let accepted: Vec<serde_json::Value> = sink
-        .accepted
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(_, _, v)| v.clone())
-        .collect();
+    let accepted: Vec<serde_json::Value> = sink.accepted().into_iter().map(|a| a.payload).collect();
     assert_eq!(accepted.len(), 3);
     assert_eq!(accepted[0]["k8struncated"], true);
     assert!(
@@ -635,14 +539,9 @@ async fn after_a_reference_the_next_update_carries_no_patch() {
 /// messages back (they go once the lease is renewed, or are dropped when the term ends).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
-    let sink = Arc::new(TestSink::named("test"));
+    let sink = Arc::new(FakeSink::named("test"));
     let metrics = Arc::new(Metrics::new());
-    let delivery = Arc::new(Delivery {
-        sink: sink.clone(),
-        dead_letter: None,
-        publish_limit: None,
-        max_retries: Some(1),
-    });
+    let delivery = fake_sink::delivery_to(sink.clone(), Some(1));
     let encoder = Encoder::new(
         "test",
         &configmaps(),
@@ -668,7 +567,7 @@ async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(sink.accepted.lock().unwrap().is_empty());
+    assert!((sink.stored() == 0));
     assert_eq!(
         budget.held(),
         5,
@@ -676,7 +575,7 @@ async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
     );
     fence.extend_to(tokio::time::Instant::now() + Duration::from_secs(30));
     settled(&budget).await;
-    assert_eq!(sink.accepted.lock().unwrap().len(), 5);
+    assert_eq!(sink.stored(), 5);
     running
         .drain(tokio::time::Instant::now() + Duration::from_secs(5))
         .await;

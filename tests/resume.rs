@@ -154,12 +154,7 @@ async fn ten_thousand_unchanged_objects_publish_nothing_after_a_restart() {
     let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;
-    let unchanged = || {
-        app.metrics
-            .resume_objects
-            .with_label_values(&["configmap/out", "unchanged"])
-            .get()
-    };
+    let unchanged = || app.unchanged_on_resume("configmap/out");
     wait::until("every object compared", PATIENCE, async || {
         unchanged() == 10_000
     })
@@ -456,11 +451,7 @@ async fn objects_added_just_before_a_sigkill_and_deleted_while_down_get_their_de
     let all = messages(&out);
     let after: Vec<String> = all[before..].iter().map(describe).collect();
     assert_eq!(deleted_last(), 51, "after the restart: {after:#?}");
-    let d = support::differences(
-        &support::fold_in_order(&all),
-        &api.objects("v1", "ConfigMap"),
-    );
-    assert!(d.is_empty(), "{d:?}");
+    support::assert_matches_cluster("after the restart", &all, &api.objects("v1", "ConfigMap"));
     // Besides the deletes, at most re-sends: old objects whose acknowledgement was not
     // written with any intent batch (an intent write takes every change recorded so far).
     let resent = after
@@ -562,11 +553,7 @@ async fn a_forbidden_namespace_holds_back_only_its_own_deletes() {
         "deleted b/gone finalstateunknown resumed"
     );
     second.stop().await;
-    let d = support::differences(
-        &support::fold_in_order(&all),
-        &api.objects("v1", "ConfigMap"),
-    );
-    assert!(d.is_empty(), "{d:?}");
+    support::assert_matches_cluster("after the restart", &all, &api.objects("v1", "ConfigMap"));
 }
 
 /// A checkpoint that cannot be read at start is never replaced by a replay without deletes:
@@ -584,13 +571,7 @@ async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
     api.delete("v1", "ConfigMap", "ns", "cm-0");
     // The checkpoint file cannot be read: a directory stands where it was.
     let checkpoint = dir.path().join("out.jsonl.checkpoint");
-    let saved = dir.path().join("saved.checkpoint");
-    std::fs::rename(&checkpoint, &saved).unwrap();
-    // A link to a directory, so that renaming the saved file over it brings the checkpoint
-    // back in one step: a checkpoint briefly absent reads as "nothing published yet".
-    let blocker = dir.path().join("blocker");
-    std::fs::create_dir(&blocker).unwrap();
-    std::os::unix::fs::symlink(&blocker, &checkpoint).unwrap();
+    let saved = support::block_checkpoint(&checkpoint);
     let config = to_file(&out).build();
     let app = RunningApp::start(config, &api).await;
     app.synced().await;
@@ -617,9 +598,5 @@ async fn an_unreadable_checkpoint_holds_the_route_until_it_loads() {
     assert_eq!(waiting.get(), 0);
     let got: Vec<String> = all[3..].iter().map(describe).collect();
     assert_eq!(got, ["deleted ns/cm-0 finalstateunknown resumed"]);
-    let d = support::differences(
-        &support::fold_in_order(&all),
-        &api.objects("v1", "ConfigMap"),
-    );
-    assert!(d.is_empty(), "{d:?}");
+    support::assert_matches_cluster("after the restart", &all, &api.objects("v1", "ConfigMap"));
 }

@@ -31,7 +31,6 @@ use serde_json::{Value, json};
 use support::{
     cluster::Cluster,
     config::{ConfigBuilder, kafka_sink, nats_sink},
-    differences, fold_in_order,
     kafka::{Kafka, read_topic},
     nats::NatsServer,
     objects::{configmap, configmaps},
@@ -236,8 +235,8 @@ async fn folds_to_the_server<F: AsyncFn() -> Vec<Value>>(
     let mut left = String::new();
     let folded = wait::within(Patience::of(Duration::from_secs(60)), async || {
         events = read().await;
-        let d = differences(&fold_in_order(&events), &live(cluster).await);
-        left = format!("{d:?}");
+        let d = support::compare(&events, &live(cluster).await);
+        left = d.to_string();
         d.is_empty()
     })
     .await;

@@ -203,3 +203,16 @@ pub fn nats_sink(name: &str, url: &str, extra: Value) -> Value {
     }
     json!({"name": name, "type": "nats", "workers": 16, "nats": nats, "retry": fast_retry()})
 }
+
+/// The NATS settings of sink section `sink` ([`nats_sink`]), parsed as the service parses them.
+pub fn nats_settings(sink: Value) -> kube_event_bridge::sinks::nats::NatsSinkConfig {
+    let section: kube_event_bridge::config::SinkConfig = serde_json::from_value(sink).unwrap();
+    section.nats.expect("a NATS sink")
+}
+
+/// The Kafka settings of sink section `sink` ([`kafka_sink`]), parsed as the service parses
+/// them.
+pub fn kafka_settings(sink: Value) -> kube_event_bridge::sinks::kafka::KafkaSinkConfig {
+    let section: kube_event_bridge::config::SinkConfig = serde_json::from_value(sink).unwrap();
+    section.kafka.expect("a Kafka sink")
+}

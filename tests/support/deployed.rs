@@ -23,7 +23,6 @@ use super::{
     Differences,
     cluster::Cluster,
     config::NATS_STREAM,
-    differences, fold_in_order,
     nats::read_stream,
     objects::{configmap, deployment, named},
     replica::{Replica, dump},
@@ -47,20 +46,7 @@ pub async fn compare(
     resource: &ApiResource,
 ) -> Differences {
     let of_kind = events.iter().filter(|e| e["k8skind"] == kind);
-    differences(
-        &fold_in_order(of_kind),
-        &cluster.objects(resource, None).await,
-    )
-}
-
-pub fn counts(d: &Differences) -> String {
-    format!(
-        "{} lost deletes, {} phantom deletes, {} stale, {} missing",
-        d.lost_deletes.len(),
-        d.phantom_deletes.len(),
-        d.stale.len(),
-        d.missing.len()
-    )
+    super::compare(of_kind, &cluster.objects(resource, None).await)
 }
 
 /// A metric's samples in a Prometheus text exposition: labels → value.
@@ -258,11 +244,11 @@ pub async fn caught_up(
         },
     )
     .await;
-    eprintln!("{kind}: {}", counts(&found));
+    eprintln!("{kind}: {}", found.counts());
     if !ok {
         dump(std::slice::from_ref(replica));
     }
-    assert!(ok, "{kind}: {found:?}");
+    assert!(ok, "{kind}: {found}");
 }
 
 /// What the replica's `/readyz` answers: status and body (0 before it serves).

@@ -3,9 +3,11 @@
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod api_server;
+pub mod broker;
 pub mod cluster;
 pub mod config;
 pub mod deployed;
+pub mod fold;
 pub mod kafka;
 pub mod loopback;
 pub mod model;
@@ -26,6 +28,11 @@ use kube_event_bridge::informer::{Notification, NotificationHandler, Notificatio
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub use api_server::ApiServer;
+#[allow(unused_imports)] // each test binary uses a different part
+pub use fold::{
+    Differences, assert_both_match_cluster, assert_matches_cluster, compare, compare_both,
+    compare_kinds, deduplicated, differences, fold_in_order, until_both_match, until_matches,
+};
 use objects::{configmap, typed};
 use wait::PATIENCE;
 
@@ -199,6 +206,28 @@ pub struct RunningApp {
 }
 
 impl RunningApp {
+    /// How many objects the resume of `route` (`configmap/out`) found unchanged since its
+    /// checkpoint (`keb_resume_objects`).
+    pub fn unchanged_on_resume(&self, route: &str) -> u64 {
+        let outcome = [route, "unchanged"];
+        self.metrics
+            .resume_objects
+            .with_label_values(&outcome)
+            .get()
+    }
+
+    /// How many of `sink`'s ConfigMap publishes failed as a broker outage fails them
+    /// (`keb_sink_failed` with reason `timeout` or `unavailable`).
+    pub fn outage_failures(&self, sink: &str) -> u64 {
+        ["timeout", "unavailable"]
+            .iter()
+            .map(|r| {
+                let labels = [sink, "configmap", r];
+                self.metrics.sink_failed.with_label_values(&labels).get()
+            })
+            .sum()
+    }
+
     /// Builds the service against `api` and runs it.
     pub async fn start(config: kube_event_bridge::config::Config, api: &ApiServer) -> Self {
         // The service's own client for its `kubernetes` settings (rate limit, retries, stall
@@ -380,70 +409,72 @@ pub fn degraded(metrics: &kube_event_bridge::metrics::Metrics, sink: &str) -> [u
     })
 }
 
-/// What a consumer that folds a stream by the order it reads it ends with, per object key:
-/// the last message's object uid and resourceVersion, `None` when the last message is a
-/// delete. Resyncs are folded like updates.
-pub fn fold_in_order<'a>(
-    events: impl IntoIterator<Item = &'a serde_json::Value>,
-) -> std::collections::BTreeMap<String, Option<(String, String)>> {
-    let mut folded = std::collections::BTreeMap::new();
-    for e in events {
-        let meta = &e["data"]["object"]["metadata"];
-        let state = (event_type(e) != "deleted").then(|| {
-            (
-                meta["uid"].as_str().unwrap_or_default().to_owned(),
-                meta["resourceVersion"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_owned(),
-            )
-        });
-        folded.insert(e["subject"].as_str().unwrap().to_owned(), state);
-    }
-    folded
+/// Makes a file sink's checkpoint file unreadable until the test renames the file returned
+/// over it again: the checkpoint moved aside (`saved.checkpoint` beside it) and a link to a
+/// directory in its place, so that the rename brings the checkpoint back in one step (a
+/// checkpoint briefly absent reads as "nothing published yet").
+pub fn block_checkpoint(checkpoint: &std::path::Path) -> std::path::PathBuf {
+    let dir = checkpoint.parent().unwrap();
+    let saved = dir.join("saved.checkpoint");
+    std::fs::rename(checkpoint, &saved).unwrap();
+    let blocker = dir.join("blocker");
+    std::fs::create_dir(&blocker).unwrap();
+    std::os::unix::fs::symlink(&blocker, checkpoint).unwrap();
+    saved
 }
 
-/// How a folded stream differs from the API server's objects (see [`fold_in_order`]).
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct Differences {
-    /// Gone from the server, last message not a delete (or of another incarnation).
-    pub lost_deletes: Vec<String>,
-    /// Live on the server, last message a delete.
-    pub phantom_deletes: Vec<String>,
-    /// Live, last message of an older state (or another incarnation).
-    pub stale: Vec<String>,
-    /// Live, never published.
-    pub missing: Vec<String>,
+/// How many of something a test runs with: the environment variable `var`'s number (to run
+/// it at scale), else `default` (the CI run).
+pub fn scaled(var: &str, default: usize) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
-impl Differences {
-    /// Whether the consumer ends with exactly the server's objects.
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
-    }
-}
-
-/// Compares `folded` with `live` (the server's objects that belong to the stream, as
-/// [`ApiServer::objects`] gives them).
-pub fn differences(
-    folded: &std::collections::BTreeMap<String, Option<(String, String)>>,
-    live: &std::collections::BTreeMap<String, (String, String)>,
-) -> Differences {
-    let mut d = Differences::default();
-    for (key, state) in folded {
-        match (state, live.get(key)) {
-            (Some(_), None) => d.lost_deletes.push(key.clone()),
-            (None, Some(_)) => d.phantom_deletes.push(key.clone()),
-            (Some(got), Some(want)) if got != want => d.stale.push(key.clone()),
-            _ => {}
+/// Creates ConfigMap `ns/cm-{i}` (`v: 1`) and updates it (`v: 2`) for each `i` below `n`, in
+/// a task of its own, pausing 20 ms after every `every`-th: a load of `2 n` notifications.
+pub fn spawn_creates_and_updates(
+    api: &Arc<ApiServer>,
+    n: usize,
+    every: usize,
+) -> tokio::task::JoinHandle<()> {
+    let api = api.clone();
+    tokio::spawn(async move {
+        for i in 0..n {
+            api.create(typed(&configmap("ns", &format!("cm-{i}"), "1")));
+            api.update(typed(&configmap("ns", &format!("cm-{i}"), "2")));
+            if i % every == 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
         }
+    })
+}
+
+/// Changes ConfigMaps on `api` at about `per_second` until `stop`, the one of change `c`
+/// being `name_of(c * 7919 % objects)`: updates mostly, a delete every seventh change (where
+/// the object is there), a create where it is gone. Returns how many changes it made.
+pub async fn churn(
+    api: Arc<ApiServer>,
+    objects: usize,
+    name_of: impl Fn(usize) -> (String, String),
+    per_second: u64,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> u64 {
+    let mut changes = 0u64;
+    let pause = std::time::Duration::from_micros(1_000_000 / per_second);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let (ns, name) = name_of((changes * 7919 % objects as u64) as usize);
+        let value = format!("v{changes}");
+        match api.get("v1", "ConfigMap", &ns, &name) {
+            None => api.create(typed(&configmap(&ns, &name, &value))),
+            Some(_) if changes.is_multiple_of(7) => api.delete("v1", "ConfigMap", &ns, &name),
+            Some(_) => api.update(typed(&configmap(&ns, &name, &value))),
+        };
+        changes += 1;
+        tokio::time::sleep(pause).await;
     }
-    d.missing = live
-        .keys()
-        .filter(|k| !folded.contains_key(*k))
-        .cloned()
-        .collect();
-    d
+    changes
 }
 
 /// A message about ConfigMap `ns/{name}` of cluster `cluster`, with `payload` as it is (for

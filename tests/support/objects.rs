@@ -68,6 +68,14 @@ pub fn realistic_configmap(i: usize) -> ConfigMap {
     })
 }
 
+/// The namespace of the `i`-th object spread round robin over [`spread_namespaces`].
+pub fn spread_namespace(i: usize) -> String {
+    thread_local! {
+        static NAMESPACES: Vec<String> = spread_namespaces();
+    }
+    NAMESPACES.with(|n| n[i % n.len()].clone())
+}
+
 /// Namespaces as teams name them (service, then environment): 60 of them. FNV-1a's high
 /// bits, which pick the shard, hardly change with a string's last characters, so names that
 /// differ only at the end (`ns-01`, `ns-02`, …) fall into one shard; these spread.

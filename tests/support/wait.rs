@@ -71,3 +71,23 @@ pub async fn within(patience: impl Into<Patience>, mut cond: impl AsyncFnMut() -
         tokio::time::sleep(patience.every).await;
     }
 }
+
+/// Waits until `count` stops changing: the same for `still`, looking every 500 ms; panics
+/// ("never quiet") once `limit` has passed. Returns the last count.
+pub async fn quiet(
+    still: Duration,
+    limit: Duration,
+    mut count: impl AsyncFnMut() -> usize,
+) -> usize {
+    let (mut last, mut since) = (0, tokio::time::Instant::now());
+    let deadline = tokio::time::Instant::now() + limit;
+    while since.elapsed() < still {
+        assert!(tokio::time::Instant::now() < deadline, "never quiet");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let n = count().await;
+        if n != last {
+            (last, since) = (n, tokio::time::Instant::now());
+        }
+    }
+    last
+}

@@ -12,8 +12,6 @@
 //!
 //! The RBAC of deploy/ and of the Helm chart is tested in tests/deploy.rs.
 
-mod support;
-
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::{
@@ -23,6 +21,7 @@ use std::{
     time::Duration,
 };
 
+use crate::{AT_ONCE, support};
 use futures::StreamExt;
 use k8s_openapi::api::{coordination::v1::Lease, core::v1::ConfigMap};
 use kube::api::{
@@ -33,9 +32,9 @@ use support::{
     Differences,
     cluster::{Cluster, ClusterOptions},
     config::{ConfigBuilder, NATS_STREAM, nats_sink},
-    deployed::{compare, counts, read, replica_metrics, samples},
+    deployed::{compare, read, replica_metrics, samples},
     nats::{NatsServer, stream_len},
-    objects::{configmap, configmaps, custom_resource, spread_namespaces},
+    objects::{configmap, configmaps, custom_resource, spread_namespace, spread_namespaces},
     replica::{Replica, dump, shards_spread},
     wait::{self, Patience},
 };
@@ -57,11 +56,7 @@ fn widgets() -> ApiResource {
 
 /// ConfigMap `i`: its namespace and name.
 fn configmap_name(i: usize) -> (String, String) {
-    thread_local! {
-        static NAMESPACES: Vec<String> = spread_namespaces();
-    }
-    let ns = NAMESPACES.with(|n| n[i % n.len()].clone());
-    (ns, format!("cm-{i:04}"))
+    (spread_namespace(i), format!("cm-{i:04}"))
 }
 
 fn widget(name: &str, value: &str) -> DynamicObject {
@@ -227,6 +222,7 @@ async fn apiserver_metrics(cluster: &Cluster) -> String {
 }
 
 async fn sharded(server_side: bool) {
+    let _turn = AT_ONCE.acquire().await.unwrap();
     let started = tokio::time::Instant::now();
     let options = ClusterOptions {
         feature_gates: if server_side {
@@ -467,12 +463,7 @@ async fn sharded(server_side: bool) {
         r.terminate();
     }
     let events = read(&url).await;
-    let mut ids = std::collections::HashSet::new();
-    let deduplicated: Vec<Value> = events
-        .iter()
-        .filter(|e| ids.insert(e["id"].as_str().unwrap().to_owned()))
-        .cloned()
-        .collect();
+    let deduplicated = support::deduplicated(&events);
     let repeated = events.len() - deduplicated.len();
     found = (
         compare(&cluster, &events, "ConfigMap", &configmaps()).await,
@@ -493,12 +484,12 @@ async fn sharded(server_side: bool) {
         },
         mode_line,
         events.len(),
-        counts(&found.0),
-        counts(&found.1),
+        found.0.counts(),
+        found.1.counts(),
         started.elapsed()
     );
-    assert!(found.0.is_empty(), "ConfigMaps: {:?}", found.0);
-    assert!(found.1.is_empty(), "Widgets: {:?}", found.1);
+    assert!(found.0.is_empty(), "ConfigMaps: {}", found.0);
+    assert!(found.1.is_empty(), "Widgets: {}", found.1);
     assert!(
         found_deduplicated.0.is_empty() && found_deduplicated.1.is_empty(),
         "deduplicated by id: {found_deduplicated:?}"
@@ -529,6 +520,7 @@ async fn checkpoint_lag(replica: &Replica) -> Option<f64> {
 /// resumed from no checkpoint: adds for everything and none of the deletes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_of_the_shard_count_loses_no_delete_and_replays_nothing() {
+    let _turn = AT_ONCE.acquire().await.unwrap();
     let cluster = Cluster::start().await;
     let client = cluster.client().await;
     let namespaces: Vec<String> = spread_namespaces().into_iter().take(6).collect();
@@ -584,12 +576,12 @@ async fn a_change_of_the_shard_count_loses_no_delete_and_replays_nothing() {
             "run {run} with {shards} shard(s): {} messages ({}), {}",
             after.len(),
             after.join(", "),
-            counts(&d)
+            d.counts()
         );
         if !folded || !d.is_empty() {
             dump(std::slice::from_ref(&replica));
         }
-        assert!(d.is_empty(), "run {run} with {shards} shard(s): {d:?}");
+        assert!(d.is_empty(), "run {run} with {shards} shard(s): {d}");
         if run > 0 {
             // Exactly the changes made while nobody ran, each once: 3 deletes, 2 updates and
             // 2 creates of this test's objects (kube-system's ConfigMaps did not change).
@@ -654,6 +646,7 @@ fn counted_config(identity: &str, shards: u32, sink: &Value) -> Value {
 /// sent twice. Before this guard, both published every object.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_single_leader_and_sharded_replicas_never_publish_together() {
+    let _turn = AT_ONCE.acquire().await.unwrap();
     let cluster = Cluster::start().await;
     let client = cluster.client().await;
     let namespaces: Vec<String> = spread_namespaces().into_iter().take(4).collect();
@@ -686,7 +679,7 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
         if !ok {
             replicas.iter().for_each(|r| dump(std::slice::from_ref(*r)));
             let d = compare(&cluster, &read(&url).await, "ConfigMap", &configmaps()).await;
-            panic!("{what}: {}", counts(&d));
+            panic!("{what}: {d}");
         }
     };
     let mut change = 0;
@@ -796,7 +789,7 @@ async fn a_single_leader_and_sharded_replicas_never_publish_together() {
          ran: {standby} and {standby_back}, sent twice: {}, {}",
         events.len(),
         twice.len(),
-        counts(&d)
+        d.counts()
     );
     assert_eq!(
         standby, 0,

@@ -16,8 +16,6 @@
 //! `SHARDING_TEST_DEFAULT_LEASES=1` runs it with the default lease timings (15 s) instead of
 //! 4 s ones.
 
-mod support;
-
 use std::{
     collections::{HashMap, HashSet},
     path::Path,
@@ -28,28 +26,21 @@ use std::{
     time::Duration,
 };
 
+use crate::{AT_ONCE, support};
 use serde_json::{Value, json};
 use support::{
     ApiServer,
-    config::{ConfigBuilder, NATS_STREAM, kafka_sink, nats_sink},
-    differences, fold_in_order,
-    kafka::{Kafka, Record, consume_all},
-    nats::{NatsServer, read_stream},
-    objects::{configmap, spread_namespaces, typed},
+    broker::Broker,
+    config::ConfigBuilder,
+    objects::{configmap, spread_namespace, spread_namespaces, typed},
     replica::{Replica, dump, shards_spread},
     wait::{self, Patience},
 };
 
 const SHARDS: u32 = 12;
 
-/// Two runs at a time: each starts three to five replicas (debug builds), and four at once on
-/// 2 cores starved Lease renewals past their 3 s deadline.
-static AT_ONCE: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 fn objects() -> usize {
-    std::env::var("SHARDING_TEST_OBJECTS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(1_200)
+    support::scaled("SHARDING_TEST_OBJECTS", 1_200)
 }
 
 /// Fast leases (4 s) for CI; with `SHARDING_TEST_DEFAULT_LEASES=1`, the defaults (15 s).
@@ -64,11 +55,7 @@ fn leader_election(identity: &str) -> Value {
 }
 
 fn name_of(i: usize) -> (String, String) {
-    thread_local! {
-        static NAMESPACES: Vec<String> = spread_namespaces();
-    }
-    let ns = NAMESPACES.with(|n| n[i % n.len()].clone());
-    (ns, format!("cm-{i:05}"))
+    (spread_namespace(i), format!("cm-{i:05}"))
 }
 
 /// A sharded replica's config: ConfigMaps to `sink`.
@@ -90,25 +77,9 @@ fn shard_holders(api: &ApiServer) -> Vec<Option<String>> {
         .collect()
 }
 
-/// Changes objects at about `per_second` until `stop`: updates mostly, deletes and
-/// re-creates.
+/// Changes objects at about `per_second` until `stop` ([`support::churn`]).
 async fn write(api: Arc<ApiServer>, per_second: u64, stop: Arc<AtomicBool>) -> u64 {
-    let n = objects() as u64;
-    let mut changes = 0u64;
-    let pause = Duration::from_micros(1_000_000 / per_second);
-    while !stop.load(Ordering::Relaxed) {
-        let i = (changes * 7919 % n) as usize;
-        let (ns, name) = name_of(i);
-        let value = format!("v{changes}");
-        match api.get("v1", "ConfigMap", &ns, &name) {
-            None => api.create(typed(&configmap(&ns, &name, &value))),
-            Some(_) if changes.is_multiple_of(7) => api.delete("v1", "ConfigMap", &ns, &name),
-            Some(_) => api.update(typed(&configmap(&ns, &name, &value))),
-        };
-        changes += 1;
-        tokio::time::sleep(pause).await;
-    }
-    changes
+    support::churn(api, objects(), name_of, per_second, stop).await
 }
 
 /// What happens to the replicas while objects change.
@@ -132,61 +103,6 @@ async fn settled(api: &ApiServer, gone: &[String], replicas: usize, patience: Pa
         },
     )
     .await;
-}
-
-/// Where the replicas publish, started for one test.
-enum Destination {
-    /// A JetStream stream, [`NATS_STREAM`].
-    JetStream(NatsServer),
-    /// The topic [`KAFKA_TOPIC`] (three partitions) on a node of the test's own.
-    Kafka(Kafka),
-}
-
-/// The events topic of the Kafka runs (cluster `test`, the default template).
-const KAFKA_TOPIC: &str = "k8s.test.core.configmaps";
-
-impl Destination {
-    fn jetstream() -> Self {
-        Self::JetStream(NatsServer::start())
-    }
-
-    fn kafka() -> Self {
-        let kafka = Kafka::start();
-        // Before any replica: the reads below look up the topic's partitions.
-        kafka.create_topic(KAFKA_TOPIC, 3);
-        Self::Kafka(kafka)
-    }
-
-    /// The replicas' sink.
-    fn sink(&self) -> Value {
-        match self {
-            Self::JetStream(nats) => nats_sink("nats", &nats.url(), json!({})),
-            Self::Kafka(kafka) => kafka_sink("kafka", &kafka.brokers(), json!({})),
-        }
-    }
-
-    /// Every event the destination holds, in its order (per partition for Kafka, which
-    /// keeps each object in one partition).
-    async fn read(&self) -> Vec<Value> {
-        match self {
-            Self::JetStream(nats) => read_stream(&nats.url(), NATS_STREAM)
-                .await
-                .iter()
-                .map(|m| serde_json::from_slice(&m.payload).unwrap())
-                .collect(),
-            Self::Kafka(kafka) => {
-                let brokers = kafka.brokers();
-                tokio::task::spawn_blocking(move || {
-                    consume_all(&brokers, KAFKA_TOPIC, 3)
-                        .iter()
-                        .map(Record::json)
-                        .collect()
-                })
-                .await
-                .unwrap()
-            }
-        }
-    }
 }
 
 /// How the first three replicas start.
@@ -330,7 +246,7 @@ fn repeated(events: &[Value]) -> Vec<(String, String, String)> {
     repeated
 }
 
-async fn sharded(server_side: bool, scenario: Scenario, destination: Destination, start: Start) {
+async fn sharded(server_side: bool, scenario: Scenario, destination: Broker, start: Start) {
     let _turn = AT_ONCE.acquire().await.unwrap();
     let read = async || destination.read().await;
     let api = Arc::new(ApiServer::start().await);
@@ -342,7 +258,7 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
     }
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = api.write_kubeconfig(dir.path());
-    let sink = destination.sink();
+    let sink = destination.sink(destination.sink_type());
     // More objects take longer to publish (a debug build).
     let limit = Duration::from_secs(120 + n as u64 / 150);
     let patience = Patience::of(limit).polling(Duration::from_millis(200));
@@ -532,33 +448,21 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
     stop.store(true, Ordering::Relaxed);
     let changes = writer.await.unwrap();
     // Quiet: nothing more arrives for a while.
-    let (mut last, mut since) = (0, tokio::time::Instant::now());
-    let deadline = tokio::time::Instant::now() + limit;
-    while since.elapsed() < Duration::from_secs(15) {
-        assert!(tokio::time::Instant::now() < deadline, "never quiet");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let got = read().await.len();
-        if got != last {
-            (last, since) = (got, tokio::time::Instant::now());
-        }
-    }
+    wait::quiet(Duration::from_secs(15), limit, async || read().await.len()).await;
     let events = read().await;
     let live = api.objects("v1", "ConfigMap");
-    let found = differences(&fold_in_order(&events), &live);
+    let found = support::compare(&events, &live);
     let repeats = repeated(&events);
     println!(
-        "{changes} changes; {timings}; {} messages; last message wins: {} lost deletes, {} phantom deletes, {} stale, {} missing; {} sent twice",
+        "{changes} changes; {timings}; {} messages; last message wins: {}; {} sent twice",
         events.len(),
-        found.lost_deletes.len(),
-        found.phantom_deletes.len(),
-        found.stale.len(),
-        found.missing.len(),
+        found.counts(),
         repeats.len(),
     );
     if !found.is_empty() {
         dump(&replicas);
     }
-    assert!(found.is_empty(), "{found:?}");
+    assert!(found.is_empty(), "{found}");
     // Replicas that join or leave (SIGTERM) hand their shards on drained: the next owner
     // finds every message in the checkpoint and sends none again. (A SIGKILLed replica's
     // unwritten acknowledgements are sent again: duplicates are what a crash may cost.)
@@ -607,51 +511,27 @@ async fn sharded(server_side: bool, scenario: Scenario, destination: Destination
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_shards_are_taken_over_server_side() {
-    sharded(
-        true,
-        Scenario::Kill,
-        Destination::jetstream(),
-        Start::Together,
-    )
-    .await;
+    sharded(true, Scenario::Kill, Broker::jetstream(), Start::Together).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_shards_are_taken_over_client_side() {
-    sharded(
-        false,
-        Scenario::Kill,
-        Destination::jetstream(),
-        Start::Together,
-    )
-    .await;
+    sharded(false, Scenario::Kill, Broker::jetstream(), Start::Together).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaling_three_to_five_to_two_rebalances_server_side() {
-    sharded(
-        true,
-        Scenario::Scale,
-        Destination::jetstream(),
-        Start::Together,
-    )
-    .await;
+    sharded(true, Scenario::Scale, Broker::jetstream(), Start::Together).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scaling_one_to_three_to_five_to_two_rebalances_client_side() {
-    sharded(
-        false,
-        Scenario::Scale,
-        Destination::jetstream(),
-        Start::OneFirst,
-    )
-    .await;
+    sharded(false, Scenario::Scale, Broker::jetstream(), Start::OneFirst).await;
 }
 
 /// The same on Apache Kafka: three replicas' idempotent producers write the three partitions
 /// of one topic at once, and the killed replica's shards move to the others.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_shards_are_taken_over_into_kafka() {
-    sharded(true, Scenario::Kill, Destination::kafka(), Start::Together).await;
+    sharded(true, Scenario::Kill, Broker::own_kafka(), Start::Together).await;
 }

@@ -1,0 +1,116 @@
+//! The brokers a scenario runs on, behind one type: JetStream on a nats-server of the
+//! scenario's own, or Kafka (the binary's shared node with a topic of the scenario's own, or
+//! a node of its own). Each gives the replicas' sink config and reads back every message it
+//! holds, so a scenario is written once and run on both.
+
+use serde_json::{Value, json};
+
+use super::{
+    config::{NATS_STREAM, kafka_sink, nats_sink},
+    kafka::{Kafka, consume_all},
+    nats::{NatsServer, read_stream},
+};
+
+/// Partitions of a scenario's events topic.
+const PARTITIONS: u32 = 3;
+/// The events topic of cluster `test` with the default template.
+pub const KAFKA_TOPIC: &str = "k8s.test.core.configmaps";
+
+/// A Kafka node: the test binary's shared one ([`Kafka::shared`]) or a scenario's own.
+pub enum KafkaNode {
+    Shared(&'static Kafka),
+    Own(Kafka),
+}
+
+impl std::ops::Deref for KafkaNode {
+    type Target = Kafka;
+
+    fn deref(&self) -> &Kafka {
+        match self {
+            Self::Shared(kafka) => kafka,
+            Self::Own(kafka) => kafka,
+        }
+    }
+}
+
+/// Where a scenario's replicas publish, and how a consumer reads it back.
+pub enum Broker {
+    /// A nats-server of the scenario's own; the stream [`NATS_STREAM`].
+    JetStream(NatsServer),
+    /// A Kafka node and the events topic ([`PARTITIONS`] partitions); the sink's extra
+    /// settings.
+    Kafka(KafkaNode, String, Value),
+}
+
+impl Broker {
+    /// A nats-server of the scenario's own.
+    pub fn jetstream() -> Self {
+        Self::JetStream(NatsServer::start())
+    }
+
+    /// The binary's shared Kafka node with a topic of this scenario's own: cluster `cluster`'s
+    /// ConfigMaps, `k8s.{cluster}.core.configmaps`; checkpoints in `{topic}.checkpoints`.
+    pub fn shared_kafka(cluster: &str) -> Self {
+        let kafka = Kafka::shared();
+        let topic = format!("k8s.{cluster}.core.configmaps");
+        kafka.create_topic(&topic, PARTITIONS);
+        let extra = json!({"topic": topic, "checkpoint_topic": format!("{topic}.checkpoints")});
+        Self::Kafka(KafkaNode::Shared(kafka), topic, extra)
+    }
+
+    /// A Kafka node of the scenario's own, the default topic and checkpoint topic of cluster
+    /// `test` ([`KAFKA_TOPIC`]).
+    pub fn own_kafka() -> Self {
+        let kafka = Kafka::start();
+        // Before any replica: the reads look up the topic's partitions.
+        kafka.create_topic(KAFKA_TOPIC, PARTITIONS);
+        Self::Kafka(KafkaNode::Own(kafka), KAFKA_TOPIC.into(), json!({}))
+    }
+
+    /// `JetStream` or `Kafka`, for what a scenario prints.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::JetStream(_) => "JetStream",
+            Self::Kafka(..) => "Kafka",
+        }
+    }
+
+    /// The sink type: `nats` or `kafka` (what a scenario with one sink names it).
+    pub fn sink_type(&self) -> &'static str {
+        match self {
+            Self::JetStream(_) => "nats",
+            Self::Kafka(..) => "kafka",
+        }
+    }
+
+    /// The replicas' sink `name`, with the tests' settings ([`nats_sink`], [`kafka_sink`]).
+    pub fn sink(&self, name: &str) -> Value {
+        match self {
+            Self::JetStream(nats) => nats_sink(name, &nats.url(), json!({})),
+            Self::Kafka(kafka, _, extra) => kafka_sink(name, &kafka.brokers(), extra.clone()),
+        }
+    }
+
+    /// Every message the broker holds, decoded, in its order (per key: the order a consumer
+    /// reads; Kafka's partitions one after another).
+    pub async fn read(&self) -> Vec<Value> {
+        match self {
+            Self::JetStream(nats) => read_stream(&nats.url(), NATS_STREAM)
+                .await
+                .iter()
+                .map(|m| serde_json::from_slice(&m.payload).unwrap())
+                .collect(),
+            Self::Kafka(kafka, topic, _) => {
+                let (brokers, topic) = (kafka.brokers(), topic.clone());
+                tokio::task::spawn_blocking(move || {
+                    consume_all(&brokers, &topic, PARTITIONS as i32)
+                        .iter()
+                        .map(|r| r.json())
+                        .collect()
+                })
+                .await
+                .unwrap()
+            }
+        }
+    }
+}
