@@ -16,10 +16,12 @@ use kube_event_bridge::{
 use serde_json::{Value, json};
 use support::{
     ApiServer, RunningApp,
+    broker::Broker,
     config::{ConfigBuilder, kafka_settings, kafka_sink},
     event_type,
     kafka::{Kafka, Record, consume},
     objects::{Meta, configmap, configmap_with_data, named, typed},
+    sink_scenarios,
     wait::{self, PATIENCE, Patience},
 };
 
@@ -158,101 +160,37 @@ fn check_events(records: &[Record]) -> Vec<Value> {
     events
 }
 
+/// [`sink_scenarios::every_change_once_in_order`] on Kafka: each record keyed by its
+/// object's namespace/name, one partition per key, the keys spread over the partitions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_notification_arrives_keyed_and_in_order_as_structured_cloudevents() {
-    let topics = Topics::of("order");
-    let api = ApiServer::start().await;
-    for i in 0..12 {
-        api.create(typed(&configmap(
-            &format!("ns-{}", i % 2),
-            &format!("cm-{i}"),
-            "1",
-        )));
-    }
-    let cfg = topics
-        .config()
-        .grace_period("10s")
-        .configmaps()
-        .sink(topics.sink("kafka", json!({})))
-        .route("configmap", &["kafka"])
-        .build();
-    let running = RunningApp::start(cfg, &api).await;
-    running.synced().await;
-    for i in 0..12 {
-        api.update(typed(&configmap(
-            &format!("ns-{}", i % 2),
-            &format!("cm-{i}"),
-            "2",
-        )));
-    }
-    for i in 0..3 {
-        api.delete(
-            "v1",
-            "ConfigMap",
-            &format!("ns-{}", i % 2),
-            &format!("cm-{i}"),
-        );
-    }
-    let records = consume_async(topics.brokers.clone(), &topics.events(), 27).await;
-    let report = running.stop().await;
-    assert!(report.undelivered.is_empty());
-    for r in &records {
+    let broker = Broker::shared_kafka("order");
+    let delivered = sink_scenarios::every_change_once_in_order(&broker).await;
+    let mut partition_of: HashMap<&str, i32> = HashMap::new();
+    for m in &delivered {
         assert_eq!(
-            r.header("content-type"),
-            Some("application/cloudevents+json")
+            Some(m.key.as_str()),
+            m.body["subject"].as_str(),
+            "the key is namespace/name"
+        );
+        assert_eq!(
+            *partition_of.entry(&m.key).or_insert(m.partition),
+            m.partition,
+            "one partition per key"
         );
     }
-    let events = check_events(&records);
-    let count = |t: &str| {
-        events
-            .iter()
-            .filter(|e| e["type"].as_str().unwrap().ends_with(t))
-            .count()
-    };
-    assert_eq!(
-        (count(".added"), count(".updated"), count(".deleted")),
-        (12, 12, 3)
-    );
-    assert!(
-        records
-            .iter()
-            .map(|r| r.partition)
-            .collect::<HashSet<_>>()
-            .len()
-            > 1,
-        "keys spread over partitions"
-    );
+    let partitions: HashSet<i32> = partition_of.into_values().collect();
+    assert!(partitions.len() > 1, "keys spread over partitions");
 }
 
+/// [`sink_scenarios::binary_mode`] on Kafka, with a static header.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_mode_carries_attributes_as_ce_headers() {
-    let topics = Topics::of("binary");
-    let api = ApiServer::start().await;
-    api.create(typed(&configmap("ns", "a", "1")));
-    let cfg = topics
-        .config()
-        .grace_period("10s")
-        .configmaps()
-        .sink(topics.sink(
-            "kafka",
-            json!({"encoding": "binary", "headers": {"x-origin": "bridge-test"}}),
-        ))
-        .route("configmap", &["kafka"])
-        .build();
-    let running = RunningApp::start(cfg, &api).await;
-    let records = consume_async(topics.brokers.clone(), &topics.events(), 1).await;
-    running.stop().await;
-    let r = &records[0];
-    assert_eq!(r.header("content-type"), Some("application/json"));
-    assert_eq!(
-        r.header("ce_type"),
-        Some("io.github.kube-event-bridge.object.added")
-    );
-    assert_eq!(r.header("ce_subject"), Some("ns/a"));
-    assert_eq!(r.header("ce_k8sinitial"), Some("true"));
-    assert_eq!(r.header("x-origin"), Some("bridge-test"), "static headers");
-    assert_eq!(r.json()["object"]["data"]["v"], "1");
-    check_events(&records);
+    let broker = Broker::shared_kafka("binary");
+    let extra = json!({"headers": {"x-origin": "bridge-test"}});
+    let m = sink_scenarios::binary_mode(&broker, extra).await;
+    assert_eq!(m.key, "ns/a");
+    assert_eq!(m.header("x-origin"), Some("bridge-test"), "static headers");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,10 +17,12 @@ use kube_event_bridge::{
 use serde_json::{Value, json};
 use support::{
     ApiServer, RunningApp,
+    broker::Broker,
     config::{ConfigBuilder, NATS_STREAM as STREAM, nats_settings, nats_sink},
     event_type,
     nats::{NatsServer, read_stream, stream_len},
     objects::{Meta, configmap, named, typed},
+    sink_scenarios,
     wait::{self, PATIENCE, Patience},
 };
 
@@ -64,132 +66,48 @@ fn by_object(messages: &[Value]) -> (HashMap<String, Vec<u64>>, Vec<String>) {
     (per_key, ids)
 }
 
+/// [`sink_scenarios::every_change_once_in_order`] on JetStream: each message's id is its
+/// `Nats-Msg-Id`, its subject `k8s.{cluster}.{group}.{kind}.{namespace}.{name}` with the
+/// name (which has dots) escaped into one token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_gets_every_notification_once_in_order_with_escaped_subjects() {
-    let nats = NatsServer::start();
-    let api = ApiServer::start().await;
-    for i in 0..10 {
-        api.create(typed(&configmap(
-            "team-a",
-            &format!("app.v{i}.config"),
-            "1",
-        )));
-    }
-    let cfg = ConfigBuilder::new()
-        .grace_period("10s")
-        .configmaps()
-        .sink(nats_sink("nats", &nats.url(), json!({})))
-        .route("configmap", &["nats"])
-        .build();
-    let running = RunningApp::start(cfg, &api).await;
-    wait_for_stream(&nats.url(), 10).await;
-    for i in 0..10 {
-        api.update(typed(&configmap(
-            "team-a",
-            &format!("app.v{i}.config"),
-            "2",
-        )));
-    }
-    for i in 0..4 {
-        api.delete("v1", "ConfigMap", "team-a", &format!("app.v{i}.config"));
-    }
-    wait_for_stream(&nats.url(), 24).await;
-    let report = running.stop().await;
-    assert!(report.undelivered.is_empty());
-
-    let raw = read_stream(&nats.url(), STREAM).await;
-    assert_eq!(raw.len(), 24);
-    let mut events = Vec::new();
-    for m in &raw {
-        let event: Value = serde_json::from_slice(&m.payload).unwrap();
-        support::schema::check_cloudevent(&event);
-        let headers = m.headers.clone();
+    let broker = Broker::jetstream();
+    let delivered = sink_scenarios::every_change_once_in_order(&broker).await;
+    for m in &delivered {
+        let e = &m.body;
+        assert_eq!(m.header("Nats-Msg-Id"), e["id"].as_str());
+        let tokens: Vec<&str> = m.key.split('.').collect();
+        assert_eq!(tokens.len(), 6, "{}", m.key);
+        let namespace = e["subject"].as_str().unwrap().split('/').next().unwrap();
         assert_eq!(
-            headers.get("Nats-Msg-Id").unwrap().as_str(),
-            event["id"].as_str().unwrap()
+            &tokens[..5],
+            ["k8s", "test", "core", "ConfigMap", namespace]
         );
-        assert_eq!(
-            headers.get("content-type").unwrap().as_str(),
-            "application/cloudevents+json"
-        );
-        // k8s.{cluster}.{group}.{kind}.{namespace}.{name}, the name escaped into one token.
-        let tokens: Vec<&str> = m.subject.split('.').collect();
-        assert_eq!(tokens.len(), 6, "{}", m.subject);
-        assert_eq!(&tokens[..5], ["k8s", "test", "core", "ConfigMap", "team-a"]);
         assert_eq!(
             unescape_nats_token(Field::Group, tokens[2]).as_deref(),
             Some("")
         );
         assert_eq!(
             unescape_nats_token(Field::Name, tokens[5]).unwrap(),
-            event["k8sname"].as_str().unwrap()
+            e["k8sname"].as_str().unwrap()
         );
         assert!(
             tokens[5].contains("%2E"),
             "dots in names are escaped: {}",
-            m.subject
+            m.key
         );
-        events.push(event);
-    }
-    let (per_key, ids) = by_object(&events);
-    let unique: std::collections::HashSet<&String> = ids.iter().collect();
-    assert_eq!(unique.len(), ids.len(), "one message per id");
-    assert_eq!(per_key.len(), 10);
-    for (key, rvs) in &per_key {
-        assert!(rvs.windows(2).all(|w| w[0] < w[1]), "{key}: {rvs:?}");
     }
 }
 
+/// [`sink_scenarios::binary_mode`] on JetStream, with a subject template naming the type;
+/// the message id is the event's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn binary_mode_puts_attributes_in_ce_headers_and_data_in_the_body() {
-    let nats = NatsServer::start();
-    let api = ApiServer::start().await;
-    api.create(typed(&configmap("ns", "a", "1")));
-    let cfg = ConfigBuilder::new()
-        .grace_period("10s")
-        .configmaps()
-        .sink(nats_sink(
-            "nats",
-            &nats.url(),
-            json!({
-                "encoding": "binary",
-                "subject": "events.{namespace}.{name}.{type}",
-                "stream": {"name": STREAM, "create": true, "subjects": ["events.>"]},
-            }),
-        ))
-        .route("configmap", &["nats"])
-        .build();
-    let running = RunningApp::start(cfg, &api).await;
-    wait_for_stream(&nats.url(), 1).await;
-    running.stop().await;
-    let m = &read_stream(&nats.url(), STREAM).await[0];
-    assert_eq!(m.subject.as_str(), "events.ns.a.added");
-    let h = &m.headers;
-    assert_eq!(h.get("ce-specversion").unwrap().as_str(), "1.0");
-    assert_eq!(
-        h.get("ce-type").unwrap().as_str(),
-        "io.github.kube-event-bridge.object.added"
-    );
-    assert_eq!(h.get("ce-subject").unwrap().as_str(), "ns/a");
-    assert_eq!(h.get("ce-k8skind").unwrap().as_str(), "ConfigMap");
-    assert_eq!(h.get("ce-k8sinitial").unwrap().as_str(), "true");
-    assert_eq!(h.get("content-type").unwrap().as_str(), "application/json");
-    assert_eq!(
-        h.get("ce-id").unwrap().as_str(),
-        h.get("Nats-Msg-Id").unwrap().as_str()
-    );
-    let data: Value = serde_json::from_slice(&m.payload).unwrap();
-    assert_eq!(data["object"]["data"]["v"], "1");
-    support::schema::check_cloudevent(&support::schema::structured_from_binary(
-        h.iter()
-            .flat_map(|(k, vs)| vs.iter().map(move |v| (k.as_ref(), v.as_str()))),
-        "ce-",
-        data.clone(),
-    ));
-    assert!(
-        data.get("specversion").is_none(),
-        "the body is the data, not the envelope"
-    );
+    let broker = Broker::jetstream();
+    let extra = json!({"subject": "k8s.{namespace}.{name}.{type}"});
+    let m = sink_scenarios::binary_mode(&broker, extra).await;
+    assert_eq!(m.key, "k8s.ns.a.added");
+    assert_eq!(m.header("ce-id"), m.header("Nats-Msg-Id"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

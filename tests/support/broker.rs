@@ -9,7 +9,29 @@ use super::{
     config::{NATS_STREAM, kafka_sink, nats_sink},
     kafka::{Kafka, consume_all},
     nats::{NatsServer, read_stream},
+    wait::{self, PATIENCE, Patience},
 };
+
+/// One message as a consumer reads it, whichever the broker.
+#[derive(Debug, Clone)]
+pub struct Delivered {
+    /// Kafka's record key; NATS's subject.
+    pub key: String,
+    /// Kafka's partition (NATS: 0, one stream).
+    pub partition: i32,
+    pub headers: Vec<(String, String)>,
+    /// The value (Kafka) or payload (NATS), parsed.
+    pub body: Value,
+}
+
+impl Delivered {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
 
 /// Partitions of a scenario's events topic.
 const PARTITIONS: u32 = 3;
@@ -91,26 +113,77 @@ impl Broker {
         }
     }
 
-    /// Every message the broker holds, decoded, in its order (per key: the order a consumer
-    /// reads; Kafka's partitions one after another).
-    pub async fn read(&self) -> Vec<Value> {
+    /// Sink `name` with `extra` settings in its broker's section besides the tests' ones.
+    pub fn sink_with(&self, name: &str, extra: Value) -> Value {
+        let mut sink = self.sink(name);
+        let section = self.sink_type();
+        for (k, v) in extra.as_object().expect("settings are an object") {
+            sink[section][k] = v.clone();
+        }
+        sink
+    }
+
+    /// The prefix of CloudEvents attributes in binary mode's headers: `ce_` on Kafka, `ce-`
+    /// on NATS (each protocol binding's own).
+    pub fn ce_prefix(&self) -> &'static str {
+        match self {
+            Self::JetStream(_) => "ce-",
+            Self::Kafka(..) => "ce_",
+        }
+    }
+
+    /// Every message the broker holds with its key (or subject) and headers, in its order
+    /// (per key: the order a consumer reads).
+    pub async fn delivered(&self) -> Vec<Delivered> {
         match self {
             Self::JetStream(nats) => read_stream(&nats.url(), NATS_STREAM)
                 .await
                 .iter()
-                .map(|m| serde_json::from_slice(&m.payload).unwrap())
+                .map(|m| Delivered {
+                    key: m.subject.to_string(),
+                    partition: 0,
+                    headers: m
+                        .headers
+                        .iter()
+                        .flat_map(|(k, vs)| {
+                            vs.iter()
+                                .map(move |v| (k.to_string(), v.as_str().to_owned()))
+                        })
+                        .collect(),
+                    body: serde_json::from_slice(&m.payload).unwrap(),
+                })
                 .collect(),
             Self::Kafka(kafka, topic, _) => {
                 let (brokers, topic) = (kafka.brokers(), topic.clone());
                 tokio::task::spawn_blocking(move || {
                     consume_all(&brokers, &topic, PARTITIONS as i32)
-                        .iter()
-                        .map(|r| r.json())
+                        .into_iter()
+                        .map(|r| Delivered {
+                            body: r.json(),
+                            key: r.key,
+                            partition: r.partition,
+                            headers: r.headers,
+                        })
                         .collect()
                 })
                 .await
                 .unwrap()
             }
         }
+    }
+
+    /// [`Self::delivered`] once the broker holds at least `n` messages (waiting up to
+    /// [`PATIENCE`]).
+    pub async fn delivered_at_least(&self, n: usize) -> Vec<Delivered> {
+        let what = format!("{n} messages on {}", self.name());
+        let patience = Patience::of(PATIENCE).polling(std::time::Duration::from_millis(200));
+        wait::until(&what, patience, async || self.delivered().await.len() >= n).await;
+        self.delivered().await
+    }
+
+    /// Every message the broker holds, decoded, in its order (per key: the order a consumer
+    /// reads; Kafka's partitions one after another).
+    pub async fn read(&self) -> Vec<Value> {
+        self.delivered().await.into_iter().map(|m| m.body).collect()
     }
 }

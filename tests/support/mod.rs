@@ -16,6 +16,7 @@ pub mod objects;
 pub mod parity;
 pub mod replica;
 pub mod schema;
+pub mod sink_scenarios;
 pub mod tools;
 pub mod wait;
 
