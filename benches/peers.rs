@@ -51,8 +51,9 @@
 //! BENCH_OBJECTS=50000, BENCH_OBJECTS_LARGE=200000, BENCH_ROUNDS=3, BENCH_RATE=500,
 //! BENCH_STEADY_SECS=30, BENCH_BURST=10000, BENCH_RESTART_CHANGES=100,
 //! BENCH_TOOLS=bridge,collector,client-go, BENCH_PHASES=main,failover,large (and outage),
-//! BENCH_SYNC_PATIENCE_SECS=600 (a sync not done by then is reported as not done);
-//! BENCH_BRIDGE_KUBERNETES='{"page_size": 0}' sets the bridge's `kubernetes` section).
+//! BENCH_SYNC_PATIENCE_SECS=600 (a sync not done by then is reported as not done),
+//! BENCH_TIMELINE=1 (also prints how many messages had arrived by each half second of a sync);
+//! BENCH_BRIDGE_KUBERNETES='{"page_size": 100000}' sets the bridge's `kubernetes` section).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -364,6 +365,29 @@ impl Arrivals {
         self.0.lock().unwrap()[from..].to_vec()
     }
 
+    /// How many had arrived by each half second after `began` (BENCH_TIMELINE).
+    fn timeline(&self, began: Instant) -> String {
+        let all = self.0.lock().unwrap();
+        let mut counts: Vec<usize> = Vec::new();
+        for a in all.iter() {
+            let slot = (a.at.duration_since(began).as_secs_f64() / 0.5) as usize;
+            if counts.len() <= slot {
+                counts.resize(slot + 1, 0);
+            }
+            counts[slot] += 1;
+        }
+        counts
+            .iter()
+            .scan(0, |sum, c| {
+                *sum += c;
+                Some(*sum)
+            })
+            .enumerate()
+            .map(|(i, sum)| format!("{:.1}s:{sum}", (i + 1) as f64 * 0.5))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     fn first_at(&self) -> Option<Instant> {
         self.0.lock().unwrap().first().map(|a| a.at)
     }
@@ -535,7 +559,7 @@ fn start(tool: Tool, s: &Setup, name: &str, elect: bool) -> Process {
     match tool {
         Tool::Bridge => {
             // BENCH_BRIDGE_KUBERNETES: JSON for the `kubernetes` section, to try list settings
-            // (`{"page_size": 0}`, `{"streaming_list": true}`).
+            // (`{"page_size": 100000}`, `{"streaming_list": true}`).
             let kubernetes: Value = std::env::var("BENCH_BRIDGE_KUBERNETES")
                 .ok()
                 .map(|j| serde_json::from_str(&j).expect("BENCH_BRIDGE_KUBERNETES is JSON"))
@@ -1086,6 +1110,9 @@ impl Bench {
         .await;
         let server = load.end();
         let after = requests(&self.client).await;
+        if std::env::var_os("BENCH_TIMELINE").is_some() {
+            println!("  timeline: {}", arrivals.timeline(began));
+        }
         let sync = Sync {
             first: arrivals
                 .first_at()

@@ -17,6 +17,22 @@ use kube_event_bridge::{
 };
 use tracing::{error, info};
 
+/// mimalloc instead of glibc's malloc: a sync allocates and frees many short-lived buffers
+/// (pages, cached objects, messages), where glibc spends about a third of the process's CPU
+/// (docs/src/performance.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// mimalloc's `mi_option_purge_delay` (the 16th of `mi_option_e` in mimalloc.h, v2 and v3).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Freed memory goes back to the system at once: with mimalloc's default delay (10 ms) a
+/// sync's peak RSS is about half as large again, for no CPU measured.
+fn purge_freed_memory_at_once() {
+    // SAFETY: sets a plain integer option; mimalloc reads options atomically.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
+}
+
 #[derive(Parser)]
 #[command(
     name = "kube-event-bridge",
@@ -253,6 +269,7 @@ const EXIT_DIFFERENCES: u8 = 3;
 const EXIT_BAD_CONFIG: u8 = 2;
 
 fn main() -> ExitCode {
+    purge_freed_memory_at_once();
     let cli = Cli::parse();
     match cli.command {
         Command::Shards { shards, namespaces } => print_shards(shards, namespaces),
