@@ -5,7 +5,8 @@
 //! client-go's, notification by notification.
 //!
 //! One test binary (each costs link time), a module per feature: [`parity`] with client-go,
-//! [`discovery`] (CRDs and API server restarts), [`resume`], [`failover`] and [`filters`];
+//! [`discovery`] (CRDs and API server restarts), [`resume`], [`failover`], [`filters`] and
+//! [`paged_list`] (a list streamed into the pipeline page by page);
 //! the scenarios run on either broker through
 //! `support::broker::Broker`. The sharded scenarios are in tests/sharding/.
 
@@ -15,6 +16,7 @@ mod support;
 mod discovery;
 mod failover;
 mod filters;
+mod paged_list;
 mod parity;
 mod resume;
 
