@@ -32,7 +32,8 @@ pub struct KubernetesConfig {
     pub context: Option<String>,
     /// Objects per page of a list request: 2000, where client-go uses 500. A paged list
     /// waits one round trip per page, and each page costs the API server about 20 ms of CPU
-    /// besides its objects (docs/src/performance.md).
+    /// besides its objects (docs/src/performance.md). A page is held whole while it is read:
+    /// lower it for kinds whose objects are large (2000 Secrets of 100 KB are 200 MB).
     #[serde(default = "default_page_size")]
     pub page_size: u32,
     /// Use a streaming watch-list (`sendInitialEvents=true`) for the initial state instead of a
