@@ -814,11 +814,17 @@ async fn an_explicit_kind_whose_version_goes_deletes_nothing_and_says_which_vers
     .await;
     api.serve_crd_at(GROUP, "widgets", "v1");
     let admin = app.admin;
+    let reason = "shop.example.org/v1beta1 is no longer served, but the kind is, at [\"v1\"]";
     wait::until("pending with the reason", PATIENCE, async || {
         let (_, body) = http_get(admin, "/readyz").await;
-        body.contains("shop.example.org/v1beta1 is no longer served, but the kind is, at [\"v1\"]")
+        body.contains(reason)
     })
     .await;
+    // Later passes (one a second) keep the reason: it used to last until the next one only,
+    // which then said just that v1beta1 is not served.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (_, body) = http_get(admin, "/readyz").await;
+    assert!(body.contains(reason), "the reason stays: {body}");
     assert!(app.stop().await.undelivered.is_empty());
     let d = delivered(&out);
     assert!(

@@ -566,6 +566,11 @@ async fn refresh_resource(
         resources.pending.remove(&index);
         pending.set(0);
     } else {
+        if version_gone.is_none() && answer.not_served.is_some() {
+            // Stopped at an earlier pass because its version went: still so while the kind
+            // is served at another (asked again: the CRD may have gone meanwhile).
+            version_gone = still_served_elsewhere(wiring, resources, index).await;
+        }
         let reason = version_gone
             .or(answer.not_served)
             .unwrap_or_else(|| "no kind selected".into());
@@ -720,11 +725,7 @@ async fn stop_kind(
     if !elsewhere.is_empty() {
         stop_informers(wiring, resources, i).await;
         let wired = &resources.wired[i];
-        let reason = format!(
-            "{}/{} is no longer served, but the kind is, at {elsewhere:?}: its objects \
-             live on (nothing is deleted); set api_version to a served version",
-            wired.api_resource.group, wired.api_resource.version
-        );
+        let reason = version_gone_reason(&wired.api_resource, &elsewhere);
         warn!(resource = %kind_name(r, &wired.api_resource), "{reason}");
         return Stopped::VersionGone(reason);
     }
@@ -777,6 +778,39 @@ async fn kind_gone(wiring: &Wiring, resources: &mut Resources, i: usize) {
 
 /// The versions at which the group of `kind` serves its resource now (none: the kind is
 /// gone).
+/// Why a kind stopped because its version is no longer served waits as pending, while the
+/// kind is served at the versions `elsewhere`.
+fn version_gone_reason(kind: &ApiResource, elsewhere: &[String]) -> String {
+    format!(
+        "{}/{} is no longer served, but the kind is, at {elsewhere:?}: its objects live on \
+         (nothing is deleted); set api_version to a served version",
+        kind.group, kind.version
+    )
+}
+
+/// The reason of `resources[index]`, stopped (at an earlier pass) because its version is no
+/// longer served, while its kind is still served at another version; `None` when it has no
+/// such stopped kind, when the kind is gone too, or when discovery fails (the answer's own
+/// reason stands then).
+async fn still_served_elsewhere(
+    wiring: &Wiring,
+    resources: &Resources,
+    index: usize,
+) -> Option<String> {
+    for wired in resources.wired.iter().filter(|w| w.index == index) {
+        match served_at(&wiring.client, &wired.api_resource).await {
+            Ok(elsewhere) if !elsewhere.is_empty() => {
+                return Some(version_gone_reason(&wired.api_resource, &elsewhere));
+            }
+            Ok(_) => {}
+            Err(err) => {
+                debug!(error = %err, "Discovery failed; the pending reason says what the lookup said");
+            }
+        }
+    }
+    None
+}
+
 async fn served_at(client: &kube::Client, kind: &ApiResource) -> Result<Vec<String>, kube::Error> {
     let group = match kube::discovery::group(client, &kind.group).await {
         Ok(group) => group,
