@@ -324,6 +324,128 @@ async fn lists_and_watch_lists_are_consistent_reads_that_a_lagging_cache_cannot_
     }
 }
 
+/// A new leader's relist streams into the listeners it switches on: each object of the fresh
+/// list reaches them once, as an initial add, while later pages are still fetched; nothing
+/// of the stale cache, none of the deletes the list infers (a resume deletes what the list
+/// lacks from its checkpoint), the changes after the list as to any listener, and the sync
+/// once, after the whole list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_streams_into_listeners_switched_on() {
+    let server = ApiServer::start().await;
+    let names: Vec<String> = (0..30).map(|i| format!("cm-{i:02}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (l, r) = watching(&server, &refs).await;
+    wait::until("synced", PATIENCE, async || l.synced().0 == 1).await;
+    // The cache goes stale: the watch is cut and cannot come back while these change, and
+    // the listener is off.
+    server.block_watches(true);
+    server.drop_watches();
+    r.informer.deactivate_listeners();
+    server.update(typed(&configmap("ns", "cm-00", "2")));
+    server.update(typed(&configmap("ns", "cm-29", "2")));
+    server.delete("v1", "ConfigMap", "ns", "cm-15");
+    server.create(typed(&configmap("ns", "new", "1")));
+    // Pages of 10, each answered 300 ms late: the list takes over a second.
+    server.delay_lists(Some(Duration::from_millis(300)));
+    let cancel = CancellationToken::new();
+    let informer = r.informer.clone();
+    let activation = tokio::spawn(async move {
+        informer
+            .activate_listeners_after_relist(&cancel, |_| true)
+            .await
+    });
+    // The watch may open again (a watch request waiting out its 429s holds the relist
+    // back): whether it brings these changes before the list or not, they reach the
+    // listener only from the list.
+    server.block_watches(false);
+    let first = next(&l).await;
+    assert!(
+        !activation.is_finished(),
+        "the first object came before the list was whole: {}",
+        describe(&first)
+    );
+    let handed = activation.await.unwrap().expect("relisted");
+    assert_eq!(handed, 30);
+    let mut got = vec![describe(&first)];
+    got.extend(take(&l, 29).await);
+    let (synced, before) = l.synced();
+    assert_eq!(
+        (synced, before),
+        (2, 30 + 30),
+        "synced once more, after the whole list"
+    );
+    let mut expected: Vec<String> = names
+        .iter()
+        .filter(|n| n.as_str() != "cm-15")
+        .map(|n| {
+            let v = if n == "cm-00" || n == "cm-29" { 2 } else { 1 };
+            format!("add ns/{n} v={v} initial")
+        })
+        .chain(["add ns/new v=1 initial".to_owned()])
+        .collect();
+    expected.sort();
+    got.sort();
+    assert_eq!(
+        got, expected,
+        "each listed object once, at its listed version"
+    );
+    server.delay_lists(None);
+    server.update(typed(&configmap("ns", "cm-01", "2")));
+    assert_eq!(take(&l, 1).await, ["update ns/cm-01 v=1->2"]);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), l.pop())
+            .await
+            .is_err(),
+        "nothing else"
+    );
+    assert_eq!(relists(&r), 1);
+}
+
+/// A listener switched on "after a relist" before its informer runs (a sharded replica's
+/// informers start with its term) is streamed the informer's first list, and told it is
+/// through once, like the listener that was on from the start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_list_streamed_into_a_listener_syncs_it_once() {
+    let server = ApiServer::start().await;
+    for i in 0..25 {
+        server.create(typed(&configmap("ns", &format!("cm-{i:02}"), "1")));
+    }
+    let factory = factory_on(&server, 10, false, 16);
+    let informer = factory.informer_for(&configmaps(), key(None), None);
+    let (on, streamed) = (Collector::new(), Collector::new());
+    for (name, c) in [("on", &on), ("streamed", &streamed)] {
+        informer.add_listener(Arc::new(ProcessorListener::new(
+            name.to_owned(),
+            ALL,
+            None,
+            c.clone(),
+        )));
+    }
+    informer.deactivate_listeners_where(|l| l.name() == "streamed");
+    let cancel = CancellationToken::new();
+    let activation = tokio::spawn({
+        let (informer, cancel) = (informer.clone(), cancel.clone());
+        async move {
+            informer
+                .activate_listeners_after_relist(&cancel, |l| l.name() == "streamed")
+                .await
+        }
+    });
+    factory.start(&cancel);
+    assert_eq!(activation.await.unwrap(), Some(25));
+    for c in [&on, &streamed] {
+        let mut got = take(c, 25).await;
+        got.sort();
+        assert!(got.iter().all(|d| d.ends_with("v=1 initial")), "{got:?}");
+        wait::until("synced", PATIENCE, async || c.synced().0 == 1).await;
+    }
+    // The informer's own signal has had its turns by now.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(on.synced(), (1, 25));
+    assert_eq!(streamed.synced(), (1, 25));
+    cancel.cancel();
+}
+
 #[tokio::test]
 async fn a_relist_with_unchanged_objects_gives_no_phantom_updates() {
     let server = ApiServer::start().await;

@@ -23,11 +23,15 @@ impl Resources {
     /// [`crate::pipeline::Checkpointer::end_term`]), so that nothing of the old term is
     /// published or written after the new one began. Becoming leader (after the takeover
     /// wait, see [`crate::leader::takeover_wait`]) loads the checkpoints, starts each route's
-    /// resume, switches the routes on, and each informer's listeners once a fresh list of it
-    /// is in the cache (each object handed over once). The listeners of an informer whose
-    /// list fails stay off (nothing of it is published) until a list succeeds or the term
-    /// ends.
-    /// The relists it waits for are those [`Self::relist_for_term`] asked for, if it did.
+    /// resume, switches the routes on, and each informer's listeners with a fresh list of it:
+    /// the one [`Self::relist_for_term`] asked for, handed from the cache at once when it is
+    /// in already (a long takeover wait), else a new one streamed into them as its pages
+    /// arrive (see [`SharedIndexInformer::activate_listeners_after_relist_since`]), so that
+    /// the first changes are published from its first page. Either way each object is handed
+    /// over once. The deletes of what vanished come once the list is whole. An informer whose
+    /// list fails publishes nothing more of its kind until a list succeeds or the term ends.
+    ///
+    /// [`SharedIndexInformer::activate_listeners_after_relist_since`]: crate::informer::SharedIndexInformer::activate_listeners_after_relist_since
     pub(super) async fn set_leading(&mut self, leading: bool) {
         self.leading = leading;
         // Ends the last term's pending switch-ons before anything is switched off.
@@ -95,7 +99,10 @@ impl Resources {
 impl Resources {
     /// A term is about to begin here: every running informer lists again from now on, while
     /// the sinks' terms begin and the takeover wait and the checkpoint reads go on, and
-    /// [`Self::set_leading`] waits for those lists instead of asking for new ones. Any list
+    /// [`Self::set_leading`] hands the cache over at once where such a list is in by then (a
+    /// long takeover wait); where it is not (transactions fenced the last leader at once), it
+    /// streams a new one instead (what the first popped before the listeners were on would
+    /// not reach them; the API server lists twice then). Any list
     /// begun after the term began will do: the last leader handed nothing over after its
     /// fence ended, which was before this replica could take the lease, so such a list is at
     /// least as new as anything it published (what changes later reaches the cache through

@@ -164,7 +164,7 @@ pub(super) struct Resources {
     /// (single-leader mode: standbys keep warm caches).
     pub(super) cold: Option<Arc<Wiring>>,
     /// The relists asked for as this replica's term began (see `relist_for_term`), by
-    /// informer: becoming leader waits for these instead of asking again.
+    /// informer: becoming leader hands the cache over at once where one is in already.
     pub(super) term_relists: Vec<(Arc<SharedIndexInformer>, u64)>,
 }
 

@@ -71,6 +71,11 @@ pub struct Delta {
     pub received: Instant,
     /// Wall-clock time of `received`.
     pub observed: jiff::Timestamp,
+    /// The relist request the newest list begun when this delta was queued serves (see
+    /// [`DeltaFifo::begin_list`]): a `Replaced` delta's is its own list's; a watch delta's,
+    /// the list it follows. A listener streamed a relist tells by it what came from that
+    /// list or after it.
+    pub list: u64,
 }
 
 impl Delta {
@@ -82,6 +87,7 @@ impl Delta {
             gone_at: None,
             received: Instant::now(),
             observed: jiff::Timestamp::now(),
+            list: 0,
         }
     }
 
@@ -120,6 +126,8 @@ struct State {
     applied_at: Option<Arc<str>>,
     // The keys of the list in progress, so far.
     listing: Option<std::collections::HashSet<String>>,
+    // The relist request the newest list begun serves (see `Delta::list`).
+    list_tag: u64,
     closed: bool,
 }
 
@@ -193,9 +201,13 @@ impl DeltaFifo {
     }
 
     /// A (re)list begins (forgetting what a list interrupted before it held): its objects come
-    /// with [`listed`](Self::listed) as they arrive, and pop at once.
-    pub fn begin_list(&self) {
-        self.lock().listing = Some(std::collections::HashSet::new());
+    /// with [`listed`](Self::listed) as they arrive, and pop at once. `serving`: the newest
+    /// relist request made before it was asked for; its deltas, and the watch's after it,
+    /// carry it (see [`Delta::list`]).
+    pub fn begin_list(&self, serving: u64) {
+        let mut s = self.lock();
+        s.listing = Some(std::collections::HashSet::new());
+        s.list_tag = serving;
     }
 
     /// Queues `Replaced` for an object of the list in progress.
@@ -358,7 +370,8 @@ impl State {
         }
     }
 
-    fn enqueue(&mut self, key: String, delta: Delta) {
+    fn enqueue(&mut self, key: String, mut delta: Delta) {
+        delta.list = self.list_tag;
         match self.items.get_mut(&key) {
             Some(deltas) => {
                 deltas.push(delta);
@@ -582,7 +595,7 @@ mod tests {
     fn a_listed_object_pops_before_its_list_ends_and_only_the_whole_list_syncs() {
         let (f, known) = fifo();
         known.upsert("ns/gone", obj("ns", "gone", "1"));
-        f.begin_list();
+        f.begin_list(0);
         f.listed(obj("ns", "a", "5"));
         let first = pop_all(&f);
         assert_eq!(
@@ -620,12 +633,12 @@ mod tests {
         known.upsert("ns/a", obj("ns", "a", "1"));
         known.upsert("ns/b", obj("ns", "b", "1"));
         known.upsert("ns/c", obj("ns", "c", "1"));
-        f.begin_list();
+        f.begin_list(0);
         f.listed(obj("ns", "a", "2"));
         f.listed(obj("ns", "b", "1"));
         // The list fails (an expired continue token) and starts over: c was never listed by
         // the first, a is gone by the second.
-        f.begin_list();
+        f.begin_list(0);
         f.listed(obj("ns", "b", "1"));
         f.listed(obj("ns", "c", "3"));
         f.end_list(Some("7".into()));

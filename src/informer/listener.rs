@@ -10,10 +10,13 @@
 //! - The listener has its own resync period; the informer asks `should_resync` on each tick
 //!   of its check period, and resync notifications reach only listeners that are due.
 //! - A listener can be switched off (a standby replica's): it then drops everything. It is
-//!   switched back on only through [`SharedIndexInformer::activate_listeners`], which hands it
-//!   the cache under the FIFO lock, so that it gets each object exactly once.
+//!   switched back on only by its informer: [`SharedIndexInformer::activate_listeners`] hands
+//!   it the cache under the FIFO lock, and
+//!   [`SharedIndexInformer::activate_listeners_after_relist`] streams a fresh list into it, so
+//!   that it gets each object exactly once either way.
 //!
 //! [`SharedIndexInformer::activate_listeners`]: super::SharedIndexInformer::activate_listeners
+//! [`SharedIndexInformer::activate_listeners_after_relist`]: super::SharedIndexInformer::activate_listeners_after_relist
 
 use std::{
     sync::{

@@ -10,7 +10,7 @@
 //!
 //! | watcher event    | FIFO                                     |
 //! |------------------|------------------------------------------|
-//! | `Init`           | `begin_list()`                           |
+//! | `Init`           | `begin_list(serving)`                    |
 //! | `InitApply(obj)` | `listed(obj)`: it pops at once           |
 //! | `InitDone`       | `end_list(rv)`: what the list lacks is deleted |
 //! | `Apply(obj)`     | `update(obj)` (the informer decides add/update by the cache) |
@@ -224,8 +224,8 @@ impl Reflector {
                     }
                     lists += 1;
                     listed = 0;
-                    self.fifo.begin_list();
                     serving = self.relists.listing_for();
+                    self.fifo.begin_list(serving);
                 }
                 // A list's items are in no version order: the list's own version counts, at
                 // `InitDone`.

@@ -15,6 +15,14 @@
 //!   a kind that appeared later) starts switched off, and is switched on by
 //!   [`SharedIndexInformer::activate_listeners`], which hands it the cache under the FIFO lock,
 //!   as client-go's `AddEventHandler` does; it takes no part in the resync check period.
+//! - Listeners switched on "after a relist" (a new leader's, which must not trust a cache
+//!   whose watch may lag) are switched on at once and a fresh consistent list streams into
+//!   them: each object of that list as an initial add as it pops (tagged by the relist
+//!   request its list serves, see `Delta::list`), what the watch brings after the list as to
+//!   any listener, nothing from before the list and none of the deletes it infers for keys
+//!   they were not handed; their `on_synced` once the whole list has popped. Until then they
+//!   do not count as on (`listeners_on_where`). The notification counters count what the
+//!   informer distributes, not what a stream is handed.
 
 use std::{
     sync::{
@@ -63,7 +71,31 @@ pub struct SharedIndexInformer {
     stopped: AtomicBool,
     // The running task and what stops it (set by `spawn`).
     task: std::sync::Mutex<Option<(CancellationToken, tokio::task::JoinHandle<()>)>>,
+    // Listeners a relist streams into (see `activate_listeners_after_relist_since`); read and
+    // changed only under the FIFO lock.
+    streams: std::sync::Mutex<Vec<Stream>>,
+    next_stream: std::sync::atomic::AtomicU64,
     metrics: InformerMetrics,
+}
+
+/// Listeners switched on while a fresh list streams into them: each object of that list
+/// reaches them as an initial add as it pops, then what follows of its key as it does any
+/// listener. What came before the list, and the deletes it infers, do not reach them (a
+/// resume deletes what the list lacks).
+struct Stream {
+    id: u64,
+    listeners: Vec<Arc<ProcessorListener>>,
+    /// Deltas of lists serving this relist request or a later one, and the watch's after
+    /// them, count (see [`super::delta_fifo::Delta::list`]).
+    from: u64,
+    /// The keys handed so far.
+    handed: std::collections::HashSet<Key>,
+}
+
+impl Stream {
+    fn holds(&self, l: &Arc<ProcessorListener>) -> bool {
+        self.listeners.iter().any(|x| Arc::ptr_eq(x, l))
+    }
 }
 
 impl std::fmt::Debug for SharedIndexInformer {
@@ -95,6 +127,8 @@ impl SharedIndexInformer {
             sync_signalled: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             task: std::sync::Mutex::new(None),
+            streams: std::sync::Mutex::default(),
+            next_stream: std::sync::atomic::AtomicU64::new(0),
             metrics,
         }
     }
@@ -207,9 +241,7 @@ impl SharedIndexInformer {
                 loop {
                     let signalled = this.fifo.with_lock_listed(|synced, listed_at| {
                         if synced {
-                            this.sync_signalled.store(true, Ordering::SeqCst);
-                            let listed_at = listed_at.map(|rv| &**rv);
-                            this.listeners().iter().for_each(|l| l.synced(listed_at));
+                            this.signal_first_sync(listed_at.map(|rv| &**rv), &[]);
                         }
                         synced
                     });
@@ -270,7 +302,8 @@ impl SharedIndexInformer {
 
     /// Removes the listeners `which` selects: they get nothing more from this informer (the
     /// informer runs on for the others). Returns what the cache holds at that moment: the
-    /// state every one of them that was on has been handed.
+    /// state every one of them that was on has been handed (one a list was still streaming
+    /// into does not count as on: see `listeners_on_where`).
     pub fn remove_listeners_where(
         &self,
         which: impl Fn(&ProcessorListener) -> bool,
@@ -280,16 +313,42 @@ impl SharedIndexInformer {
                 .write()
                 .unwrap_or_else(|e| e.into_inner())
                 .retain(|l| !which(l));
+            let mut streams = self.streams();
+            streams
+                .iter_mut()
+                .for_each(|s| s.listeners.retain(|l| !which(l)));
+            streams.retain(|s| !s.listeners.is_empty());
             self.indexer.list()
         })
     }
 
     /// Whether every listener `which` selects is on.
+    /// One that a list still streams into is not on yet: it has not been handed the whole
+    /// state.
     pub fn listeners_on_where(&self, which: impl Fn(&ProcessorListener) -> bool) -> bool {
+        let streams = self.streams();
         self.listeners()
             .iter()
             .filter(|l| which(l))
-            .all(|l| l.is_active())
+            .all(|l| l.is_active() && !streams.iter().any(|s| s.holds(l)))
+    }
+
+    /// Once, under the FIFO lock, when the first list has popped entirely: tells every
+    /// listener on but those a list streams into (told when theirs is through) and `except`.
+    fn signal_first_sync(&self, listed_at: Option<&str>, except: &[Arc<ProcessorListener>]) {
+        if self.sync_signalled.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let streams = self.streams();
+        self.listeners()
+            .iter()
+            .filter(|l| !streams.iter().any(|s| s.holds(l)))
+            .filter(|l| !except.iter().any(|x| Arc::ptr_eq(x, l)))
+            .for_each(|l| l.synced(listed_at));
+    }
+
+    fn streams(&self) -> std::sync::MutexGuard<'_, Vec<Stream>> {
+        self.streams.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Switches the listeners `which` selects that are off on, handing them what changed
@@ -397,6 +456,7 @@ impl SharedIndexInformer {
             for l in self.listeners() {
                 l.set_active(false);
             }
+            self.streams().clear();
         });
     }
 
@@ -417,13 +477,17 @@ impl SharedIndexInformer {
     }
 
     /// [`activate_listeners`](Self::activate_listeners) after a fresh list: asks the reflector
-    /// for a new consistent list and waits until it has been applied to the cache, so that the
-    /// listeners get the API server's state as of now, not a cache whose watch may lag or be
-    /// stalled (a new leader compares its checkpoints with this). On an informer not running
-    /// yet, its first list is that list: they are switched on once it is applied. `None`, with nothing
-    /// switched on, once `cancel` fires (checked under the FIFO lock, so a caller that cancels
-    /// and then deactivates never finds listeners switched on after it) or the informer stops.
-    /// Only listeners that are off and `which` selects are switched on.
+    /// for a new consistent list and streams it into the listeners, so that they get the API
+    /// server's state as of now, not a cache whose watch may lag or be stalled (a new leader
+    /// compares its checkpoints with this). They are switched on at once; each object of that
+    /// list reaches them as an initial add as it pops (the first pages while the last are
+    /// fetched), what the watch brings after the list as to any listener, and nothing from
+    /// before the list, nor the deletes the list infers (a key they were not handed). Their
+    /// `on_synced` comes once the whole list has popped. On an informer not running yet, its
+    /// first list is that list. `None`, with the listeners switched off again, once `cancel`
+    /// fires (checked under the FIFO lock, so a caller that cancels and then deactivates never
+    /// finds listeners switched on after it) or the informer stops. Only listeners that are
+    /// off and `which` selects are switched on. Returns how many objects the list handed them.
     pub async fn activate_listeners_after_relist(
         &self,
         cancel: &CancellationToken,
@@ -440,49 +504,86 @@ impl SharedIndexInformer {
         self.is_running().then(|| self.reflector.request_relist())
     }
 
-    /// [`activate_listeners_after_relist`](Self::activate_listeners_after_relist), with the
-    /// list `request` (of [`request_relist`](Self::request_relist)) asked for earlier, or a
-    /// later one: a list asked for when it was known to be needed (a term's start), which
-    /// runs while the caller prepares the rest. `None`: asked for now.
+    /// [`activate_listeners_after_relist`](Self::activate_listeners_after_relist), or, when the
+    /// list `request` (of [`request_relist`](Self::request_relist)) asked for earlier (a
+    /// term's start) is in the cache already, the cache handed at once as
+    /// [`activate_listeners`](Self::activate_listeners) does. A list still running then is
+    /// not streamed: what it popped before they were switched on never reaches them, so a
+    /// new one is asked for.
     pub async fn activate_listeners_after_relist_since(
         &self,
         cancel: &CancellationToken,
         which: impl Fn(&ProcessorListener) -> bool,
         request: Option<u64>,
     ) -> Option<usize> {
-        if !self.is_running() {
-            // Its first list is the fresh one: hand the cache over once it is applied (a
-            // cache seeded from an informer it replaces would otherwise pass unchanged
-            // objects by as resyncs).
-            loop {
-                if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {
-                    return None;
-                }
-                if self.has_synced() {
-                    break;
-                }
-                tokio::select! {
-                    _ = cancel.cancelled() => return None,
-                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-                }
-            }
-        } else {
-            let request = request.unwrap_or_else(|| self.reflector.request_relist());
-            loop {
-                if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {
-                    return None;
-                }
-                let (served, generation) = self.reflector.served();
-                if served >= request && self.fifo.replaces().1 >= generation {
-                    break;
-                }
-                tokio::select! {
-                    _ = cancel.cancelled() => return None,
-                    _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-                }
+        if let Some(request) = request
+            && self.is_running()
+        {
+            let (served, generation) = self.reflector.served();
+            if served >= request && self.fifo.replaces().1 >= generation {
+                return self.activate_listeners_if(|| !cancel.is_cancelled(), which);
             }
         }
-        self.activate_listeners_if(|| !cancel.is_cancelled(), which)
+        let id = self.next_stream.fetch_add(1, Ordering::SeqCst);
+        // The request is made under the FIFO lock: nothing of its list can pop before the
+        // stream is in place.
+        let from = self.fifo.with_lock(|_| {
+            if cancel.is_cancelled() {
+                return None;
+            }
+            let listeners: Vec<_> = self
+                .listeners()
+                .into_iter()
+                .filter(|l| which(l) && !l.set_active(true))
+                .collect();
+            if listeners.is_empty() {
+                return Some(None);
+            }
+            let from = if self.is_running() {
+                self.reflector.request_relist()
+            } else {
+                0
+            };
+            self.streams().push(Stream {
+                id,
+                listeners,
+                from,
+                handed: std::collections::HashSet::new(),
+            });
+            Some(Some(from))
+        })?;
+        let Some(from) = from else { return Some(0) };
+        let through = loop {
+            if cancel.is_cancelled() || self.stopped.load(Ordering::SeqCst) {
+                break false;
+            }
+            let (served, generation) = self.reflector.served();
+            if generation > 0 && served >= from && self.fifo.replaces().1 >= generation {
+                break true;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => {}
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        };
+        self.fifo.with_lock_listed(|_, listed_at| {
+            let mut streams = self.streams();
+            // Gone already when the listeners were switched off meanwhile.
+            let at = streams.iter().position(|s| s.id == id)?;
+            let stream = streams.swap_remove(at);
+            drop(streams);
+            if !through || cancel.is_cancelled() {
+                stream.listeners.iter().for_each(|l| {
+                    l.set_active(false);
+                });
+                return None;
+            }
+            let listed_at = listed_at.map(|rv| &**rv);
+            // Their list may be the informer's first: the others are told first, once.
+            self.signal_first_sync(listed_at, &stream.listeners);
+            stream.listeners.iter().for_each(|l| l.synced(listed_at));
+            Some(stream.handed.len())
+        })
     }
 
     /// Switches the listeners `which` selects off (see
@@ -492,6 +593,11 @@ impl SharedIndexInformer {
             for l in self.listeners().iter().filter(|l| which(l)) {
                 l.set_active(false);
             }
+            let mut streams = self.streams();
+            streams
+                .iter_mut()
+                .for_each(|s| s.listeners.retain(|l| !which(l)));
+            streams.retain(|s| !s.listeners.is_empty());
         });
     }
 
@@ -565,8 +671,14 @@ impl SharedIndexInformer {
 
     /// client-go's `HandleDeltas` (`processDeltas`): apply to the cache, then distribute.
     fn handle_deltas(&self, deltas: Deltas, is_initial_list: bool) {
+        let mut streams = self.streams();
         for delta in deltas {
             let key: Key = meta_namespace_key(&delta.object).into();
+            let (tag, delta_type, inferred) = (delta.list, delta.kind, delta.final_state_unknown);
+            let (received, observed) = (delta.received, delta.observed);
+            let listed = (delta_type == DeltaType::Replaced && !streams.is_empty())
+                .then(|| delta.object.clone());
+            let mut gone = None;
             let kind = match delta.kind {
                 DeltaType::Added | DeltaType::Updated | DeltaType::Replaced | DeltaType::Sync => {
                     match self.indexer.upsert(&key, delta.object.clone()) {
@@ -582,14 +694,9 @@ impl SharedIndexInformer {
                             // Gone at the version its successor is at (found by the same
                             // list), so that its add does not go back behind the delete.
                             let at = resource_version(&delta.object).into();
-                            self.distribute(
-                                Notification::keyed(
-                                    kind,
-                                    key.clone(),
-                                    delta.received,
-                                    delta.observed,
-                                )
-                                .found_gone_at(Some(at)),
+                            gone = Some(
+                                Notification::keyed(kind, key.clone(), received, observed)
+                                    .found_gone_at(Some(at)),
                             );
                             NotificationKind::Add {
                                 obj: delta.object,
@@ -614,22 +721,71 @@ impl SharedIndexInformer {
                     }
                 }
             };
-            self.distribute(
-                Notification::keyed(kind, key, delta.received, delta.observed)
-                    .found_gone_at(delta.gone_at),
-            );
+            let n = Notification::keyed(kind, key.clone(), received, observed)
+                .found_gone_at(delta.gone_at);
+            if streams.is_empty() {
+                if let Some(gone) = gone {
+                    self.distribute(gone, &[]);
+                }
+                self.distribute(n, &[]);
+                continue;
+            }
+            for stream in streams.iter_mut() {
+                let handed = stream.handed.contains(&key);
+                let current = tag >= stream.from;
+                let watched = match delta_type {
+                    DeltaType::Added | DeltaType::Updated => true,
+                    DeltaType::Deleted => !inferred,
+                    DeltaType::Replaced | DeltaType::Sync => false,
+                };
+                if handed || (current && watched) {
+                    // Handed earlier, or a change the watch brought after the list.
+                    if !handed {
+                        stream.handed.insert(key.clone());
+                    }
+                    if let Some(gone) = &gone {
+                        self.deliver(&stream.listeners, gone);
+                    }
+                    self.deliver(&stream.listeners, &n);
+                } else if let Some(obj) = listed.clone().filter(|_| current) {
+                    stream.handed.insert(key.clone());
+                    let add = NotificationKind::Add {
+                        obj,
+                        is_initial_list: true,
+                    };
+                    let add = Notification::keyed(add, key.clone(), received, observed);
+                    self.deliver(&stream.listeners, &add);
+                }
+                // Else from before the list, or a delete it inferred of a key it lacks
+                // (what a resume deletes itself): not theirs.
+            }
+            if let Some(gone) = gone {
+                self.distribute(gone, &streams);
+            }
+            self.distribute(n, &streams);
         }
     }
 
-    fn distribute(&self, n: Notification) {
-        let is_sync = n.event_type() == EventType::Synced;
+    /// Hands `n` to every listener but those `streams` hold.
+    fn distribute(&self, n: Notification, streams: &[Stream]) {
         self.metrics.notifications[n.event_type() as usize].inc();
-        for l in self
-            .listeners
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
+        let listeners = self.listeners.read().unwrap_or_else(|e| e.into_inner());
+        if streams.is_empty() {
+            self.deliver(&listeners, &n);
+        } else {
+            let rest: Vec<_> = listeners
+                .iter()
+                .filter(|l| !streams.iter().any(|s| s.holds(l)))
+                .cloned()
+                .collect();
+            self.deliver(&rest, &n);
+        }
+    }
+
+    /// Hands `n` to `listeners`; a resync only to those whose resync is due.
+    fn deliver(&self, listeners: &[Arc<ProcessorListener>], n: &Notification) {
+        let is_sync = n.event_type() == EventType::Synced;
+        for l in listeners {
             if !is_sync || l.is_syncing() {
                 l.add(n.clone());
             }

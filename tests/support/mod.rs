@@ -115,12 +115,23 @@ pub fn describe(n: &Notification) -> String {
 pub struct Collector {
     items: Mutex<VecDeque<Notification>>,
     notify: tokio::sync::Notify,
+    /// How many times `on_synced` came, and how many notifications had come before the last.
+    synced: Mutex<(usize, usize)>,
+    received: std::sync::atomic::AtomicUsize,
 }
 
 impl NotificationHandler for Collector {
     fn on_notification(&self, n: Notification) {
+        self.received
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.items.lock().unwrap().push_back(n);
         self.notify.notify_one();
+    }
+
+    fn on_synced(&self, _namespace: Option<&str>, _listed_at: Option<&str>) {
+        let received = self.received.load(std::sync::atomic::Ordering::SeqCst);
+        let mut synced = self.synced.lock().unwrap();
+        *synced = (synced.0 + 1, received);
     }
 }
 
@@ -133,6 +144,12 @@ impl Collector {
     /// The oldest notification not yet taken, if any.
     pub fn try_pop(&self) -> Option<Notification> {
         self.items.lock().unwrap().pop_front()
+    }
+
+    /// How many times the listener said its initial state was through, and how many
+    /// notifications had come before the last time.
+    pub fn synced(&self) -> (usize, usize) {
+        *self.synced.lock().unwrap()
     }
 
     /// Whether every notification has been taken.
