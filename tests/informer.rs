@@ -401,6 +401,61 @@ async fn a_relist_streams_into_listeners_switched_on() {
     assert_eq!(relists(&r), 1);
 }
 
+/// A relist asked for ahead (a term's start) and still running when the listeners are
+/// switched on is not asked for again: they get what it popped so far from the cache and the
+/// rest as it pops, each object once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_asked_for_ahead_streams_into_listeners_switched_on_while_it_runs() {
+    let server = ApiServer::start().await;
+    let names: Vec<String> = (0..30).map(|i| format!("cm-{i:02}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let (l, r) = watching(&server, &refs).await;
+    wait::until("synced", PATIENCE, async || l.synced().0 == 1).await;
+    r.informer.deactivate_listeners();
+    // Pages of 10, each answered 300 ms late.
+    server.delay_lists(Some(Duration::from_millis(300)));
+    let asked = r.informer.request_relist().expect("running");
+    wait::until("the first page listed", PATIENCE, async || {
+        r.metrics
+            .informer_watch_events
+            .with_label_values(&[r.informer.name(), "listed"])
+            .get()
+            >= 30 + 10
+    })
+    .await;
+    // It pops at once; the next page is 300 ms away.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let handed = r
+        .informer
+        .activate_listeners_after_relist_since(&CancellationToken::new(), |_| true, Some(asked))
+        .await
+        .expect("relisted");
+    assert_eq!(handed, 30);
+    let mut got = take(&l, 30).await;
+    got.sort();
+    let mut expected: Vec<String> = names
+        .iter()
+        .map(|n| format!("add ns/{n} v=1 initial"))
+        .collect();
+    expected.sort();
+    assert_eq!(got, expected, "each object once");
+    assert_eq!(
+        l.synced(),
+        (2, 60),
+        "synced once more, after the whole list"
+    );
+    assert_eq!(relists(&r), 1, "the list asked for ahead, not another");
+    server.delay_lists(None);
+    server.update(typed(&configmap("ns", "cm-00", "2")));
+    assert_eq!(take(&l, 1).await, ["update ns/cm-00 v=1->2"]);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), l.pop())
+            .await
+            .is_err(),
+        "nothing else"
+    );
+}
+
 /// A listener switched on "after a relist" before its informer runs (a sharded replica's
 /// informers start with its term) is streamed the informer's first list, and told it is
 /// through once, like the listener that was on from the start.

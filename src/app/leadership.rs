@@ -53,6 +53,7 @@ impl Resources {
         // Asked for in an ended term, or now (below) for this one.
         let mut relists = std::mem::take(&mut self.term_relists);
         if !leading {
+            informers.iter().for_each(|i| i.forget_relist_requests());
             // Another replica's shard from now on: nothing of it stays cached here.
             self.recycle_informers().await;
             return;
@@ -100,9 +101,9 @@ impl Resources {
     /// A term is about to begin here: every running informer lists again from now on, while
     /// the sinks' terms begin and the takeover wait and the checkpoint reads go on, and
     /// [`Self::set_leading`] hands the cache over at once where such a list is in by then (a
-    /// long takeover wait); where it is not (transactions fenced the last leader at once), it
-    /// streams a new one instead (what the first popped before the listeners were on would
-    /// not reach them; the API server lists twice then). Any list
+    /// long takeover wait); where it is still running (transactions fenced the last leader
+    /// at once), the routes get what it popped so far from the cache and the rest as it
+    /// pops. Any list
     /// begun after the term began will do: the last leader handed nothing over after its
     /// fence ended, which was before this replica could take the lease, so such a list is at
     /// least as new as anything it published (what changes later reaches the cache through
@@ -426,7 +427,9 @@ fn still_leading(leading: &tokio::sync::watch::Receiver<bool>) -> bool {
 /// none of them resumes (`keb_route_resuming` back to 0).
 async fn term_ended(resources: &tokio::sync::Mutex<Resources>) {
     let mut resources = resources.lock().await;
-    resources.term_relists.clear();
+    for (informer, _) in std::mem::take(&mut resources.term_relists) {
+        informer.forget_relist_requests();
+    }
     resources
         .resumes()
         .iter()

@@ -90,6 +90,11 @@ struct Stream {
     from: u64,
     /// The keys handed so far.
     handed: std::collections::HashSet<Key>,
+    /// A list asked for ahead (a term's start, see
+    /// [`SharedIndexInformer::request_relist`]), with no listeners yet: it keeps the keys it
+    /// popped, so that listeners switched on later are handed their cached state and the
+    /// rest streams in.
+    early: bool,
 }
 
 impl Stream {
@@ -317,7 +322,7 @@ impl SharedIndexInformer {
             streams
                 .iter_mut()
                 .for_each(|s| s.listeners.retain(|l| !which(l)));
-            streams.retain(|s| !s.listeners.is_empty());
+            streams.retain(|s| s.early || !s.listeners.is_empty());
             self.indexer.list()
         })
     }
@@ -456,7 +461,7 @@ impl SharedIndexInformer {
             for l in self.listeners() {
                 l.set_active(false);
             }
-            self.streams().clear();
+            self.streams().retain(|s| s.early);
         });
     }
 
@@ -500,16 +505,41 @@ impl SharedIndexInformer {
     /// Asks the reflector for a new consistent list now, on a running informer (one not
     /// running yet lists when it starts): its number, for
     /// [`activate_listeners_after_relist_since`](Self::activate_listeners_after_relist_since).
+    /// What that list pops is noted (replacing an earlier such note), so that listeners
+    /// switched on while it runs get what it popped from the cache and the rest as it pops.
     pub fn request_relist(&self) -> Option<u64> {
-        self.is_running().then(|| self.reflector.request_relist())
+        if !self.is_running() {
+            return None;
+        }
+        let id = self.next_stream.fetch_add(1, Ordering::SeqCst);
+        Some(self.fifo.with_lock(|_| {
+            let from = self.reflector.request_relist();
+            let mut streams = self.streams();
+            streams.retain(|s| !s.early);
+            streams.push(Stream {
+                id,
+                listeners: Vec::new(),
+                from,
+                handed: std::collections::HashSet::new(),
+                early: true,
+            });
+            from
+        }))
+    }
+
+    /// Forgets what [`request_relist`](Self::request_relist) noted (the term it was asked
+    /// for ended before it was used).
+    pub fn forget_relist_requests(&self) {
+        self.fifo.with_lock(|_| self.streams().retain(|s| !s.early));
     }
 
     /// [`activate_listeners_after_relist`](Self::activate_listeners_after_relist), or, when the
     /// list `request` (of [`request_relist`](Self::request_relist)) asked for earlier (a
     /// term's start) is in the cache already, the cache handed at once as
-    /// [`activate_listeners`](Self::activate_listeners) does. A list still running then is
-    /// not streamed: what it popped before they were switched on never reaches them, so a
-    /// new one is asked for.
+    /// [`activate_listeners`](Self::activate_listeners) does. When that list still runs, it
+    /// streams into them: what it popped so far is handed from the cache (each key's state
+    /// now, the watch's changes since included), the rest as it pops. Without `request`, or
+    /// when `request` was not the informer's last, a new list is asked for.
     pub async fn activate_listeners_after_relist_since(
         &self,
         cancel: &CancellationToken,
@@ -521,10 +551,11 @@ impl SharedIndexInformer {
         {
             let (served, generation) = self.reflector.served();
             if served >= request && self.fifo.replaces().1 >= generation {
+                self.forget_relist_requests();
                 return self.activate_listeners_if(|| !cancel.is_cancelled(), which);
             }
         }
-        let id = self.next_stream.fetch_add(1, Ordering::SeqCst);
+        let mut id = self.next_stream.fetch_add(1, Ordering::SeqCst);
         // The request is made under the FIFO lock: nothing of its list can pop before the
         // stream is in place.
         let from = self.fifo.with_lock(|_| {
@@ -539,6 +570,44 @@ impl SharedIndexInformer {
             if listeners.is_empty() {
                 return Some(None);
             }
+            let mut streams = self.streams();
+            let early = streams
+                .iter()
+                .position(|s| s.early && Some(s.from) == request);
+            if let Some(at) = early {
+                // That list runs: what it popped already is handed from the cache (newer
+                // there if the watch changed it since), the rest streams in.
+                let stream = &mut streams[at];
+                stream.early = false;
+                stream.listeners = listeners.clone();
+                id = stream.id;
+                // Deleted since: the resume deletes what it lacks; what comes of the key
+                // later comes from the watch.
+                let mut cached: Vec<ObjectRef> = Vec::with_capacity(stream.handed.len());
+                stream.handed.retain(|k| match self.indexer.get(k) {
+                    Some(obj) => {
+                        cached.push(obj);
+                        true
+                    }
+                    None => false,
+                });
+                let from = stream.from;
+                drop(streams);
+                cached.sort_by_key(meta_namespace_key);
+                self.hand(
+                    &listeners,
+                    cached.into_iter().map(|obj| {
+                        let add = NotificationKind::Add {
+                            obj,
+                            is_initial_list: true,
+                        };
+                        (add, None)
+                    }),
+                );
+                return Some(Some(from));
+            }
+            streams.retain(|s| !s.early);
+            drop(streams);
             let from = if self.is_running() {
                 self.reflector.request_relist()
             } else {
@@ -549,6 +618,7 @@ impl SharedIndexInformer {
                 listeners,
                 from,
                 handed: std::collections::HashSet::new(),
+                early: false,
             });
             Some(Some(from))
         })?;
@@ -597,7 +667,7 @@ impl SharedIndexInformer {
             streams
                 .iter_mut()
                 .for_each(|s| s.listeners.retain(|l| !which(l)));
-            streams.retain(|s| !s.listeners.is_empty());
+            streams.retain(|s| s.early || !s.listeners.is_empty());
         });
     }
 
@@ -770,7 +840,7 @@ impl SharedIndexInformer {
     fn distribute(&self, n: Notification, streams: &[Stream]) {
         self.metrics.notifications[n.event_type() as usize].inc();
         let listeners = self.listeners.read().unwrap_or_else(|e| e.into_inner());
-        if streams.is_empty() {
+        if streams.iter().all(|s| s.listeners.is_empty()) {
             self.deliver(&listeners, &n);
         } else {
             let rest: Vec<_> = listeners
