@@ -38,11 +38,13 @@ impl Resources {
         self.term.cancel();
         self.term = CancellationToken::new();
         self.clear_waiting();
-        let informers: Vec<_> = self
-            .wired
-            .iter()
-            .flat_map(|w| w.informers.iter().cloned())
-            .collect();
+        // Each once: several resources may share one.
+        let mut informers: Vec<Arc<crate::informer::SharedIndexInformer>> = Vec::new();
+        for informer in self.wired.iter().flat_map(|w| w.informers.iter()) {
+            if !informers.iter().any(|i| Arc::ptr_eq(i, informer)) {
+                informers.push(informer.clone());
+            }
+        }
         let queues = self.queues();
         informers.iter().for_each(|i| i.deactivate_listeners());
         queues.iter().for_each(|q| q.set_active(false));

@@ -22,7 +22,7 @@
 //!   any listener, nothing from before the list and none of the deletes it infers for keys
 //!   they were not handed; their `on_synced` once the whole list has popped. Until then they
 //!   do not count as on (`listeners_on_where`). The notification counters count what the
-//!   informer distributes, not what a stream is handed.
+//!   informer distributes and hands from its cache, not what a stream passes on.
 
 use std::{
     sync::{
@@ -551,8 +551,15 @@ impl SharedIndexInformer {
         {
             let (served, generation) = self.reflector.served();
             if served >= request && self.fifo.replaces().1 >= generation {
-                self.forget_relist_requests();
-                return self.activate_listeners_if(|| !cancel.is_cancelled(), which);
+                let wanted = || {
+                    if cancel.is_cancelled() {
+                        return false;
+                    }
+                    // Its note is not needed now (a later term's is kept).
+                    self.streams().retain(|s| !(s.early && s.from <= request));
+                    true
+                };
+                return self.activate_listeners_if(wanted, which);
             }
         }
         let mut id = self.next_stream.fetch_add(1, Ordering::SeqCst);
@@ -567,10 +574,12 @@ impl SharedIndexInformer {
                 .into_iter()
                 .filter(|l| which(l) && !l.set_active(true))
                 .collect();
+            let mut streams = self.streams();
             if listeners.is_empty() {
+                // None to hand it to: no note is kept for later.
+                streams.retain(|s| !(s.early && Some(s.from) == request));
                 return Some(None);
             }
-            let mut streams = self.streams();
             let early = streams
                 .iter()
                 .position(|s| s.early && Some(s.from) == request);
@@ -593,7 +602,7 @@ impl SharedIndexInformer {
                 });
                 let from = stream.from;
                 drop(streams);
-                cached.sort_by_key(meta_namespace_key);
+                cached.sort_by_cached_key(meta_namespace_key);
                 self.hand(
                     &listeners,
                     cached.into_iter().map(|obj| {
@@ -801,6 +810,12 @@ impl SharedIndexInformer {
                 continue;
             }
             for stream in streams.iter_mut() {
+                if stream.early && delta_type == DeltaType::Deleted {
+                    // No listener yet: a key gone is not handed when they come (what comes
+                    // of it later is a change or a listed object again).
+                    stream.handed.remove(&key);
+                    continue;
+                }
                 let handed = stream.handed.contains(&key);
                 let current = tag >= stream.from;
                 let watched = match delta_type {
