@@ -873,7 +873,12 @@ async fn a_checkpoint_read_that_gets_no_answer_fails_within_its_deadline_and_rea
         nats.signal("CONT");
         let err = match outcome {
             Ok(Err(err)) => err.to_string(),
-            Ok(Ok(loaded)) => panic!("a frozen server answered: {} keys", loaded[&route].len()),
+            // Every record was on its way before the freeze took hold (the client had it
+            // buffered): a whole read, as one that fitted before the freeze.
+            Ok(Ok(loaded)) => {
+                assert_eq!(loaded[&route].len(), keys, "a frozen server answered part");
+                continue;
+            }
             Err(_) => panic!("the read still waits {:?} after the freeze", READ_STALL * 4),
         };
         println!("frozen after {frozen_after:.1?}: failed after {took:.1?}: {err}");
