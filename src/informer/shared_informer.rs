@@ -369,11 +369,7 @@ impl SharedIndexInformer {
         which: impl Fn(&ProcessorListener) -> bool,
     ) -> usize {
         self.fifo.with_lock_listed(|_, listed_at| {
-            let switched_on: Vec<_> = self
-                .listeners()
-                .into_iter()
-                .filter(|l| which(l) && !l.set_active(true))
-                .collect();
+            let switched_on = self.switch_on(&which);
             if switched_on.is_empty() {
                 return 0;
             }
@@ -569,11 +565,7 @@ impl SharedIndexInformer {
             if cancel.is_cancelled() {
                 return None;
             }
-            let listeners: Vec<_> = self
-                .listeners()
-                .into_iter()
-                .filter(|l| which(l) && !l.set_active(true))
-                .collect();
+            let listeners = self.switch_on(&which);
             let mut streams = self.streams();
             if listeners.is_empty() {
                 // None to hand it to: no note is kept for later.
@@ -603,16 +595,7 @@ impl SharedIndexInformer {
                 let from = stream.from;
                 drop(streams);
                 cached.sort_by_cached_key(meta_namespace_key);
-                self.hand(
-                    &listeners,
-                    cached.into_iter().map(|obj| {
-                        let add = NotificationKind::Add {
-                            obj,
-                            is_initial_list: true,
-                        };
-                        (add, None)
-                    }),
-                );
+                self.hand_initial(&listeners, cached);
                 return Some(Some(from));
             }
             streams.retain(|s| !s.early);
@@ -691,33 +674,41 @@ impl SharedIndexInformer {
             if !wanted() {
                 return None;
             }
-            let switched_on: Vec<_> = self
-                .listeners()
-                .into_iter()
-                .filter(|l| which(l) && !l.set_active(true))
-                .collect();
+            let switched_on = self.switch_on(&which);
             if switched_on.is_empty() {
                 return Some(0);
             }
             let cached = self.indexer.list();
-            self.hand(
-                &switched_on,
-                cached.iter().map(|obj| {
-                    let add = NotificationKind::Add {
-                        obj: obj.clone(),
-                        is_initial_list: true,
-                    };
-                    (add, None)
-                }),
-            );
+            let count = cached.len();
+            self.hand_initial(&switched_on, cached);
             // Once the first list is through, the cache is the whole initial state; before
             // that, the sync signal comes when it is (see `run`).
             if self.sync_signalled.load(Ordering::SeqCst) {
                 let listed_at = listed_at.map(|rv| &**rv);
                 switched_on.iter().for_each(|l| l.synced(listed_at));
             }
-            Some(cached.len())
+            Some(count)
         })
+    }
+
+    /// Switches the listeners `which` selects that are off on (under the FIFO lock): those.
+    fn switch_on(&self, which: impl Fn(&ProcessorListener) -> bool) -> Vec<Arc<ProcessorListener>> {
+        self.listeners()
+            .into_iter()
+            .filter(|l| which(l) && !l.set_active(true))
+            .collect()
+    }
+
+    /// Hands `objects` to `listeners` as initial adds (see [`hand`](Self::hand)).
+    fn hand_initial(&self, listeners: &[Arc<ProcessorListener>], objects: Vec<ObjectRef>) {
+        let adds = objects.into_iter().map(|obj| {
+            let add = NotificationKind::Add {
+                obj,
+                is_initial_list: true,
+            };
+            (add, None)
+        });
+        self.hand(listeners, adds);
     }
 
     /// Hands `kinds` (built under the FIFO lock; deletes with the version they were found gone
