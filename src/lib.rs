@@ -71,3 +71,9 @@ pub mod selector;
 pub mod shard;
 pub mod sinks;
 pub mod workqueue;
+
+/// The hasher of the maps and sets keyed by object keys on the per-object paths (the
+/// DeltaFIFO, the cache and its indices, the route queues, the checkpointer): foldhash, several
+/// times faster than std's SipHash on short strings. Keys are the API server's object names,
+/// not input the process must protect its maps from; foldhash is still seeded per process.
+pub(crate) type FastHash = foldhash::fast::RandomState;

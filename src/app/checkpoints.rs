@@ -540,9 +540,12 @@ mod tests {
             (format!("{a}/y"), entry(7)),
             (format!("{b}/z"), entry(9)),
         ]
-        .into();
-        let one: Checkpoint = [(format!("{a}/x"), entry(5)), (format!("{a}/old"), entry(3))].into();
-        let own: Checkpoint = [(format!("{a}/y"), entry(8))].into();
+        .into_iter()
+        .collect();
+        let one: Checkpoint = [(format!("{a}/x"), entry(5)), (format!("{a}/old"), entry(3))]
+            .into_iter()
+            .collect();
+        let own: Checkpoint = [(format!("{a}/y"), entry(8))].into_iter().collect();
         let taken = take_over(
             route,
             shard,
@@ -589,7 +592,7 @@ mod tests {
 
     #[test]
     fn without_another_count_nothing_moves_and_a_pending_entry_wins_a_tie() {
-        let own: Checkpoint = [("ns/a".to_owned(), entry(4))].into();
+        let own: Checkpoint = [("ns/a".to_owned(), entry(4))].into_iter().collect();
         let alone = take_over("cm/out", Shard::WHOLE, Some(own.clone()), vec![]);
         assert_eq!(alone.checkpoint, Some(own.clone()));
         assert!(alone.writes.is_empty());
@@ -602,7 +605,7 @@ mod tests {
             pending: true,
             ..entry(4)
         };
-        let sibling: Checkpoint = [("ns/a".to_owned(), pending.clone())].into();
+        let sibling: Checkpoint = [("ns/a".to_owned(), pending.clone())].into_iter().collect();
         let taken = take_over(
             "cm/out",
             Shard::WHOLE,
@@ -619,7 +622,7 @@ mod tests {
         assert_eq!(fresh.checkpoint.unwrap()["ns/a"], pending);
         // Nothing of its shard elsewhere either: its first list is initial adds.
         let (a, b) = split_namespaces();
-        let elsewhere: Checkpoint = [(format!("{b}/x"), entry(4))].into();
+        let elsewhere: Checkpoint = [(format!("{b}/x"), entry(4))].into_iter().collect();
         let none = take_over(
             "cm#0-of-2/out",
             Shard { index: 0, count: 2 },

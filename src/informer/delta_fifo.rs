@@ -112,7 +112,7 @@ pub struct DeltaFifo {
 
 #[derive(Default)]
 struct State {
-    items: HashMap<String, Deltas>,
+    items: HashMap<String, Deltas, crate::FastHash>,
     queue: VecDeque<String>,
     populated: bool,
     initial_population_count: usize,
@@ -125,7 +125,7 @@ struct State {
     replaced_at: Option<Arc<str>>,
     applied_at: Option<Arc<str>>,
     // The keys of the list in progress, so far.
-    listing: Option<std::collections::HashSet<String>>,
+    listing: Option<std::collections::HashSet<String, crate::FastHash>>,
     // The relist request the newest list begun serves (see `Delta::list`).
     list_tag: u64,
     closed: bool,
@@ -191,7 +191,10 @@ impl DeltaFifo {
     /// [`end_list`](Self::end_list) under one lock.
     pub fn replace(&self, list: Vec<ObjectRef>, resource_version: Option<Arc<str>>) {
         let mut s = self.lock();
-        s.listing = Some(std::collections::HashSet::with_capacity(list.len()));
+        s.listing = Some(std::collections::HashSet::with_capacity_and_hasher(
+            list.len(),
+            crate::FastHash::default(),
+        ));
         for obj in list {
             s.list_one(obj);
         }
@@ -206,7 +209,7 @@ impl DeltaFifo {
     /// carry it (see [`Delta::list`]).
     pub fn begin_list(&self, serving: u64) {
         let mut s = self.lock();
-        s.listing = Some(std::collections::HashSet::new());
+        s.listing = Some(std::collections::HashSet::default());
         s.list_tag = serving;
     }
 

@@ -15,6 +15,7 @@ use std::{
 };
 
 use super::{CachedObject, ObjectRef};
+use crate::FastHash;
 
 /// Errors of index queries.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -48,10 +49,10 @@ pub struct Indexer {
 
 #[derive(Default)]
 struct Inner {
-    items: HashMap<String, ObjectRef>,
+    items: HashMap<String, ObjectRef, FastHash>,
     indexers: HashMap<String, IndexFunc>,
     // index name → index value → keys
-    indices: HashMap<String, HashMap<String, HashSet<String>>>,
+    indices: HashMap<String, HashMap<String, HashSet<String, FastHash>, FastHash>>,
 }
 
 impl Default for Indexer {
@@ -94,7 +95,7 @@ impl Indexer {
         if inner.indexers.contains_key(name) {
             return Err(Error::IndexExists(name.to_owned()));
         }
-        let mut index: HashMap<String, HashSet<String>> = HashMap::new();
+        let mut index: HashMap<String, HashSet<String, FastHash>, FastHash> = HashMap::default();
         for (key, obj) in &inner.items {
             for value in func(obj) {
                 index.entry(value).or_default().insert(key.clone());
@@ -135,7 +136,8 @@ impl Indexer {
             indices,
         } = &mut *inner;
         for (name, func) in indexers.iter() {
-            let mut index: HashMap<String, HashSet<String>> = HashMap::new();
+            let mut index: HashMap<String, HashSet<String, FastHash>, FastHash> =
+                HashMap::default();
             for (key, obj) in items.iter() {
                 for value in func(obj) {
                     index.entry(value).or_default().insert(key.clone());

@@ -89,7 +89,7 @@ struct Stream {
     /// them, count (see [`super::delta_fifo::Delta::list`]).
     from: u64,
     /// The keys handed so far.
-    handed: std::collections::HashSet<Key>,
+    handed: std::collections::HashSet<Key, crate::FastHash>,
     /// A list asked for ahead (a term's start, see
     /// [`SharedIndexInformer::request_relist`]), with no listeners yet: it keeps the keys it
     /// popped, so that listeners switched on later are handed their cached state and the
@@ -516,7 +516,7 @@ impl SharedIndexInformer {
                 id,
                 listeners: Vec::new(),
                 from,
-                handed: std::collections::HashSet::new(),
+                handed: std::collections::HashSet::default(),
                 early: true,
             });
             from
@@ -609,7 +609,7 @@ impl SharedIndexInformer {
                 id,
                 listeners,
                 from,
-                handed: std::collections::HashSet::new(),
+                handed: std::collections::HashSet::default(),
                 early: false,
             });
             Some(Some(from))

@@ -37,9 +37,12 @@ use prometheus::{IntCounter, IntGauge};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::informer::{Notification, NotificationKind, ObjectRef, resource_version};
 pub use crate::sinks::checkpoint::{
     CLUSTER_KEY, Change, Checkpoint, CheckpointStore, Entry, Error, Result, RouteKind,
+};
+use crate::{
+    FastHash,
+    informer::{Notification, NotificationKind, ObjectRef, resource_version},
 };
 
 /// Records one route's acknowledgements and writes them to its store. See the module docs.
@@ -79,10 +82,10 @@ struct Pending {
     // Per key, the change to write. Holding the shared object rather than its uid and
     // resourceVersion keeps the acknowledgement path free of allocations for keys already
     // pending.
-    changed: HashMap<String, KeyChange>,
+    changed: HashMap<String, KeyChange, FastHash>,
     // Hashes of the keys the store holds and will still hold once `changed` is written (a
     // recorded delete removes its key at once): the keys whose messages need no intent.
-    known: HashSet<u64>,
+    known: HashSet<u64, FastHash>,
     // Batches taken for writing so far: a change recorded now goes with batch `taken + 1`.
     taken: u64,
     // Leadership terms ended so far (see `Checkpointer::end_term`): a write taken in an
@@ -96,7 +99,7 @@ struct Pending {
 /// same key recorded meanwhile wins).
 struct Taken<'a> {
     checkpointer: &'a Checkpointer,
-    changed: Option<HashMap<String, KeyChange>>,
+    changed: Option<HashMap<String, KeyChange, FastHash>>,
     cluster: Option<String>,
     term: u64,
 }
@@ -144,9 +147,11 @@ enum KeyChange {
     Deleted,
 }
 
+/// The hash `Pending::known` holds of `key`: foldhash with a fixed seed (the same key hashes
+/// the same for the life of the process).
 fn key_hash(key: &str) -> u64 {
-    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-    BuildHasherDefault::<DefaultHasher>::default().hash_one(key)
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::default().hash_one(key)
 }
 
 impl Checkpointer {
@@ -801,7 +806,7 @@ mod tests {
         let out = dir.path().join("out.jsonl");
         let store = Arc::new(FileCheckpointStore::beside(&out));
         let c = Arc::new(checkpointer(store.clone()));
-        let loaded = Checkpoint::from([(
+        let loaded: Checkpoint = [(
             "ns/known".to_owned(),
             Entry {
                 uid: "uid-ns-known".into(),
@@ -809,7 +814,9 @@ mod tests {
                 pending: false,
                 kind: None,
             },
-        )]);
+        )]
+        .into_iter()
+        .collect();
         c.knows(Some(&loaded));
         assert!(c.intend("ns/known", &obj("ns", "known", "2")).is_none());
         let wait = c

@@ -252,8 +252,8 @@ impl Resumer {
                 State::Resuming {
                     remaining,
                     unsynced: self.informers,
-                    passed: Checkpoint::new(),
-                    replayed: Checkpoint::new(),
+                    passed: Checkpoint::default(),
+                    replayed: Checkpoint::default(),
                 }
             }
             None => State::Passing,

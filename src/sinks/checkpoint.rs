@@ -69,7 +69,7 @@ pub struct RouteKind {
 }
 
 /// A loaded checkpoint: entries by `namespace/name`.
-pub type Checkpoint = HashMap<String, Entry>;
+pub type Checkpoint = HashMap<String, Entry, crate::FastHash>;
 
 /// One change to write: `None` removes the key.
 pub type Change = (String, Option<Entry>);

@@ -28,9 +28,7 @@ use std::{
     time::Duration,
 };
 
-/// A fast hasher for the sets of keys (keys are object names, not attacker-chosen input
-/// the process must protect its maps from; foldhash is still seeded per process).
-pub(crate) type FastHash = foldhash::fast::RandomState;
+pub(crate) use crate::FastHash;
 
 use prometheus::local::LocalHistogram;
 use tokio::{sync::Notify, time::Instant};
