@@ -53,7 +53,9 @@
 //! BENCH_TOOLS=bridge,collector,client-go, BENCH_PHASES=main,failover,large (and outage),
 //! BENCH_SYNC_PATIENCE_SECS=600 (a sync not done by then is reported as not done),
 //! BENCH_TIMELINE=1 (also prints how many messages had arrived by each half second of a sync);
-//! BENCH_BRIDGE_KUBERNETES='{"page_size": 100000}' sets the bridge's `kubernetes` section).
+//! BENCH_BRIDGE_KUBERNETES='{"page_size": 100000}' sets the bridge's `kubernetes` section,
+//! BENCH_BRIDGE_SINK='{"kafka": {"linger": "20ms"}}' is merged into its sink, a null removing
+//! a key).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -189,16 +191,19 @@ fn rss_mib(pid: u32) -> f64 {
     support::status_mib(pid, "VmRSS:")
 }
 
-/// The API server's and etcd's CPU seconds and peak RSS while it runs (RSS every 100 ms).
+/// The API server's and etcd's CPU seconds and peak RSS while it runs (RSS every 100 ms), and
+/// the Kafka node's CPU seconds.
 struct ServerLoad {
     pids: [u32; 2],
     cpu0: [f64; 2],
+    kafka: (u32, f64),
     peak: Arc<Mutex<[f64; 2]>>,
     stop: Arc<AtomicBool>,
 }
 
 impl ServerLoad {
-    fn start(cluster: &Cluster) -> Self {
+    fn start(cluster: &Cluster, kafka: &Kafka) -> Self {
+        let kafka = kafka.jvm_pid().expect("the Kafka node runs");
         let (etcd, apiserver) = cluster.pids();
         let pids = [apiserver.expect("the API server runs"), etcd];
         let peak = Arc::new(Mutex::new([0.0f64; 2]));
@@ -218,17 +223,19 @@ impl ServerLoad {
         Self {
             pids,
             cpu0: pids.map(cpu_seconds),
+            kafka: (kafka, cpu_seconds(kafka)),
             peak,
             stop,
         }
     }
 
-    /// (API server CPU s, peak RSS MiB, etcd CPU s, peak RSS MiB).
-    fn end(self) -> [f64; 4] {
+    /// (API server CPU s, peak RSS MiB, etcd CPU s, peak RSS MiB, Kafka CPU s).
+    fn end(self) -> [f64; 5] {
         self.stop.store(true, Ordering::Relaxed);
         let peak = *self.peak.lock().unwrap();
         let cpu = [0, 1].map(|k| cpu_seconds(self.pids[k]) - self.cpu0[k]);
-        [cpu[0], peak[0], cpu[1], peak[1]]
+        let kafka = cpu_seconds(self.kafka.0) - self.kafka.1;
+        [cpu[0], peak[0], cpu[1], peak[1], kafka]
     }
 }
 
@@ -553,6 +560,23 @@ struct Setup {
     exactly_once: bool,
 }
 
+/// Merges `changes` into `into`: objects key by key, a null removing the key, anything else
+/// replacing what was there.
+fn merge(into: &mut Value, changes: Value) {
+    match (into, changes) {
+        (Value::Object(into), Value::Object(changes)) => {
+            for (k, v) in changes {
+                if v.is_null() {
+                    into.remove(&k);
+                } else {
+                    merge(into.entry(k).or_insert(Value::Null), v);
+                }
+            }
+        }
+        (into, changes) => *into = changes,
+    }
+}
+
 /// Starts `tool` as `name`; `elect`: the bridge with leader election (the collector always
 /// runs its elector, as configured for production).
 fn start(tool: Tool, s: &Setup, name: &str, elect: bool) -> Process {
@@ -564,15 +588,24 @@ fn start(tool: Tool, s: &Setup, name: &str, elect: bool) -> Process {
                 .ok()
                 .map(|j| serde_json::from_str(&j).expect("BENCH_BRIDGE_KUBERNETES is JSON"))
                 .unwrap_or_else(|| json!({}));
+            let mut sink = json!({
+                "name": "kafka", "type": "kafka",
+                "kafka": {"brokers": [s.brokers], "topic": s.topic,
+                          "checkpoint_topic": format!("{}.checkpoints", s.topic),
+                          "exactly_once": s.exactly_once},
+            });
+            // BENCH_BRIDGE_SINK: JSON merged into the sink, objects key by key and a null
+            // removing a key (`{"kafka": {"linger": "20ms"}}`, `{"resume": false}`).
+            if let Ok(j) = std::env::var("BENCH_BRIDGE_SINK") {
+                merge(
+                    &mut sink,
+                    serde_json::from_str(&j).expect("BENCH_BRIDGE_SINK is JSON"),
+                );
+            }
             let config = ConfigBuilder::new()
                 .kubernetes(kubernetes)
                 .resource(json!({"api_version": "v1", "kind": "ConfigMap"}))
-                .sink(json!({
-                    "name": "kafka", "type": "kafka",
-                    "kafka": {"brokers": [s.brokers], "topic": s.topic,
-                              "checkpoint_topic": format!("{}.checkpoints", s.topic),
-                              "exactly_once": s.exactly_once},
-                }))
+                .sink(sink)
                 .route("configmap", &["kafka"]);
             let config = if elect {
                 config.leader_election(name).set(
@@ -1008,8 +1041,9 @@ struct Sync {
     cpu: f64,
     rss: f64,
     read_mib: f64,
-    /// The API server's CPU s and peak RSS MiB, etcd's.
-    server: [f64; 4],
+    /// The API server's CPU s and peak RSS MiB, etcd's, and the Kafka node's CPU s (it
+    /// serves the bench's consumer too, the same for every tool).
+    server: [f64; 5],
     requests: String,
 }
 
@@ -1092,7 +1126,7 @@ impl Bench {
     ) -> (Process, Arrivals, tokio::task::JoinHandle<()>, Sync) {
         let n = live(&self.cluster).await.len();
         let before = requests(&self.client).await;
-        let load = ServerLoad::start(&self.cluster);
+        let load = ServerLoad::start(&self.cluster, &self.kafka);
         let bytes0 = self.proxy.bytes();
         let began = Instant::now();
         let process = start(tool, setup, tool.key(), false);
@@ -1125,7 +1159,7 @@ impl Bench {
             requests: requests_between(&before, &after),
         };
         println!(
-            "  [{}] initial sync of {n}: first {:?} s, last {:?} s, CPU {:.1} s, peak RSS {:.0} MiB, read {:.1} MiB; kube-apiserver {:.1} s CPU, {:.0} MiB; etcd {:.1} s CPU, {:.0} MiB; requests {}",
+            "  [{}] initial sync of {n}: first {:?} s, last {:?} s, CPU {:.1} s, peak RSS {:.0} MiB, read {:.1} MiB; kube-apiserver {:.1} s CPU, {:.0} MiB; etcd {:.1} s CPU, {:.0} MiB; Kafka {:.1} s CPU; requests {}",
             tool.label(),
             sync.first,
             sync.last,
@@ -1136,6 +1170,7 @@ impl Bench {
             server[1],
             server[2],
             server[3],
+            server[4],
             sync.requests
         );
         (process, arrivals, reader, sync)
@@ -1607,7 +1642,7 @@ fn spread(v: Vec<f64>, digits: usize) -> String {
 fn sync_rows(label: &str, objects: u64, syncs: &[Sync]) -> String {
     let of = |f: &dyn Fn(&Sync) -> Option<f64>, d| spread(syncs.iter().filter_map(f).collect(), d);
     format!(
-        "| {label} | {objects} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} |",
+        "| {label} | {objects} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",
         of(&|s| s.first, 1),
         of(&|s| s.last, 1),
         of(&|s| Some(s.cpu), 1),
@@ -1617,6 +1652,7 @@ fn sync_rows(label: &str, objects: u64, syncs: &[Sync]) -> String {
         of(&|s| Some(s.server[1]), 0),
         of(&|s| Some(s.server[2]), 1),
         of(&|s| Some(s.server[3]), 0),
+        of(&|s| Some(s.server[4]), 1),
         syncs.last().map_or("", |s| s.requests.as_str()),
     )
 }
@@ -1794,9 +1830,9 @@ async fn run() {
         list_s + produce_s
     );
     println!(
-        "| initial sync | objects | first message s | last message s | CPU s | peak RSS MiB | MiB read | kube-apiserver CPU s / peak MiB | etcd CPU s / peak MiB | API requests (last round) |"
+        "| initial sync | objects | first message s | last message s | CPU s | peak RSS MiB | MiB read | kube-apiserver CPU s / peak MiB | etcd CPU s / peak MiB | Kafka CPU s | API requests (last round) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for (key, rs) in &runs {
         let syncs: Vec<Sync> = rs.iter().map(|r| r.sync.clone()).collect();
         println!("{}", sync_rows(label(key), n, &syncs));

@@ -405,6 +405,18 @@ impl Kafka {
         }
     }
 
+    /// The JVM's process id (a child of the watchdog shell), once it runs.
+    pub fn jvm_pid(&self) -> Option<u32> {
+        let shell = self.child.id();
+        std::fs::read_to_string(format!("/proc/{shell}/task/{shell}/children"))
+            .ok()?
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .find(|p: &u32| {
+                std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "java")
+            })
+    }
+
     /// The bootstrap servers, `127.0.0.1:PORT`.
     pub fn brokers(&self) -> String {
         format!("127.0.0.1:{}", self.port)
