@@ -90,7 +90,6 @@ use support::{
     parity::Rng,
     replica::Replica,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const NAMESPACES: u64 = 5;
 const WRITERS: u64 = 16;
@@ -128,62 +127,6 @@ fn cpu_seconds(pid: u32) -> f64 {
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     // Fields 14 and 15 of stat; `after` starts at field 3.
     (ticks(11) + ticks(12)) / 100.0
-}
-
-/// A loopback TCP proxy in front of the API server that counts the bytes it sends back.
-struct CountingProxy {
-    port: u16,
-    read: Arc<AtomicU64>,
-}
-
-impl CountingProxy {
-    async fn start(upstream: u16) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let read = Arc::new(AtomicU64::new(0));
-        let counter = read.clone();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let counter = counter.clone();
-                tokio::spawn(async move {
-                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
-                    else {
-                        return;
-                    };
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    let up = tokio::spawn(async move {
-                        let _ = tokio::io::copy(&mut cr, &mut sw).await;
-                        let _ = sw.shutdown().await;
-                    });
-                    let mut buf = vec![0u8; 64 * 1024];
-                    while let Ok(n) = sr.read(&mut buf).await {
-                        if n == 0 || cw.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                        counter.fetch_add(n as u64, Ordering::Relaxed);
-                    }
-                    up.abort();
-                });
-            }
-        });
-        Self { port, read }
-    }
-
-    fn bytes(&self) -> u64 {
-        self.read.load(Ordering::Relaxed)
-    }
-}
-
-/// A copy of `kubeconfig` whose server is the proxy (the certificate names 127.0.0.1, any
-/// port).
-fn proxied_kubeconfig(kubeconfig: &Path, upstream: u16, proxy: u16, dir: &Path) -> PathBuf {
-    let text = std::fs::read_to_string(kubeconfig).unwrap();
-    let from = format!("127.0.0.1:{upstream}");
-    assert!(text.contains(&from), "{text}");
-    let path = dir.join("proxied.kubeconfig");
-    std::fs::write(&path, text.replace(&from, &format!("127.0.0.1:{proxy}"))).unwrap();
-    path
 }
 
 /// Current RSS of `pid`, MiB.
@@ -1087,7 +1030,7 @@ struct Failover {
 struct Bench {
     cluster: Cluster,
     kafka: Kafka,
-    proxy: CountingProxy,
+    proxy: support::loopback::CountingProxy,
     kubeconfig: PathBuf,
     client: kube::Client,
     world: World,
@@ -1722,9 +1665,14 @@ async fn run() {
         .next()
         .and_then(|p| p.trim_end_matches('/').parse().ok())
         .unwrap();
-    let proxy = CountingProxy::start(upstream).await;
+    let proxy = support::loopback::CountingProxy::start(upstream).await;
     let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = proxied_kubeconfig(&cluster.kubeconfig(), upstream, proxy.port, dir.path());
+    let kubeconfig = support::loopback::proxied_kubeconfig(
+        &cluster.kubeconfig(),
+        upstream,
+        proxy.port,
+        dir.path(),
+    );
     let mut bench = Bench {
         cluster,
         kafka,

@@ -40,6 +40,12 @@ pub struct KubernetesConfig {
     /// paged list; needs the WatchList feature on the server (on by default from Kubernetes 1.35).
     #[serde(default)]
     pub streaming_list: bool,
+    /// Ask for list responses gzipped (`Accept-Encoding: gzip`), as client-go does: 2 MiB
+    /// instead of 30 for 50,000 ConfigMaps of 1 KB. Even beside the API server the sync is
+    /// faster and costs both sides less CPU than the plain list (measured in
+    /// docs/src/performance.md). Watches are never compressed.
+    #[serde(default = "default_gzip")]
+    pub gzip: bool,
     /// Server-side timeout of each watch request, in seconds (the watcher re-watches after it).
     #[serde(default = "default_watch_timeout")]
     pub watch_timeout_seconds: u32,
@@ -87,6 +93,7 @@ impl Default for KubernetesConfig {
             context: None,
             page_size: default_page_size(),
             streaming_list: false,
+            gzip: default_gzip(),
             watch_timeout_seconds: default_watch_timeout(),
             require_all_resources: false,
             discovery_refresh: default_discovery_refresh(),
@@ -130,6 +137,9 @@ impl KubernetesConfig {
 // Four times client-go's ListPager page size (see `KubernetesConfig::page_size`).
 fn default_page_size() -> u32 {
     2000
+}
+fn default_gzip() -> bool {
+    true
 }
 // Below kube-apiserver's 5-10 min range, so that proxies with shorter idle limits don't cut it.
 fn default_watch_timeout() -> u32 {
@@ -379,6 +389,8 @@ pub fn client(
     // sees them; the same retry goes outside the limit here, so that each attempt takes a
     // token and each 429 is counted.
     config.default_retry = false;
+    // Lists only: a watch asks for `identity` itself (`list_watch::watch`).
+    config.disable_compression = !cfg.gzip;
     let layer = ApiLimitLayer::new(cfg, metrics);
     Ok(kube::client::ClientBuilder::try_from(config)?
         .with_layer(&layer)

@@ -5,8 +5,9 @@
 //! client-go's, notification by notification.
 //!
 //! One test binary (each costs link time), a module per feature: [`parity`] with client-go,
-//! [`discovery`] (CRDs and API server restarts), [`resume`], [`failover`], [`filters`] and
-//! [`paged_list`] (a list streamed into the pipeline page by page);
+//! [`discovery`] (CRDs and API server restarts), [`resume`], [`failover`], [`filters`],
+//! [`paged_list`] (a list streamed into the pipeline page by page) and [`gzip`] (compressed
+//! lists);
 //! the scenarios run on either broker through
 //! `support::broker::Broker`. The sharded scenarios are in tests/sharding/.
 
@@ -16,6 +17,7 @@ mod support;
 mod discovery;
 mod failover;
 mod filters;
+mod gzip;
 mod paged_list;
 mod parity;
 mod resume;
