@@ -147,11 +147,14 @@ enum KeyChange {
     Deleted,
 }
 
-/// The hash `Pending::known` holds of `key`: foldhash with a fixed seed (the same key hashes
-/// the same for the life of the process).
+/// The hash `Pending::known` holds of `key`: foldhash's quality variant seeded once per process
+/// (the same key hashes the same for the life of the process; a collision would skip a key's
+/// intent, so not the `fast` variant with a fixed seed).
 fn key_hash(key: &str) -> u64 {
     use std::hash::BuildHasher;
-    foldhash::fast::FixedState::default().hash_one(key)
+    static STATE: std::sync::LazyLock<foldhash::quality::RandomState> =
+        std::sync::LazyLock::new(foldhash::quality::RandomState::default);
+    STATE.hash_one(key)
 }
 
 impl Checkpointer {
