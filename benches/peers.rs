@@ -1659,12 +1659,7 @@ async fn run() {
         println!("created {count} in {:.1?}", began.elapsed());
     };
     create(0..n).await;
-    let upstream: u16 = cluster
-        .url()
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.trim_end_matches('/').parse().ok())
-        .unwrap();
+    let upstream = cluster.port();
     let proxy = support::loopback::CountingProxy::start(upstream).await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = support::loopback::proxied_kubeconfig(

@@ -27,9 +27,9 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
 /// Freed memory goes back to the system at once: with mimalloc's default delay (1 s in v3,
-/// the version the `mimalloc` crate builds; 10 ms in v2) a
-/// sync's peak RSS is about half as large again, for no CPU measured.
-/// `MIMALLOC_PURGE_DELAY`, when set, is mimalloc's own setting and is left as it says.
+/// the version the `mimalloc` crate builds; 10 ms in v2) a sync's peak RSS is about half as
+/// large again, for no CPU measured. `MIMALLOC_PURGE_DELAY`, when set, is mimalloc's own
+/// setting and is left as it says.
 fn purge_freed_memory_at_once() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         return;

@@ -44,12 +44,7 @@ async fn gzip_lists_read_a_fraction_of_the_bytes_and_end_with_the_same_objects()
         .await;
     let live = cluster.objects(&configmaps(), Some(ns)).await;
     assert_eq!(live.len(), N);
-    let upstream: u16 = cluster
-        .url()
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.trim_end_matches('/').parse().ok())
-        .unwrap();
+    let upstream = cluster.port();
     let dir = tempfile::tempdir().unwrap();
 
     let mut read = Vec::new();

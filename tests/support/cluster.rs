@@ -161,6 +161,11 @@ impl Cluster {
         format!("https://127.0.0.1:{}", self.port)
     }
 
+    /// The API server's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// Starts the API server (again, after [`Cluster::kill_apiserver`]) on the same port and
     /// waits until `/readyz` answers.
     pub async fn start_apiserver(&mut self) {
