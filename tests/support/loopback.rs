@@ -18,14 +18,28 @@ use std::{
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// A free loopback port (bound and released: the process that takes it binds it again).
+/// A free loopback port (bound and released: the process that takes it binds it again),
+/// below the kernel's ephemeral range. A port of that range (what binding port 0 gives) can be
+/// taken by any outgoing connection of a concurrent test before the server binds it: a Kafka
+/// node once failed to start so ("Address already in use").
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000u16, ephemeral_from.max(10_001));
+    loop {
+        use std::hash::{BuildHasher, Hasher};
+        let mut random = std::collections::hash_map::RandomState::new().build_hasher();
+        random.write_u64(PICKS.fetch_add(1, Ordering::Relaxed));
+        let port = low + (random.finish() % u64::from(high - low)) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
+
+static PICKS: AtomicU64 = AtomicU64::new(0);
 
 /// Runs `cmd` and panics with its standard error when it fails.
 pub fn run(cmd: &mut Command) {

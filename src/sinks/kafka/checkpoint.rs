@@ -14,15 +14,15 @@ use futures::{FutureExt, future::BoxFuture};
 use rdkafka::{
     admin::{AdminOptions, NewTopic, TopicReplication},
     error::RDKafkaErrorCode,
-    producer::{FutureProducer, FutureRecord},
-    util::Timeout,
+    producer::FutureRecord,
 };
 use tracing::info;
 
 use std::sync::Arc;
 
+use super::client::SinkProducer;
 use super::{
-    client::{KafkaClient, KafkaContext},
+    client::KafkaClient,
     config::KafkaSinkConfig,
     reader::{TIMEOUT, read_to_end},
     record::{CheckpointRecord, record_of},
@@ -37,7 +37,7 @@ use crate::{
 /// See the module docs.
 pub struct KafkaCheckpointStore {
     topic: String,
-    producer: FutureProducer<KafkaContext>,
+    producer: SinkProducer,
     consumer: KafkaClient,
     // With `exactly_once`: writes go in the sink's open transaction of the route's shard.
     transactions: Option<Arc<TransactionSet>>,
@@ -271,10 +271,10 @@ impl KafkaCheckpointStore {
             if let Some(v) = v {
                 record = record.payload(v);
             }
-            self.producer.send(record, Timeout::After(TIMEOUT))
+            self.producer.send(record, TIMEOUT)
         });
         for result in futures::future::join_all(sends).await {
-            result.map_err(|(e, _)| self.error(e))?;
+            result.map_err(|e| self.error(e))?;
         }
         Ok(())
     }

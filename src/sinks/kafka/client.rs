@@ -21,13 +21,16 @@ use rdkafka::{
     client::{Client, OAuthToken},
     consumer::ConsumerContext,
     error::{KafkaError, RDKafkaErrorCode},
-    producer::{FutureProducer, Producer as _},
+    producer::Producer as _,
 };
 
 use super::{
     config::{KafkaSinkConfig, SaslMechanism},
     oauth::OAuthTokenSource,
 };
+
+/// The sink's producer (see `producer`).
+pub type SinkProducer = super::producer::ReportingProducer<KafkaContext>;
 
 /// The client context of every client of a sink. rdkafka's default logs every consumer error
 /// event as a "Global error" at ERROR level, the end of a partition (`PartitionEOF`, which a
@@ -133,13 +136,11 @@ impl KafkaClient {
 
     /// The sink's idempotent, acks=all producer. Blocking with `OAUTHBEARER` (a token
     /// request, unless the newest token is young).
-    pub fn producer(&self) -> Result<FutureProducer<KafkaContext>, String> {
-        // The token first: the producer's polling thread serves librdkafka's first refresh at
+    pub fn producer(&self) -> Result<SinkProducer, String> {
+        // The token first: the producer's reports thread serves librdkafka's first refresh at
         // once, and finds it cached instead of asking the endpoint a second time.
         self.warm_token()?;
-        let producer: FutureProducer<KafkaContext> = self
-            .config
-            .create_with_context(self.context.clone())
+        let producer = SinkProducer::create(&self.config, self.context.clone())
             .map_err(|e| format!("cannot create a Kafka producer: {e}"))?;
         self.authenticate(producer.client())?;
         Ok(producer)
@@ -151,14 +152,13 @@ impl KafkaClient {
         &self,
         id: &str,
         timeout: std::time::Duration,
-    ) -> Result<FutureProducer<KafkaContext>, String> {
+    ) -> Result<SinkProducer, String> {
         self.warm_token()?;
         let mut config = self.config.clone();
         config
             .set("transactional.id", id)
             .set("transaction.timeout.ms", timeout.as_millis().to_string());
-        let producer: FutureProducer<KafkaContext> = config
-            .create_with_context(self.context.clone())
+        let producer = SinkProducer::create(&config, self.context.clone())
             .map_err(|e| format!("cannot create a transactional Kafka producer: {e}"))?;
         self.authenticate(producer.client())?;
         Ok(producer)

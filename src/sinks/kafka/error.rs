@@ -4,10 +4,10 @@
 
 use rdkafka::{
     error::{KafkaError, RDKafkaErrorCode},
-    producer::{FutureProducer, Producer as _},
+    producer::Producer as _,
 };
 
-use super::client::KafkaContext;
+use super::client::SinkProducer;
 use crate::sinks::Error;
 
 /// What a librdkafka error means for a record of `size` bytes to `topic`.
@@ -42,7 +42,7 @@ pub(super) fn classify(
 
 /// The fatal error the producer hit, if any: librdkafka's idempotent producer stops for good
 /// on one (an unrecoverable sequence gap, a fenced producer), and every later record fails.
-pub(super) fn fatal(producer: &FutureProducer<KafkaContext>) -> Option<String> {
+pub(super) fn fatal(producer: &SinkProducer) -> Option<String> {
     producer
         .client()
         .fatal_error()

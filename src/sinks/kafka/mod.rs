@@ -7,6 +7,7 @@ mod client;
 mod config;
 mod error;
 mod oauth;
+mod producer;
 pub mod reader;
 mod record;
 mod sink;

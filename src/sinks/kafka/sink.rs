@@ -1,4 +1,4 @@
-//! Producing to Kafka with rdkafka's `FutureProducer`.
+//! Producing to Kafka with rdkafka (the sink's own `SinkProducer`, see `producer.rs`).
 //!
 //! # Contract
 //! - A publish resolves once the message's delivery report arrived without error: with
@@ -28,12 +28,13 @@ use rdkafka::{
     admin::{AdminOptions, NewTopic, TopicReplication},
     error::{KafkaError, RDKafkaErrorCode},
     message::{Header, OwnedHeaders},
-    producer::{FutureProducer, FutureRecord, Producer},
+    producer::{FutureRecord, Producer},
 };
 use tracing::{error, info, warn};
 
+use super::client::SinkProducer;
 use super::{
-    client::{KafkaClient, KafkaContext},
+    client::KafkaClient,
     config::{KafkaMode, KafkaSinkConfig, is_valid_topic},
     error::{classify, fatal},
     record::{CheckpointRecord, record_of},
@@ -57,7 +58,7 @@ pub struct KafkaSink {
     name: String,
     /// What its clients are made from (the checkpoint store's and admin clients too).
     client: Arc<KafkaClient>,
-    producer: FutureProducer<KafkaContext>,
+    producer: SinkProducer,
     topic: Template,
     key: Option<Template>,
     headers: Vec<(String, String)>,
@@ -83,7 +84,7 @@ pub struct KafkaSink {
 /// own lease back at once, without a takeover wait). Once it holds nothing, it is dropped.
 struct Lane {
     /// The producer; `None` between a shard's terms once the last one held nothing.
-    producer: RwLock<Option<FutureProducer<KafkaContext>>>,
+    producer: RwLock<Option<SinkProducer>>,
     /// Whether a term of the shard runs here (a shard lane's producer is dropped only
     /// between terms).
     in_term: AtomicBool,
@@ -104,7 +105,7 @@ struct Lane {
 
 impl Lane {
     /// A lane with `producer` (the sink's own, always in a term), or none yet (a shard's).
-    fn of(producer: Option<FutureProducer<KafkaContext>>) -> Self {
+    fn of(producer: Option<SinkProducer>) -> Self {
         Self {
             in_term: AtomicBool::new(producer.is_some()),
             producer: RwLock::new(producer),
@@ -117,7 +118,7 @@ impl Lane {
 
     /// A clone of the producer, for blocking work (a clone dropped on an async thread may
     /// be the last one, whose drop blocks).
-    fn producer(&self) -> Option<FutureProducer<KafkaContext>> {
+    fn producer(&self) -> Option<SinkProducer> {
         self.producer
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -305,7 +306,7 @@ impl KafkaSink {
     }
 
     /// The sink's producer (idempotent, acks=all), shared with its checkpoint store.
-    pub(super) fn producer(&self) -> &FutureProducer<KafkaContext> {
+    pub(super) fn producer(&self) -> &SinkProducer {
         &self.producer
     }
 
@@ -563,16 +564,14 @@ const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(2);
 const QUEUE_FULL_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Waits until `producer` has sent everything it holds (10 s at most).
-async fn flush(producer: FutureProducer<KafkaContext>) -> Result<()> {
+async fn flush(producer: SinkProducer) -> Result<()> {
     tokio::task::spawn_blocking(move || producer.flush(Duration::from_secs(10)))
         .await
         .map_err(|e| Error::Unavailable(e.to_string()))?
         .map_err(|e| Error::Unavailable(e.to_string()))
 }
 
-async fn fetch_metadata(
-    producer: &FutureProducer<KafkaContext>,
-) -> std::result::Result<(), KafkaError> {
+async fn fetch_metadata(producer: &SinkProducer) -> std::result::Result<(), KafkaError> {
     let producer = producer.clone();
     tokio::task::spawn_blocking(move || {
         producer
@@ -586,7 +585,7 @@ async fn fetch_metadata(
 
 async fn watch_health(
     name: String,
-    producer: FutureProducer<KafkaContext>,
+    producer: SinkProducer,
     client: KafkaClient,
     healthy: std::sync::Weak<AtomicBool>,
 ) {

@@ -49,13 +49,15 @@ use std::{
 use futures::{StreamExt, future::BoxFuture, stream::FuturesUnordered};
 use rdkafka::{
     error::{KafkaError, RDKafkaErrorCode},
-    producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer},
+    producer::{FutureRecord, Producer},
 };
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
+use super::client::SinkProducer;
+use super::producer::DeliveryFuture;
 use super::{
-    client::{KafkaClient, KafkaContext},
+    client::KafkaClient,
     config::{CALL_TIMEOUT, transactional_id},
     error::{acl_hint, classify, is_consequence, is_retriable},
     record::CheckpointRecord,
@@ -183,13 +185,7 @@ impl Fenced {
 
     /// Records a fence if `producer` reports one (its fatal error is a fence), naming `id`,
     /// unless a term began here after the `started`-th.
-    fn note(
-        &self,
-        sink: &str,
-        id: &str,
-        producer: &FutureProducer<KafkaContext>,
-        started: u64,
-    ) -> bool {
+    fn note(&self, sink: &str, id: &str, producer: &SinkProducer, started: u64) -> bool {
         let Some((code, reason)) = producer
             .client()
             .fatal_error()
@@ -268,7 +264,7 @@ fn is_fence(code: RDKafkaErrorCode) -> bool {
 
 #[derive(Default)]
 struct State {
-    producer: Option<FutureProducer<KafkaContext>>,
+    producer: Option<SinkProducer>,
     // A term is on (between `begin_term` and `end_term`).
     wanted: bool,
     // Why nothing may be produced until the next term (see "An unknown outcome").
@@ -331,7 +327,7 @@ struct Handed {
 
 /// What a commit took from the state (see `Transactions::take_open`).
 struct Closing {
-    producer: FutureProducer<KafkaContext>,
+    producer: SinkProducer,
     open: Vec<Handed>,
     silent: Vec<(CheckpointRecord, DeliveryFuture)>,
     poisoned: Option<String>,
@@ -658,7 +654,7 @@ impl Transactions {
 
     fn send_checkpoint(
         &self,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         (key, value): &CheckpointRecord,
     ) -> std::result::Result<DeliveryFuture, KafkaError> {
         let mut record =
@@ -673,7 +669,7 @@ impl Transactions {
     /// stays for the next attempt.
     fn produce_backlog(
         &self,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         st: &mut State,
     ) -> std::result::Result<(), KafkaError> {
         while let Some(record) = st.backlog.pop_front() {
@@ -774,7 +770,7 @@ impl Transactions {
     /// checkpoint records, why the transaction failed (if it did) and the abort under way.
     async fn deliveries(
         &self,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         open: Vec<Handed>,
         silent: Vec<(CheckpointRecord, DeliveryFuture)>,
         poisoned: Option<String>,
@@ -842,7 +838,7 @@ impl Transactions {
     fn conclude(
         &self,
         outcome: Outcome,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         answers: Vec<Answer>,
         silent_records: Vec<CheckpointRecord>,
     ) -> Result<()> {
@@ -897,7 +893,7 @@ impl Transactions {
     /// until a commit succeeds.
     fn next_transaction(
         &self,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         aborted: Option<(Vec<CheckpointRecord>, String)>,
     ) {
         let mut st = self.lock();
@@ -929,7 +925,7 @@ impl Transactions {
     /// only be retried: its outcome is the coordinator's); an abortable one is aborted.
     async fn try_commit(
         &self,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         deadline: Option<tokio::time::Instant>,
         takeable: Option<tokio::time::Instant>,
     ) -> Outcome {
@@ -953,7 +949,7 @@ impl Transactions {
     /// and while no other replica may hold the lease (see [`NOT_ABORTED`]).
     async fn abort(
         &self,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         why: String,
         deadline: Option<tokio::time::Instant>,
         takeable: Option<tokio::time::Instant>,
@@ -986,12 +982,9 @@ impl Transactions {
     async fn retrying(
         &self,
         what: &str,
-        producer: &FutureProducer<KafkaContext>,
+        producer: &SinkProducer,
         deadline: Option<tokio::time::Instant>,
-        call: impl Fn(&FutureProducer<KafkaContext>) -> rdkafka::error::KafkaResult<()>
-        + Copy
-        + Send
-        + 'static,
+        call: impl Fn(&SinkProducer) -> rdkafka::error::KafkaResult<()> + Copy + Send + 'static,
     ) -> std::result::Result<(), KafkaError> {
         let mut attempt = 0u32;
         loop {
@@ -1019,7 +1012,7 @@ impl Transactions {
     }
 
     /// Stops publishing until the next term: `producer` (if still the term's) goes.
-    fn stop(&self, producer: &FutureProducer<KafkaContext>, why: String) {
+    fn stop(&self, producer: &SinkProducer, why: String) {
         // Fenced is kept past this term (its end clears `broken`), whether or not `producer`
         // is still the term's (a commit holds the gate, so no newer term's producer started
         // since it took `producer`: the fence is another replica's).
@@ -1042,7 +1035,7 @@ impl Transactions {
 /// One abort call on a blocking thread, started now (what it purges fails meanwhile), unless
 /// it is too late to begin one (see [`abort_budget`]).
 fn abort_in_background(
-    producer: &FutureProducer<KafkaContext>,
+    producer: &SinkProducer,
     takeable: Option<tokio::time::Instant>,
 ) -> Option<AbortTask> {
     let budget = abort_budget(takeable)?;
@@ -1072,14 +1065,14 @@ fn fail_all(st: &mut State, why: &str) {
 }
 
 /// Drops a producer off the async threads (a last drop purges, flushes for up to 500 ms and
-/// joins its polling thread).
-pub(super) fn dispose(producer: Option<FutureProducer<KafkaContext>>) {
+/// joins its reports thread).
+pub(super) fn dispose(producer: Option<SinkProducer>) {
     if let Some(p) = producer {
         tokio::task::spawn_blocking(move || drop(p));
     }
 }
 
-fn same(a: &FutureProducer<KafkaContext>, b: &FutureProducer<KafkaContext>) -> bool {
+fn same(a: &SinkProducer, b: &SinkProducer) -> bool {
     a.client().native_ptr() == b.client().native_ptr()
 }
 
