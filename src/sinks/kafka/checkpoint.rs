@@ -20,9 +20,8 @@ use tracing::info;
 
 use std::sync::Arc;
 
-use super::client::SinkProducer;
 use super::{
-    client::KafkaClient,
+    client::{KafkaClient, SinkProducer},
     config::KafkaSinkConfig,
     reader::{TIMEOUT, read_to_end},
     record::{CheckpointRecord, record_of},

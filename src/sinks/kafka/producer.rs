@@ -244,13 +244,7 @@ impl<C: ClientContext + 'static> ReportingProducer<C> {
         let started = Instant::now();
         loop {
             match self.send_result(record) {
-                Ok(delivery) => {
-                    return match delivery.await {
-                        Ok(Ok(_)) => Ok(()),
-                        Ok(Err((e, _))) => Err(e),
-                        Err(_) => Err(KafkaError::Canceled),
-                    };
-                }
+                Ok(delivery) => return delivery.outcome().await,
                 Err((e, r))
                     if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull)
                         && started.elapsed() < queue_timeout =>
@@ -292,6 +286,18 @@ impl<C: ClientContext + 'static> Drop for Inner<C> {
 
 /// A message's delivery report, as rdkafka's `DeliveryFuture` gives it.
 pub struct DeliveryFuture(oneshot::Receiver<OwnedDeliveryResult>);
+
+impl DeliveryFuture {
+    /// Whether the message was delivered, and if not why (`Canceled`: the producer was
+    /// dropped first).
+    pub async fn outcome(self) -> Result<(), KafkaError> {
+        match self.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(e),
+            Err(_) => Err(KafkaError::Canceled),
+        }
+    }
+}
 
 impl Future for DeliveryFuture {
     type Output = Result<OwnedDeliveryResult, oneshot::Canceled>;
@@ -373,6 +379,18 @@ mod tests {
         ReportingProducer::serving_every(&config, KafkaContext::default(), hour).unwrap()
     }
 
+    /// The failure `future` reports within `patience` (a report, not a dropped sender).
+    async fn failed(
+        future: DeliveryFuture,
+        patience: Duration,
+    ) -> (KafkaError, rdkafka::message::OwnedMessage) {
+        tokio::time::timeout(patience, future)
+            .await
+            .expect("the report is served")
+            .expect("reported, not dropped unreported")
+            .expect_err("nobody took the message")
+    }
+
     #[tokio::test]
     async fn the_thread_serves_each_report_to_its_own_future() {
         let producer = unreachable("300");
@@ -385,11 +403,7 @@ mod tests {
             })
             .collect();
         for (key, future) in keys.iter().zip(futures) {
-            let report = tokio::time::timeout(Duration::from_secs(30), future)
-                .await
-                .expect("every report is served")
-                .expect("the producer lives");
-            let (error, message) = report.expect_err("nobody took the message");
+            let (error, message) = failed(future, Duration::from_secs(30)).await;
             assert_eq!(
                 error.rdkafka_error_code(),
                 Some(RDKafkaErrorCode::MessageTimedOut)
@@ -437,11 +451,7 @@ mod tests {
         );
         for future in futures {
             // Purged by the drop, the report served by its flush.
-            let report = tokio::time::timeout(Duration::from_secs(10), future)
-                .await
-                .expect("resolved by the drop")
-                .expect("reported, not dropped unreported");
-            let (error, _) = report.expect_err("nobody took the message");
+            let (error, _) = failed(future, Duration::from_secs(10)).await;
             assert_eq!(
                 error.rdkafka_error_code(),
                 Some(RDKafkaErrorCode::PurgeQueue)

@@ -32,9 +32,8 @@ use rdkafka::{
 };
 use tracing::{error, info, warn};
 
-use super::client::SinkProducer;
 use super::{
-    client::KafkaClient,
+    client::{KafkaClient, SinkProducer},
     config::{KafkaMode, KafkaSinkConfig, is_valid_topic},
     error::{classify, fatal},
     record::{CheckpointRecord, record_of},

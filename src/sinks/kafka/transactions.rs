@@ -54,12 +54,11 @@ use rdkafka::{
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
-use super::client::SinkProducer;
-use super::producer::DeliveryFuture;
 use super::{
-    client::KafkaClient,
+    client::{KafkaClient, SinkProducer},
     config::{CALL_TIMEOUT, transactional_id},
     error::{acl_hint, classify, is_consequence, is_retriable},
+    producer::DeliveryFuture,
     record::CheckpointRecord,
 };
 use crate::{
@@ -785,12 +784,10 @@ impl Transactions {
         let mut answers = Vec::with_capacity(open.len());
         for (i, h) in open.into_iter().enumerate() {
             waiting.push(
-                Box::pin(async move { (Some(i), true, delivered(h.delivery).await) }) as Waiting,
+                Box::pin(async move { (Some(i), true, h.delivery.outcome().await) }) as Waiting,
             );
             if let Some(d) = h.checkpoint {
-                waiting.push(Box::pin(
-                    async move { (Some(i), false, delivered(d).await) },
-                ));
+                waiting.push(Box::pin(async move { (Some(i), false, d.outcome().await) }));
             }
             answers.push(Answer {
                 done: h.done,
@@ -802,7 +799,7 @@ impl Transactions {
         let mut silent_records = Vec::with_capacity(silent.len());
         for (record, delivery) in silent {
             waiting.push(Box::pin(
-                async move { (None, false, delivered(delivery).await) },
+                async move { (None, false, delivery.outcome().await) },
             ));
             silent_records.push(record);
         }
@@ -1043,15 +1040,6 @@ fn abort_in_background(
     Some(tokio::task::spawn_blocking(move || {
         p.abort_transaction(budget)
     }))
-}
-
-/// A delivery report's result.
-async fn delivered(delivery: DeliveryFuture) -> std::result::Result<(), KafkaError> {
-    match delivery.await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err((e, _))) => Err(e),
-        Err(_) => Err(KafkaError::Canceled),
-    }
 }
 
 /// Fails what `st` holds, and forgets its checkpoint records (the next term resumes from the
