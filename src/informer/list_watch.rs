@@ -464,7 +464,8 @@ async fn list_page(
     for (i, item) in page.items.iter().flatten().enumerate() {
         // Out of the shard (the server did not select): not worth caching. One that cannot
         // be peeked at is cached first (the parsed path decides it), then judged.
-        if let Some(p) = watch_events::peek(item.get())
+        if config.shard.is_some()
+            && let Some(p) = watch_events::peek(item.get())
             && other_shard(p.namespace.as_deref())
         {
             continue;

@@ -155,9 +155,11 @@ fn decode(
             let other_shard = |namespace: Option<&str>| {
                 shard.is_some_and(|s| !s.holds_namespace(namespace.unwrap_or("")))
             };
-            // Read before caching; one that cannot be peeked at is cached first (the parsed
-            // path decides it), then judged by its cached namespace.
-            if let Some(p) = peek(object)
+            // Read before caching (only where a shard may skip it: the peek is a pass over
+            // the object); one that cannot be peeked at is cached first (the parsed path
+            // decides it), then judged by its cached namespace.
+            if shard.is_some()
+                && let Some(p) = peek(object)
                 && other_shard(p.namespace.as_deref())
             {
                 return skipped(p.resource_version.as_deref());
