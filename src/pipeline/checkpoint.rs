@@ -26,6 +26,12 @@
 //!   its term ends), so a first sync of many new keys costs one wake-up per key, not a turn
 //!   at a lock. A key the store holds (loaded at the resume, then kept up to date by the
 //!   writes) waits for nothing.
+//! - **An intent batch holds the new keys only**: their intents, or whatever newer change of
+//!   theirs was recorded meanwhile. The acknowledgements of keys the store holds wait for the
+//!   periodic write, so that under a steady stream of creates the store is not written once
+//!   per create with everything acknowledged since (each key's entry is its own: writing one
+//!   key before another changes nothing a resume reads). A write that fails puts back what it
+//!   took as new keys, so the next intent batch takes it again.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -93,6 +99,18 @@ struct Pending {
     term: u64,
     // Intent waiters by the batch that writes their intent: released once it is durable.
     waiting: std::collections::BTreeMap<u64, CancellationToken>,
+    // The keys an intent batch takes (see `Scope::NewKeys`): each key whose intent waits,
+    // pushed with its waiter (perhaps more than once), and those a failed write put back.
+    new_keys: Vec<String>,
+}
+
+/// What a write takes from [`Pending`].
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Scope {
+    /// Every change recorded (the periodic write, the last one at shutdown).
+    All,
+    /// The changes of the keys in `Pending::new_keys` (the intent writer's batches).
+    NewKeys,
 }
 
 /// What a write took from [`Pending`]: put back when dropped unless written (a change of the
@@ -128,8 +146,13 @@ impl Drop for Taken<'_> {
                 .get_or_insert(uid);
         }
         if let Some(taken) = changed {
+            let Pending {
+                changed, new_keys, ..
+            } = &mut *p;
             for (key, change) in taken {
-                p.changed.entry(key).or_insert(change);
+                // Taken again by the next intent batch (an intent among them has waiters).
+                new_keys.push(key.clone());
+                changed.entry(key).or_insert(change);
             }
             c.lag.set(p.changed.len() as i64);
         }
@@ -248,6 +271,7 @@ impl Checkpointer {
     pub fn end_term(&self) {
         let mut p = self.lock();
         p.changed.clear();
+        p.new_keys.clear();
         p.term += 1;
         self.lag.set(0);
         // Their intents are dropped: what waits for them goes on, to find its term ended.
@@ -327,6 +351,7 @@ impl Checkpointer {
                     self.lag.set(p.changed.len() as i64);
                 }
             }
+            p.new_keys.push(key.to_owned());
             p.waiting.entry(target).or_default().clone()
         };
         self.writer.call_once(|| {
@@ -407,12 +432,18 @@ impl Checkpointer {
     /// Writes every change recorded so far. On failure they are kept for the next attempt
     /// (unless a newer change of the same key arrived meanwhile).
     pub async fn flush(&self) -> Result<()> {
-        self.flush_locked(self.writing.lock().await).await
+        self.flush_locked(self.writing.lock().await, Scope::All)
+            .await
     }
 
-    /// [`Self::flush`], holding the write lock. What it takes is put back unless written,
-    /// also when this future is dropped mid-write (a waiter whose term ended, a drain's abort).
-    async fn flush_locked(&self, _writing: tokio::sync::MutexGuard<'_, ()>) -> Result<()> {
+    /// Writes what `scope` takes, holding the write lock. What it takes is put back unless
+    /// written, also when this future is dropped mid-write (a waiter whose term ended, a
+    /// drain's abort).
+    async fn flush_locked(
+        &self,
+        _writing: tokio::sync::MutexGuard<'_, ()>,
+        scope: Scope,
+    ) -> Result<()> {
         let mut taken = Taken {
             checkpointer: self,
             changed: None,
@@ -423,7 +454,21 @@ impl Checkpointer {
             let mut p = self.lock();
             taken.term = p.term;
             p.taken += 1;
-            taken.changed = Some(std::mem::take(&mut p.changed));
+            let new_keys = std::mem::take(&mut p.new_keys);
+            taken.changed = Some(match scope {
+                Scope::All => std::mem::take(&mut p.changed),
+                Scope::NewKeys => {
+                    let mut part =
+                        HashMap::with_capacity_and_hasher(new_keys.len(), FastHash::default());
+                    for key in &new_keys {
+                        if let Some((key, change)) = p.changed.remove_entry(key.as_str()) {
+                            part.insert(key, change);
+                        }
+                    }
+                    self.lag.set(p.changed.len() as i64);
+                    part
+                }
+            });
             p.taken
         };
         taken.cluster = self
@@ -535,8 +580,9 @@ impl Checkpointer {
 }
 
 /// Writes the intents of `checkpointer` whenever some wait (see [`Checkpointer::intend`]): one
-/// batch at a time, each with every change recorded until it is taken; after a failure, again
-/// after a delay doubling from 100 ms to 5 s. Ends with the checkpointer.
+/// batch at a time, each with the changes of every new key recorded until it is taken
+/// ([`Scope::NewKeys`]); after a failure, again after a delay doubling from 100 ms to 5 s.
+/// Ends with the checkpointer.
 async fn write_intents(
     checkpointer: std::sync::Weak<Checkpointer>,
     wake: Arc<tokio::sync::Notify>,
@@ -556,7 +602,7 @@ async fn write_intents(
             if !c.intents_wait() {
                 break;
             }
-            let failed = match c.flush_locked(writing).await {
+            let failed = match c.flush_locked(writing, Scope::NewKeys).await {
                 Ok(()) => {
                     delay = None;
                     continue;
@@ -976,6 +1022,73 @@ mod tests {
         assert!(
             c.intend("ns/k7", &obj("ns", "k7", "1")).is_none(),
             "known now"
+        );
+    }
+
+    /// A store that records the keys of each write.
+    fn recording() -> Arc<SlowFailingStore> {
+        Arc::new(SlowFailingStore {
+            failed_once: true.into(),
+            ..Default::default()
+        })
+    }
+
+    fn added(ns: &str, name: &str, rv: &str) -> Notification {
+        Notification::new(NotificationKind::Add {
+            obj: obj(ns, name, rv),
+            is_initial_list: false,
+        })
+    }
+
+    #[tokio::test]
+    async fn an_intent_batch_writes_the_new_keys_and_leaves_the_rest_for_the_periodic_write() {
+        let store = recording();
+        let c = Arc::new(checkpointer(store.clone()));
+        let loaded: Checkpoint = [(
+            "ns/known".to_owned(),
+            Entry {
+                uid: "uid-ns-known".into(),
+                resource_version: "1".into(),
+                pending: false,
+                kind: None,
+            },
+        )]
+        .into_iter()
+        .collect();
+        c.knows(Some(&loaded));
+        c.record("ns/known", &added("ns", "known", "2"));
+        c.record("ns/gone", &added("ns", "gone", "1"));
+        c.intend("ns/new", &obj("ns", "new", "3"))
+            .expect("unknown")
+            .await;
+        assert_eq!(*store.writes.lock().unwrap(), [vec!["ns/new".to_owned()]]);
+        assert_eq!(c.lag.get(), 2, "the acknowledgements still pending");
+        c.flush().await.unwrap();
+        let mut periodic = store.writes.lock().unwrap()[1].clone();
+        periodic.sort();
+        assert_eq!(periodic, ["ns/gone", "ns/known"]);
+        assert_eq!(c.lag.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_intent_put_back_by_a_failed_periodic_write_goes_with_the_next_intent_batch() {
+        let store = Arc::new(SlowFailingStore::default());
+        let c = Arc::new(checkpointer(store.clone()));
+        let writing = c.writing.lock().await;
+        // Its writer waits for the periodic write below, which takes the intent and fails.
+        let wait = c.intend("ns/new", &obj("ns", "new", "1")).expect("unknown");
+        let (failed, ()) = tokio::join!(c.flush_locked(writing, Scope::All), async {
+            store.started.notified().await;
+            store.release.notify_one();
+        });
+        assert!(failed.is_err());
+        tokio::time::timeout(Duration::from_secs(5), wait)
+            .await
+            .expect("written by the intent writer");
+        assert_eq!(
+            *store.writes.lock().unwrap(),
+            [vec!["ns/new".to_owned()]],
+            "the waiter went on only once its intent was written"
         );
     }
 
