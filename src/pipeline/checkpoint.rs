@@ -31,7 +31,7 @@
 //!   periodic write, so that under a steady stream of creates the store is not written once
 //!   per create with everything acknowledged since (each key's entry is its own: writing one
 //!   key before another changes nothing a resume reads). A write that fails puts back what it
-//!   took as new keys, so the next intent batch takes it again.
+//!   took, and the new keys among it, so the next intent batch takes those again.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -100,7 +100,8 @@ struct Pending {
     // Intent waiters by the batch that writes their intent: released once it is durable.
     waiting: std::collections::BTreeMap<u64, CancellationToken>,
     // The keys an intent batch takes (see `Scope::NewKeys`): each key whose intent waits,
-    // pushed with its waiter (perhaps more than once), and those a failed write put back.
+    // pushed with its waiter (perhaps more than once; cleared by every take), and those a
+    // failed write took from here and put back.
     new_keys: Vec<String>,
 }
 
@@ -120,6 +121,8 @@ struct Taken<'a> {
     changed: Option<HashMap<String, KeyChange, FastHash>>,
     cluster: Option<String>,
     term: u64,
+    // `Pending::new_keys` as taken: put back with the changes, for the next intent batch.
+    new_keys: Vec<String>,
 }
 
 impl Drop for Taken<'_> {
@@ -146,14 +149,11 @@ impl Drop for Taken<'_> {
                 .get_or_insert(uid);
         }
         if let Some(taken) = changed {
-            let Pending {
-                changed, new_keys, ..
-            } = &mut *p;
             for (key, change) in taken {
-                // Taken again by the next intent batch (an intent among them has waiters).
-                new_keys.push(key.clone());
-                changed.entry(key).or_insert(change);
+                p.changed.entry(key).or_insert(change);
             }
+            // Their intents' waiters still wait: the next intent batch takes them again.
+            p.new_keys.append(&mut self.new_keys);
             c.lag.set(p.changed.len() as i64);
         }
     }
@@ -449,23 +449,25 @@ impl Checkpointer {
             changed: None,
             cluster: None,
             term: 0,
+            new_keys: Vec::new(),
         };
         let batch_number = {
             let mut p = self.lock();
             taken.term = p.term;
             p.taken += 1;
-            let new_keys = std::mem::take(&mut p.new_keys);
+            taken.new_keys = std::mem::take(&mut p.new_keys);
             taken.changed = Some(match scope {
                 Scope::All => std::mem::take(&mut p.changed),
                 Scope::NewKeys => {
-                    let mut part =
-                        HashMap::with_capacity_and_hasher(new_keys.len(), FastHash::default());
-                    for key in &new_keys {
+                    let mut part = HashMap::with_capacity_and_hasher(
+                        taken.new_keys.len(),
+                        FastHash::default(),
+                    );
+                    for key in &taken.new_keys {
                         if let Some((key, change)) = p.changed.remove_entry(key.as_str()) {
                             part.insert(key, change);
                         }
                     }
-                    self.lag.set(p.changed.len() as i64);
                     part
                 }
             });
@@ -1068,6 +1070,28 @@ mod tests {
         periodic.sort();
         assert_eq!(periodic, ["ns/gone", "ns/known"]);
         assert_eq!(c.lag.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn acknowledgements_put_back_by_a_failed_write_wait_for_the_periodic_one() {
+        let store = Arc::new(SlowFailingStore::default());
+        let c = Arc::new(checkpointer(store.clone()));
+        c.record("ns/acked", &added("ns", "acked", "1"));
+        let (failed, ()) = tokio::join!(c.flush(), async {
+            store.started.notified().await;
+            store.release.notify_one();
+        });
+        assert!(failed.is_err());
+        c.intend("ns/new", &obj("ns", "new", "1"))
+            .expect("unknown")
+            .await;
+        assert_eq!(
+            *store.writes.lock().unwrap(),
+            [vec!["ns/new".to_owned()]],
+            "the intent batch holds the new key only"
+        );
+        c.flush().await.unwrap();
+        assert_eq!(store.writes.lock().unwrap()[1], ["ns/acked"]);
     }
 
     #[tokio::test]
