@@ -45,7 +45,9 @@
 //! pre-encoded CloudEvents.
 //!
 //! The table (markdown, medians over rounds with the spread) goes to stdout, and a summary to
-//! `target/peers/summary.json`.
+//! `target/peers/summary.json`: per tool `sync_s` and `peak_rss_mib` at `objects`,
+//! `sync_large_s` and `peak_rss_large_mib` at `objects_large`, the steady figures, the
+//! failover's, and the floor (`floor_s` at `floor_objects`).
 //!
 //! `cargo bench --bench peers` (after scripts/build-realk8s and scripts/build-peers; defaults
 //! BENCH_OBJECTS=50000, BENCH_OBJECTS_LARGE=200000, BENCH_ROUNDS=3, BENCH_RATE=500,
@@ -1917,12 +1919,13 @@ async fn run() {
             }
         };
         if let Some(rs) = runs.get(key) {
+            // At `objects` (BENCH_OBJECTS), as the large phase's keys are at `objects_large`.
             put(
-                "sync_50k_s",
+                "sync_s",
                 median(rs.iter().filter_map(|r| r.sync.last).collect()),
             );
             put(
-                "peak_rss_50k_mib",
+                "peak_rss_mib",
                 median(rs.iter().map(|r| r.sync.rss.max(r.peak_rss)).collect()),
             );
             let steady = |k: usize, f: &dyn Fn(&Steady) -> f64| {
@@ -1951,8 +1954,12 @@ async fn run() {
         }
         if let Some(ss) = larges.get(key) {
             put(
-                "sync_200k_s",
+                "sync_large_s",
                 median(ss.iter().filter_map(|s| s.last).collect()),
+            );
+            put(
+                "peak_rss_large_mib",
+                median(ss.iter().map(|s| s.rss).collect()),
             );
         }
         // The bridge's failover figures are those with `exactly_once: true`.
