@@ -30,9 +30,10 @@
 //!   pending, as in a first sync: then it takes them all): their intents, or whatever newer
 //!   change of theirs was recorded meanwhile. The acknowledgements of keys the store holds
 //!   wait for the periodic write, so that under a steady stream of creates the store is not
-//!   written once per create with everything acknowledged since (each key's entry is its own: writing one
-//!   key before another changes nothing a resume reads). A write that fails puts back what it
-//!   took, and the new keys among it, so the next intent batch takes those again.
+//!   written once per create with everything acknowledged since (each key's entry is its
+//!   own: writing one key before another changes nothing a resume reads). A write that fails
+//!   puts back what it took, and the new keys among it, so the next intent batch takes those
+//!   again.
 
 use std::{
     collections::{HashMap, HashSet},
@@ -466,20 +467,12 @@ impl Checkpointer {
             // Many changes pending (a first sync of new keys): all of them go, so that what
             // waits for the periodic write stays small.
             let all = scope == Scope::All || p.changed.len() >= WRITE_ALL_AT;
-            taken.changed = Some(match all {
-                true => std::mem::take(&mut p.changed),
-                false => {
-                    let mut part = HashMap::with_capacity_and_hasher(
-                        taken.new_keys.len(),
-                        FastHash::default(),
-                    );
-                    for key in &taken.new_keys {
-                        if let Some((key, change)) = p.changed.remove_entry(key.as_str()) {
-                            part.insert(key, change);
-                        }
-                    }
-                    part
-                }
+            taken.changed = Some(if all {
+                std::mem::take(&mut p.changed)
+            } else {
+                (taken.new_keys.iter())
+                    .filter_map(|key| p.changed.remove_entry(key.as_str()))
+                    .collect()
             });
             p.taken
         };
@@ -861,12 +854,8 @@ mod tests {
         assert_eq!(c.lag.get(), 0);
     }
 
-    #[tokio::test]
-    async fn a_key_the_store_does_not_hold_is_written_as_an_intent_before_its_message_goes() {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path().join("out.jsonl");
-        let store = Arc::new(FileCheckpointStore::beside(&out));
-        let c = Arc::new(checkpointer(store.clone()));
+    /// `c` as resumed from a checkpoint holding `ns/known` (acknowledged at version 1).
+    fn knows_one_key(c: &Checkpointer) {
         let loaded: Checkpoint = [(
             "ns/known".to_owned(),
             Entry {
@@ -879,6 +868,15 @@ mod tests {
         .into_iter()
         .collect();
         c.knows(Some(&loaded));
+    }
+
+    #[tokio::test]
+    async fn a_key_the_store_does_not_hold_is_written_as_an_intent_before_its_message_goes() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let store = Arc::new(FileCheckpointStore::beside(&out));
+        let c = Arc::new(checkpointer(store.clone()));
+        knows_one_key(&c);
         assert!(c.intend("ns/known", &obj("ns", "known", "2")).is_none());
         let wait = c
             .intend("ns/new", &obj("ns", "new", "3"))
@@ -1056,18 +1054,7 @@ mod tests {
     async fn an_intent_batch_writes_the_new_keys_and_leaves_the_rest_for_the_periodic_write() {
         let store = recording();
         let c = Arc::new(checkpointer(store.clone()));
-        let loaded: Checkpoint = [(
-            "ns/known".to_owned(),
-            Entry {
-                uid: "uid-ns-known".into(),
-                resource_version: "1".into(),
-                pending: false,
-                kind: None,
-            },
-        )]
-        .into_iter()
-        .collect();
-        c.knows(Some(&loaded));
+        knows_one_key(&c);
         c.record("ns/known", &added("ns", "known", "2"));
         c.record("ns/gone", &added("ns", "gone", "1"));
         c.intend("ns/new", &obj("ns", "new", "3"))
