@@ -8,7 +8,8 @@
 //!
 //! `cargo bench --bench kafka [-- EVENTS_1KB EVENTS_10KB]` (needs Apache Kafka's jars,
 //! which `scripts/test` copies). `BENCH_OBJECTS` sets how many objects the events update (10,000);
-//! `BENCH_ONLY=Apache` or `BENCH_ONLY=mock` runs one broker (e.g. under a profiler).
+//! `BENCH_ONLY=Apache` or `BENCH_ONLY=mock` runs one broker, `BENCH_SIDES=off,raw` some of the
+//! sides (`off`, `on`, `raw`, `eos`; e.g. under a profiler).
 
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
@@ -33,11 +34,21 @@ use rdkafka::{
     producer::{FutureProducer, FutureRecord},
 };
 use support::{
-    Figures, Runs, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
-    reset_peak_rss,
+    Figures, Runs, Timed, bridge_figures, encoder, notifications, own_cpu_seconds, peak_rss_mib,
+    percentiles, reset_peak_rss,
 };
 
 const TOPIC: &str = "bench";
+
+/// The sides' names, as the runs line and `BENCH_SIDES` spell them.
+const SIDES: [&str; 4] = ["off", "on", "raw", "eos"];
+
+/// Whether `BENCH_SIDES` (a comma-separated list; all sides when unset) names `side`.
+fn wanted(side: &str) -> bool {
+    std::env::var("BENCH_SIDES")
+        .map(|sides| sides.split(',').any(|s| s.trim() == side))
+        .unwrap_or(true)
+}
 
 /// The sink config both sides use.
 fn sink_config(brokers: &str) -> SinkConfig {
@@ -118,6 +129,7 @@ async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
     let mut pending = FuturesUnordered::new();
     let (mut samples, mut bytes) = (Vec::with_capacity(events), 0);
     reset_peak_rss();
+    let cpu0 = own_cpu_seconds();
     let start = Instant::now();
     for m in &messages {
         bytes += m.payload.len() as u64;
@@ -144,11 +156,13 @@ async fn raw(brokers: &str, events: usize, size: usize) -> Figures {
         samples.push(s);
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu = own_cpu_seconds() - cpu0;
     let (p50, p99) = percentiles(samples);
     Figures {
         events,
         bytes,
         secs,
+        cpu,
         p50,
         p99,
         peak_rss: peak_rss_mib(),
@@ -203,6 +217,15 @@ fn main() {
     {
         let mock_broker = broker.contains("mock");
         println!("{broker}:");
+        // Not counted: a fresh broker's first produce requests run interpreted (Apache Kafka's
+        // JIT compiles its produce path meanwhile, on the same two cores), which made each
+        // size's first runs up to half as fast as its later ones.
+        let warm_up = runtime.block_on(raw(&brokers, events_1k.min(50_000), 1_000));
+        println!(
+            "  warm-up (not counted): raw, {} events of ~1 KB, {:.0} events/s",
+            warm_up.events,
+            warm_up.rate()
+        );
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
             // Interleaved: every round runs each side once, the order rotating, so that no
             // side gains from going later (warm caches, a broker's growing log).
@@ -217,7 +240,10 @@ fn main() {
             let sides = if mock_broker { 3 } else { 4 };
             let mut lines = Vec::new();
             for round in 0..rounds {
-                for side in (0..sides).map(|k| (k + round) % sides) {
+                for side in (0..sides)
+                    .map(|k| (k + round) % sides)
+                    .filter(|&side| wanted(SIDES[side]))
+                {
                     run += 1;
                     let bridge = |mode| bridge(&brokers, events, size, &metrics, run, mode);
                     let f = match side {
@@ -226,39 +252,54 @@ fn main() {
                         2 => runtime.block_on(raw(&brokers, events, size)),
                         _ => runtime.block_on(bridge(Mode::ExactlyOnce)),
                     };
-                    lines.push(format!(
-                        "{}:{:.0}",
-                        ["off", "on", "raw", "eos"][side],
-                        f.rate()
-                    ));
+                    lines.push(format!("{}:{:.0}", SIDES[side], f.rate()));
                     [&mut off, &mut on, &mut raw_runs, &mut eos][side].0.push(f);
                 }
             }
+            let first = [&off, &on, &raw_runs, &eos]
+                .into_iter()
+                .find_map(|r| r.0.first())
+                .expect("BENCH_SIDES names no side");
             println!(
                 "  {events} events, objects of ~{} KB (messages with oldObject: ~{:.1} KB); runs in order (events/s): {}",
                 size / 1000,
-                off.0[0].bytes as f64 / off.0[0].events as f64 / 1000.0,
+                first.bytes as f64 / first.events as f64 / 1000.0,
                 lines.join(" ")
             );
-            off.print("bridge");
-            on.print("resume");
-            raw_runs.print("raw");
-            if !eos.0.is_empty() {
-                eos.print("exactly once");
+            for (runs, label) in [
+                (&off, "bridge"),
+                (&on, "resume"),
+                (&raw_runs, "raw"),
+                (&eos, "exactly once"),
+            ] {
+                if !runs.0.is_empty() {
+                    runs.print(label);
+                }
+            }
+            // A ratio of the sides that ran.
+            let ratio = |a: &Runs, b: &Runs| {
+                if a.0.is_empty() || b.0.is_empty() {
+                    "-".to_owned()
+                } else {
+                    format!("{:.2}", a.median_rate() / b.median_rate())
+                }
+            };
+            println!("    ratio bridge/raw: {} (medians)", ratio(&off, &raw_runs));
+            if !off.0.is_empty() && !raw_runs.0.is_empty() {
+                println!(
+                    "    the bridge's own work: {:.1} µs CPU/event more than raw (medians; this process's CPU, the broker's not counted)",
+                    off.median_cpu_us() - raw_runs.median_cpu_us()
+                );
             }
             println!(
-                "    ratio bridge/raw: {:.2} (medians)",
-                off.median_rate() / raw_runs.median_rate()
+                "    ratio resume on/off: {} (medians; checkpoint of 10,000 keys written every second, final write included)",
+                ratio(&on, &off)
             );
-            println!(
-                "    ratio resume on/off: {:.2} (medians; checkpoint of 10,000 keys written every second, final write included)",
-                on.median_rate() / off.median_rate()
-            );
-            if !eos.0.is_empty() {
+            if sides == 4 {
                 println!(
-                    "    ratio exactly once/resume on: {:.2}, exactly once/raw: {:.2} (medians; a transaction committed every 100 ms, each message's checkpoint record in it)",
-                    eos.median_rate() / on.median_rate(),
-                    eos.median_rate() / raw_runs.median_rate()
+                    "    ratio exactly once/resume on: {}, exactly once/raw: {} (medians; a transaction committed every 100 ms, each message's checkpoint record in it)",
+                    ratio(&eos, &on),
+                    ratio(&eos, &raw_runs)
                 );
             }
         }

@@ -19,8 +19,8 @@ use kube_event_bridge::{
     config::SinkConfig, message::Message, metrics::Metrics, sinks::nats::NatsSink,
 };
 use support::{
-    Figures, Runs, Timed, bridge_figures, encoder, notifications, peak_rss_mib, percentiles,
-    reset_peak_rss,
+    Figures, Runs, Timed, bridge_figures, encoder, notifications, own_cpu_seconds, peak_rss_mib,
+    percentiles, reset_peak_rss,
 };
 
 const WINDOW: usize = 1024;
@@ -63,6 +63,7 @@ async fn raw(url: &str, events: usize, size: usize) -> Figures {
     let mut acks = FuturesUnordered::new();
     let (mut samples, mut bytes) = (Vec::with_capacity(events), 0);
     reset_peak_rss();
+    let cpu0 = own_cpu_seconds();
     let start = Instant::now();
     for m in messages {
         let mut headers = async_nats::HeaderMap::new();
@@ -91,11 +92,13 @@ async fn raw(url: &str, events: usize, size: usize) -> Figures {
         samples.push(s);
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu = own_cpu_seconds() - cpu0;
     let (p50, p99) = percentiles(samples);
     Figures {
         events,
         bytes,
         secs,
+        cpu,
         p50,
         p99,
         peak_rss: peak_rss_mib(),

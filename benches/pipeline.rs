@@ -120,6 +120,7 @@ fn main() {
                 events: delivered as usize,
                 bytes: run.delivered_bytes,
                 secs: run.elapsed.as_secs_f64(),
+                cpu: run.cpu,
                 p50,
                 p99,
                 peak_rss: run.peak_rss,

@@ -15,6 +15,7 @@
 //! checks there is no cycle):
 //!
 //! ```text
+//! allocator.rs      mimalloc, the process's allocator, and its purge setting
 //! workqueue/        client-go's work queue: queue.rs, rate_limiter.rs, rate_limiting_queue.rs,
 //!                   metrics.rs
 //! metrics.rs        every Prometheus metric family
@@ -55,6 +56,7 @@
 //! ```
 
 pub mod admin;
+pub mod allocator;
 pub mod app;
 pub mod cluster;
 pub mod config;

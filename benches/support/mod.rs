@@ -23,6 +23,13 @@ use kube_event_bridge::{
 
 use objects::{Meta, cached, configmap_with_data, configmaps};
 
+/// The service's allocator (`kube_event_bridge::allocator`), so that a bench running the
+/// pipeline in its own process measures what runs (until 2026-12 these benches ran on glibc's
+/// malloc while the service ran on mimalloc). [`reset_peak_rss`] sets the service's purge
+/// delay.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The encoder every bench uses (structured CloudEvents, with `oldObject`).
 pub fn encoder() -> Encoder {
     Encoder::new(
@@ -201,14 +208,35 @@ pub fn peak_rss_mib() -> f64 {
         / 1024.0
 }
 
+/// utime + stime of process `pid` (this process: `std::process::id()`), in seconds (the
+/// kernel counts them in ticks of 10 ms).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // Fields 14 and 15 of stat; `after` starts at field 3.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// This process's CPU seconds (every thread's; not its children's, such as a broker it
+/// started).
+pub fn own_cpu_seconds() -> f64 {
+    cpu_seconds(std::process::id())
+}
+
 /// Resets the peak RSS to the current RSS, so that each phase reports its own peak.
 pub fn reset_peak_rss() {
+    // As the service sets it at start (setting it again changes nothing).
+    kube_event_bridge::allocator::purge_freed_memory_at_once();
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 /// What one bridge run measured.
 pub struct Run {
     pub elapsed: Duration,
+    /// This process's CPU seconds over `elapsed`.
+    pub cpu: f64,
     pub delivered_bytes: u64,
     pub coalesced: u64,
     pub peak_rss: f64,
@@ -303,6 +331,7 @@ pub async fn run_bridge(
     let coalesced_before = coalesced();
     reset_peak_rss();
     let running = pipeline::start(&[(built.route, workers)]);
+    let cpu0 = own_cpu_seconds();
     let start = Instant::now();
     for mut n in notes {
         while budget.held() > backlog {
@@ -322,11 +351,13 @@ pub async fn run_bridge(
         c.flush().await.expect("final checkpoint write");
     }
     let elapsed = start.elapsed();
+    let cpu = own_cpu_seconds() - cpu0;
     running
         .drain(tokio::time::Instant::now() + Duration::from_secs(5))
         .await;
     Run {
         elapsed,
+        cpu,
         delivered_bytes: bytes() - bytes_before,
         coalesced: coalesced() - coalesced_before,
         peak_rss: peak_rss_mib(),
@@ -338,6 +369,8 @@ pub struct Figures {
     pub events: usize,
     pub bytes: u64,
     pub secs: f64,
+    /// This process's CPU seconds over `secs` (not a broker's it started).
+    pub cpu: f64,
     pub p50: f64,
     pub p99: f64,
     pub peak_rss: f64,
@@ -349,12 +382,18 @@ impl Figures {
         self.events as f64 / self.secs
     }
 
-    /// One line: events/s, MB/s, latency percentiles, peak RSS.
+    /// This process's CPU microseconds per event.
+    pub fn cpu_us(&self) -> f64 {
+        self.cpu * 1e6 / self.events.max(1) as f64
+    }
+
+    /// One line: events/s, MB/s, CPU per event, latency percentiles, peak RSS.
     pub fn print(&self, label: &str) {
         println!(
-            "    {label:<7} {:>9.0} events/s {:>8.1} MB/s   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
+            "    {label:<7} {:>9.0} events/s {:>8.1} MB/s {:>6.1} µs CPU/event   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
             self.rate(),
             self.bytes as f64 / 1e6 / self.secs,
+            self.cpu_us(),
             self.p50,
             self.p99,
             self.peak_rss
@@ -398,6 +437,7 @@ pub async fn bridge_figures<S: Sink + 'static>(
         events,
         bytes: run.delivered_bytes,
         secs: run.elapsed.as_secs_f64(),
+        cpu: run.cpu,
         p50,
         p99,
         peak_rss: run.peak_rss,
@@ -415,14 +455,20 @@ impl Runs {
         median(self.0.iter().map(Figures::rate).collect())
     }
 
-    /// One line: median events/s, the spread, median MB/s, p50 and p99, the highest peak RSS.
+    /// The median of the runs' CPU microseconds per event.
+    pub fn median_cpu_us(&self) -> f64 {
+        median(self.0.iter().map(Figures::cpu_us).collect())
+    }
+
+    /// One line: median events/s, the spread, median MB/s, median CPU per event, p50 and p99,
+    /// the highest peak RSS.
     pub fn print(&self, label: &str) {
         let rates: Vec<f64> = self.0.iter().map(Figures::rate).collect();
         let (lo, hi) = rates
             .iter()
             .fold((f64::MAX, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
         println!(
-            "    {label:<7} {:>9.0} events/s median of {} (spread {:.0}–{:.0}, ±{:.0}%) {:>7.1} MB/s   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
+            "    {label:<7} {:>9.0} events/s median of {} (spread {:.0}–{:.0}, ±{:.0}%) {:>7.1} MB/s {:>6.1} µs CPU/event   p50 {:>7.2} ms  p99 {:>7.2} ms   peak RSS {:.0} MiB",
             self.median_rate(),
             rates.len(),
             lo,
@@ -434,6 +480,7 @@ impl Runs {
                     .map(|f| f.bytes as f64 / 1e6 / f.secs)
                     .collect()
             ),
+            self.median_cpu_us(),
             median(self.0.iter().map(|f| f.p50).collect()),
             median(self.0.iter().map(|f| f.p99).collect()),
             self.0.iter().map(|f| f.peak_rss).fold(0.0, f64::max),
