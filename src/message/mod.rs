@@ -80,7 +80,13 @@ fn default_true() -> bool {
 /// its message reports as found gone at (see `Notification::gone_at`), which differs between
 /// the replicas and attempts that infer the same delete.
 pub fn message_id(uid: &str, resource_version: &str, event_type: EventType) -> String {
-    format!("{uid}:{resource_version}:{}", event_type.as_str())
+    // Pieces pushed, not `format!`: made for every message.
+    let ty = event_type.as_str();
+    let mut id = String::with_capacity(uid.len() + resource_version.len() + ty.len() + 2);
+    for piece in [uid, ":", resource_version, ":", ty] {
+        id.push_str(piece);
+    }
+    id
 }
 
 /// Errors encoding a notification. They are final: retrying cannot fix the object.
@@ -552,6 +558,10 @@ impl Encoder {
     }
 }
 
+/// How `time` is printed: as `jiff::Timestamp`'s `Display` prints it.
+const TIMESTAMP_PRINTER: jiff::fmt::temporal::DateTimePrinter =
+    jiff::fmt::temporal::DateTimePrinter::new();
+
 impl Encoder {
     /// Writes `e` as `serde_json::to_writer` does (the same members in the same order, the
     /// same escaping), with the parts that are the same for every message written once
@@ -562,7 +572,6 @@ impl Encoder {
         e: &Envelope<'_>,
         event_type: EventType,
     ) -> serde_json::Result<()> {
-        use std::io::Write as _;
         let c = &*self.constants;
         out.extend_from_slice(br#"{"specversion":"1.0","id":"#);
         write_str(out, e.id);
@@ -579,7 +588,12 @@ impl Encoder {
         out.extend_from_slice(c.types[event_type as usize].as_bytes());
         out.extend_from_slice(br#","subject":"#);
         write_str(out, e.subject);
-        write!(out, r#","time":"{}""#, e.time).expect("writing to a Vec");
+        out.extend_from_slice(br#","time":""#);
+        // jiff's printer, as `Display` (and so serde) prints it, without `core::fmt`.
+        TIMESTAMP_PRINTER
+            .print_timestamp(&e.time, jiff::fmt::StdIoWrite(&mut *out))
+            .expect("writing to a Vec");
+        out.push(b'"');
         out.extend_from_slice(c.resource.as_bytes());
         if let Some(ns) = e.k8snamespace {
             out.extend_from_slice(br#","k8snamespace":"#);

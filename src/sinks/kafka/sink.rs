@@ -54,7 +54,8 @@ const HEALTH_PERIOD: Duration = Duration::from_secs(10);
 
 /// See the module docs.
 pub struct KafkaSink {
-    name: String,
+    // Shared with each acknowledgement (named in the fatal error's log line).
+    name: Arc<str>,
     /// What its clients are made from (the checkpoint store's and admin clients too).
     client: Arc<KafkaClient>,
     producer: SinkProducer,
@@ -241,7 +242,7 @@ impl KafkaSink {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1_000_000);
         Ok(Self {
-            name: name.to_owned(),
+            name: name.into(),
             client: Arc::new(client),
             topic: Template::parse(&cfg.topic).map_err(|e| setup(format!("topic: {e}")))?,
             key: cfg
@@ -279,7 +280,7 @@ impl KafkaSink {
     ) -> Self {
         if cfg.exactly_once {
             let settings = super::transactions::Settings {
-                sink: self.name.clone(),
+                sink: self.name.to_string(),
                 client: (*self.client).clone(),
                 checkpoint_topic: cfg.checkpoint_topic.clone(),
                 interval: cfg.transaction_interval,
@@ -288,11 +289,11 @@ impl KafkaSink {
                 outcomes: ["committed", "aborted"].map(|outcome| {
                     metrics
                         .kafka_transactions
-                        .with_label_values(&[self.name.as_str(), outcome])
+                        .with_label_values(&[&*self.name, outcome])
                 }),
                 fenced: metrics
                     .kafka_producer_fenced
-                    .with_label_values(&[self.name.as_str()]),
+                    .with_label_values(&[&*self.name]),
             };
             self.transactions = Some(Arc::new(TransactionSet::new(settings, cluster.to_owned())));
         }
