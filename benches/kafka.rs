@@ -218,8 +218,9 @@ fn main() {
         let mock_broker = broker.contains("mock");
         println!("{broker}:");
         // Not counted: a fresh broker's first produce requests run interpreted (Apache Kafka's
-        // JIT compiles its produce path meanwhile, on the same two cores), which made each
-        // size's first runs up to half as fast as its later ones.
+        // JIT compiles its produce path meanwhile, on the same two cores), which made the
+        // first runs up to half as fast as the later ones. This shortens that, it does not
+        // end it: the rotating order and the medians do the rest.
         let warm_up = runtime.block_on(raw(&brokers, events_1k.min(50_000), 1_000));
         println!(
             "  warm-up (not counted): raw, {} events of ~1 KB, {:.0} events/s",
