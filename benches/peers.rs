@@ -121,16 +121,6 @@ fn object(i: u64, round: u64) -> ConfigMap {
 // ---------------------------------------------------------------------------------------
 // Measuring from outside
 
-/// utime + stime of `pid`, in seconds.
-fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // Fields 14 and 15 of stat; `after` starts at field 3.
-    (ticks(11) + ticks(12)) / 100.0
-}
-
 /// Current RSS of `pid`, MiB.
 fn rss_mib(pid: u32) -> f64 {
     support::status_mib(pid, "VmRSS:")
@@ -167,8 +157,8 @@ impl ServerLoad {
         });
         Self {
             pids,
-            cpu0: pids.map(cpu_seconds),
-            kafka: (kafka, cpu_seconds(kafka)),
+            cpu0: pids.map(support::procfs::cpu_seconds),
+            kafka: (kafka, support::procfs::cpu_seconds(kafka)),
             peak,
             stop,
         }
@@ -178,8 +168,8 @@ impl ServerLoad {
     fn end(self) -> [f64; 5] {
         self.stop.store(true, Ordering::Relaxed);
         let peak = *self.peak.lock().unwrap();
-        let cpu = [0, 1].map(|k| cpu_seconds(self.pids[k]) - self.cpu0[k]);
-        let kafka = cpu_seconds(self.kafka.0) - self.kafka.1;
+        let cpu = [0, 1].map(|k| support::procfs::cpu_seconds(self.pids[k]) - self.cpu0[k]);
+        let kafka = support::procfs::cpu_seconds(self.kafka.0) - self.kafka.1;
         [cpu[0], peak[0], cpu[1], peak[1], kafka]
     }
 }
@@ -1097,7 +1087,7 @@ impl Bench {
                 .first_at()
                 .map(|t| t.duration_since(began).as_secs_f64()),
             last: last.map(|d| d.as_secs_f64()),
-            cpu: cpu_seconds(process.pid()),
+            cpu: support::procfs::cpu_seconds(process.pid()),
             rss: support::peak_rss_mib(process.pid()),
             read_mib: (self.proxy.bytes() - bytes0) as f64 / 1048576.0,
             server,
@@ -1154,7 +1144,7 @@ impl Bench {
             &[Some(self.rate), None]
         };
         for (k, &rate) in rates.iter().enumerate() {
-            let (cpu0, from) = (cpu_seconds(process.pid()), arrivals.len());
+            let (cpu0, from) = (support::procfs::cpu_seconds(process.pid()), arrivals.len());
             let stored0 = self.kafka.stored_bytes(&setup.topic, 0);
             let began = Instant::now();
             let seed = self.seed ^ round ^ k as u64;
@@ -1172,7 +1162,7 @@ impl Bench {
                 p50: percentile(&l, 0.5),
                 p99: percentile(&l, 0.99),
                 max: l.last().copied().unwrap_or(f64::NAN),
-                cpu_ms: (cpu_seconds(process.pid()) - cpu0) * 1000.0 / w,
+                cpu_ms: (support::procfs::cpu_seconds(process.pid()) - cpu0) * 1000.0 / w,
                 stored_per_change: (self.kafka.stored_bytes(&setup.topic, 0) - stored0) as f64 / w,
                 per_change: got.len() as f64 / w,
                 unseen: unseen.len(),

@@ -5,6 +5,8 @@
 
 #[path = "../../tests/support/objects.rs"]
 pub mod objects;
+#[path = "../../tests/support/procfs.rs"]
+pub mod procfs;
 
 use std::{
     sync::{Arc, Mutex},
@@ -208,21 +210,10 @@ pub fn peak_rss_mib() -> f64 {
         / 1024.0
 }
 
-/// utime + stime of process `pid` (this process: `std::process::id()`), in seconds (the
-/// kernel counts them in ticks of 10 ms).
-pub fn cpu_seconds(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // Fields 14 and 15 of stat; `after` starts at field 3.
-    (ticks(11) + ticks(12)) / 100.0
-}
-
 /// This process's CPU seconds (every thread's; not its children's, such as a broker it
 /// started).
 pub fn own_cpu_seconds() -> f64 {
-    cpu_seconds(std::process::id())
+    procfs::cpu_seconds(std::process::id())
 }
 
 /// Resets the peak RSS to the current RSS, so that each phase reports its own peak.

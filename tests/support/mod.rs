@@ -14,6 +14,7 @@ pub mod model;
 pub mod nats;
 pub mod objects;
 pub mod parity;
+pub mod procfs;
 pub mod replica;
 pub mod schema;
 pub mod sink_scenarios;
