@@ -6,10 +6,12 @@
 //! every shard.
 //!
 //! Prints, per configuration: each replica's shards, objects published and RSS (current and
-//! peak), the mean RSS, and the list+watch bytes the API server sent (total and per replica).
+//! peak), the mean RSS, the list+watch bytes the API server sent (total and per replica), and
+//! the lists begun (first pages) and watches it was asked for: a shard's term lists once.
 //!
 //! `cargo bench --bench sharding [-- OBJECTS SHARDS] [--namespaced] [--client-side]` (defaults
-//! 30000 12; `--client-side`: only the runs where the API server ignores the selector);
+//! 30000 12; `--client-side`: only the runs where the API server ignores the selector;
+//! BENCH_KUBERNETES='{"page_size": 500}' sets the replicas' `kubernetes` section);
 //! `--namespaced` lists the 120 namespaces in the resource (`namespaces`): an informer per
 //! namespace in every shard, of which only those whose namespace hashes into the shard ask
 //! the API server anything.
@@ -44,7 +46,12 @@ impl Replica {
         if namespaced {
             resource["namespaces"] = (0..NAMESPACES).map(namespace).collect();
         }
-        let config = ConfigBuilder::new()
+        let mut config = ConfigBuilder::new();
+        // BENCH_KUBERNETES: JSON for the `kubernetes` section (e.g. `{"page_size": 500}`).
+        if let Ok(j) = std::env::var("BENCH_KUBERNETES") {
+            config = config.kubernetes(serde_json::from_str(&j).expect("BENCH_KUBERNETES is JSON"));
+        }
+        let config = config
             .resource(resource)
             .stdout("out", &out)
             .route("configmap", &["out"])
@@ -150,6 +157,13 @@ async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool, na
     // Let the caches settle (a shard handed on at the start stops its informers).
     tokio::time::sleep(Duration::from_secs(3)).await;
     let bytes = api.bytes_sent() - before;
+    let requests = api
+        .all_counts()
+        .into_iter()
+        .filter(|(path, _)| path.ends_with("/configmaps"))
+        .fold((0, 0), |(lists, watches), (_, c)| {
+            (lists + c.lists_begun, watches + c.watches)
+        });
     let held = holders(&api, shards);
     let mode = if server_side {
         "server-side"
@@ -171,10 +185,12 @@ async fn run(objects: usize, shards: u32, replicas: usize, server_side: bool, na
         );
     }
     println!(
-        "  mean RSS {:.0} MiB per replica; the API server sent {:.1} MiB of lists and watches ({:.1} MiB per replica)",
+        "  mean RSS {:.0} MiB per replica; the API server sent {:.1} MiB of lists and watches ({:.1} MiB per replica): {} lists begun, {} watches",
         total_rss / replicas as f64,
         bytes as f64 / 1048576.0,
-        bytes as f64 / 1048576.0 / replicas as f64
+        bytes as f64 / 1048576.0 / replicas as f64,
+        requests.0,
+        requests.1
     );
 }
 

@@ -105,8 +105,10 @@ impl Resources {
     /// [`Self::set_leading`] hands the cache over at once where such a list is in by then (a
     /// long takeover wait); where it is still running (transactions fenced the last leader
     /// at once), the routes get what it popped so far from the cache and the rest as it
-    /// pops. Any list
-    /// begun after the term began will do: the last leader handed nothing over after its
+    /// pops. An informer not running yet (a cold standby's, spawned by `set_leading`) is
+    /// asked for its first list, so that spawning it does not race the ask into a second
+    /// one. Any list begun after the term began will do: the last leader handed nothing
+    /// over after its
     /// fence ended, which was before this replica could take the lease, so such a list is at
     /// least as new as anything it published (what changes later reaches the cache through
     /// the watch before the listeners are switched on, and is handed over with it).
@@ -118,9 +120,7 @@ impl Resources {
             if relists.iter().any(|(i, _)| Arc::ptr_eq(i, informer)) {
                 continue;
             }
-            if let Some(asked) = informer.request_relist() {
-                relists.push((informer.clone(), asked));
-            }
+            relists.push((informer.clone(), informer.request_relist()));
         }
         self.term_relists = relists;
     }

@@ -498,17 +498,17 @@ impl SharedIndexInformer {
             .await
     }
 
-    /// Asks the reflector for a new consistent list now, on a running informer (one not
-    /// running yet lists when it starts): its number, for
+    /// Asks the reflector for a new consistent list now: its number, for
     /// [`activate_listeners_after_relist_since`](Self::activate_listeners_after_relist_since).
-    /// What that list pops is noted (replacing an earlier such note), so that listeners
-    /// switched on while it runs get what it popped from the cache and the rest as it pops.
-    pub fn request_relist(&self) -> Option<u64> {
-        if !self.is_running() {
-            return None;
-        }
+    /// A running informer drops a list in progress and starts over; one not running yet
+    /// serves the request with its first list (a cold standby's informers are spawned as its
+    /// term begins: asking their first list for the term instead of a second one keeps a
+    /// shard from listing twice). What that list pops is noted (replacing an earlier such
+    /// note), so that listeners switched on while it runs get what it popped from the cache
+    /// and the rest as it pops.
+    pub fn request_relist(&self) -> u64 {
         let id = self.next_stream.fetch_add(1, Ordering::SeqCst);
-        Some(self.fifo.with_lock(|_| {
+        self.fifo.with_lock(|_| {
             let from = self.reflector.request_relist();
             let mut streams = self.streams();
             streams.retain(|s| !s.early);
@@ -520,7 +520,7 @@ impl SharedIndexInformer {
                 early: true,
             });
             from
-        }))
+        })
     }
 
     /// Forgets what [`request_relist`](Self::request_relist) noted (the term it was asked

@@ -380,6 +380,15 @@ async fn sharded(server_side: bool) {
             if server_side { 0 } else { 2 },
             "{ready}"
         );
+        // Each term of a shard lists each of its informers once: a cold standby's informer
+        // is spawned as the term begins, and its first list is the term's fresh one (a relist
+        // asked for besides would drop the first list under way and start over).
+        let relists = samples(&replica_metrics(r).await, "keb_informer_relists_total");
+        assert!(
+            !relists.is_empty() && relists.values().all(|&n| n == 0.0),
+            "{}: informers listed again: {relists:?}",
+            r.identity
+        );
     }
     eprintln!("keb_informer_shard_server_side of the owned shards' informers: {gauges:?}");
     let configmap_gauges: Vec<f64> = gauges

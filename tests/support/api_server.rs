@@ -166,7 +166,10 @@ pub struct Backup {
 /// Requests seen per collection path.
 #[derive(Default, Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Counts {
+    /// List requests, each page one.
     pub lists: u32,
+    /// Lists begun: requests without a `continue` token (a paged list's first page).
+    pub lists_begun: u32,
     pub watches: u32,
 }
 
@@ -1211,7 +1214,10 @@ async fn handle(
         if is_watch {
             c.watches += 1
         } else {
-            c.lists += 1
+            c.lists += 1;
+            if q.get("continue").is_none_or(|c| c.is_empty()) {
+                c.lists_begun += 1;
+            }
         }
     }
     // Without the ShardedListAndWatch gate the parameter is ignored (and nothing echoed).
