@@ -376,7 +376,8 @@ fn base_config() -> Value {
                        "publish_if": "type != 'synced'",
                        "ignore_fields": ["/status"], "exclude_namespaces": ["b"]}],
         "sinks": [
-            {"name": "out", "type": "stdout", "max_pending": 1000, "workers": 4},
+            {"name": "out", "type": "stdout", "max_pending": 1000, "workers": 4,
+             "max_objects_in_flight": 512},
             {"name": "bus", "type": "nats", "nats": {"servers": ["nats://127.0.0.1:4222"],
                       "stream": {"name": "K8S", "subjects": ["k8s.>"]}},
              "retry": {"base_delay": "10ms", "max_delay": "1s"}},
@@ -405,6 +406,7 @@ const FIELDS: &[(&str, &str)] = &[
     ("/sinks/0/type", "type"),
     ("/sinks/0/max_pending", "max_pending"),
     ("/sinks/0/workers", "workers"),
+    ("/sinks/0/max_objects_in_flight", "max_objects_in_flight"),
     ("/sinks/1/nats/servers", "servers"),
     ("/sinks/1/nats/stream/name", "stream"),
     ("/sinks/1/nats/stream/subjects", "subjects"),
@@ -460,4 +462,16 @@ proptest! {
             prop_assert!(named, "{} = {}: error does not name the field: {}", pointer, value, e);
         }
     }
+}
+
+/// A sink with no room for an object in flight could never publish: refused, by name.
+#[test]
+fn a_sink_without_room_in_flight_is_refused() {
+    let mut doc = base_config();
+    doc["sinks"][0]["max_objects_in_flight"] = json!(0);
+    let e = load_yaml(&doc.to_string()).unwrap_err();
+    assert!(
+        e.contains("max_objects_in_flight") && e.contains("must be at least 1"),
+        "{e}"
+    );
 }

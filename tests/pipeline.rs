@@ -20,7 +20,10 @@ use kube_event_bridge::{
     informer::{Notification, NotificationKind, ObjectRef},
     message::{Encoder, Encoding},
     metrics::Metrics,
-    pipeline::{self, Budget, Delivery, Route, RouteBuilder, RouteQueue},
+    pipeline::{
+        self, Budget, Delivery, Route, RouteBuilder, RouteQueue,
+        route::DEFAULT_MAX_OBJECTS_IN_FLIGHT,
+    },
     sinks::Sink,
     workqueue::{TokenBucket, rate_limiter::RetrySettings},
 };
@@ -76,6 +79,7 @@ fn harness_with(
         dead_letter: dead_letter.map(|d| d as Arc<dyn Sink>),
         publish_limit: publish_limit.map(Arc::new),
         max_retries,
+        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
     });
     let encoder = Encoder::new(
         "test",
@@ -579,4 +583,86 @@ async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
     running
         .drain(tokio::time::Instant::now() + Duration::from_secs(5))
         .await;
+}
+
+/// Two routes share one sink whose acknowledgements take 20 ms, with room for 16 objects in
+/// flight (`sinks[].max_objects_in_flight`) and 8 workers each: never more than 16 messages
+/// are handed over and unacknowledged at once (one per object at most), the bound is reached,
+/// and every notification of both routes arrives, in order per object.
+#[tokio::test(start_paused = true)]
+async fn a_sinks_objects_in_flight_stay_within_its_bound_across_its_routes() {
+    const ROOM: usize = 16;
+    let (objects, updates) = (150, 3);
+    let sink = Arc::new(FakeSink {
+        script: vec![(fake_sink::Outcome::Stored, 20); 2 * objects * (updates + 1)],
+        ..FakeSink::named("test")
+    });
+    let metrics = Arc::new(Metrics::new());
+    let budget = Arc::new(Budget::new(1_000_000));
+    let delivery = Arc::new(Delivery {
+        sink: sink.clone(),
+        dead_letter: None,
+        publish_limit: None,
+        max_retries: None,
+        in_flight: Delivery::in_flight(ROOM),
+    });
+    let routes: Vec<Arc<Route>> = ["first", "second"]
+        .into_iter()
+        .map(|resource| {
+            let encoder = Encoder::new(
+                resource,
+                &configmaps(),
+                &MessageConfig::default(),
+                Encoding::Structured,
+            );
+            RouteBuilder::new(resource, "test", encoder, delivery.clone(), &metrics)
+                .budget(budget.clone())
+                .retry(fast_retries())
+                .build()
+                .route
+        })
+        .collect();
+    let running = pipeline::start(&routes.iter().map(|r| (r.clone(), 8)).collect::<Vec<_>>());
+    // Each route its own objects (`{route}-o{i}`): adds, then `updates` waves of updates.
+    let mut pushed: HashMap<String, Vec<(u64, String)>> = HashMap::new();
+    let mut rv = 0;
+    for round in 0..=updates {
+        for (r, route) in routes.iter().enumerate() {
+            for i in 0..objects {
+                let name = format!("{r}-o{i:04}");
+                rv += 1;
+                let kind = match pushed.get(&format!("ns/{name}")) {
+                    None => NotificationKind::Add {
+                        obj: object(&name, rv, 10),
+                        is_initial_list: round == 0,
+                    },
+                    Some(seq) => NotificationKind::Update {
+                        old: object(&name, seq.last().unwrap().0, 10),
+                        new: object(&name, rv, 10),
+                    },
+                };
+                let ty = if round == 0 { "added" } else { "updated" };
+                route.queue().push(Notification::new(kind));
+                pushed
+                    .entry(format!("ns/{name}"))
+                    .or_default()
+                    .push((rv, ty.to_owned()));
+            }
+        }
+    }
+    settled(&budget).await;
+    let peak = sink.peak_unacknowledged.load(Ordering::SeqCst);
+    assert_eq!(peak, ROOM, "the most unacknowledged at once");
+    assert_eq!(sink.unacknowledged.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        sink.by_key(),
+        pushed,
+        "every notification, in order per object"
+    );
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
 }

@@ -19,7 +19,7 @@ use kube_event_bridge::{
     informer::{EventType, Notification, NotificationKind, ObjectRef, ProcessorListener},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
-    pipeline::{self, Delivery, RouteBuilder, filter::Rules},
+    pipeline::{self, Delivery, RouteBuilder, filter::Rules, route::DEFAULT_MAX_OBJECTS_IN_FLIGHT},
     sinks::{self, CheckpointStore, Sink},
 };
 
@@ -293,6 +293,7 @@ pub async fn run_bridge(
         dead_letter: None,
         publish_limit: None,
         max_retries: None,
+        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
     });
     let built = RouteBuilder::new("configmap", name, encoder, delivery, metrics)
         .filter(rules)

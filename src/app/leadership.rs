@@ -535,7 +535,7 @@ mod tests {
         },
         informer::{Notification, NotificationKind, testing::obj},
         message::{Encoder, Encoding, MessageConfig},
-        pipeline::{Delivery, RouteBuilder},
+        pipeline::{Delivery, RouteBuilder, route::DEFAULT_MAX_OBJECTS_IN_FLIGHT},
         sinks::{
             CheckpointStore,
             stdout::{FileCheckpointStore, StdoutSink},
@@ -558,6 +558,7 @@ mod tests {
             dead_letter: None,
             publish_limit: None,
             max_retries: None,
+            in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
         });
         let encoder = Encoder::new(
             "c",

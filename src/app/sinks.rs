@@ -64,6 +64,7 @@ impl Opened {
                     dead_letter: d.dead_letter.as_ref().map(view),
                     publish_limit: d.publish_limit.clone(),
                     max_retries: d.max_retries,
+                    in_flight: d.in_flight.clone(),
                 };
                 (name.clone(), (Arc::new(delivery), budget.clone()))
             })
@@ -151,6 +152,7 @@ pub(super) async fn open(config: &Config, metrics: &Metrics) -> Result<Opened, E
                 .as_ref()
                 .map(|l| Arc::new(TokenBucket::new(l.qps, l.burst))),
             max_retries: s.retry.max_retries,
+            in_flight: Delivery::in_flight(s.max_objects_in_flight),
         };
         deliveries.insert(
             s.name.clone(),

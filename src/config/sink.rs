@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     message::Encoding,
-    pipeline::route::DEFAULT_MAX_PENDING,
+    pipeline::route::{DEFAULT_MAX_OBJECTS_IN_FLIGHT, DEFAULT_MAX_PENDING},
     problems::Section,
     sinks::{kafka::KafkaSinkConfig, nats::NatsSinkConfig, stdout::StdoutSinkConfig},
     workqueue::rate_limiter::RetrySettings,
@@ -31,10 +31,16 @@ pub struct SinkConfig {
     pub max_pending: usize,
     /// Delivery workers per route (resource to this sink); each publishes one object's
     /// notifications at a time, in order. Kafka and JetStream acknowledgements are awaited off
-    /// the workers (the sink's own window bounds what is in flight), so more workers do not
+    /// the workers (`max_objects_in_flight` bounds what is in flight), so more workers do not
     /// raise their throughput: 1024 instead of 8 made JetStream slower in the NATS bench.
     #[serde(default = "default_workers")]
     pub workers: usize,
+    /// Most objects with a message handed to this sink and not yet acknowledged (all its
+    /// routes together); a worker takes the next object once one is acknowledged. Each
+    /// holds the broker client's copy of its message and a task awaiting the
+    /// acknowledgement, so this bounds that memory during a first sync or a burst.
+    #[serde(default = "default_max_objects_in_flight")]
+    pub max_objects_in_flight: usize,
     /// How failed publishes are retried.
     #[serde(default)]
     pub retry: RetryConfig,
@@ -121,6 +127,9 @@ impl SinkConfig {
         }
         if self.workers == 0 {
             p.add("workers", "must be at least 1");
+        }
+        if self.max_objects_in_flight == 0 {
+            p.add("max_objects_in_flight", "must be at least 1");
         }
         if self.checkpoint_interval < Duration::from_millis(10) {
             p.add(
@@ -226,6 +235,9 @@ fn default_checkpoint_interval() -> Duration {
 }
 fn default_workers() -> usize {
     8
+}
+fn default_max_objects_in_flight() -> usize {
+    DEFAULT_MAX_OBJECTS_IN_FLIGHT
 }
 // client-go's DefaultControllerRateLimiter: 5 ms .. 1000 s per item, 10 qps burst 100 overall.
 fn default_retry_base() -> Duration {

@@ -31,6 +31,10 @@ use crate::{
 /// that much before updates are coalesced.
 pub const DEFAULT_MAX_PENDING: usize = 100_000;
 
+/// Most objects a sink's routes have in flight together by default
+/// (`sinks[].max_objects_in_flight`; see [`super::Delivery::in_flight`]).
+pub const DEFAULT_MAX_OBJECTS_IN_FLIGHT: usize = 4096;
+
 /// Builds one route. Names: the route is `{resource}/{sink}`, its metrics are labelled with
 /// `resource` and `sink`.
 pub struct RouteBuilder<'m> {

@@ -40,6 +40,19 @@ pub struct Delivery {
     pub publish_limit: Option<Arc<TokenBucket>>,
     /// Retries of one notification before it fails for good; `None`: forever.
     pub max_retries: Option<u32>,
+    /// Room for objects in flight at the sink (`sinks[].max_objects_in_flight`), shared by
+    /// its routes (and shards): a worker takes a permit before it hands a key over, and the
+    /// key's release gives it back (see [`Route::spawn_workers`]).
+    pub in_flight: Arc<tokio::sync::Semaphore>,
+}
+
+impl Delivery {
+    /// Room for `max` objects in flight (see [`Delivery::in_flight`]).
+    pub fn in_flight(max: usize) -> Arc<tokio::sync::Semaphore> {
+        Arc::new(tokio::sync::Semaphore::new(
+            max.min(tokio::sync::Semaphore::MAX_PERMITS),
+        ))
+    }
 }
 
 struct RouteMetrics {
@@ -296,7 +309,11 @@ impl Route {
         &self.queue
     }
 
-    /// Starts `n` workers; each ends when the work queue is shut down and empty.
+    /// Starts `n` workers; each ends when the work queue is shut down and empty. A worker
+    /// hands a key over only with room for it in flight ([`Delivery::in_flight`]), held
+    /// until the key is released: so at most that many objects of the sink's routes are
+    /// handed over and unacknowledged at once (the rest wait in the route queues, where
+    /// updates of one object coalesce beyond `max_pending`).
     pub fn spawn_workers(self: &Arc<Self>, n: usize) -> Vec<JoinHandle<()>> {
         (0..n.max(1))
             .map(|_| tokio::spawn(self.clone().work()))
@@ -316,6 +333,11 @@ impl Route {
     async fn work(self: Arc<Self>) {
         let queue = self.queue.queue();
         while let Some(key) = queue.get().await {
+            // Room for it among the sink's objects in flight (made by their acknowledgements,
+            // not by workers), then its notifications as they are by then. Taken after the
+            // key: an idle route's workers hold no room that a busy one waits for.
+            let room = (self.delivery.in_flight.clone().acquire_owned().await)
+                .expect("a delivery's semaphore is never closed");
             let (batch, term) = self.queue.take(&key);
             let mut handed = self.hand_over(&key, batch, term).await;
             // Acknowledgements that are in already (a sink without pipelining) are settled
@@ -324,7 +346,10 @@ impl Route {
                 self.clone().complete(key, handed, term).await;
             } else {
                 let route = self.clone();
-                tokio::spawn(async move { route.complete(key, handed, term).await });
+                tokio::spawn(async move {
+                    route.complete(key, handed, term).await;
+                    drop(room);
+                });
             }
         }
     }

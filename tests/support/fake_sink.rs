@@ -15,7 +15,7 @@ use std::{
 use futures::{FutureExt, future::BoxFuture};
 use kube_event_bridge::{
     message::Message,
-    pipeline::Delivery,
+    pipeline::{Delivery, route::DEFAULT_MAX_OBJECTS_IN_FLIGHT},
     sinks::{self, Sink},
 };
 
@@ -93,6 +93,19 @@ pub struct FakeSink {
     pub next: AtomicUsize,
     /// What was stored, in order (read it with [`FakeSink::accepted`]).
     pub log: Mutex<Vec<Accepted>>,
+    /// Scripted hand-overs whose acknowledgement has not come yet, and the most at once.
+    pub unacknowledged: Arc<AtomicUsize>,
+    pub peak_unacknowledged: AtomicUsize,
+}
+
+/// Counts one scripted hand-over out of [`FakeSink::unacknowledged`] when its acknowledgement
+/// comes (or is dropped unawaited).
+struct Unacknowledged(Arc<AtomicUsize>);
+
+impl Drop for Unacknowledged {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A route's delivery to `sink` alone: no dead letter, no publish limit, and `max_retries`.
@@ -102,6 +115,7 @@ pub fn delivery_to(sink: Arc<FakeSink>, max_retries: Option<u32>) -> Arc<Deliver
         dead_letter: None,
         publish_limit: None,
         max_retries,
+        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
     })
 }
 
@@ -206,8 +220,12 @@ impl FakeSink {
             }
         };
         let delay = Duration::from_millis(delay as u64);
+        let now = self.unacknowledged.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak_unacknowledged.fetch_max(now, Ordering::SeqCst);
+        let pending = Unacknowledged(self.unacknowledged.clone());
         Ok(async move {
             tokio::time::sleep(delay).await;
+            drop(pending);
             result
         }
         .boxed())
