@@ -9,7 +9,8 @@
 //! `cargo bench --bench kafka [-- EVENTS_1KB EVENTS_10KB]` (needs Apache Kafka's jars,
 //! which `scripts/test` copies). `BENCH_OBJECTS` sets how many objects the events update (10,000);
 //! `BENCH_ONLY=Apache` or `BENCH_ONLY=mock` runs one broker, `BENCH_SIDES=off,raw` some of the
-//! sides (`off`, `on`, `raw`, `eos`; e.g. under a profiler).
+//! sides (`off`, `on`, `raw`, `eos`; e.g. under a profiler); `BENCH_IN_FLIGHT` the bridge's
+//! `max_objects_in_flight` (its default: 4,096, 32,768 with exactly once).
 
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
@@ -111,7 +112,17 @@ async fn bridge(
         None
     };
     let sink = Arc::new(Timed::new(kafka));
-    bridge_figures(sink, notes, support::workers(), metrics, &name, store).await
+    let in_flight = cfg.objects_in_flight();
+    bridge_figures(
+        sink,
+        notes,
+        support::workers(),
+        in_flight,
+        metrics,
+        &name,
+        store,
+    )
+    .await
 }
 
 async fn raw(brokers: &str, events: usize, size: usize) -> Figures {

@@ -252,6 +252,16 @@ pub struct RouteSpec<'a> {
     /// Records acknowledgements into this store, written every second in the background as
     /// the service does with resume on (the final write is part of the measured time).
     pub store: Option<Arc<dyn CheckpointStore>>,
+    /// The sink's room for objects in flight (`sinks[].max_objects_in_flight`).
+    pub in_flight: usize,
+}
+
+/// `default` objects in flight, unless BENCH_IN_FLIGHT says otherwise.
+pub fn bench_in_flight(default: usize) -> usize {
+    std::env::var("BENCH_IN_FLIGHT")
+        .ok()
+        .map(|v| v.parse().expect("BENCH_IN_FLIGHT is a number"))
+        .unwrap_or(default)
 }
 
 impl<'a> RouteSpec<'a> {
@@ -266,6 +276,7 @@ impl<'a> RouteSpec<'a> {
             encoder: encoder(),
             rules: None,
             store: None,
+            in_flight: bench_in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
         }
     }
 }
@@ -286,6 +297,7 @@ pub async fn run_bridge(
         encoder,
         rules,
         store,
+        in_flight,
     } = spec;
     let sink_name = sink.name().to_owned();
     let delivery = Arc::new(Delivery {
@@ -293,7 +305,7 @@ pub async fn run_bridge(
         dead_letter: None,
         publish_limit: None,
         max_retries: None,
-        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
+        in_flight: Delivery::in_flight(in_flight),
     });
     let built = RouteBuilder::new("configmap", name, encoder, delivery, metrics)
         .filter(rules)
@@ -397,12 +409,14 @@ impl Figures {
 /// pauses.
 pub const BROKER_BACKLOG: usize = 50_000;
 
-/// Runs `notes` through the pipeline into `sink` (about two worker-fulls held, as a raw
-/// publisher keeps one window in flight) and returns the bridge side's figures.
+/// Runs `notes` through the pipeline into `sink` (`in_flight`: its config's
+/// `objects_in_flight()`, unless BENCH_IN_FLIGHT says otherwise) and returns the bridge
+/// side's figures.
 pub async fn bridge_figures<S: Sink + 'static>(
     sink: Arc<Timed<S>>,
     notes: Vec<Notification>,
     workers: usize,
+    in_flight: usize,
     metrics: &Metrics,
     name: &str,
     store: Option<Arc<dyn CheckpointStore>>,
@@ -416,6 +430,7 @@ pub async fn bridge_figures<S: Sink + 'static>(
         notes,
         RouteSpec {
             store,
+            in_flight: bench_in_flight(in_flight),
             ..RouteSpec::new(metrics, name, workers, BROKER_BACKLOG)
         },
     )

@@ -574,6 +574,20 @@ mod tests {
     }
 
     #[test]
+    fn objects_in_flight_default_by_kind_and_a_setting_wins() {
+        let mut v = minimal();
+        v["sinks"] = json!([
+            {"name": "out", "type": "stdout"},
+            {"name": "eos", "type": "kafka", "kafka": {"brokers": ["b:9092"], "exactly_once": true}},
+            {"name": "set", "type": "kafka", "max_objects_in_flight": 100,
+             "kafka": {"brokers": ["b:9092"], "exactly_once": true}},
+        ]);
+        let c = Config::from_value(v).unwrap();
+        let room: Vec<usize> = c.sinks.iter().map(SinkConfig::objects_in_flight).collect();
+        assert_eq!(room, [4096, 32_768, 100]);
+    }
+
+    #[test]
     fn a_delivery_timeout_that_would_stall_a_failover_is_refused_naming_it() {
         let mut v = minimal();
         v["leader_election"] = json!({"enabled": true});

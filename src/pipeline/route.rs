@@ -35,6 +35,10 @@ pub const DEFAULT_MAX_PENDING: usize = 100_000;
 /// (`sinks[].max_objects_in_flight`; see [`super::Delivery::in_flight`]).
 pub const DEFAULT_MAX_OBJECTS_IN_FLIGHT: usize = 4096;
 
+/// The same for a Kafka sink with `exactly_once`, whose objects stay in flight until their
+/// transaction commits.
+pub const DEFAULT_MAX_TRANSACTIONAL_OBJECTS_IN_FLIGHT: usize = 32_768;
+
 /// Builds one route. Names: the route is `{resource}/{sink}`, its metrics are labelled with
 /// `resource` and `sink`.
 pub struct RouteBuilder<'m> {

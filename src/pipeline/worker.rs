@@ -336,28 +336,36 @@ impl Route {
             // Room for it among the sink's objects in flight (made by their acknowledgements,
             // not by workers), then its notifications as they are by then. Taken after the
             // key: an idle route's workers hold no room that a busy one waits for.
-            let room = (self.delivery.in_flight.clone().acquire_owned().await)
-                .expect("a delivery's semaphore is never closed");
+            let room = self.room_in_flight().await;
             let (batch, term) = self.queue.take(&key);
             let mut handed = self.hand_over(&key, batch, term).await;
             // Acknowledgements that are in already (a sink without pipelining) are settled
             // here; a task awaits the others.
             if handed.all_ready() {
-                self.clone().complete(key, handed, term).await;
+                self.clone().complete(key, handed, term, room).await;
             } else {
                 let route = self.clone();
-                tokio::spawn(async move {
-                    route.complete(key, handed, term).await;
-                    drop(room);
-                });
+                tokio::spawn(async move { route.complete(key, handed, term, room).await });
             }
         }
     }
 
+    /// A permit of [`Delivery::in_flight`], once there is room.
+    async fn room_in_flight(&self) -> tokio::sync::OwnedSemaphorePermit {
+        (self.delivery.in_flight.clone().acquire_owned().await)
+            .expect("a delivery's semaphore is never closed")
+    }
+
     /// Awaits what was handed over for `key`, settles it or retries, hands over the key's next
     /// notification (one message of a key in flight at a time), goes on with what arrived
-    /// meanwhile when shutting down, and releases the key.
-    async fn complete(self: Arc<Self>, key: Key, mut handed: HandedOver, term: u64) {
+    /// meanwhile when shutting down, and releases the key (and its `room` in flight).
+    async fn complete(
+        self: Arc<Self>,
+        key: Key,
+        mut handed: HandedOver,
+        term: u64,
+        mut room: tokio::sync::OwnedSemaphorePermit,
+    ) {
         let queue = self.queue.queue();
         loop {
             if let Some(intent) = handed.intent.take() {
@@ -374,7 +382,11 @@ impl Route {
             }
             if std::mem::take(&mut handed.fenced) {
                 // Not a failure of the sink: looked at again shortly, never given up on.
+                // Nothing of the key is in flight meanwhile: its room goes to the keys of
+                // other shards (a lapsed lease would otherwise take the whole sink's room).
+                drop(room);
                 tokio::time::sleep(FENCE_RETRY_DELAY).await;
+                room = self.room_in_flight().await;
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
                     .await;
