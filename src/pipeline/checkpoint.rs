@@ -1089,6 +1089,60 @@ mod tests {
         assert_eq!(c.lag.get(), 0);
     }
 
+    /// The threshold counts every change pending, the intent's own included: at
+    /// `WRITE_ALL_AT - 1` an intent batch writes its new key alone, at `WRITE_ALL_AT` all.
+    #[tokio::test]
+    async fn an_intent_batch_takes_everything_from_exactly_the_threshold() {
+        for (recorded, written) in [(WRITE_ALL_AT - 2, 1), (WRITE_ALL_AT - 1, WRITE_ALL_AT)] {
+            let store = recording();
+            let c = Arc::new(checkpointer(store.clone()));
+            for i in 0..recorded {
+                let name = format!("k{i}");
+                c.record(&format!("ns/{name}"), &added("ns", &name, "1"));
+            }
+            c.intend("ns/new", &obj("ns", "new", "1"))
+                .expect("unknown")
+                .await;
+            let writes = store.writes.lock().unwrap().clone();
+            assert_eq!(writes.len(), 1, "{recorded} recorded");
+            assert_eq!(writes[0].len(), written, "{recorded} recorded");
+            assert_eq!(c.lag.get() as usize, recorded + 1 - written);
+        }
+    }
+
+    /// A failed write that took everything puts everything back, the new key among the next
+    /// batch's: the retry takes it all again, and the intent's waiter goes on once, then.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_write_of_everything_puts_it_all_back_for_the_retry() {
+        let store = Arc::new(SlowFailingStore::default());
+        let c = Arc::new(checkpointer(store.clone()));
+        for i in 0..WRITE_ALL_AT {
+            let name = format!("k{i}");
+            c.record(&format!("ns/{name}"), &added("ns", &name, "1"));
+        }
+        let intent = c.intend("ns/new", &obj("ns", "new", "1")).expect("unknown");
+        store.started.notified().await;
+        store.release.notify_one();
+        intent.await;
+        let writes = store.writes.lock().unwrap().clone();
+        assert_eq!(
+            writes.len(),
+            1,
+            "the retry only: the failed write stored nothing"
+        );
+        assert_eq!(
+            writes[0].len(),
+            WRITE_ALL_AT + 1,
+            "everything, put back and taken again"
+        );
+        assert!(writes[0].contains(&"ns/new".to_owned()));
+        assert_eq!(c.lag.get(), 0);
+        assert!(
+            c.intend("ns/new", &obj("ns", "new", "1")).is_none(),
+            "known now"
+        );
+    }
+
     #[tokio::test]
     async fn acknowledgements_put_back_by_a_failed_write_wait_for_the_periodic_one() {
         let store = Arc::new(SlowFailingStore::default());
