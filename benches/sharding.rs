@@ -11,7 +11,8 @@
 //!
 //! `cargo bench --bench sharding [-- OBJECTS SHARDS] [--namespaced] [--client-side]` (defaults
 //! 30000 12; `--client-side`: only the runs where the API server ignores the selector;
-//! BENCH_KUBERNETES='{"page_size": 500}' sets the replicas' `kubernetes` section);
+//! BENCH_KUBERNETES='{"page_size": 500}' sets the replicas' `kubernetes` section,
+//! BENCH_SINK='{"resume": false}' replaces fields of their sink);
 //! `--namespaced` lists the 120 namespaces in the resource (`namespaces`): an informer per
 //! namespace in every shard, of which only those whose namespace hashes into the shard ask
 //! the API server anything.
@@ -46,6 +47,13 @@ impl Replica {
         if namespaced {
             resource["namespaces"] = (0..NAMESPACES).map(namespace).collect();
         }
+        let mut sink = json!({"name": "out", "type": "stdout", "stdout": {"path": &out}});
+        // BENCH_SINK: JSON whose fields replace the sink's (e.g. `{"resume": false}`).
+        if let Ok(j) = std::env::var("BENCH_SINK") {
+            let fields: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(&j).expect("BENCH_SINK is a JSON object");
+            fields.into_iter().for_each(|(k, v)| sink[k] = v);
+        }
         let mut config = ConfigBuilder::new();
         // BENCH_KUBERNETES: JSON for the `kubernetes` section (e.g. `{"page_size": 500}`).
         if let Ok(j) = std::env::var("BENCH_KUBERNETES") {
@@ -53,7 +61,7 @@ impl Replica {
         }
         let config = config
             .resource(resource)
-            .stdout("out", &out)
+            .sink(sink)
             .route("configmap", &["out"])
             .set(
                 "leader_election",

@@ -108,10 +108,10 @@ impl Resources {
     /// pops. An informer not running yet (a cold standby's, spawned by `set_leading`) is
     /// asked for its first list, so that spawning it does not race the ask into a second
     /// one. Any list begun after the term began will do: the last leader handed nothing
-    /// over after its
-    /// fence ended, which was before this replica could take the lease, so such a list is at
-    /// least as new as anything it published (what changes later reaches the cache through
-    /// the watch before the listeners are switched on, and is handed over with it).
+    /// over after its fence ended, which was before this replica could take the lease, so
+    /// such a list is at least as new as anything it published (what changes later reaches
+    /// the cache through the watch before the listeners are switched on, and is handed over
+    /// with it).
     pub(super) fn relist_for_term(&mut self) {
         let mut relists: Vec<(Arc<crate::informer::SharedIndexInformer>, u64)> = Vec::new();
         for informer in self.wired.iter().flat_map(|w| w.informers.iter()) {

@@ -42,7 +42,8 @@ pub struct Delivery {
     pub max_retries: Option<u32>,
     /// Room for objects in flight at the sink (`sinks[].max_objects_in_flight`), shared by
     /// its routes (and shards): a worker takes a permit before it hands a key over, and the
-    /// key's release gives it back (see [`Route::spawn_workers`]).
+    /// key's release gives it back (see [`Route::spawn_workers`]); a key waiting for its
+    /// checkpoint intent or a lapsed lease has nothing in flight and gives it back meanwhile.
     pub in_flight: Arc<tokio::sync::Semaphore>,
 }
 
@@ -370,11 +371,15 @@ impl Route {
         loop {
             if let Some(intent) = handed.intent.take() {
                 // Once the key is in the checkpoint its message may go; a term that ends
-                // meanwhile drops it (`hand_over` settles it) rather than waiting on.
+                // meanwhile drops it (`hand_over` settles it) rather than waiting on. Nothing
+                // of the key is in flight meanwhile: its room goes to other keys, so that the
+                // checkpoint store's write time does not bound the sink's pace.
+                drop(room);
                 tokio::select! {
                     () = intent => {}
                     () = self.queue.term_ended(term) => {}
                 }
+                room = self.room_in_flight().await;
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
                     .await;
