@@ -41,7 +41,8 @@ pub struct SinkConfig {
     /// Most objects with a message handed to this sink and not yet acknowledged (all its
     /// routes together); a worker takes the next object once one is acknowledged. Each
     /// holds the broker client's copy of its message and a task awaiting the
-    /// acknowledgement, so this bounds that memory during a first sync or a burst. Unset:
+    /// acknowledgement, so this bounds that memory during a first sync or a burst (objects
+    /// waiting for their checkpoint intent hold no place: nothing of them is sent yet). Unset:
     /// 4096, or 32768 for a `kafka` sink with `exactly_once` (its objects stay in flight
     /// until their transaction commits).
     #[serde(default)]

@@ -312,9 +312,10 @@ impl Route {
 
     /// Starts `n` workers; each ends when the work queue is shut down and empty. A worker
     /// hands a key over only with room for it in flight ([`Delivery::in_flight`]), held
-    /// until the key is released: so at most that many objects of the sink's routes are
-    /// handed over and unacknowledged at once (the rest wait in the route queues, where
-    /// updates of one object coalesce beyond `max_pending`).
+    /// until the key is released (given back while it waits for its checkpoint intent or a
+    /// lapsed lease, with nothing in flight): so at most that many objects of the sink's
+    /// routes are handed over and unacknowledged at once. Keys waiting for their intents
+    /// are outside that bound (a task each, as many as new objects pending).
     pub fn spawn_workers(self: &Arc<Self>, n: usize) -> Vec<JoinHandle<()>> {
         (0..n.max(1))
             .map(|_| tokio::spawn(self.clone().work()))
