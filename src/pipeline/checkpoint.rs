@@ -1046,6 +1046,14 @@ mod tests {
         })
     }
 
+    /// Records the acknowledged adds of `n` objects, `ns/k0` on.
+    fn record_added(c: &Checkpointer, n: usize) {
+        for i in 0..n {
+            let name = format!("k{i}");
+            c.record(&format!("ns/{name}"), &added("ns", &name, "1"));
+        }
+    }
+
     fn added(ns: &str, name: &str, rv: &str) -> Notification {
         Notification::new(NotificationKind::Add {
             obj: obj(ns, name, rv),
@@ -1076,10 +1084,7 @@ mod tests {
     async fn an_intent_batch_takes_everything_once_many_changes_are_pending() {
         let store = recording();
         let c = Arc::new(checkpointer(store.clone()));
-        for i in 0..WRITE_ALL_AT {
-            let name = format!("k{i}");
-            c.record(&format!("ns/{name}"), &added("ns", &name, "1"));
-        }
+        record_added(&c, WRITE_ALL_AT);
         c.intend("ns/new", &obj("ns", "new", "1"))
             .expect("unknown")
             .await;
@@ -1096,10 +1101,7 @@ mod tests {
         for (recorded, written) in [(WRITE_ALL_AT - 2, 1), (WRITE_ALL_AT - 1, WRITE_ALL_AT)] {
             let store = recording();
             let c = Arc::new(checkpointer(store.clone()));
-            for i in 0..recorded {
-                let name = format!("k{i}");
-                c.record(&format!("ns/{name}"), &added("ns", &name, "1"));
-            }
+            record_added(&c, recorded);
             c.intend("ns/new", &obj("ns", "new", "1"))
                 .expect("unknown")
                 .await;
@@ -1116,10 +1118,7 @@ mod tests {
     async fn a_failed_write_of_everything_puts_it_all_back_for_the_retry() {
         let store = Arc::new(SlowFailingStore::default());
         let c = Arc::new(checkpointer(store.clone()));
-        for i in 0..WRITE_ALL_AT {
-            let name = format!("k{i}");
-            c.record(&format!("ns/{name}"), &added("ns", &name, "1"));
-        }
+        record_added(&c, WRITE_ALL_AT);
         let intent = c.intend("ns/new", &obj("ns", "new", "1")).expect("unknown");
         store.started.notified().await;
         store.release.notify_one();
