@@ -114,7 +114,12 @@ impl Drop for Replica {
     }
 }
 
+/// Who holds each shard's lease. One shard is the whole keyspace, led under the base lease
+/// name (`kube-event-bridge`, as without sharding); more are `kube-event-bridge-shard-3-of-12`.
 fn holders(api: &ApiServer, shards: u32) -> Vec<Option<String>> {
+    if shards == 1 {
+        return vec![api.lease_holder_of("kube-event-bridge")];
+    }
     (0..shards)
         .map(|s| api.lease_holder_of(&format!("kube-event-bridge-shard-{s}-of-{shards}")))
         .collect()
