@@ -437,8 +437,11 @@ impl Route {
             }
             if failed && queue.is_shutting_down() {
                 // A draining work queue takes no retries: retry here, within the grace period
-                // (what arrives meanwhile waits for `finish`, as usual).
+                // (what arrives meanwhile waits for `finish`, as usual). Nothing of the key is
+                // in flight while it waits: its room goes to keys that can drain meanwhile.
+                drop(room);
                 tokio::time::sleep(SHUTDOWN_RETRY_DELAY).await;
+                room = self.room_in_flight().await;
                 handed = self.hand_over(&key, batch, term).await;
                 continue;
             }

@@ -93,26 +93,7 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
     let standby = replicas.keys().next().unwrap().clone();
     leads(&cluster, &standby, Duration::from_secs(30)).await;
 
-    let matching: BTreeMap<String, (String, String)> = {
-        let all: Vec<ConfigMap> = api.list(&Default::default()).await.unwrap().items;
-        all.into_iter()
-            .filter(|c| {
-                c.metadata
-                    .labels
-                    .as_ref()
-                    .and_then(|l| l.get("team"))
-                    .map(String::as_str)
-                    == Some("shop")
-            })
-            .map(|c| {
-                let m = c.metadata;
-                (
-                    format!("{ns}/{}", m.name.unwrap()),
-                    (m.uid.unwrap(), m.resource_version.unwrap()),
-                )
-            })
-            .collect()
-    };
+    let matching = crate::shop_configmaps(&api, ns).await;
     let read = async || -> Vec<Value> {
         support::nats::read_stream(&nats.url(), support::config::NATS_STREAM)
             .await
@@ -127,11 +108,8 @@ async fn a_filter_with_resume_across_a_leader_failover_ends_with_the_matching_ob
     }
     let events = read().await;
     let [d, deduplicated] = support::compare_both(&events, &matching);
-    let filtered_out = events
-        .iter()
-        .filter(|e| e["k8sfilteredout"] == true)
-        .count();
-    let resumed = events.iter().filter(|e| e["k8sresumed"] == true).count();
+    let filtered_out = support::fold::flagged(&events, "k8sfilteredout");
+    let resumed = support::fold::flagged(&events, "k8sresumed");
     println!(
         "filter + resume + failover: 500 changes, {} messages ({filtered_out} filtered out, \
          {resumed} resumed), {} matching objects; last message wins: {}; deduplicated by id: {}",

@@ -6,8 +6,8 @@
 //!
 //! One test binary (each costs link time), a module per feature: [`parity`] with client-go,
 //! [`discovery`] (CRDs and API server restarts), [`resume`], [`failover`], [`filters`],
-//! [`paged_list`] (a list streamed into the pipeline page by page) and [`gzip`] (compressed
-//! lists);
+//! [`paged_list`] (a list streamed into the pipeline page by page), [`gzip`] (compressed
+//! lists) and [`in_flight`] (a small bound on objects in flight at scale);
 //! the scenarios run on either broker through
 //! `support::broker::Broker`. The sharded scenarios are in tests/sharding/.
 
@@ -18,6 +18,7 @@ mod discovery;
 mod failover;
 mod filters;
 mod gzip;
+mod in_flight;
 mod paged_list;
 mod parity;
 mod resume;
@@ -59,4 +60,33 @@ pub(crate) fn replica_to(
         config = config.fast_leader_election(identity, "200ms");
     }
     Replica::start(dir, identity, &config.value(), kubeconfig)
+}
+
+/// The ConfigMaps of `api` (namespace `ns`) labelled `team=shop`, the objects a consumer of
+/// the filter scenarios should end with: per key, uid and resourceVersion.
+pub(crate) async fn shop_configmaps(
+    api: &kube::Api<k8s_openapi::api::core::v1::ConfigMap>,
+    ns: &str,
+) -> support::fold::Objects {
+    api.list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|c| {
+            c.metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("team"))
+                .map(String::as_str)
+                == Some("shop")
+        })
+        .map(|c| {
+            let m = c.metadata;
+            (
+                format!("{ns}/{}", m.name.unwrap()),
+                (m.uid.unwrap(), m.resource_version.unwrap()),
+            )
+        })
+        .collect()
 }

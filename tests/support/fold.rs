@@ -201,3 +201,9 @@ pub async fn until_both_match(what: &str, read: impl AsyncFn() -> Vec<Value>, li
     })
     .await;
 }
+
+/// How many of `events` carry the CloudEvents extension flag `flag` (`k8sresumed`,
+/// `k8sfilteredout`, …) set.
+pub fn flagged(events: &[Value], flag: &str) -> usize {
+    events.iter().filter(|e| e[flag] == true).count()
+}
