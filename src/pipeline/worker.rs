@@ -358,6 +358,18 @@ impl Route {
             .expect("a delivery's semaphore is never closed")
     }
 
+    /// Gives `room` back while `wait` runs (a key with nothing in flight meanwhile), then
+    /// takes room again once there is some.
+    async fn without_room(
+        &self,
+        room: tokio::sync::OwnedSemaphorePermit,
+        wait: impl Future<Output = ()>,
+    ) -> tokio::sync::OwnedSemaphorePermit {
+        drop(room);
+        wait.await;
+        self.room_in_flight().await
+    }
+
     /// Awaits what was handed over for `key`, settles it or retries, hands over the key's next
     /// notification (one message of a key in flight at a time), goes on with what arrived
     /// meanwhile when shutting down, and releases the key (and its `room` in flight).
@@ -375,12 +387,15 @@ impl Route {
                 // meanwhile drops it (`hand_over` settles it) rather than waiting on. Nothing
                 // of the key is in flight meanwhile: its room goes to other keys, so that the
                 // checkpoint store's write time does not bound the sink's pace.
-                drop(room);
-                tokio::select! {
-                    () = intent => {}
-                    () = self.queue.term_ended(term) => {}
-                }
-                room = self.room_in_flight().await;
+                let ended = self.queue.term_ended(term);
+                room = self
+                    .without_room(room, async {
+                        tokio::select! {
+                            () = intent => {}
+                            () = ended => {}
+                        }
+                    })
+                    .await;
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
                     .await;
@@ -390,9 +405,9 @@ impl Route {
                 // Not a failure of the sink: looked at again shortly, never given up on.
                 // Nothing of the key is in flight meanwhile: its room goes to the keys of
                 // other shards (a lapsed lease would otherwise take the whole sink's room).
-                drop(room);
-                tokio::time::sleep(FENCE_RETRY_DELAY).await;
-                room = self.room_in_flight().await;
+                room = self
+                    .without_room(room, tokio::time::sleep(FENCE_RETRY_DELAY))
+                    .await;
                 handed = self
                     .hand_over(&key, std::mem::take(&mut handed.rest), term)
                     .await;
@@ -439,9 +454,9 @@ impl Route {
                 // A draining work queue takes no retries: retry here, within the grace period
                 // (what arrives meanwhile waits for `finish`, as usual). Nothing of the key is
                 // in flight while it waits: its room goes to keys that can drain meanwhile.
-                drop(room);
-                tokio::time::sleep(SHUTDOWN_RETRY_DELAY).await;
-                room = self.room_in_flight().await;
+                room = self
+                    .without_room(room, tokio::time::sleep(SHUTDOWN_RETRY_DELAY))
+                    .await;
                 handed = self.hand_over(&key, batch, term).await;
                 continue;
             }
