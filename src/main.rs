@@ -257,7 +257,7 @@ const EXIT_DIFFERENCES: u8 = 3;
 const EXIT_BAD_CONFIG: u8 = 2;
 
 fn main() -> ExitCode {
-    kube_event_bridge::allocator::purge_freed_memory_at_once();
+    kube_event_bridge::allocator::configure();
     let cli = Cli::parse();
     match cli.command {
         Command::Shards { shards, namespaces } => print_shards(shards, namespaces),

@@ -219,7 +219,7 @@ pub fn own_cpu_seconds() -> f64 {
 /// Resets the peak RSS to the current RSS, so that each phase reports its own peak.
 pub fn reset_peak_rss() {
     // As the service sets it at start (setting it again changes nothing).
-    kube_event_bridge::allocator::purge_freed_memory_at_once();
+    kube_event_bridge::allocator::configure();
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
