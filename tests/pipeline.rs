@@ -666,3 +666,40 @@ async fn a_sinks_objects_in_flight_stay_within_its_bound_across_its_routes() {
             .is_empty()
     );
 }
+
+/// A sink with JetStream's window (`max_in_flight`: a hand-over waits for a permit, which an
+/// acknowledgement gives back only once polled to its end) of 2, one worker, and 50 objects:
+/// while the worker waits for a permit to hand the next object over, the acknowledgements it
+/// holds are still polled, so every object arrives (a worker that stopped polling them while
+/// it waited would never get a permit back).
+#[tokio::test(start_paused = true)]
+async fn one_worker_waiting_on_the_sinks_window_still_settles_what_it_handed_over() {
+    let objects = 50;
+    let sink = Arc::new(FakeSink {
+        script: vec![(fake_sink::Outcome::Stored, 20); objects],
+        ack_window: Some(Arc::new(tokio::sync::Semaphore::new(2))),
+        ..FakeSink::named("test")
+    });
+    let h = harness(sink.clone(), None, 1_000, None);
+    let running = pipeline::start(&[(h.route.clone(), 1)]);
+    for i in 0..objects {
+        h.queue.push(Notification::new(NotificationKind::Add {
+            obj: object(&format!("o{i:02}"), i as u64 + 1, 10),
+            is_initial_list: true,
+        }));
+    }
+    // Every object settles: the worker polls its acknowledgements while it waits.
+    settled(&h.budget).await;
+    assert_eq!(sink.stored(), objects);
+    assert_eq!(
+        sink.peak_unacknowledged.load(Ordering::SeqCst),
+        2,
+        "the window held"
+    );
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+}

@@ -32,15 +32,16 @@ pub struct SinkConfig {
     /// are never dropped.
     #[serde(default = "default_max_pending")]
     pub max_pending: usize,
-    /// Delivery workers per route (resource to this sink); each publishes one object's
-    /// notifications at a time, in order. Kafka and JetStream acknowledgements are awaited off
-    /// the workers (`max_objects_in_flight` bounds what is in flight), so more workers do not
-    /// raise their throughput: 1024 instead of 8 made JetStream slower in the NATS bench.
+    /// Delivery workers per route (resource to this sink); each hands over one object's next
+    /// message at a time and goes on to other objects, awaiting the acknowledgements of all
+    /// it handed over at once (`max_objects_in_flight` bounds what is in flight), so more
+    /// workers do not raise the throughput: 1024 instead of 8 made JetStream slower in the
+    /// NATS bench.
     #[serde(default = "default_workers")]
     pub workers: usize,
     /// Most objects with a message handed to this sink and not yet acknowledged (all its
     /// routes together); a worker takes the next object once one is acknowledged. Each
-    /// holds the broker client's copy of its message and a task awaiting the
+    /// holds the broker client's copy of its message and a future awaiting the
     /// acknowledgement, so this bounds that memory during a first sync or a burst (objects
     /// waiting for their checkpoint intent hold no place: nothing of them is sent yet). Unset:
     /// 4096, or 32768 for a `kafka` sink with `exactly_once` (its objects stay in flight

@@ -4,7 +4,7 @@ use std::{collections::VecDeque, sync::Arc};
 
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 use serde_json::json;
-use tokio::task::JoinHandle;
+use tokio::{sync::OwnedSemaphorePermit as OwnedPermit, task::JoinHandle};
 use tracing::{debug, error, info, warn};
 
 use super::{RouteQueue, route_queue::Key};
@@ -179,11 +179,9 @@ impl Sent {
     }
 }
 
-/// A message handed over, and the future of its acknowledgement (or the acknowledgement, once
-/// polled ready).
+/// A message handed over, and the future of its acknowledgement.
 struct Pending {
     ack: crate::sinks::Ack,
-    ready: Option<crate::sinks::Result<()>>,
     message: Sent,
 }
 
@@ -214,25 +212,6 @@ struct HandedOver {
     // after another term's abandonment (with sharding: another shard's handover, on the
     // shared producer) may be that purge, not the destination's answer.
     abandoned: u64,
-}
-
-impl HandedOver {
-    /// Polls the acknowledgement once; whether it is in (or there is none).
-    fn all_ready(&mut self) -> bool {
-        use futures::FutureExt;
-        if self.intent.is_some() || self.fenced {
-            return false;
-        }
-        match &mut self.pending {
-            Some((_, p)) => {
-                if p.ready.is_none() {
-                    p.ready = (&mut p.ack).now_or_never();
-                }
-                p.ready.is_some()
-            }
-            None => true,
-        }
-    }
 }
 
 impl Route {
@@ -315,7 +294,8 @@ impl Route {
     /// until the key is released (given back while it waits for its checkpoint intent or a
     /// lapsed lease, with nothing in flight): so at most that many objects of the sink's
     /// routes are handed over and unacknowledged at once. Keys waiting for their intents
-    /// are outside that bound (a task each, as many as new objects pending).
+    /// are outside that bound (a completion each in their worker, as many as new objects
+    /// pending).
     pub fn spawn_workers(self: &Arc<Self>, n: usize) -> Vec<JoinHandle<()>> {
         (0..n.max(1))
             .map(|_| tokio::spawn(self.clone().work()))
@@ -330,41 +310,80 @@ impl Route {
     }
 
     /// Takes a key, hands its notifications to the sink in order without awaiting their
-    /// acknowledgements, and moves on to the next key; a task of the key's own awaits the
-    /// acknowledgements and settles or retries (the key stays owned until then).
+    /// acknowledgements, and moves on to the next key. The key's completion (awaiting the
+    /// acknowledgements, settling or retrying; the key stays owned until then) runs among
+    /// this worker's other keys, all polled by this one task: acknowledgements that come in
+    /// together are settled in one wake-up of the worker, not one task each. Taking the next
+    /// key (which may wait for room in flight or for the sink's own window) never stops the
+    /// completions that make that room.
     async fn work(self: Arc<Self>) {
-        let queue = self.queue.queue();
-        while let Some(key) = queue.get().await {
-            // Room for it among the sink's objects in flight (made by their acknowledgements,
-            // not by workers), then its notifications as they are by then. Taken after the
-            // key: an idle route's workers hold no room that a busy one waits for.
-            let room = self.room_in_flight().await;
-            let (batch, term) = self.queue.take(&key);
-            let mut handed = self.hand_over(&key, batch, term).await;
-            // Acknowledgements that are in already (a sink without pipelining) are settled
-            // here; a task awaits the others.
-            if handed.all_ready() {
-                self.clone().complete(key, handed, term, room).await;
-            } else {
-                let route = self.clone();
-                tokio::spawn(async move { route.complete(key, handed, term, room).await });
+        use futures::{FutureExt, StreamExt};
+        use std::panic::AssertUnwindSafe;
+        let mut keys = futures::stream::FuturesUnordered::new();
+        // A panic (a bug) strands only the key it happened with, as a task per key would:
+        // the worker goes on with its other keys.
+        let take = |route: Arc<Self>| AssertUnwindSafe(route.next_key()).catch_unwind();
+        let next = take(self.clone());
+        tokio::pin!(next);
+        loop {
+            tokio::select! {
+                Some(()) = keys.next(), if !keys.is_empty() => {
+                    // Acknowledgements settle without a tokio resource's budget: yield now
+                    // and then, so that the runtime thread serves its other tasks.
+                    tokio::task::consume_budget().await;
+                }
+                taken = &mut next => {
+                    let (key, handed, term, room) = match taken {
+                        Ok(Some(taken)) => taken,
+                        Ok(None) => break,
+                        Err(_) => {
+                            error!(resource = %self.resource, sink = %self.delivery.sink.name(), "Handing a key over panicked; the key stays held");
+                            next.set(take(self.clone()));
+                            continue;
+                        }
+                    };
+                    let held = key.clone();
+                    let route = self.clone();
+                    let completion = AssertUnwindSafe(self.clone().complete(key, handed, term, room));
+                    let mut completion = Box::pin(completion.catch_unwind().map(move |r| {
+                        if r.is_err() {
+                            error!(resource = %route.resource, sink = %route.delivery.sink.name(), key = %held, "A key's delivery panicked; the key stays held");
+                        }
+                    }));
+                    // Settled already (a sink that acknowledges at once): it takes no place
+                    // among the keys awaited.
+                    if (&mut completion).now_or_never().is_none() {
+                        keys.push(completion);
+                    }
+                    next.set(take(self.clone()));
+                }
             }
         }
+        // The work queue is shut down and empty: what this worker handed over settles.
+        while keys.next().await.is_some() {}
+    }
+
+    /// The next key of the work queue, with room for it in flight (see [`Delivery::in_flight`]),
+    /// and what was handed over of its notifications as they are by then; `None` once the
+    /// queue is shut down and empty. The room is taken after the key: an idle route's workers
+    /// hold none that a busy one waits for.
+    async fn next_key(self: Arc<Self>) -> Option<(Key, HandedOver, u64, OwnedPermit)> {
+        let key = self.queue.queue().get().await?;
+        let room = self.room_in_flight().await;
+        let (batch, term) = self.queue.take(&key);
+        let handed = self.hand_over(&key, batch, term).await;
+        Some((key, handed, term, room))
     }
 
     /// A permit of [`Delivery::in_flight`], once there is room.
-    async fn room_in_flight(&self) -> tokio::sync::OwnedSemaphorePermit {
+    async fn room_in_flight(&self) -> OwnedPermit {
         (self.delivery.in_flight.clone().acquire_owned().await)
             .expect("a delivery's semaphore is never closed")
     }
 
     /// Gives `room` back while `wait` runs (a key with nothing in flight meanwhile), then
     /// takes room again once there is some.
-    async fn without_room(
-        &self,
-        room: tokio::sync::OwnedSemaphorePermit,
-        wait: impl Future<Output = ()>,
-    ) -> tokio::sync::OwnedSemaphorePermit {
+    async fn without_room(&self, room: OwnedPermit, wait: impl Future<Output = ()>) -> OwnedPermit {
         drop(room);
         wait.await;
         self.room_in_flight().await
@@ -378,7 +397,7 @@ impl Route {
         key: Key,
         mut handed: HandedOver,
         term: u64,
-        mut room: tokio::sync::OwnedSemaphorePermit,
+        mut room: OwnedPermit,
     ) {
         let queue = self.queue.queue();
         loop {
@@ -557,10 +576,7 @@ impl Route {
         let mut rest = std::mem::take(&mut handed.rest);
         let mut failed = handed.failed;
         if let Some((n, pending)) = handed.pending.take() {
-            let result = match pending.ready {
-                Some(result) => result,
-                None => pending.ack.await,
-            };
+            let result = pending.ack.await;
             self.metrics.in_flight.dec();
             let delivered = result.is_ok();
             match self.acknowledged(key, &n, &pending.message, result).await {
@@ -771,7 +787,6 @@ impl Route {
                     }
                     return Submitted::Pending(Pending {
                         ack,
-                        ready: None,
                         message: Sent::of(message, (trim, forced), started),
                     });
                 }

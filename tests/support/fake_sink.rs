@@ -96,6 +96,10 @@ pub struct FakeSink {
     /// Scripted hand-overs whose acknowledgement has not come yet, and the most at once.
     pub unacknowledged: Arc<AtomicUsize>,
     pub peak_unacknowledged: AtomicUsize,
+    /// JetStream's `max_in_flight`: a scripted hand-over waits for one of these permits, and
+    /// its acknowledgement gives it back only once it is polled to its end (or dropped), as
+    /// async-nats does.
+    pub ack_window: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 /// Counts one scripted hand-over out of [`FakeSink::unacknowledged`] when its acknowledgement
@@ -250,6 +254,15 @@ impl Sink for FakeSink {
             if self.script.is_empty() {
                 self.publish_now(m).await?;
                 Ok(Box::pin(async { Ok(()) }) as sinks::Ack)
+            } else if let Some(window) = &self.ack_window {
+                let permit = window.clone().acquire_owned().await.unwrap();
+                let ack = self.hand_over(m)?;
+                Ok(async move {
+                    let result = ack.await;
+                    drop(permit);
+                    result
+                }
+                .boxed())
             } else {
                 self.hand_over(m)
             }

@@ -245,7 +245,7 @@ impl NatsSink {
         // Polled by the caller, no task of its own: async-nats releases the `max_in_flight`
         // permit only when this future ends (or is dropped), so a caller must not hold many
         // of these unpolled while it submits more; the route's workers keep one message of a
-        // key in flight and await its PubAck on the key's own task (see `pipeline::worker`).
+        // key in flight and poll its PubAck while they take other keys (see `pipeline::worker`).
         Ok(Box::pin(async move {
             ack.await
                 .map(|_| ())
