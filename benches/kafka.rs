@@ -10,7 +10,8 @@
 //! which `scripts/test` copies). `BENCH_OBJECTS` sets how many objects the events update (10,000);
 //! `BENCH_ONLY=Apache` or `BENCH_ONLY=mock` runs one broker, `BENCH_SIDES=off,raw` some of the
 //! sides (`off`, `on`, `raw`, `eos`; e.g. under a profiler); `BENCH_IN_FLIGHT` the bridge's
-//! `max_objects_in_flight` (its default: 4,096, 32,768 with exactly once).
+//! `max_objects_in_flight` (its default: 4,096, 32,768 with exactly once), and
+//! `BENCH_IN_FLIGHT_BYTES` its `max_bytes_in_flight` (16 MiB, 128 MiB with exactly once).
 
 #[path = "../tests/support/kafka.rs"]
 #[allow(dead_code)]
@@ -112,7 +113,7 @@ async fn bridge(
         None
     };
     let sink = Arc::new(Timed::new(kafka));
-    let in_flight = cfg.objects_in_flight();
+    let in_flight = (cfg.objects_in_flight(), cfg.bytes_in_flight());
     bridge_figures(
         sink,
         notes,

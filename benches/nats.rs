@@ -42,7 +42,7 @@ async fn bridge(url: &str, events: usize, size: usize, metrics: &Metrics, round:
         sink,
         notes,
         support::workers(),
-        cfg.objects_in_flight(),
+        (cfg.objects_in_flight(), cfg.bytes_in_flight()),
         metrics,
         &format!("nats-{size}-{round}"),
         None,

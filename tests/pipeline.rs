@@ -21,8 +21,8 @@ use kube_event_bridge::{
     message::{Encoder, Encoding},
     metrics::Metrics,
     pipeline::{
-        self, Budget, Delivery, Route, RouteBuilder, RouteQueue,
-        route::DEFAULT_MAX_OBJECTS_IN_FLIGHT,
+        self, Budget, Delivery, InFlight, Route, RouteBuilder, RouteQueue,
+        route::{DEFAULT_MAX_BYTES_IN_FLIGHT, DEFAULT_MAX_OBJECTS_IN_FLIGHT},
     },
     sinks::Sink,
     workqueue::{TokenBucket, rate_limiter::RetrySettings},
@@ -62,7 +62,12 @@ fn harness(
     cap: usize,
     max_retries: Option<u32>,
 ) -> Harness {
-    harness_with(sink, dead_letter, cap, max_retries, None)
+    harness_with(sink, dead_letter, cap, max_retries, None, default_room())
+}
+
+/// The default room in flight.
+fn default_room() -> Arc<InFlight> {
+    Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT, DEFAULT_MAX_BYTES_IN_FLIGHT)
 }
 
 fn harness_with(
@@ -71,6 +76,7 @@ fn harness_with(
     cap: usize,
     max_retries: Option<u32>,
     publish_limit: Option<TokenBucket>,
+    in_flight: Arc<InFlight>,
 ) -> Harness {
     let metrics = Arc::new(Metrics::new());
     let budget = Arc::new(Budget::new(cap));
@@ -79,7 +85,7 @@ fn harness_with(
         dead_letter: dead_letter.map(|d| d as Arc<dyn Sink>),
         publish_limit: publish_limit.map(Arc::new),
         max_retries,
-        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
+        in_flight,
     });
     let encoder = Encoder::new(
         "test",
@@ -426,6 +432,7 @@ async fn the_publish_rate_limit_spaces_publishes() {
         1_000,
         None,
         Some(TokenBucket::new(10.0, 1)),
+        default_room(),
     );
     let running = pipeline::start(&[(h.route.clone(), 4)]);
     let start = tokio::time::Instant::now();
@@ -585,6 +592,62 @@ async fn a_lapsed_lease_holds_messages_back_until_it_is_renewed() {
         .await;
 }
 
+/// Pushes to each route its own `objects` objects (`{route}-o{i}`, padded with `padding`
+/// bytes): adds, then `updates` waves of updates. Returns what each object was sent, in order.
+fn push_waves(
+    routes: &[Arc<Route>],
+    objects: usize,
+    updates: usize,
+    padding: usize,
+) -> HashMap<String, Vec<(u64, String)>> {
+    let mut pushed: HashMap<String, Vec<(u64, String)>> = HashMap::new();
+    let mut rv = 0;
+    for round in 0..=updates {
+        for (r, route) in routes.iter().enumerate() {
+            for i in 0..objects {
+                let name = format!("{r}-o{i:04}");
+                rv += 1;
+                let kind = match pushed.get(&format!("ns/{name}")) {
+                    None => NotificationKind::Add {
+                        obj: object(&name, rv, padding),
+                        is_initial_list: round == 0,
+                    },
+                    Some(seq) => NotificationKind::Update {
+                        old: object(&name, seq.last().unwrap().0, padding),
+                        new: object(&name, rv, padding),
+                    },
+                };
+                let ty = if round == 0 { "added" } else { "updated" };
+                route.queue().push(Notification::new(kind));
+                pushed
+                    .entry(format!("ns/{name}"))
+                    .or_default()
+                    .push((rv, ty.to_owned()));
+            }
+        }
+    }
+    pushed
+}
+
+/// `sink` has every notification `pushed`, in order per object, and the pipeline drains.
+async fn all_arrived_in_order(
+    sink: &FakeSink,
+    pushed: HashMap<String, Vec<(u64, String)>>,
+    running: pipeline::Running,
+) {
+    assert_eq!(
+        sink.by_key(),
+        pushed,
+        "every notification, in order per object"
+    );
+    assert!(
+        running
+            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
+            .await
+            .is_empty()
+    );
+}
+
 /// Two routes share one sink whose acknowledgements take 20 ms, with room for 16 objects in
 /// flight (`sinks[].max_objects_in_flight`) and 8 workers each: never more than 16 messages
 /// are handed over and unacknowledged at once (one per object at most), the bound is reached,
@@ -604,7 +667,7 @@ async fn a_sinks_objects_in_flight_stay_within_its_bound_across_its_routes() {
         dead_letter: None,
         publish_limit: None,
         max_retries: None,
-        in_flight: Delivery::in_flight(ROOM),
+        in_flight: Delivery::in_flight(ROOM, DEFAULT_MAX_BYTES_IN_FLIGHT),
     });
     let routes: Vec<Arc<Route>> = ["first", "second"]
         .into_iter()
@@ -623,48 +686,67 @@ async fn a_sinks_objects_in_flight_stay_within_its_bound_across_its_routes() {
         })
         .collect();
     let running = pipeline::start(&routes.iter().map(|r| (r.clone(), 8)).collect::<Vec<_>>());
-    // Each route its own objects (`{route}-o{i}`): adds, then `updates` waves of updates.
-    let mut pushed: HashMap<String, Vec<(u64, String)>> = HashMap::new();
-    let mut rv = 0;
-    for round in 0..=updates {
-        for (r, route) in routes.iter().enumerate() {
-            for i in 0..objects {
-                let name = format!("{r}-o{i:04}");
-                rv += 1;
-                let kind = match pushed.get(&format!("ns/{name}")) {
-                    None => NotificationKind::Add {
-                        obj: object(&name, rv, 10),
-                        is_initial_list: round == 0,
-                    },
-                    Some(seq) => NotificationKind::Update {
-                        old: object(&name, seq.last().unwrap().0, 10),
-                        new: object(&name, rv, 10),
-                    },
-                };
-                let ty = if round == 0 { "added" } else { "updated" };
-                route.queue().push(Notification::new(kind));
-                pushed
-                    .entry(format!("ns/{name}"))
-                    .or_default()
-                    .push((rv, ty.to_owned()));
-            }
-        }
-    }
+    let pushed = push_waves(&routes, objects, updates, 10);
     settled(&budget).await;
     let peak = sink.peak_unacknowledged.load(Ordering::SeqCst);
     assert_eq!(peak, ROOM, "the most unacknowledged at once");
     assert_eq!(sink.unacknowledged.load(Ordering::SeqCst), 0);
-    assert_eq!(
-        sink.by_key(),
-        pushed,
-        "every notification, in order per object"
+    all_arrived_in_order(&sink, pushed, running).await;
+}
+
+/// One route into a sink whose acknowledgements take 20 ms, with room for `bytes` bytes of
+/// messages in flight (`sinks[].max_bytes_in_flight`), objects unbounded and 8 workers: the
+/// sink (its most unacknowledged messages at once, their most bytes, the largest message)
+/// once every notification arrived, in order per object.
+async fn through_room_for_bytes(bytes: usize) -> Arc<FakeSink> {
+    let (objects, updates) = (60, 2);
+    let sink = Arc::new(FakeSink {
+        script: vec![(fake_sink::Outcome::Stored, 20); objects * (updates + 1)],
+        ..FakeSink::named("test")
+    });
+    let h = harness_with(
+        sink.clone(),
+        None,
+        1_000_000,
+        None,
+        None,
+        Delivery::in_flight(usize::MAX, bytes),
     );
+    let running = pipeline::start(&[(h.route.clone(), 8)]);
+    let pushed = push_waves(&[h.route], objects, updates, 200);
+    settled(&h.budget).await;
+    assert_eq!(sink.unacknowledged_bytes.load(Ordering::SeqCst), 0);
+    all_arrived_in_order(&sink, pushed, running).await;
+    sink
+}
+
+/// Room for four to ten messages' bytes: never more bytes unacknowledged at once than the
+/// room, the room is reached (a message more would not have fitted), and several messages
+/// share it.
+#[tokio::test(start_paused = true)]
+async fn a_sinks_bytes_in_flight_stay_within_its_bound() {
+    const ROOM: usize = 5 * 1_000;
+    let sink = through_room_for_bytes(ROOM).await;
+    let peak = sink.peak_unacknowledged_bytes.load(Ordering::SeqCst);
+    let largest = sink.largest.load(Ordering::SeqCst);
     assert!(
-        running
-            .drain(tokio::time::Instant::now() + Duration::from_secs(5))
-            .await
-            .is_empty()
+        (500..=1_500).contains(&largest),
+        "messages of a fifth of the room or so each, not {largest}"
     );
+    assert!(peak <= ROOM, "{peak} bytes unacknowledged at once");
+    assert!(
+        peak + largest > ROOM,
+        "the room was reached: {peak} bytes at most"
+    );
+    assert!(sink.peak_unacknowledged.load(Ordering::SeqCst) >= 4);
+    assert!(sink.peak_unacknowledged.load(Ordering::SeqCst) <= 10);
+}
+
+/// Room for less than one message: each goes alone, and all go.
+#[tokio::test(start_paused = true)]
+async fn a_message_larger_than_the_room_for_bytes_goes_alone() {
+    let sink = through_room_for_bytes(100).await;
+    assert_eq!(sink.peak_unacknowledged.load(Ordering::SeqCst), 1);
 }
 
 /// A sink with JetStream's window (`max_in_flight`: a hand-over waits for a permit, which an

@@ -19,7 +19,11 @@ use kube_event_bridge::{
     informer::{EventType, Notification, NotificationKind, ObjectRef, ProcessorListener},
     message::{Encoder, Encoding, Message},
     metrics::Metrics,
-    pipeline::{self, Delivery, RouteBuilder, filter::Rules, route::DEFAULT_MAX_OBJECTS_IN_FLIGHT},
+    pipeline::{
+        self, Delivery, RouteBuilder,
+        filter::Rules,
+        route::{DEFAULT_MAX_BYTES_IN_FLIGHT, DEFAULT_MAX_OBJECTS_IN_FLIGHT},
+    },
     sinks::{self, CheckpointStore, Sink},
 };
 
@@ -252,16 +256,24 @@ pub struct RouteSpec<'a> {
     /// Records acknowledgements into this store, written every second in the background as
     /// the service does with resume on (the final write is part of the measured time).
     pub store: Option<Arc<dyn CheckpointStore>>,
-    /// The sink's room for objects in flight (`sinks[].max_objects_in_flight`).
-    pub in_flight: usize,
+    /// The sink's room in flight: objects and bytes (`sinks[].max_objects_in_flight`,
+    /// `sinks[].max_bytes_in_flight`).
+    pub in_flight: (usize, usize),
 }
 
-/// `default` objects in flight, unless BENCH_IN_FLIGHT says otherwise.
-pub fn bench_in_flight(default: usize) -> usize {
-    std::env::var("BENCH_IN_FLIGHT")
-        .ok()
-        .map(|v| v.parse().expect("BENCH_IN_FLIGHT is a number"))
-        .unwrap_or(default)
+/// `default` room in flight (objects, bytes), unless BENCH_IN_FLIGHT (objects) or
+/// BENCH_IN_FLIGHT_BYTES say otherwise.
+pub fn bench_in_flight((objects, bytes): (usize, usize)) -> (usize, usize) {
+    let var = |name: &str, default| {
+        std::env::var(name)
+            .ok()
+            .map(|v| v.parse().unwrap_or_else(|_| panic!("{name} is a number")))
+            .unwrap_or(default)
+    };
+    (
+        var("BENCH_IN_FLIGHT", objects),
+        var("BENCH_IN_FLIGHT_BYTES", bytes),
+    )
 }
 
 impl<'a> RouteSpec<'a> {
@@ -276,7 +288,10 @@ impl<'a> RouteSpec<'a> {
             encoder: encoder(),
             rules: None,
             store: None,
-            in_flight: bench_in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
+            in_flight: bench_in_flight((
+                DEFAULT_MAX_OBJECTS_IN_FLIGHT,
+                DEFAULT_MAX_BYTES_IN_FLIGHT,
+            )),
         }
     }
 }
@@ -305,7 +320,7 @@ pub async fn run_bridge(
         dead_letter: None,
         publish_limit: None,
         max_retries: None,
-        in_flight: Delivery::in_flight(in_flight),
+        in_flight: Delivery::in_flight(in_flight.0, in_flight.1),
     });
     let built = RouteBuilder::new("configmap", name, encoder, delivery, metrics)
         .filter(rules)
@@ -410,13 +425,13 @@ impl Figures {
 pub const BROKER_BACKLOG: usize = 50_000;
 
 /// Runs `notes` through the pipeline into `sink` (`in_flight`: its config's
-/// `objects_in_flight()`, unless BENCH_IN_FLIGHT says otherwise) and returns the bridge
-/// side's figures.
+/// `objects_in_flight()` and `bytes_in_flight()`, unless BENCH_IN_FLIGHT or
+/// BENCH_IN_FLIGHT_BYTES say otherwise) and returns the bridge side's figures.
 pub async fn bridge_figures<S: Sink + 'static>(
     sink: Arc<Timed<S>>,
     notes: Vec<Notification>,
     workers: usize,
-    in_flight: usize,
+    in_flight: (usize, usize),
     metrics: &Metrics,
     name: &str,
     store: Option<Arc<dyn CheckpointStore>>,

@@ -535,7 +535,10 @@ mod tests {
         },
         informer::{Notification, NotificationKind, testing::obj},
         message::{Encoder, Encoding, MessageConfig},
-        pipeline::{Delivery, RouteBuilder, route::DEFAULT_MAX_OBJECTS_IN_FLIGHT},
+        pipeline::{
+            Delivery, RouteBuilder,
+            route::{DEFAULT_MAX_BYTES_IN_FLIGHT, DEFAULT_MAX_OBJECTS_IN_FLIGHT},
+        },
         sinks::{
             CheckpointStore,
             stdout::{FileCheckpointStore, StdoutSink},
@@ -558,7 +561,10 @@ mod tests {
             dead_letter: None,
             publish_limit: None,
             max_retries: None,
-            in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
+            in_flight: Delivery::in_flight(
+                DEFAULT_MAX_OBJECTS_IN_FLIGHT,
+                DEFAULT_MAX_BYTES_IN_FLIGHT,
+            ),
         });
         let encoder = Encoder::new(
             "c",

@@ -152,7 +152,7 @@ pub(super) async fn open(config: &Config, metrics: &Metrics) -> Result<Opened, E
                 .as_ref()
                 .map(|l| Arc::new(TokenBucket::new(l.qps, l.burst))),
             max_retries: s.retry.max_retries,
-            in_flight: Delivery::in_flight(s.objects_in_flight()),
+            in_flight: Delivery::in_flight(s.objects_in_flight(), s.bytes_in_flight()),
         };
         deliveries.insert(
             s.name.clone(),

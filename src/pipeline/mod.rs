@@ -32,7 +32,7 @@ pub use checkpoint::{CheckpointStore, Checkpointer};
 pub use resume::Resumer;
 pub use route::{BuiltRoute, RouteBuilder};
 pub use route_queue::{Budget, RouteQueue};
-pub use worker::{Delivery, Route};
+pub use worker::{Delivery, InFlight, Route};
 
 /// Routes whose workers are running.
 pub struct Running {

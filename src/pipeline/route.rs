@@ -39,6 +39,13 @@ pub const DEFAULT_MAX_OBJECTS_IN_FLIGHT: usize = 4096;
 /// transaction commits.
 pub const DEFAULT_MAX_TRANSACTIONAL_OBJECTS_IN_FLIGHT: usize = 32_768;
 
+/// Most bytes of messages a sink's routes have in flight together by default
+/// (`sinks[].max_bytes_in_flight`; see [`super::InFlight`]).
+pub const DEFAULT_MAX_BYTES_IN_FLIGHT: usize = 8 << 20;
+
+/// The same for a Kafka sink with `exactly_once`.
+pub const DEFAULT_MAX_TRANSACTIONAL_BYTES_IN_FLIGHT: usize = 128 << 20;
+
 /// Builds one route. Names: the route is `{resource}/{sink}`, its metrics are labelled with
 /// `resource` and `sink`.
 pub struct RouteBuilder<'m> {

@@ -40,19 +40,45 @@ pub struct Delivery {
     pub publish_limit: Option<Arc<TokenBucket>>,
     /// Retries of one notification before it fails for good; `None`: forever.
     pub max_retries: Option<u32>,
-    /// Room for objects in flight at the sink (`sinks[].max_objects_in_flight`), shared by
-    /// its routes (and shards): a worker takes a permit before it hands a key over, and the
-    /// key's release gives it back (see [`Route::spawn_workers`]); a key waiting for its
-    /// checkpoint intent or a lapsed lease has nothing in flight and gives it back meanwhile.
-    pub in_flight: Arc<tokio::sync::Semaphore>,
+    /// Room in flight at the sink, shared by its routes (and shards): see [`InFlight`].
+    pub in_flight: Arc<InFlight>,
 }
 
 impl Delivery {
-    /// Room for `max` objects in flight (see [`Delivery::in_flight`]).
-    pub fn in_flight(max: usize) -> Arc<tokio::sync::Semaphore> {
-        Arc::new(tokio::sync::Semaphore::new(
-            max.min(tokio::sync::Semaphore::MAX_PERMITS),
-        ))
+    /// Room for `objects` objects and `bytes` bytes of their messages in flight (see
+    /// [`InFlight`]).
+    pub fn in_flight(objects: usize, bytes: usize) -> Arc<InFlight> {
+        let max = |n: usize| n.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
+        Arc::new(InFlight {
+            objects: Arc::new(tokio::sync::Semaphore::new(max(objects))),
+            bytes: Arc::new(tokio::sync::Semaphore::new(max(bytes))),
+            max_bytes: max(bytes),
+        })
+    }
+}
+
+/// Room in flight at a sink, for all its routes together.
+/// - Objects (`sinks[].max_objects_in_flight`): a worker takes a permit before it hands a key
+///   over, and the key's release gives it back (see [`Route::spawn_workers`]); a key waiting
+///   for its checkpoint intent or a lapsed lease has nothing in flight and gives it back
+///   meanwhile.
+/// - Bytes (`sinks[].max_bytes_in_flight`): a message takes its size (its
+///   [`wire_size`](crate::message::Message::wire_size), at most the whole room) once
+///   encoded, before it is handed over, and gives it back with its acknowledgement. Only
+///   messages handed over hold bytes, and their acknowledgements come without the worker
+///   handing anything else over: waiting for bytes never waits on itself.
+pub struct InFlight {
+    objects: Arc<tokio::sync::Semaphore>,
+    bytes: Arc<tokio::sync::Semaphore>,
+    max_bytes: usize,
+}
+
+impl InFlight {
+    /// Room for a message of `size` bytes, once there is some.
+    async fn bytes(&self, size: usize) -> OwnedPermit {
+        let want = size.clamp(1, self.max_bytes).min(u32::MAX as usize) as u32;
+        (self.bytes.clone().acquire_many_owned(want).await)
+            .expect("a delivery's semaphore is never closed")
     }
 }
 
@@ -183,6 +209,8 @@ impl Sent {
 struct Pending {
     ack: crate::sinks::Ack,
     message: Sent,
+    /// Its bytes in flight (see [`InFlight`]), given back with the acknowledgement.
+    bytes: OwnedPermit,
 }
 
 enum Submitted {
@@ -375,9 +403,15 @@ impl Route {
         Some((key, handed, term, room))
     }
 
-    /// A permit of [`Delivery::in_flight`], once there is room.
+    /// Room for one more object in flight (see [`InFlight`]), once there is some.
     async fn room_in_flight(&self) -> OwnedPermit {
-        (self.delivery.in_flight.clone().acquire_owned().await)
+        (self
+            .delivery
+            .in_flight
+            .objects
+            .clone()
+            .acquire_owned()
+            .await)
             .expect("a delivery's semaphore is never closed")
     }
 
@@ -577,6 +611,7 @@ impl Route {
         let mut failed = handed.failed;
         if let Some((n, pending)) = handed.pending.take() {
             let result = pending.ack.await;
+            drop(pending.bytes);
             self.metrics.in_flight.dec();
             let delivered = result.is_ok();
             match self.acknowledged(key, &n, &pending.message, result).await {
@@ -763,9 +798,12 @@ impl Route {
                 return Submitted::Settled;
             };
             trim = fitted;
-            // Checked again right before the hand-over: the rate limit's wait, an encoding, or
-            // a freeze may have outlasted the lease, or its term (this replica may lead again
-            // already: the next term sends what it needs from the checkpoint).
+            // Acknowledgements of other messages make room (see `InFlight`).
+            let bytes = self.delivery.in_flight.bytes(message.wire_size()).await;
+            // Checked again right before the hand-over: the rate limit's wait, an encoding,
+            // the wait for room, or a freeze may have outlasted the lease, or its term (this
+            // replica may lead again already: the next term sends what it needs from the
+            // checkpoint).
             if !self.queue.may_hand_over() || !self.queue.is_current(term) {
                 return Submitted::Fenced;
             }
@@ -788,11 +826,13 @@ impl Route {
                     return Submitted::Pending(Pending {
                         ack,
                         message: Sent::of(message, (trim, forced), started),
+                        bytes,
                     });
                 }
                 Err(err) => err,
             };
             self.metrics.in_flight.dec();
+            drop(bytes);
             // The sink's own check can be stricter than the estimate (record framing, the
             // sink's headers): a message it refuses at once as too large is trimmed further.
             if matches!(err, crate::sinks::Error::TooLarge { .. }) {

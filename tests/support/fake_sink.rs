@@ -15,7 +15,10 @@ use std::{
 use futures::{FutureExt, future::BoxFuture};
 use kube_event_bridge::{
     message::Message,
-    pipeline::{Delivery, route::DEFAULT_MAX_OBJECTS_IN_FLIGHT},
+    pipeline::{
+        Delivery,
+        route::{DEFAULT_MAX_BYTES_IN_FLIGHT, DEFAULT_MAX_OBJECTS_IN_FLIGHT},
+    },
     sinks::{self, Sink},
 };
 
@@ -96,19 +99,24 @@ pub struct FakeSink {
     /// Scripted hand-overs whose acknowledgement has not come yet, and the most at once.
     pub unacknowledged: Arc<AtomicUsize>,
     pub peak_unacknowledged: AtomicUsize,
+    /// The same in bytes (their messages' `wire_size`), and the largest message handed over.
+    pub unacknowledged_bytes: Arc<AtomicUsize>,
+    pub peak_unacknowledged_bytes: AtomicUsize,
+    pub largest: AtomicUsize,
     /// JetStream's `max_in_flight`: a scripted hand-over waits for one of these permits, and
     /// its acknowledgement gives it back only once it is polled to its end (or dropped), as
     /// async-nats does.
     pub ack_window: Option<Arc<tokio::sync::Semaphore>>,
 }
 
-/// Counts one scripted hand-over out of [`FakeSink::unacknowledged`] when its acknowledgement
-/// comes (or is dropped unawaited).
-struct Unacknowledged(Arc<AtomicUsize>);
+/// Counts one scripted hand-over (and its bytes) out of [`FakeSink::unacknowledged`] when its
+/// acknowledgement comes (or is dropped unawaited).
+struct Unacknowledged(Arc<AtomicUsize>, Arc<AtomicUsize>, usize);
 
 impl Drop for Unacknowledged {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
+        self.1.fetch_sub(self.2, Ordering::SeqCst);
     }
 }
 
@@ -119,7 +127,7 @@ pub fn delivery_to(sink: Arc<FakeSink>, max_retries: Option<u32>) -> Arc<Deliver
         dead_letter: None,
         publish_limit: None,
         max_retries,
-        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT),
+        in_flight: Delivery::in_flight(DEFAULT_MAX_OBJECTS_IN_FLIGHT, DEFAULT_MAX_BYTES_IN_FLIGHT),
     })
 }
 
@@ -226,7 +234,16 @@ impl FakeSink {
         let delay = Duration::from_millis(delay as u64);
         let now = self.unacknowledged.fetch_add(1, Ordering::SeqCst) + 1;
         self.peak_unacknowledged.fetch_max(now, Ordering::SeqCst);
-        let pending = Unacknowledged(self.unacknowledged.clone());
+        let size = m.wire_size();
+        self.largest.fetch_max(size, Ordering::SeqCst);
+        let bytes = self.unacknowledged_bytes.fetch_add(size, Ordering::SeqCst) + size;
+        self.peak_unacknowledged_bytes
+            .fetch_max(bytes, Ordering::SeqCst);
+        let pending = Unacknowledged(
+            self.unacknowledged.clone(),
+            self.unacknowledged_bytes.clone(),
+            size,
+        );
         Ok(async move {
             tokio::time::sleep(delay).await;
             drop(pending);

@@ -270,7 +270,7 @@ impl KafkaCheckpointStore {
             if let Some(v) = v {
                 record = record.payload(v);
             }
-            self.producer.send(record, TIMEOUT)
+            self.producer.send_copied(record, TIMEOUT)
         });
         for result in futures::future::join_all(sends).await {
             result.map_err(|e| self.error(e))?;

@@ -16,6 +16,7 @@
 //! sink whose brokers did not answer.
 
 use std::{
+    borrow::Cow,
     sync::{
         Arc, Mutex, RwLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -27,8 +28,7 @@ use futures::{FutureExt, future::BoxFuture};
 use rdkafka::{
     admin::{AdminOptions, NewTopic, TopicReplication},
     error::{KafkaError, RDKafkaErrorCode},
-    message::{Header, OwnedHeaders},
-    producer::{FutureRecord, Producer},
+    producer::Producer,
 };
 use tracing::{error, info, warn};
 
@@ -36,6 +36,7 @@ use super::{
     client::{KafkaClient, SinkProducer},
     config::{KafkaMode, KafkaSinkConfig, is_valid_topic},
     error::{classify, fatal},
+    producer::{Headers, Record},
     record::{CheckpointRecord, record_of},
     transactions::TransactionSet,
 };
@@ -427,13 +428,14 @@ impl KafkaSink {
             });
         }
         let key = self.key_for(m);
-        let mut record = FutureRecord::to(&topic)
-            .key(&key)
-            .headers(self.headers_for(m));
         let tombstone = self.mode == KafkaMode::State && m.payload.is_empty();
-        if !tombstone {
-            record = record.payload(&m.payload[..]);
-        }
+        let mut record = Record {
+            topic: &topic,
+            key: key.as_bytes(),
+            // Shared with librdkafka until its report, not copied.
+            payload: (!tombstone).then(|| m.payload.clone()),
+            headers: self.headers_for(m),
+        };
         let size = m.payload.len();
         let max = self.max_message_bytes;
         if let Some(set) = &self.transactions {
@@ -469,7 +471,7 @@ impl KafkaSink {
                 );
                 match producer.as_ref() {
                     Some(p) if lane.in_term.load(Ordering::SeqCst) && current == term => {
-                        p.send_result(record).map_err(|(e, r)| (e, r, fatal(p)))
+                        p.send(record).map_err(|(e, r)| (e, r, fatal(p)))
                     }
                     _ if current != term => {
                         return Err(Error::Unavailable(
@@ -524,35 +526,30 @@ impl KafkaSink {
             .clone()
     }
 
-    fn key_for(&self, m: &Message) -> String {
+    fn key_for<'m>(&self, m: &'m Message) -> Cow<'m, str> {
         match &self.key {
-            Some(t) => t.render(m, |_, v, out| out.push_str(v)),
-            None => m.key.clone(),
+            Some(t) => Cow::Owned(t.render(m, |_, v, out| out.push_str(v))),
+            None => Cow::Borrowed(&m.key),
         }
     }
 
-    fn headers_for(&self, m: &Message) -> OwnedHeaders {
-        let mut h = OwnedHeaders::new_with_capacity(self.headers.len() + m.attributes.len() + 1);
+    fn headers_for(&self, m: &Message) -> Headers {
+        let mut h = Headers::with_capacity(self.headers.len() + m.attributes.len() + 1);
         for (k, v) in &self.headers {
-            h = h.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
+            h.add(k, v.as_bytes());
         }
         let content_type = if self.mode == KafkaMode::State {
             "application/json"
         } else {
             m.content_type
         };
-        h = h.insert(Header {
-            key: "content-type",
-            value: Some(content_type.as_bytes()),
-        });
-        for (name, value) in &m.attributes {
-            h = h.insert(Header {
-                key: &format!("ce_{name}"),
-                value: Some(value.as_bytes()),
-            });
+        h.add("content-type", content_type.as_bytes());
+        let mut name = String::with_capacity(32);
+        for (attribute, value) in &m.attributes {
+            name.clear();
+            name.push_str("ce_");
+            name.push_str(attribute);
+            h.add(&name, value.as_bytes());
         }
         h
     }

@@ -58,7 +58,7 @@ use super::{
     client::{KafkaClient, SinkProducer},
     config::{CALL_TIMEOUT, transactional_id},
     error::{acl_hint, classify, is_consequence, is_retriable},
-    producer::DeliveryFuture,
+    producer::{DeliveryFuture, Record},
     record::CheckpointRecord,
 };
 use crate::{
@@ -557,17 +557,13 @@ impl Transactions {
 
     /// Hands `record` to the open transaction with its checkpoint record, and returns the
     /// acknowledgement, which resolves at the commit.
-    pub(super) async fn submit<K, P>(
+    pub(super) async fn submit(
         &self,
-        record: FutureRecord<'_, K, P>,
+        record: Record<'_>,
         checkpoint: Option<CheckpointRecord>,
         topic: &str,
         size: usize,
-    ) -> Result<Ack>
-    where
-        K: rdkafka::message::ToBytes + ?Sized,
-        P: rdkafka::message::ToBytes + ?Sized,
-    {
+    ) -> Result<Ack> {
         let _open = self.gate.read().await;
         let mut st = self.lock();
         // Not the message's failure (none is counted as its retry): no transaction open.
@@ -577,7 +573,7 @@ impl Transactions {
         self.produce_backlog(&producer, &mut st).map_err(|e| {
             Error::Unavailable(format!("checkpoint records wait to be produced first: {e}"))
         })?;
-        let delivery = match producer.send_result(record) {
+        let delivery = match producer.send(record) {
             Ok(delivery) => delivery,
             Err((e, _)) if e.rdkafka_error_code() == Some(RDKafkaErrorCode::QueueFull) => {
                 return Err(Error::Unavailable("the producer's queue is full".into()));
