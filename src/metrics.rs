@@ -54,6 +54,9 @@ pub struct Metrics {
     pub kafka_producer_fenced: IntGaugeVec,
     /// `keb_sink_in_flight{sink}`: publishes waiting for the destination's acknowledgement.
     pub sink_in_flight: IntGaugeVec,
+    /// `keb_sink_bytes_in_flight{sink}`: their messages' bytes (see
+    /// `sinks[].max_bytes_in_flight`).
+    pub sink_bytes_in_flight: IntGaugeVec,
     /// `keb_sink_publish_duration_seconds{sink}`: publish call to acknowledgement.
     pub sink_publish_duration: HistogramVec,
     /// `keb_end_to_end_latency_seconds{resource,sink}`: watch event received to sink acknowledged.
@@ -154,6 +157,7 @@ impl Metrics {
             kafka_transactions: r.counter(&KAFKA_TRANSACTIONS),
             kafka_producer_fenced: r.gauge(&KAFKA_PRODUCER_FENCED),
             sink_in_flight: r.gauge(&SINK_IN_FLIGHT),
+            sink_bytes_in_flight: r.gauge(&SINK_BYTES_IN_FLIGHT),
             sink_publish_duration: r.latency(&SINK_PUBLISH_DURATION),
             end_to_end_latency: r.latency(&END_TO_END_LATENCY),
             api_reachable: r.single_gauge(&API_REACHABLE),
@@ -347,6 +351,12 @@ const KAFKA_PRODUCER_FENCED: Family = Family {
 const SINK_IN_FLIGHT: Family = Family {
     name: "keb_sink_in_flight",
     help: "Publishes waiting for the destination's acknowledgement",
+    labels: &["sink"],
+};
+
+const SINK_BYTES_IN_FLIGHT: Family = Family {
+    name: "keb_sink_bytes_in_flight",
+    help: "Bytes of the messages waiting for the destination's acknowledgement",
     labels: &["sink"],
 };
 

@@ -844,7 +844,8 @@ mod tests {
             "topic": "k8s.{name}",
             "mode": "state",
             "encoding": "binary",
-            "properties": {"acks": "1", "ssl.keystore.password": "s3cret"},
+            "properties": {"acks": "1", "ssl.keystore.password": "s3cret",
+                           "delivery.report.only.error": "true"},
             "sasl": {"mechanism": "PLAIN", "username": "u", "password": {}},
         }}]);
         let e = errors_of(v);
@@ -855,6 +856,7 @@ mod tests {
             "sinks[0].kafka.topic: placeholder {name} is not allowed here",
             "sinks[0].kafka.encoding: state mode writes objects",
             "sinks[0].kafka.properties.acks: set by the sink itself",
+            "sinks[0].kafka.properties.delivery.report.only.error: the sink needs every message's delivery report",
             "sinks[0].kafka.sasl.password: give exactly one of `file` and `env`",
         ] {
             assert!(

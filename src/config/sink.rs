@@ -50,9 +50,11 @@ pub struct SinkConfig {
     pub max_objects_in_flight: Option<usize>,
     /// Most bytes of messages handed to this sink and not yet acknowledged (all its routes
     /// together; a message counts its payload, key and attributes, and one larger than this
-    /// goes alone). A message waits, encoded, until acknowledgements make room. Large objects
-    /// would reach `max_objects_in_flight` only at hundreds of MiB, and what waits at the
-    /// broker client beyond what its batches need costs memory and CPU: with 20 KB messages
+    /// goes alone). A notification waits for room before it is encoded, until
+    /// acknowledgements make some. Large objects would reach `max_objects_in_flight` only at
+    /// hundreds of MiB, and what waits at the broker client beyond what its batches need
+    /// costs memory and CPU; a partition that does not answer holds its messages' room until
+    /// `kafka.delivery_timeout`, the other partitions waiting once it is full. With 20 KB messages
     /// the Kafka bench spent 28-31 µs of CPU per message unbounded, 21-22 at 8 MiB and 16-18
     /// at 4 MiB, at the same throughput; 2 MiB starved librdkafka's batches (a quarter of the
     /// throughput). The default leaves room for a slower network than loopback. Unset: 8 MiB,

@@ -62,11 +62,15 @@ impl Delivery {
 ///   over, and the key's release gives it back (see [`Route::spawn_workers`]); a key waiting
 ///   for its checkpoint intent or a lapsed lease has nothing in flight and gives it back
 ///   meanwhile.
-/// - Bytes (`sinks[].max_bytes_in_flight`): a message takes its size (its
-///   [`wire_size`](crate::message::Message::wire_size), at most the whole room) once
-///   encoded, before it is handed over, and gives it back with its acknowledgement. Only
-///   messages handed over hold bytes, and their acknowledgements come without the worker
-///   handing anything else over: waiting for bytes never waits on itself.
+/// - Bytes (`sinks[].max_bytes_in_flight`): before a notification is encoded it takes room
+///   for an estimate of its message (its objects' JSON and an envelope), fitted to the
+///   message's [`wire_size`](crate::message::Message::wire_size) once encoded (at most the
+///   whole room), and gives it back with the acknowledgement. So a key waiting for room
+///   holds no encoded message, and what is encoded or handed over stays within the room
+///   (plus what a message outgrew its estimate by, while it waits again). A wait holds no
+///   room: one that outgrew its estimate gives its room back before it waits for the whole.
+///   The room a message holds comes back with acknowledgements that need nothing else handed
+///   over: waiting for bytes never waits on itself.
 pub struct InFlight {
     objects: Arc<tokio::sync::Semaphore>,
     bytes: Arc<tokio::sync::Semaphore>,
@@ -74,17 +78,49 @@ pub struct InFlight {
 }
 
 impl InFlight {
+    /// The room a message of `size` bytes takes: all of the room at most.
+    fn room_for(&self, size: usize) -> usize {
+        size.clamp(1, self.max_bytes).min(u32::MAX as usize)
+    }
+
     /// Room for a message of `size` bytes, once there is some.
     async fn bytes(&self, size: usize) -> OwnedPermit {
-        let want = size.clamp(1, self.max_bytes).min(u32::MAX as usize) as u32;
-        (self.bytes.clone().acquire_many_owned(want).await)
+        (self.bytes.clone())
+            .acquire_many_owned(self.room_for(size) as u32)
+            .await
             .expect("a delivery's semaphore is never closed")
     }
+
+    /// `room` fitted to a message of `size` bytes: what it holds beyond goes back at once; if
+    /// it holds less, it is given back and the whole taken again once there is room.
+    async fn fit(&self, mut room: OwnedPermit, size: usize) -> OwnedPermit {
+        let (want, held) = (self.room_for(size), room.num_permits());
+        if want <= held {
+            drop(room.split(held - want));
+            room
+        } else {
+            drop(room);
+            self.bytes(size).await
+        }
+    }
+}
+
+/// About what `n`'s message weighs before it is encoded: its objects' JSON and an envelope
+/// (see [`InFlight`]).
+fn estimated_size(n: &Notification) -> usize {
+    /// The envelope's attributes, about (a structured CloudEvent's are 600-700 bytes).
+    const ENVELOPE: usize = 1024;
+    let old = match n.kind() {
+        NotificationKind::Update { old, .. } => old.json().get().len(),
+        _ => 0,
+    };
+    n.object().json().get().len() + old + ENVELOPE
 }
 
 struct RouteMetrics {
     published: [IntCounter; EventType::ALL.len()],
     in_flight: IntGauge,
+    bytes_in_flight: IntGauge,
     bytes: IntCounter,
     publish_duration: Histogram,
     end_to_end: Histogram,
@@ -260,6 +296,7 @@ impl Route {
                     .with_label_values(&[labels[0], labels[1], t.as_str()])
             }),
             in_flight: metrics.sink_in_flight.with_label_values(&[labels[0]]),
+            bytes_in_flight: metrics.sink_bytes_in_flight.with_label_values(&[labels[0]]),
             bytes: metrics.sink_bytes.with_label_values(&labels),
             publish_duration: metrics
                 .sink_publish_duration
@@ -611,6 +648,9 @@ impl Route {
         let mut failed = handed.failed;
         if let Some((n, pending)) = handed.pending.take() {
             let result = pending.ack.await;
+            self.metrics
+                .bytes_in_flight
+                .sub(pending.bytes.num_permits() as i64);
             drop(pending.bytes);
             self.metrics.in_flight.dec();
             let delivered = result.is_ok();
@@ -793,13 +833,16 @@ impl Route {
         }
         // A message the broker refused as too large after the hand-over goes again trimmed.
         let (mut trim, forced) = self.trim_hint(key, n);
+        // Room for the message's bytes before it is encoded: acknowledgements of other
+        // messages make it (see `InFlight`).
+        let room = &self.delivery.in_flight;
+        let mut bytes = room.bytes(estimated_size(n)).await;
         loop {
             let Some((message, fitted)) = self.encode_fitting(key, n, trim).await else {
                 return Submitted::Settled;
             };
             trim = fitted;
-            // Acknowledgements of other messages make room (see `InFlight`).
-            let bytes = self.delivery.in_flight.bytes(message.wire_size()).await;
+            bytes = room.fit(bytes, message.wire_size()).await;
             // Checked again right before the hand-over: the rate limit's wait, an encoding,
             // the wait for room, or a freeze may have outlasted the lease, or its term (this
             // replica may lead again already: the next term sends what it needs from the
@@ -823,6 +866,7 @@ impl Route {
                         debug!(sink = %sink.name(), key, step = trim.as_str(), size = message.wire_size(),
                                "Message trimmed to fit the sink's size limit");
                     }
+                    self.metrics.bytes_in_flight.add(bytes.num_permits() as i64);
                     return Submitted::Pending(Pending {
                         ack,
                         message: Sent::of(message, (trim, forced), started),
@@ -832,7 +876,6 @@ impl Route {
                 Err(err) => err,
             };
             self.metrics.in_flight.dec();
-            drop(bytes);
             // The sink's own check can be stricter than the estimate (record framing, the
             // sink's headers): a message it refuses at once as too large is trimmed further.
             if matches!(err, crate::sinks::Error::TooLarge { .. }) {
@@ -842,11 +885,14 @@ impl Route {
                         continue;
                     }
                     None => {
+                        drop(bytes);
                         self.too_large(key, n, &message, message.wire_size()).await;
                         return Submitted::Settled;
                     }
                 }
             }
+            // Nothing of it is in flight while its failure is handled (a dead letter, say).
+            drop(bytes);
             let sent = Sent::of(message, (trim, forced), started);
             return match self.acknowledged(key, n, &sent, Err(err)).await {
                 Outcome::Settled => Submitted::Settled,

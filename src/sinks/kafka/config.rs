@@ -440,7 +440,14 @@ impl KafkaSinkConfig {
             );
         }
         for name in self.properties.keys() {
-            if RESERVED_PROPERTIES.contains(&name.as_str()) {
+            if name == "delivery.report.only.error" {
+                err(
+                    &format!("properties.{name}"),
+                    "the sink needs every message's delivery report: it is the message's \
+                     acknowledgement"
+                        .into(),
+                );
+            } else if RESERVED_PROPERTIES.contains(&name.as_str()) {
                 err(
                     &format!("properties.{name}"),
                     "set by the sink itself (use brokers, sasl, tls)".into(),
