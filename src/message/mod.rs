@@ -418,6 +418,28 @@ impl Encoder {
         }
     }
 
+    /// About what the message of `n` weighs, before it is encoded: the objects' JSON it
+    /// carries (the old one only where update messages carry it, the new one again for a
+    /// patch at most about its size) and 1 KiB for the envelope's attributes (a structured
+    /// CloudEvent's take 600-700 bytes).
+    pub fn size_estimate(&self, n: &Notification) -> usize {
+        let object = n.object().json().get().len();
+        if self.encoding == Encoding::State {
+            return object;
+        }
+        let old = match n.kind() {
+            NotificationKind::Update { old, .. } if self.include_old_object => {
+                old.json().get().len()
+            }
+            _ => 0,
+        };
+        let patch = match n.kind() {
+            NotificationKind::Update { .. } if self.diff == DiffMode::Patch => object,
+            _ => 0,
+        };
+        object + old + patch + 1024
+    }
+
     /// Encodes one notification about the object at `key` (`namespace/name`, as
     /// [`Notification::key`] gives it).
     pub fn encode(&self, key: &str, n: &Notification) -> Result<Message> {
@@ -950,6 +972,38 @@ mod tests {
             ..Default::default()
         };
         Encoder::new("c", &configmaps(), &options, Encoding::Structured)
+    }
+
+    /// The estimate the bytes in flight take before encoding: never below the message, and
+    /// without the old object where update messages leave it out.
+    #[test]
+    fn the_size_estimate_counts_what_the_message_carries() {
+        let update = note(NotificationKind::Update {
+            old: big("1", "x"),
+            new: big("2", "y"),
+        });
+        let plain = Encoder::new(
+            "c",
+            &configmaps(),
+            &MessageConfig::default(),
+            Encoding::Structured,
+        );
+        for enc in [plain, patching(true), patching(false)] {
+            let size = enc.encode("ns/a", &update).unwrap().wire_size();
+            let estimate = enc.size_estimate(&update);
+            assert!(
+                (size..=2 * size + 1024).contains(&estimate),
+                "{estimate} for a message of {size}"
+            );
+        }
+        let old = update.kind();
+        let NotificationKind::Update { old, .. } = old else {
+            unreachable!()
+        };
+        assert_eq!(
+            patching(true).size_estimate(&update) - patching(false).size_estimate(&update),
+            old.json().get().len()
+        );
     }
 
     #[test]

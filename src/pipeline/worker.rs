@@ -63,7 +63,8 @@ impl Delivery {
 ///   for its checkpoint intent or a lapsed lease has nothing in flight and gives it back
 ///   meanwhile.
 /// - Bytes (`sinks[].max_bytes_in_flight`): before a notification is encoded it takes room
-///   for an estimate of its message (its objects' JSON and an envelope), fitted to the
+///   for an estimate of its message ([`Encoder::size_estimate`](crate::message::Encoder),
+///   at most the sink's size limit), fitted to the
 ///   message's [`wire_size`](crate::message::Message::wire_size) once encoded (at most the
 ///   whole room), and gives it back with the acknowledgement. So a key waiting for room
 ///   holds no encoded message, and what is encoded or handed over stays within the room
@@ -103,18 +104,6 @@ impl InFlight {
             self.bytes(size).await
         }
     }
-}
-
-/// About what `n`'s message weighs before it is encoded: its objects' JSON and an envelope
-/// (see [`InFlight`]).
-fn estimated_size(n: &Notification) -> usize {
-    /// The envelope's attributes, about (a structured CloudEvent's are 600-700 bytes).
-    const ENVELOPE: usize = 1024;
-    let old = match n.kind() {
-        NotificationKind::Update { old, .. } => old.json().get().len(),
-        _ => 0,
-    };
-    n.object().json().get().len() + old + ENVELOPE
 }
 
 struct RouteMetrics {
@@ -712,12 +701,14 @@ impl Route {
     }
 
     /// Encodes `n` so that it fits the sink's size limit, trimming it step by step (see
-    /// [`Trim`]); `None` when even a reference is too large (dead-lettered then).
+    /// [`Trim`]); `None` when even a reference is too large (dead-lettered then, `room`
+    /// given back first: nothing of it is in flight meanwhile).
     async fn encode_fitting(
         &self,
         key: &str,
         n: &Notification,
         mut trim: Trim,
+        room: &mut Option<OwnedPermit>,
     ) -> Option<(Message, Trim)> {
         let sink = &self.delivery.sink;
         let limit = sink
@@ -729,6 +720,7 @@ impl Route {
                 Err(err) => {
                     self.failed(FailureReason::Encode);
                     error!(error = %err, sink = %sink.name(), resource = %self.resource, key, "Cannot encode notification");
+                    drop(room.take());
                     self.dead_letter(key, n, None, FailureReason::Encode).await;
                     return None;
                 }
@@ -739,6 +731,7 @@ impl Route {
             match self.next_trim(n, trim) {
                 Some(next) => trim = next,
                 None => {
+                    drop(room.take());
                     self.too_large(key, n, &message, limit).await;
                     return None;
                 }
@@ -833,16 +826,25 @@ impl Route {
         }
         // A message the broker refused as too large after the hand-over goes again trimmed.
         let (mut trim, forced) = self.trim_hint(key, n);
-        // Room for the message's bytes before it is encoded: acknowledgements of other
-        // messages make it (see `InFlight`).
+        // Room for the message's bytes before it is encoded (never more than the sink takes):
+        // acknowledgements of other messages make it (see `InFlight`).
         let room = &self.delivery.in_flight;
-        let mut bytes = room.bytes(estimated_size(n)).await;
+        let mut estimate = self.encoder().size_estimate(n);
+        if let Some(max) = self.delivery.sink.max_message_bytes() {
+            estimate = estimate.min(max);
+        }
+        let mut held = Some(room.bytes(estimate).await);
         loop {
-            let Some((message, fitted)) = self.encode_fitting(key, n, trim).await else {
+            let Some((message, fitted)) = self.encode_fitting(key, n, trim, &mut held).await else {
                 return Submitted::Settled;
             };
             trim = fitted;
-            bytes = room.fit(bytes, message.wire_size()).await;
+            let bytes = room
+                .fit(
+                    held.take().expect("held until handed over"),
+                    message.wire_size(),
+                )
+                .await;
             // Checked again right before the hand-over: the rate limit's wait, an encoding,
             // the wait for room, or a freeze may have outlasted the lease, or its term (this
             // replica may lead again already: the next term sends what it needs from the
@@ -882,6 +884,7 @@ impl Route {
                 match self.next_trim(n, trim) {
                     Some(next) => {
                         trim = next;
+                        held = Some(bytes);
                         continue;
                     }
                     None => {
