@@ -214,6 +214,11 @@ struct Sent {
     bytes: usize,
     received: std::time::Instant,
     started: std::time::Instant,
+    /// The payload, kept until the acknowledgement: a sink that shares it (Kafka's, until
+    /// its report) lets go first, so it is freed here, by a runtime thread (likely the one
+    /// that encoded it), not by the sink's reporting thread. No more memory: the sink holds
+    /// it meanwhile anyway.
+    _payload: bytes::Bytes,
 }
 
 impl Sent {
@@ -226,6 +231,7 @@ impl Sent {
             event_type: message.event_type,
             received: message.received,
             started,
+            _payload: message.payload,
         }
     }
 }

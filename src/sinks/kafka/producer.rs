@@ -546,9 +546,13 @@ impl<C: ClientContext + 'static> ProducerContext<NoCustomPartitioner> for Report
             }),
             Err((error, message)) => Err((error.clone(), message.detach())),
         };
+        // The payload goes first, after `owned` copied it (an error's message): the sender
+        // keeps its own share until the report reaches it, so the buffer is freed by the
+        // thread that allocated it (mimalloc frees across threads by a slower path).
+        let Pending { tx, _payload } = *pending;
+        drop(_payload);
         // The future may be gone (its message was abandoned): nobody waits for the report.
-        // The payload goes with `pending`, after `owned` copied it (an error's message).
-        let _ = pending.tx.send(owned);
+        let _ = tx.send(owned);
     }
 }
 
