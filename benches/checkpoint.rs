@@ -3,6 +3,9 @@
 //! before its first list is compared. File beside an output, Kafka topic (Apache Kafka), JetStream
 //! key-value bucket (nats-server).
 //!
+//! The load's figures include this process's RSS: how much it grew at its peak during the
+//! load, and how much of that the loaded checkpoint still holds.
+//!
 //! `cargo bench --bench checkpoint [-- KEYS]` (default 100000)
 
 #[path = "../tests/support/kafka.rs"]
@@ -26,6 +29,10 @@ use kube_event_bridge::{
     },
 };
 
+/// The service's allocator, so that the RSS figures are what the service would hold.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const ROUTE: &str = "configmap/bench";
 
 async fn measure(label: &str, store: Arc<dyn CheckpointStore>, keys: usize) {
@@ -48,6 +55,9 @@ async fn measure(label: &str, store: Arc<dyn CheckpointStore>, keys: usize) {
         store.write(ROUTE, changes).await.expect("write");
     }
     let wrote = started.elapsed().as_secs_f64();
+    // The peak from here on is the load's (VmHWM reset to the current RSS).
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    let before = status_mib("VmRSS:");
     let started = Instant::now();
     let loaded = store
         .load(ROUTE)
@@ -56,11 +66,26 @@ async fn measure(label: &str, store: Arc<dyn CheckpointStore>, keys: usize) {
         .expect("a checkpoint");
     let load = started.elapsed().as_secs_f64();
     assert_eq!(loaded.len(), keys, "{label}: every key loads");
+    let (peak, held) = (status_mib("VmHWM:"), status_mib("VmRSS:"));
+    drop(loaded);
     println!(
-        "  {label:<32} write {keys} keys {wrote:>6.2} s ({:>7.0} keys/s)   load {load:>6.2} s ({:>7.0} keys/s)",
+        "  {label:<32} write {keys} keys {wrote:>6.2} s ({:>7.0} keys/s)   load {load:>6.2} s ({:>7.0} keys/s), RSS +{:.0} MiB at its peak, +{:.0} MiB once loaded",
         keys as f64 / wrote,
-        keys as f64 / load
+        keys as f64 / load,
+        peak - before,
+        held - before,
     );
+}
+
+/// A field of /proc/self/status (VmRSS, VmHWM), in MiB.
+fn status_mib(field: &str) -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .unwrap_or(0.0)
+        / 1024.0
 }
 
 fn main() {
@@ -68,6 +93,7 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(100_000);
+    kube_event_bridge::allocator::configure();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use super::{
     client::{KafkaClient, SinkProducer},
     config::KafkaSinkConfig,
-    reader::{TIMEOUT, read_to_end},
+    reader::{Record, TIMEOUT, read_to_end},
     record::{CheckpointRecord, record_of},
     sink::KafkaSink,
     transactions::TransactionSet,
@@ -120,40 +120,36 @@ impl KafkaCheckpointStore {
         }
     }
 
-    /// Reads the whole topic (blocking; run it off the async threads): the entries of every
-    /// route a record names.
-    fn read_all(&self) -> Result<Read> {
+    /// Reads the whole topic: the entries of the routes `wanted` names (a record of another
+    /// route is only looked at for its key). The consumer reads on a blocking thread and
+    /// hands the records over in batches, so that only the wanted routes' entries are ever
+    /// held (a read for another route's sake, as the search for kinds no longer served, holds
+    /// none of them).
+    async fn read_all(&self, wanted: impl Fn(&str) -> bool) -> Result<Read> {
+        const BATCH: usize = 1024;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Record>>(4);
+        let (consumer, topic) = (self.consumer.clone(), self.topic.clone());
+        let reading = tokio::task::spawn_blocking(move || {
+            let mut batch = Vec::with_capacity(BATCH);
+            read_to_end(&consumer, std::slice::from_ref(&topic), |r| {
+                batch.push(r);
+                if batch.len() == BATCH {
+                    // The receiver stays until the read ends (below).
+                    let _ =
+                        tx.blocking_send(std::mem::replace(&mut batch, Vec::with_capacity(BATCH)));
+                }
+            })?;
+            let _ = tx.blocking_send(batch);
+            Ok::<_, String>(())
+        });
         let mut read = Read::default();
-        read_to_end(&self.consumer, std::slice::from_ref(&self.topic), |r| {
-            let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
-                // A tombstone of a key that is not ours removes nothing of ours.
-                if r.value.is_none() {
-                    return;
-                }
-                read.unreadable_key
-                    .get_or_insert_with(|| String::from_utf8_lossy(&r.key).into_owned());
-                return;
-            };
-            let entries = read.routes.entry(route.clone()).or_default();
-            let corrupt = read.corrupt.entry(route).or_default();
-            // The newest record of a key decides: a later one mends a corrupt one.
-            corrupt.remove(&key);
-            match r.value {
-                None => {
-                    entries.remove(&key);
-                }
-                Some(value) => match serde_json::from_slice::<Entry>(&value) {
-                    Ok(entry) => {
-                        entries.insert(key, entry);
-                    }
-                    Err(e) => {
-                        entries.remove(&key);
-                        corrupt.insert(key, e.to_string());
-                    }
-                },
-            }
-        })
-        .map_err(|e| self.error(e))?;
+        while let Some(batch) = rx.recv().await {
+            batch.into_iter().for_each(|r| read.add(r, &wanted));
+        }
+        reading
+            .await
+            .map_err(|e| self.error(e))?
+            .map_err(|e| self.error(e))?;
         Ok(read)
     }
 }
@@ -166,6 +162,42 @@ struct Read {
     corrupt: HashMap<String, HashMap<String, String>>,
     /// A record whose key is not `[route, key]`.
     unreadable_key: Option<String>,
+}
+
+impl Read {
+    /// Takes in the next record read (in offset order per key), if `wanted` names its route.
+    fn add(&mut self, r: Record, wanted: impl Fn(&str) -> bool) {
+        let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
+            // A tombstone of a key that is not ours removes nothing of ours.
+            if r.value.is_none() {
+                return;
+            }
+            self.unreadable_key
+                .get_or_insert_with(|| String::from_utf8_lossy(&r.key).into_owned());
+            return;
+        };
+        if !wanted(&route) {
+            return;
+        }
+        let entries = self.routes.entry(route.clone()).or_default();
+        let corrupt = self.corrupt.entry(route).or_default();
+        // The newest record of a key decides: a later one mends a corrupt one.
+        corrupt.remove(&key);
+        match r.value {
+            None => {
+                entries.remove(&key);
+            }
+            Some(value) => match serde_json::from_slice::<Entry>(&value) {
+                Ok(entry) => {
+                    entries.insert(key, entry);
+                }
+                Err(e) => {
+                    entries.remove(&key);
+                    corrupt.insert(key, e.to_string());
+                }
+            },
+        }
+    }
 }
 
 impl CheckpointStore for KafkaCheckpointStore {
@@ -186,15 +218,7 @@ impl CheckpointStore for KafkaCheckpointStore {
                 // the resume would send those objects again.
                 let _ = t.commit().await;
             }
-            let this = Self {
-                topic: self.topic.clone(),
-                producer: self.producer.clone(),
-                consumer: self.consumer.clone(),
-                transactions: None,
-            };
-            let mut read = tokio::task::spawn_blocking(move || this.read_all())
-                .await
-                .map_err(|e| self.error(e))??;
+            let read = self.read_all(wanted).await?;
             // A checkpoint with a record that cannot be read is incomplete: never guess.
             if let Some(key) = read.unreadable_key {
                 return Err(self.error(format!(
@@ -203,7 +227,7 @@ impl CheckpointStore for KafkaCheckpointStore {
                      topic for checkpoints only) to go on"
                 )));
             }
-            for (route, corrupt) in read.corrupt.iter().filter(|(r, _)| wanted(r)) {
+            for (route, corrupt) in &read.corrupt {
                 if let Some((key, e)) = corrupt.iter().next() {
                     return Err(self.error(format!(
                         "route {route}: the newest record of {key} is corrupt ({e}), so the \
@@ -212,7 +236,6 @@ impl CheckpointStore for KafkaCheckpointStore {
                     )));
                 }
             }
-            read.routes.retain(|route, _| wanted(route));
             Ok(read.routes)
         }
         .boxed()
@@ -276,5 +299,51 @@ impl KafkaCheckpointStore {
             result.map_err(|e| self.error(e))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(key: &str, value: Option<&str>) -> Record {
+        Record {
+            topic: "checkpoints".into(),
+            partition: 0,
+            offset: 0,
+            key: key.as_bytes().to_vec(),
+            value: value.map(|v| v.as_bytes().to_vec()),
+            headers: Vec::new(),
+        }
+    }
+
+    /// A read keeps the entries of the routes asked for only, with the newest record of each
+    /// key deciding; a record of another route is still looked at for its key.
+    #[test]
+    fn a_read_keeps_only_the_routes_asked_for() {
+        let entry = |rv: &str| format!(r#"{{"uid":"u","resourceVersion":"{rv}"}}"#);
+        let wanted = |route: &str| route == "configmap/a";
+        let mut read = Read::default();
+        for r in [
+            record(r#"["configmap/a","ns/one"]"#, Some(&entry("1"))),
+            record(r#"["configmap/b","ns/one"]"#, Some(&entry("1"))),
+            record(r#"["configmap/a","ns/two"]"#, Some("not json")),
+            record(r#"["configmap/b","ns/two"]"#, Some("not json")),
+            record(r#"["configmap/a","ns/one"]"#, Some(&entry("2"))),
+            record(r#"["configmap/a","ns/three"]"#, Some(&entry("1"))),
+            record(r#"["configmap/a","ns/three"]"#, None),
+        ] {
+            read.add(r, wanted);
+        }
+        assert_eq!(read.routes.keys().collect::<Vec<_>>(), ["configmap/a"]);
+        let a = &read.routes["configmap/a"];
+        assert_eq!(a.len(), 1, "ns/two is corrupt, ns/three deleted: {a:?}");
+        assert_eq!(a["ns/one"].resource_version, "2");
+        assert_eq!(read.corrupt.keys().collect::<Vec<_>>(), ["configmap/a"]);
+        assert!(read.corrupt["configmap/a"].contains_key("ns/two"));
+        assert!(read.unreadable_key.is_none());
+        // A key that is not [route, key] makes every route's checkpoint suspect.
+        read.add(record("plain", Some("x")), wanted);
+        assert_eq!(read.unreadable_key.as_deref(), Some("plain"));
     }
 }
