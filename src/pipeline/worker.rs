@@ -214,11 +214,6 @@ struct Sent {
     bytes: usize,
     received: std::time::Instant,
     started: std::time::Instant,
-    /// The payload, kept until the acknowledgement: a sink that shares it (Kafka's, until
-    /// its report) lets go first, so it is freed here, by a runtime thread (likely the one
-    /// that encoded it), not by the sink's reporting thread. No more memory: the sink holds
-    /// it meanwhile anyway.
-    _payload: bytes::Bytes,
 }
 
 impl Sent {
@@ -231,7 +226,6 @@ impl Sent {
             event_type: message.event_type,
             received: message.received,
             started,
-            _payload: message.payload,
         }
     }
 }
@@ -242,6 +236,11 @@ struct Pending {
     message: Sent,
     /// Its bytes in flight (see [`InFlight`]), given back with the acknowledgement.
     bytes: OwnedPermit,
+    /// Its payload, let go of with `bytes` (so within the room that counts it): a sink that
+    /// shares it (Kafka's, until its report) lets go first, so it is freed by a runtime
+    /// thread (likely the one that encoded it), not by the sink's reporting thread (mimalloc
+    /// frees across threads by a slower path).
+    payload: bytes::Bytes,
 }
 
 enum Submitted {
@@ -646,7 +645,7 @@ impl Route {
             self.metrics
                 .bytes_in_flight
                 .sub(pending.bytes.num_permits() as i64);
-            drop(pending.bytes);
+            drop((pending.bytes, pending.payload));
             self.metrics.in_flight.dec();
             let delivered = result.is_ok();
             match self.acknowledged(key, &n, &pending.message, result).await {
@@ -877,6 +876,7 @@ impl Route {
                     self.metrics.bytes_in_flight.add(bytes.num_permits() as i64);
                     return Submitted::Pending(Pending {
                         ack,
+                        payload: message.payload.clone(),
                         message: Sent::of(message, (trim, forced), started),
                         bytes,
                     });

@@ -121,20 +121,21 @@ impl KafkaCheckpointStore {
     }
 
     /// Reads the whole topic: the entries of the routes `wanted` names (a record of another
-    /// route is only looked at for its key). The consumer reads on a blocking thread and
-    /// hands the records over in batches, so that only the wanted routes' entries are ever
-    /// held (a read for another route's sake, as the search for kinds no longer served, holds
-    /// none of them).
+    /// route is only looked at for its key). The consumer reads and parses on a blocking
+    /// thread and hands the records over in batches, so that only the wanted routes' entries
+    /// are ever held (a read for another route's sake, as the search for kinds no longer
+    /// served, holds none of them).
     async fn read_all(&self, wanted: impl Fn(&str) -> bool) -> Result<Read> {
         const BATCH: usize = 1024;
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Record>>(4);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Parsed>>(4);
         let (consumer, topic) = (self.consumer.clone(), self.topic.clone());
         let reading = tokio::task::spawn_blocking(move || {
             let mut batch = Vec::with_capacity(BATCH);
             read_to_end(&consumer, std::slice::from_ref(&topic), |r| {
-                batch.push(r);
+                batch.push(Parsed::from(r));
                 if batch.len() == BATCH {
-                    // The receiver stays until the read ends (below).
+                    // The receiver stays until the read ends (below), unless the load was
+                    // dropped: the read then goes to its end unheard.
                     let _ =
                         tx.blocking_send(std::mem::replace(&mut batch, Vec::with_capacity(BATCH)));
                 }
@@ -144,13 +145,42 @@ impl KafkaCheckpointStore {
         });
         let mut read = Read::default();
         while let Some(batch) = rx.recv().await {
-            batch.into_iter().for_each(|r| read.add(r, &wanted));
+            batch.into_iter().for_each(|p| read.add(p, &wanted));
         }
         reading
             .await
             .map_err(|e| self.error(e))?
             .map_err(|e| self.error(e))?;
         Ok(read)
+    }
+}
+
+/// One record of the checkpoint topic, parsed.
+enum Parsed {
+    /// A tombstone of a key that is not ours: it removes nothing of ours.
+    Ignored,
+    /// A record whose key is not `[route, key]`.
+    Unreadable(String),
+    /// A record of `key` in `route`: its entry, none for a tombstone, or why it is corrupt.
+    Keyed {
+        route: String,
+        key: String,
+        entry: Option<std::result::Result<Entry, String>>,
+    },
+}
+
+impl From<Record> for Parsed {
+    fn from(r: Record) -> Self {
+        let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
+            return match r.value {
+                None => Self::Ignored,
+                Some(_) => Self::Unreadable(String::from_utf8_lossy(&r.key).into_owned()),
+            };
+        };
+        let entry = r
+            .value
+            .map(|v| serde_json::from_slice::<Entry>(&v).map_err(|e| e.to_string()));
+        Self::Keyed { route, key, entry }
     }
 }
 
@@ -162,40 +192,47 @@ struct Read {
     corrupt: HashMap<String, HashMap<String, String>>,
     /// A record whose key is not `[route, key]`.
     unreadable_key: Option<String>,
+    /// Whether the read keeps a route's entries, once asked (asked once per route, not per
+    /// record: the callers' filters compare names with every route they serve).
+    wanted: HashMap<String, bool>,
 }
 
 impl Read {
     /// Takes in the next record read (in offset order per key), if `wanted` names its route.
-    fn add(&mut self, r: Record, wanted: impl Fn(&str) -> bool) {
-        let Ok((route, key)) = serde_json::from_slice::<(String, String)>(&r.key) else {
-            // A tombstone of a key that is not ours removes nothing of ours.
-            if r.value.is_none() {
+    fn add(&mut self, record: Parsed, wanted: impl Fn(&str) -> bool) {
+        let (route, key, entry) = match record {
+            Parsed::Ignored => return,
+            Parsed::Unreadable(key) => {
+                self.unreadable_key.get_or_insert(key);
                 return;
             }
-            self.unreadable_key
-                .get_or_insert_with(|| String::from_utf8_lossy(&r.key).into_owned());
-            return;
+            Parsed::Keyed { route, key, entry } => (route, key, entry),
         };
-        if !wanted(&route) {
+        let keep = match self.wanted.get(&route) {
+            Some(&keep) => keep,
+            None => *self
+                .wanted
+                .entry(route.clone())
+                .or_insert_with(|| wanted(&route)),
+        };
+        if !keep {
             return;
         }
         let entries = self.routes.entry(route.clone()).or_default();
         let corrupt = self.corrupt.entry(route).or_default();
         // The newest record of a key decides: a later one mends a corrupt one.
         corrupt.remove(&key);
-        match r.value {
+        match entry {
             None => {
                 entries.remove(&key);
             }
-            Some(value) => match serde_json::from_slice::<Entry>(&value) {
-                Ok(entry) => {
-                    entries.insert(key, entry);
-                }
-                Err(e) => {
-                    entries.remove(&key);
-                    corrupt.insert(key, e.to_string());
-                }
-            },
+            Some(Ok(entry)) => {
+                entries.insert(key, entry);
+            }
+            Some(Err(e)) => {
+                entries.remove(&key);
+                corrupt.insert(key, e);
+            }
         }
     }
 }
@@ -333,7 +370,7 @@ mod tests {
             record(r#"["configmap/a","ns/three"]"#, Some(&entry("1"))),
             record(r#"["configmap/a","ns/three"]"#, None),
         ] {
-            read.add(r, wanted);
+            read.add(r.into(), wanted);
         }
         assert_eq!(read.routes.keys().collect::<Vec<_>>(), ["configmap/a"]);
         let a = &read.routes["configmap/a"];
@@ -343,7 +380,7 @@ mod tests {
         assert!(read.corrupt["configmap/a"].contains_key("ns/two"));
         assert!(read.unreadable_key.is_none());
         // A key that is not [route, key] makes every route's checkpoint suspect.
-        read.add(record("plain", Some("x")), wanted);
+        read.add(record("plain", Some("x")).into(), wanted);
         assert_eq!(read.unreadable_key.as_deref(), Some("plain"));
     }
 }
