@@ -421,11 +421,13 @@ impl Encoder {
     /// About what the message of `n` weighs, before it is encoded: the objects' JSON it
     /// carries (the old one only where update messages carry it, the new one again for a
     /// patch at most about its size) and 1 KiB for the envelope's attributes (a structured
-    /// CloudEvent's take 600-700 bytes).
+    /// CloudEvent's take 600-700 bytes; in binary and state mode they go as headers, which
+    /// [`Message::wire_size`] counts too).
     pub fn size_estimate(&self, n: &Notification) -> usize {
+        const ENVELOPE: usize = 1024;
         let object = n.object().json().get().len();
         if self.encoding == Encoding::State {
-            return object;
+            return object + ENVELOPE;
         }
         let old = match n.kind() {
             NotificationKind::Update { old, .. } if self.include_old_object => {
@@ -437,7 +439,7 @@ impl Encoder {
             NotificationKind::Update { .. } if self.diff == DiffMode::Patch => object,
             _ => 0,
         };
-        object + old + patch + 1024
+        object + old + patch + ENVELOPE
     }
 
     /// Encodes one notification about the object at `key` (`namespace/name`, as
@@ -988,7 +990,13 @@ mod tests {
             &MessageConfig::default(),
             Encoding::Structured,
         );
-        for enc in [plain, patching(true), patching(false)] {
+        let state = Encoder::new(
+            "c",
+            &configmaps(),
+            &MessageConfig::default(),
+            Encoding::State,
+        );
+        for enc in [plain, patching(true), patching(false), state] {
             let size = enc.encode("ns/a", &update).unwrap().wire_size();
             let estimate = enc.size_estimate(&update);
             assert!(

@@ -121,7 +121,7 @@ impl KafkaCheckpointStore {
     }
 
     /// Reads the whole topic: the entries of the routes `wanted` names (a record of another
-    /// route is only looked at for its key). The consumer reads and parses on a blocking
+    /// route is only looked at for its key). The consumer reads and parses keys on a blocking
     /// thread and hands the records over in batches, so that only the wanted routes' entries
     /// are ever held (a read for another route's sake, as the search for kinds no longer
     /// served, holds none of them).
@@ -161,11 +161,12 @@ enum Parsed {
     Ignored,
     /// A record whose key is not `[route, key]`.
     Unreadable(String),
-    /// A record of `key` in `route`: its entry, none for a tombstone, or why it is corrupt.
+    /// A record of `key` in `route`: its value (parsed only if the route is wanted), none for
+    /// a tombstone.
     Keyed {
         route: String,
         key: String,
-        entry: Option<std::result::Result<Entry, String>>,
+        value: Option<Vec<u8>>,
     },
 }
 
@@ -177,10 +178,11 @@ impl From<Record> for Parsed {
                 Some(_) => Self::Unreadable(String::from_utf8_lossy(&r.key).into_owned()),
             };
         };
-        let entry = r
-            .value
-            .map(|v| serde_json::from_slice::<Entry>(&v).map_err(|e| e.to_string()));
-        Self::Keyed { route, key, entry }
+        Self::Keyed {
+            route,
+            key,
+            value: r.value,
+        }
     }
 }
 
@@ -206,7 +208,7 @@ impl Read {
                 self.unreadable_key.get_or_insert(key);
                 return;
             }
-            Parsed::Keyed { route, key, entry } => (route, key, entry),
+            Parsed::Keyed { route, key, value } => (route, key, value),
         };
         let keep = match self.wanted.get(&route) {
             Some(&keep) => keep,
@@ -222,7 +224,7 @@ impl Read {
         let corrupt = self.corrupt.entry(route).or_default();
         // The newest record of a key decides: a later one mends a corrupt one.
         corrupt.remove(&key);
-        match entry {
+        match entry.map(|v| serde_json::from_slice::<Entry>(&v)) {
             None => {
                 entries.remove(&key);
             }
@@ -231,7 +233,7 @@ impl Read {
             }
             Some(Err(e)) => {
                 entries.remove(&key);
-                corrupt.insert(key, e);
+                corrupt.insert(key, e.to_string());
             }
         }
     }

@@ -125,10 +125,10 @@ fn reader(
         config.set("fetch.wait.max.ms", ms);
     }
     // What librdkafka fetches ahead of the reader (its defaults: 100,000 messages or 65,536
-    // KB; the partitions' queues are forwarded to the consumer's, so for all of them). A read to the end consumes as fast as it fetches, and what was fetched
-    // ahead sits in the C library's heap: with the defaults, reading a checkpoint of 50,000
-    // keys held about 48 MiB there, a third of the process (docs/src/performance.md).
-    // Once the queue was full, the next fetch goes after 10 ms, not librdkafka's default
+    // KB; the partitions' queues are forwarded to the consumer's, so for all of them). A
+    // read to the end consumes as fast as it fetches, and what was fetched ahead sits in the
+    // C library's heap: with the defaults, reading a checkpoint of 50,000 keys held about 48
+    // MiB there, a third of the process (docs/src/performance.md). Once the queue was full, the next fetch goes after 10 ms, not librdkafka's default
     // second (which made a load of 100,000 keys take 2.4 s); 0 would keep the broker thread
     // spinning while a slow reader (a paused `tail`) leaves the queue full.
     config
