@@ -23,7 +23,7 @@ use std::sync::Arc;
 use super::{
     client::{KafkaClient, SinkProducer},
     config::KafkaSinkConfig,
-    reader::{Record, TIMEOUT, read_to_end},
+    reader::{Record, TIMEOUT, read_to_end_closing_later},
     record::{CheckpointRecord, record_of},
     sink::KafkaSink,
     transactions::TransactionSet,
@@ -105,6 +105,7 @@ impl KafkaCheckpointStore {
             },
             Err(e) => return Err(setup(format!("cannot create it: {e}"))),
         }
+        super::client::close_later(admin);
         Ok(Self {
             topic,
             producer,
@@ -131,7 +132,7 @@ impl KafkaCheckpointStore {
         let (consumer, topic) = (self.consumer.clone(), self.topic.clone());
         let reading = tokio::task::spawn_blocking(move || {
             let mut batch = Vec::with_capacity(BATCH);
-            read_to_end(&consumer, std::slice::from_ref(&topic), |r| {
+            read_to_end_closing_later(&consumer, std::slice::from_ref(&topic), |r| {
                 batch.push(Parsed::from(r));
                 if batch.len() == BATCH {
                     // The receiver stays until the read ends (below), unless the load was

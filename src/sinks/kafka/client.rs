@@ -32,6 +32,13 @@ use super::{
 /// The sink's producer (see `producer`).
 pub type SinkProducer = super::producer::ReportingProducer<KafkaContext>;
 
+/// Drops a librdkafka client (an admin client made for one request) on a blocking thread,
+/// without waiting for it: destroying a client waits for its threads to end, about 100 ms
+/// here, which must hold neither an async worker nor the task that made it (a start).
+pub fn close_later<T: Send + 'static>(client: T) {
+    drop(tokio::task::spawn_blocking(move || drop(client)));
+}
+
 /// The client context of every client of a sink. rdkafka's default logs every consumer error
 /// event as a "Global error" at ERROR level, the end of a partition (`PartitionEOF`, which a
 /// read to the end asks for) included; that one is how a read ends, not an error, and is
@@ -262,6 +269,13 @@ pub fn client_config(
             "message.timeout.ms",
             cfg.delivery_timeout.as_millis().to_string(),
         );
+    // A new client waits reconnect.backoff.ms / 2 between its first connections (as it
+    // starts, its bootstrap broker's, then the partition leader's), 50 ms with librdkafka's
+    // default of 100: a start's metadata check and each checkpoint read paid it. Later
+    // reconnects still back off exponentially to `reconnect.backoff.max.ms` (10 s).
+    if !cfg.properties.contains_key("reconnect.backoff.ms") {
+        c.set("reconnect.backoff.ms", "10");
+    }
     let protocol = match (&cfg.tls, &cfg.sasl) {
         (None, None) => "plaintext",
         (Some(_), None) => "ssl",

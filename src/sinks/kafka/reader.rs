@@ -143,21 +143,59 @@ fn reader(
 /// Reads every partition of `topics` from its first offset to its end (blocking; run it off
 /// the async threads) and hands each record to `each`, in offset order per partition.
 /// `client` holds the brokers and security settings; consumer settings are added here.
-/// Errors are the reason, for the caller to name what it was reading.
+/// Errors are the reason, for the caller to name what it was reading. The consumers are
+/// closed before it returns.
 pub fn read_to_end(
     client: impl Into<KafkaClient>,
     topics: &[String],
-    mut each: impl FnMut(Record),
+    each: impl FnMut(Record),
 ) -> Result<(), String> {
-    let client = client.into();
+    let (read, consumers) = read_topics(client.into(), topics, each);
+    drop(consumers);
+    give_back_freed_memory();
+    read
+}
+
+/// [`read_to_end`] for a long-running process: the consumers are closed on a thread of their
+/// own after it returns. Closing a consumer waits for its threads to end, about 100 ms each
+/// here, which the read's caller (a start, a new leader's resume) has no reason to wait for.
+/// Not for a command about to exit: its exit would race the closing.
+pub fn read_to_end_closing_later(
+    client: impl Into<KafkaClient>,
+    topics: &[String],
+    each: impl FnMut(Record),
+) -> Result<(), String> {
+    let (read, consumers) = read_topics(client.into(), topics, each);
+    // The records' fetch buffers were freed as they were consumed.
+    give_back_freed_memory();
+    let close = move || {
+        drop(consumers);
+        give_back_freed_memory();
+    };
+    if let Err(e) = std::thread::Builder::new()
+        .name("kafka-reader-close".into())
+        .spawn(close)
+    {
+        // The consumers went with the closure, closed as it was dropped.
+        tracing::debug!(error = %e, "No thread to close a read's consumers on");
+    }
+    read
+}
+
+/// Reads `topics` (see [`read_to_end`]); returns the result and the consumers to close.
+fn read_topics(
+    client: KafkaClient,
+    topics: &[String],
+    mut each: impl FnMut(Record),
+) -> (Result<(), String>, Vec<ReaderConsumer>) {
     // One topic at a time: the end of a partition (`PartitionEOF`) names no topic, and with
     // transactions it is how a read ends (the commit markers after the last record leave its
     // next offset below the high watermark).
+    let mut consumers = Vec::new();
     let read = topics
         .iter()
-        .try_for_each(|topic| read_topic_to_end(&client, topic, &mut each));
-    give_back_freed_memory();
-    read
+        .try_for_each(|topic| read_topic_to_end(&client, topic, &mut each, &mut consumers));
+    (read, consumers)
 }
 
 /// Returns what the C allocator holds free to the system: the fetch buffers of a reader's
@@ -172,10 +210,12 @@ fn give_back_freed_memory() {
     }
 }
 
+/// Reads `topic` to its end; its consumers go to `consumers`, for the caller to close.
 fn read_topic_to_end(
     client: &KafkaClient,
     topic: &str,
     each: &mut impl FnMut(Record),
+    consumers: &mut Vec<ReaderConsumer>,
 ) -> Result<(), String> {
     let consumer = reading_to_end(client)?;
     // The end: each partition's high watermark now, as a read_uncommitted client sees it. A
@@ -183,6 +223,19 @@ fn read_topic_to_end(
     // (another shard's, another replica's): reading only to there would miss what was
     // committed after that transaction began.
     let peek = uncommitted(client)?;
+    let read = read_with(&consumer, &peek, topic, each);
+    consumers.extend([consumer, peek]);
+    read
+}
+
+/// [`read_topic_to_end`] with its consumers made: `consumer` reads committed, `peek` tells
+/// the high watermarks.
+fn read_with(
+    consumer: &ReaderConsumer,
+    peek: &ReaderConsumer,
+    topic: &str,
+    each: &mut impl FnMut(Record),
+) -> Result<(), String> {
     let metadata = consumer.fetch_metadata(Some(topic), TIMEOUT).map_err(|e| {
         format!("metadata of {topic}: {e} (does this client have DESCRIBE and READ on it?)")
     })?;

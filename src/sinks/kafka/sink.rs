@@ -389,7 +389,9 @@ impl KafkaSink {
             })
             .collect();
         let options = AdminOptions::new().operation_timeout(Some(METADATA_TIMEOUT));
-        let results = admin.create_topics(&new, &options).await.map_err(|e| {
+        let results = admin.create_topics(&new, &options).await;
+        super::client::close_later(admin);
+        let results = results.map_err(|e| {
             Error::Setup(format!(
                 "sink {}: cannot create topics {topics:?}: {e}",
                 self.name
