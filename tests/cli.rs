@@ -48,7 +48,7 @@ fn shipped_default_config_is_valid() {
     );
     let effective: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
-        effective["kubernetes"]["page_size"], 2000,
+        effective["kubernetes"]["page_size"], 5000,
         "defaults are filled in"
     );
 }

@@ -567,7 +567,7 @@ mod tests {
     fn minimal_config_gets_defaults() {
         let c = Config::from_value(minimal()).unwrap();
         assert_eq!(c.cluster, "default");
-        assert_eq!(c.kubernetes.page_size, 2000);
+        assert_eq!(c.kubernetes.page_size, 5000);
         assert!(c.kubernetes.gzip);
         assert_eq!(c.resources[0].events.len(), 4);
         assert!(c.message.strip_managed_fields && !c.message.allow_secret_data);

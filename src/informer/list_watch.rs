@@ -222,6 +222,39 @@ struct ListPageJson<'a> {
 struct ListPage {
     metadata: ListPageMeta,
     items: Vec<ObjectRef>,
+    /// How many objects to ask for in the next page (see [`next_limit`]).
+    next_limit: u32,
+}
+
+/// How many objects the first page of a paged list asks for (at most `page_size`):
+/// client-go's page, small enough to hand the first objects on soon and to learn their size
+/// before asking for more.
+const FIRST_PAGE: u32 = 500;
+
+/// About how many bytes of JSON a later page may hold: its response is held whole while it is
+/// decoded, next to the page before it being handed on.
+const PAGE_BYTES: usize = 8 << 20;
+
+/// The limit of a paged list's first page (0: unpaged).
+fn first_limit(page_size: u32) -> u32 {
+    page_size.min(FIRST_PAGE)
+}
+
+/// The limit of the page after one of `items` objects in `bytes` of JSON, asked with
+/// `limit`: as many objects of that size as fit in [`PAGE_BYTES`], at least 1 and at most
+/// `page_size` (0: unpaged). A page with no objects (a selector's) tells no size: the limit
+/// stays.
+fn next_limit(page_size: u32, limit: u32, bytes: usize, items: usize) -> u32 {
+    if page_size == 0 {
+        return 0;
+    }
+    if items == 0 {
+        return limit;
+    }
+    let per_object = (bytes / items).max(1);
+    u32::try_from(PAGE_BYTES / per_object)
+        .unwrap_or(u32::MAX)
+        .clamp(1, page_size)
 }
 
 #[derive(Default, serde::Deserialize)]
@@ -236,14 +269,15 @@ struct ListPageMeta {
 }
 
 impl ListWatchConfig {
-    fn list_params(&self, continue_token: Option<String>) -> ListParams {
+    /// A consistent list's parameters, `limit` objects at most (0: unpaged).
+    fn list_params(&self, continue_token: Option<String>, limit: u32) -> ListParams {
         ListParams {
             label_selector: self.labels.clone(),
             field_selector: self.fields.clone(),
             // Unset: a consistent (quorum) read.
             resource_version: None,
             version_match: None,
-            limit: (self.page_size > 0).then_some(self.page_size),
+            limit: (limit > 0).then_some(limit),
             continue_token,
             ..Default::default()
         }
@@ -430,15 +464,16 @@ pub fn list_watch(
 /// A page being fetched.
 type NextPage = tokio_util::task::AbortOnDropHandle<kube::Result<ListPage>>;
 
-/// Starts fetching the page at `continue_token` on a task of its own.
+/// Starts fetching the page at `continue_token` (`limit` objects) on a task of its own.
 fn prefetch(
     api: &Api<DynamicObject>,
     config: &ListWatchConfig,
     continue_token: String,
+    limit: u32,
 ) -> NextPage {
     let (api, config) = (api.clone(), config.clone());
     tokio_util::task::AbortOnDropHandle::new(tokio::spawn(async move {
-        list_page(&api, &config, Some(continue_token)).await
+        list_page(&api, &config, Some(continue_token), limit).await
     }))
 }
 
@@ -448,9 +483,10 @@ async fn list_page(
     api: &Api<DynamicObject>,
     config: &ListWatchConfig,
     continue_token: Option<String>,
+    limit: u32,
 ) -> kube::Result<ListPage> {
     let mut request = kube::core::Request::new(api.resource_url())
-        .list(&config.list_params(continue_token))
+        .list(&config.list_params(continue_token, limit))
         .map_err(kube::Error::BuildRequest)?;
     if let Some(filter) = &config.shard {
         request = filter.select(request);
@@ -478,19 +514,17 @@ async fn list_page(
             items.push(Arc::new(cached));
         }
     }
+    let listed = page.items.as_ref().map_or(0, Vec::len);
     Ok(ListPage {
         metadata: page.metadata,
         items,
+        next_limit: next_limit(config.page_size, limit, text.len(), listed),
     })
 }
 
 /// A list of at most one object with the shard's selector, for its `shardInfo`.
 async fn probe_page(api: &Api<DynamicObject>, config: &ListWatchConfig) -> kube::Result<ListPage> {
-    let probe = ListWatchConfig {
-        page_size: 1,
-        ..config.clone()
-    };
-    list_page(api, &probe, None).await
+    list_page(api, config, None, 1).await
 }
 
 /// A watch from `rv` (with the shard's selector, if any); `initial_events` asks for the
@@ -688,7 +722,15 @@ async fn next_page(
             // Cancelled (the runtime shuts down): the list starts over, if ever.
             Err(_) => return (None, State::Empty),
         },
-        None => list_page(api, config, continue_token).await,
+        // The first page (a later one is always prefetched).
+        None => {
+            let limit = if first {
+                first_limit(config.page_size)
+            } else {
+                config.page_size
+            };
+            list_page(api, config, continue_token, limit).await
+        }
     };
     let list = match page {
         Ok(list) => list,
@@ -709,7 +751,7 @@ async fn next_page(
     // The next page is fetched and decoded while this one is handed on.
     let next = continue_token
         .clone()
-        .map(|token| prefetch(api, config, token));
+        .map(|token| prefetch(api, config, token, list.next_limit));
     // Out-of-shard items were dropped as the page was decoded.
     let page = State::InitPage {
         continue_token,
@@ -794,5 +836,31 @@ async fn watching(
         ),
         // A watch that ends (its timeout) is started again from where it was.
         Some(None) => (None, State::InitListed { rv }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_grow_to_what_fits_and_never_past_the_page_size() {
+        // The first page: client-go's 500, or less if asked.
+        assert_eq!(first_limit(5000), 500);
+        assert_eq!(first_limit(100), 100);
+        assert_eq!(first_limit(0), 0, "unpaged stays unpaged");
+        // ConfigMaps of about 1.3 KB: the page size binds.
+        assert_eq!(next_limit(5000, 500, 500 * 1300, 500), 5000);
+        // Secrets of 100 KB: as many as fit in 8 MiB.
+        assert_eq!(next_limit(5000, 500, 500 * 100_000, 500), 83);
+        // Objects larger than the budget: one at a time.
+        assert_eq!(next_limit(5000, 83, 2 * (10 << 20), 2), 1);
+        // A page a selector emptied tells no size.
+        assert_eq!(next_limit(5000, 700, 40, 0), 700);
+        assert_eq!(
+            next_limit(0, 0, 500 * 1300, 500),
+            0,
+            "unpaged stays unpaged"
+        );
     }
 }
