@@ -20,7 +20,8 @@
 //!
 //! Phases:
 //! 1. Per round and tool, at BENCH_OBJECTS ConfigMaps (about 1 KB, 5 namespaces):
-//!    **initial sync** (first and last message; client-go: `HasSynced`); **steady changes** at
+//!    **initial sync** (first and last message; client-go: `HasSynced`); **idle**: CPU per
+//!    second over BENCH_IDLE_SECS with nothing changing; **steady changes** at
 //!    BENCH_RATE per second and as fast as 16 writers go (80% updates, 10% deletes, 10%
 //!    creates) for BENCH_STEADY_SECS each: lag from the write's acknowledgement to the
 //!    message's arrival, CPU per change, bytes stored per change; **a burst** of
@@ -51,10 +52,11 @@
 //!
 //! `cargo bench --bench peers` (after scripts/build-realk8s and scripts/build-peers; defaults
 //! BENCH_OBJECTS=50000, BENCH_OBJECTS_LARGE=200000, BENCH_ROUNDS=3, BENCH_RATE=500,
-//! BENCH_STEADY_SECS=30, BENCH_BURST=10000, BENCH_RESTART_CHANGES=100,
+//! BENCH_STEADY_SECS=30, BENCH_IDLE_SECS=10, BENCH_BURST=10000, BENCH_RESTART_CHANGES=100,
 //! BENCH_TOOLS=bridge,collector,client-go, BENCH_PHASES=main,failover,large (and outage),
 //! BENCH_SYNC_PATIENCE_SECS=600 (a sync not done by then is reported as not done),
 //! BENCH_TIMELINE=1 (also prints how many messages had arrived by each half second of a sync);
+//! BENCH_KEEP_LOGS=DIR copies each round's tool logs there (`{phase}-{tool}-r{round}-{file}`);
 //! BENCH_BRIDGE_KUBERNETES='{"page_size": 100000}' sets the bridge's `kubernetes` section,
 //! BENCH_BRIDGE_SINK='{"kafka": {"linger": "20ms"}}' is merged into its sink, a null removing
 //! a key).
@@ -352,10 +354,21 @@ impl Arrivals {
             .unwrap();
         consumer.assign(&assignment).unwrap();
         let sink = arrivals.clone();
+        let mut told = std::env::var_os("BENCH_TIMELINE").is_none();
         let task = tokio::spawn(async move {
             let mut messages = consumer.stream();
             while let Some(Ok(m)) = messages.next().await {
                 let at = Instant::now();
+                if !told {
+                    // When the first record was made (its CreateTime) and when it came.
+                    told = true;
+                    let made = m.timestamp().to_millis().unwrap_or_default();
+                    println!(
+                        "  first record: made at {}, received at {}",
+                        jiff::Timestamp::from_millisecond(made).unwrap_or_default(),
+                        jiff::Timestamp::now()
+                    );
+                }
                 let Some(payload) = m.payload() else { continue };
                 if let Ok(value) = serde_json::from_slice::<Value>(payload)
                     && let Some(a) = tool.parse(at, &value)
@@ -999,6 +1012,9 @@ struct Steady {
 #[derive(Default)]
 struct Run {
     sync: Sync,
+    /// CPU ms per second while nothing changes (BENCH_IDLE_SECS after the sync): what a
+    /// tool spends on its own timers, which the steady phase's CPU per change includes.
+    idle_cpu_ms_per_s: Option<f64>,
     /// At BENCH_RATE, and as fast as the writers go.
     steady: [Option<Steady>; 2],
     /// Seconds to write the burst, and until its last update arrived.
@@ -1028,6 +1044,7 @@ struct Bench {
     world: World,
     rate: u64,
     steady_secs: u64,
+    idle_secs: u64,
     burst: u64,
     restart_changes: u64,
     seed: u64,
@@ -1060,15 +1077,21 @@ impl Bench {
         setup: &Setup,
     ) -> (Process, Arrivals, tokio::task::JoinHandle<()>, Sync) {
         let n = live(&self.cluster).await.len();
+        let (arrivals, reader) = match tool {
+            Tool::ClientGo => Arrivals::follow(setup.dir.join("client-go-configmaps.jsonl")),
+            _ => {
+                // The consumer connected and fetching before the tool starts: its own start
+                // (about 0.3 s) is not the tool's.
+                let consuming = Arrivals::consume(tool, &setup.brokers, &setup.topic);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                consuming
+            }
+        };
         let before = requests(&self.client).await;
         let load = ServerLoad::start(&self.cluster, &self.kafka);
         let bytes0 = self.proxy.bytes();
-        let began = Instant::now();
+        let (began, spawned) = (Instant::now(), jiff::Timestamp::now());
         let process = start(tool, setup, tool.key(), false);
-        let (arrivals, reader) = match tool {
-            Tool::ClientGo => Arrivals::follow(setup.dir.join("client-go-configmaps.jsonl")),
-            _ => Arrivals::consume(tool, &setup.brokers, &setup.topic),
-        };
         let synced_line = setup.dir.join("client-go-configmaps.jsonl");
         let patience = Duration::from_secs(from_env("BENCH_SYNC_PATIENCE_SECS", 600));
         let last = until(patience, || match tool {
@@ -1080,7 +1103,10 @@ impl Bench {
         let server = load.end();
         let after = requests(&self.client).await;
         if std::env::var_os("BENCH_TIMELINE").is_some() {
-            println!("  timeline: {}", arrivals.timeline(began));
+            println!(
+                "  timeline (started at {spawned}): {}",
+                arrivals.timeline(began)
+            );
         }
         let sync = Sync {
             first: arrivals
@@ -1136,6 +1162,20 @@ impl Bench {
             return run;
         }
         quiet(&arrivals, Duration::from_secs(2), Duration::from_secs(60)).await;
+
+        // Nothing changes: what the tool spends on its own.
+        if !outage_only && self.idle_secs > 0 {
+            let cpu0 = support::procfs::cpu_seconds(process.pid());
+            tokio::time::sleep(Duration::from_secs(self.idle_secs)).await;
+            let ms = (support::procfs::cpu_seconds(process.pid()) - cpu0) * 1000.0
+                / self.idle_secs as f64;
+            println!(
+                "  [{}] idle for {} s: CPU {ms:.1} ms/s",
+                tool.label(),
+                self.idle_secs
+            );
+            run.idle_cpu_ms_per_s = Some(ms);
+        }
 
         // Steady changes: at the rate asked, then as fast as the writers go.
         let rates: &[Option<u64>] = if outage_only {
@@ -1345,6 +1385,7 @@ impl Bench {
         run.peak_rss = run.peak_rss.max(support::peak_rss_mib(process.pid()));
         process.stop();
         reader.abort();
+        keep_logs(dir.path(), &format!("main-{}-r{round}", tool.key()));
         run
     }
 
@@ -1451,7 +1492,23 @@ impl Bench {
         let (mut process, _arrivals, reader, sync) = self.sync(tool, &setup).await;
         process.stop();
         reader.abort();
+        keep_logs(dir.path(), &format!("large-{}-r{round}", tool.key()));
         sync
+    }
+}
+
+/// Copies the `*.log` files of a round's directory into BENCH_KEEP_LOGS (a directory), named
+/// `{tag}-{file}`, when it is set.
+fn keep_logs(dir: &Path, tag: &str) {
+    let Some(to) = std::env::var_os("BENCH_KEEP_LOGS").map(PathBuf::from) else {
+        return;
+    };
+    std::fs::create_dir_all(&to).unwrap();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".log") {
+            std::fs::copy(entry.path(), to.join(format!("{tag}-{name}"))).unwrap();
+        }
     }
 }
 
@@ -1672,6 +1729,7 @@ async fn run() {
         },
         rate: from_env("BENCH_RATE", 500),
         steady_secs: from_env("BENCH_STEADY_SECS", 30),
+        idle_secs: from_env("BENCH_IDLE_SECS", 10),
         burst: from_env("BENCH_BURST", 10_000),
         restart_changes: from_env("BENCH_RESTART_CHANGES", 100),
         seed: support::parity::seed(),
@@ -1925,6 +1983,10 @@ async fn run() {
                         .collect(),
                 )
             };
+            put(
+                "idle_cpu_ms_per_s",
+                median(rs.iter().filter_map(|r| r.idle_cpu_ms_per_s).collect()),
+            );
             put("cpu_per_change_ms_500", steady(0, &|s| s.cpu_ms));
             put("lag_p99_ms_500", steady(0, &|s| s.p99));
             put("cpu_per_change_ms_max_rate", steady(1, &|s| s.cpu_ms));

@@ -25,7 +25,11 @@ impl Replica {
         let child = Command::new(env!("CARGO_BIN_EXE_kube-event-bridge"))
             .args(["run", "--config", cfg.to_str().unwrap()])
             .env("KUBECONFIG", kubeconfig)
-            .env("RUST_LOG", "info")
+            // REPLICA_RUST_LOG: another filter, for a bench to look closer.
+            .env(
+                "RUST_LOG",
+                std::env::var("REPLICA_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            )
             // The tests read its log as lines (`admin=`, `Became leader`), not JSON.
             .env("KEB_LOG__FORMAT", "pretty")
             .stdout(Stdio::null())
