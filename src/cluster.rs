@@ -32,9 +32,11 @@ pub struct KubernetesConfig {
     pub context: Option<String>,
     /// Objects per page of a list request at most: 5000, where client-go asks for 500. A
     /// paged list waits one round trip per page, and each page costs the API server CPU
-    /// besides its objects (docs/src/performance.md). The first page asks for 500, and each
-    /// later one for as many objects of the size seen as fit in about 8 MiB of JSON (a page
-    /// is held whole while it is read): 5000 ConfigMaps of 1 KB, 80 Secrets of 100 KB.
+    /// besides its objects (docs/src/performance.md). The first page asks for 500; each later
+    /// one for as many objects as about 8 MiB of JSON holds, judged by the largest object of
+    /// the page before and at most four times as many as it: 5000 ConfigMaps of 1 KB, 83
+    /// Secrets of 100 KB. A page is held whole while it is read and the estimate is no
+    /// bound: lower it where large objects follow many small ones.
     #[serde(default = "default_page_size")]
     pub page_size: u32,
     /// Use a streaming watch-list (`sendInitialEvents=true`) for the initial state instead of a

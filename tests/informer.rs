@@ -721,6 +721,48 @@ async fn lists_in_flight_are_capped_over_every_informer_of_a_factory() {
     }
 }
 
+/// A paged list asks for client-go's 500 objects first, then for as many as about 8 MiB of
+/// JSON holds (judged by the largest object of the page before), at most four times as many
+/// as the page before and never more than `page_size`; every object arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_pages_grow_to_what_fits_in_about_8_mib() {
+    // (objects, bytes of data each, the limits asked)
+    let small = (3000, 1, vec![Some(500), Some(2000), Some(5000)]);
+    // Objects of about 50 KB: 8 MiB holds some 167 of them.
+    let large = (520, 50_000, vec![Some(500), Some(8 * 1024 * 1024 / 50_300)]);
+    for (n, bytes, limits) in [small, large] {
+        let server = ApiServer::start().await;
+        let value = "x".repeat(bytes);
+        for i in 0..n {
+            server.create(typed(&configmap("ns", &format!("cm-{i:04}"), &value)));
+        }
+        let factory = factory_on(&server, 5000, false, 16);
+        let informer = factory.informer_for(&configmaps(), key(None), None);
+        let l = Collector::new();
+        informer.add_listener(Arc::new(ProcessorListener::new("l", ALL, None, l.clone())));
+        let cancel = CancellationToken::new();
+        factory.start(&cancel);
+        let mut got = take(&l, n).await;
+        got.sort();
+        got.dedup();
+        assert_eq!(got.len(), n, "every object once");
+        wait::until("has_synced", PATIENCE, async || informer.has_synced()).await;
+        cancel.cancel();
+        let asked = server.list_limits("/api/v1/configmaps");
+        println!("{n} objects of {bytes} bytes: limits {asked:?}");
+        assert_eq!(asked.len(), limits.len(), "{asked:?}");
+        assert_eq!(asked[0], limits[0]);
+        for (got, want) in asked.iter().zip(&limits).skip(1) {
+            // Within a few objects of the estimate (the object's JSON beside its data).
+            let (got, want) = (got.unwrap(), want.unwrap());
+            assert!(
+                got.abs_diff(want) <= want / 50,
+                "limits {asked:?}, about {limits:?}"
+            );
+        }
+    }
+}
+
 /// An informer of one namespace for a shard that namespace's hash falls outside of can never
 /// hold an object: it asks the server nothing (no list, no watch) and is synced, empty, at
 /// once; the informer of the shard that holds the namespace lists its objects.

@@ -68,7 +68,7 @@ impl fmt::Display for InformerKey {
 /// How reflectors list and watch.
 #[derive(Debug, Clone)]
 pub struct WatchOptions {
-    /// Objects per list page.
+    /// Objects per list page at most (`ListWatchConfig::page_size`).
     pub page_size: u32,
     /// Streaming watch-list instead of a paged list.
     pub streaming_list: bool,

@@ -17,6 +17,14 @@
 //! - **A relist can be asked for** ([`Relists::request`]): whatever the machine is doing (a
 //!   list in progress included) is dropped and a new consistent list starts. A new leader
 //!   compares its checkpoints with such a list, not with a cache its watch may lag behind.
+//! - **Pages grow to what fits.** client-go's pager asks every page for the same `limit`; here
+//!   the first page asks for [`FIRST_PAGE`] objects and each later one for an estimate of what
+//!   fits in [`PAGE_BYTES`] (from the largest object of the page before, growing at most
+//!   [`GROWTH`]-fold a page), at most `page_size`. The API documents `continue` for identical
+//!   parameters; kube-apiserver's continue tokens (etcd's and the watch cache's) hold the
+//!   snapshot and the next key, not the limit, so a limit that changes between pages
+//!   continues the same list. An aggregated API server whose tokens held the limit would
+//!   refuse or restart it, and `page_size: 0` (unpaged) or a fixed small one avoids that.
 //!
 //! Errors other than these are returned as the stream's items, in the state to retry from;
 //! the caller's backoff (`default_backoff`) spaces the retries.
@@ -44,7 +52,8 @@ use crate::shard::Shard;
 /// What the list+watch asks the server for.
 #[derive(Debug, Clone, Default)]
 pub struct ListWatchConfig {
-    /// Objects per page of a paged list (0: no limit).
+    /// Objects per page of a paged list at most (0: no limit): the first page asks for 500,
+    /// each later one for about what fits in 8 MiB (see the module docs).
     pub page_size: u32,
     /// A streaming watch-list instead of a paged list.
     pub streaming: bool,
@@ -232,28 +241,31 @@ struct ListPage {
 const FIRST_PAGE: u32 = 500;
 
 /// About how many bytes of JSON a later page may hold: its response is held whole while it is
-/// decoded, next to the page before it being handed on.
+/// decoded, next to the page before it being handed on. An estimate, from the page before.
 const PAGE_BYTES: usize = 8 << 20;
+
+/// How many times the limit of the page before a page asks for at most.
+const GROWTH: u32 = 4;
 
 /// The limit of a paged list's first page (0: unpaged).
 fn first_limit(page_size: u32) -> u32 {
     page_size.min(FIRST_PAGE)
 }
 
-/// The limit of the page after one of `items` objects in `bytes` of JSON, asked with
-/// `limit`: as many objects of that size as fit in [`PAGE_BYTES`], at least 1 and at most
-/// `page_size` (0: unpaged). A page with no objects (a selector's) tells no size: the limit
-/// stays.
-fn next_limit(page_size: u32, limit: u32, bytes: usize, items: usize) -> u32 {
+/// The limit of the page after one asked with `limit` whose largest object took `largest`
+/// bytes of JSON: as many objects of that size as fit in [`PAGE_BYTES`], at most [`GROWTH`]
+/// times `limit`, at least 1 and at most `page_size` (0: unpaged). A page with no objects (a
+/// selector's) tells no size: the limit stays.
+fn next_limit(page_size: u32, limit: u32, largest: Option<usize>) -> u32 {
     if page_size == 0 {
         return 0;
     }
-    if items == 0 {
+    let Some(largest) = largest else {
         return limit;
-    }
-    let per_object = (bytes / items).max(1);
-    u32::try_from(PAGE_BYTES / per_object)
+    };
+    u32::try_from(PAGE_BYTES / largest.max(1))
         .unwrap_or(u32::MAX)
+        .min(limit.saturating_mul(GROWTH))
         .clamp(1, page_size)
 }
 
@@ -514,11 +526,12 @@ async fn list_page(
             items.push(Arc::new(cached));
         }
     }
-    let listed = page.items.as_ref().map_or(0, Vec::len);
+    // Of every item, those of other shards too.
+    let largest = page.items.iter().flatten().map(|i| i.get().len()).max();
     Ok(ListPage {
         metadata: page.metadata,
         items,
-        next_limit: next_limit(config.page_size, limit, text.len(), listed),
+        next_limit: next_limit(config.page_size, limit, largest),
     })
 }
 
@@ -722,14 +735,10 @@ async fn next_page(
             // Cancelled (the runtime shuts down): the list starts over, if ever.
             Err(_) => return (None, State::Empty),
         },
-        // The first page (a later one is always prefetched).
+        // The first page: a later one is always prefetched.
         None => {
-            let limit = if first {
-                first_limit(config.page_size)
-            } else {
-                config.page_size
-            };
-            list_page(api, config, continue_token, limit).await
+            debug_assert!(first, "a later page is prefetched");
+            list_page(api, config, continue_token, first_limit(config.page_size)).await
         }
     };
     let list = match page {
@@ -849,18 +858,15 @@ mod tests {
         assert_eq!(first_limit(5000), 500);
         assert_eq!(first_limit(100), 100);
         assert_eq!(first_limit(0), 0, "unpaged stays unpaged");
-        // ConfigMaps of about 1.3 KB: the page size binds.
-        assert_eq!(next_limit(5000, 500, 500 * 1300, 500), 5000);
+        // ConfigMaps of about 1.3 KB: four times as many a page, up to the page size.
+        assert_eq!(next_limit(5000, 500, Some(1300)), 2000);
+        assert_eq!(next_limit(5000, 2000, Some(1300)), 5000);
         // Secrets of 100 KB: as many as fit in 8 MiB.
-        assert_eq!(next_limit(5000, 500, 500 * 100_000, 500), 83);
+        assert_eq!(next_limit(5000, 500, Some(100_000)), 83);
         // Objects larger than the budget: one at a time.
-        assert_eq!(next_limit(5000, 83, 2 * (10 << 20), 2), 1);
+        assert_eq!(next_limit(5000, 83, Some(10 << 20)), 1);
         // A page a selector emptied tells no size.
-        assert_eq!(next_limit(5000, 700, 40, 0), 700);
-        assert_eq!(
-            next_limit(0, 0, 500 * 1300, 500),
-            0,
-            "unpaged stays unpaged"
-        );
+        assert_eq!(next_limit(5000, 700, None), 700);
+        assert_eq!(next_limit(0, 0, Some(1300)), 0, "unpaged stays unpaged");
     }
 }

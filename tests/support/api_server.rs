@@ -184,6 +184,8 @@ struct Shared {
     inject: watch::Sender<Vec<Bytes>>,
     faults: Mutex<Faults>,
     counts: Mutex<HashMap<String, Counts>>,
+    // The `limit` of every list request, per collection path, in order.
+    list_limits: Mutex<HashMap<String, Vec<Option<usize>>>>,
     addr: Mutex<Option<SocketAddr>>,
     // Bytes of list and watch responses sent.
     bytes_sent: std::sync::atomic::AtomicU64,
@@ -255,6 +257,7 @@ impl ApiServer {
                 ..Default::default()
             }),
             counts: Mutex::default(),
+            list_limits: Mutex::default(),
             addr: Mutex::default(),
             bytes_sent: Default::default(),
             lists_in_flight: Default::default(),
@@ -690,6 +693,14 @@ impl ApiServer {
             .unwrap()
             .get(path)
             .copied()
+            .unwrap_or_default()
+    }
+
+    /// The `limit` of each list request on a collection path, in order (`None`: unpaged).
+    pub fn list_limits(&self, path: &str) -> Vec<Option<usize>> {
+        (self.shared.list_limits.lock().unwrap())
+            .get(path)
+            .cloned()
             .unwrap_or_default()
     }
 
@@ -1218,6 +1229,11 @@ async fn handle(
             if q.get("continue").is_none_or(|c| c.is_empty()) {
                 c.lists_begun += 1;
             }
+            let limit = q.get("limit").and_then(|l| l.parse().ok());
+            (shared.list_limits.lock().unwrap())
+                .entry(path.to_owned())
+                .or_default()
+                .push(limit);
         }
     }
     // Without the ShardedListAndWatch gate the parameter is ignored (and nothing echoed).

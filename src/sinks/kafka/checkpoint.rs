@@ -92,7 +92,9 @@ impl KafkaCheckpointStore {
         let new = NewTopic::new(&topic, 1, TopicReplication::Fixed(replication))
             .set("cleanup.policy", "compact");
         let options = AdminOptions::new().operation_timeout(Some(TIMEOUT));
-        match admin.create_topics([&new], &options).await {
+        let created = admin.create_topics([&new], &options).await;
+        super::client::close_later(admin);
+        match created {
             Ok(results) => match results.into_iter().next() {
                 Some(Ok(_)) => info!(sink = %name, topic = %topic, "Created the checkpoint topic"),
                 Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) | None => {}
@@ -105,7 +107,6 @@ impl KafkaCheckpointStore {
             },
             Err(e) => return Err(setup(format!("cannot create it: {e}"))),
         }
-        super::client::close_later(admin);
         Ok(Self {
             topic,
             producer,

@@ -143,59 +143,58 @@ fn reader(
 /// Reads every partition of `topics` from its first offset to its end (blocking; run it off
 /// the async threads) and hands each record to `each`, in offset order per partition.
 /// `client` holds the brokers and security settings; consumer settings are added here.
-/// Errors are the reason, for the caller to name what it was reading. The consumers are
-/// closed before it returns.
+/// Errors are the reason, for the caller to name what it was reading. Each topic's consumers
+/// are closed once it is read.
 pub fn read_to_end(
     client: impl Into<KafkaClient>,
     topics: &[String],
     each: impl FnMut(Record),
 ) -> Result<(), String> {
-    let (read, consumers) = read_topics(client.into(), topics, each);
-    drop(consumers);
-    give_back_freed_memory();
-    read
+    read_topics(client.into(), topics, each, |consumers| {
+        drop(consumers);
+        give_back_freed_memory();
+    })
 }
 
-/// [`read_to_end`] for a long-running process: the consumers are closed on a thread of their
-/// own after it returns. Closing a consumer waits for its threads to end, about 100 ms each
-/// here, which the read's caller (a start, a new leader's resume) has no reason to wait for.
-/// Not for a command about to exit: its exit would race the closing.
+/// [`read_to_end`] for the service: each topic's consumers are closed on a blocking thread of
+/// the runtime, not waited for. Closing a consumer waits for its threads to end, about 100 ms
+/// each here, which the read's caller (a start, a new leader's resume) has no reason to wait
+/// for; the runtime waits for it as it shuts down.
 pub fn read_to_end_closing_later(
     client: impl Into<KafkaClient>,
     topics: &[String],
     each: impl FnMut(Record),
 ) -> Result<(), String> {
-    let (read, consumers) = read_topics(client.into(), topics, each);
-    // The records' fetch buffers were freed as they were consumed.
-    give_back_freed_memory();
-    let close = move || {
-        drop(consumers);
-        give_back_freed_memory();
-    };
-    if let Err(e) = std::thread::Builder::new()
-        .name("kafka-reader-close".into())
-        .spawn(close)
-    {
-        // The consumers went with the closure, closed as it was dropped.
-        tracing::debug!(error = %e, "No thread to close a read's consumers on");
-    }
-    read
+    read_topics(client.into(), topics, each, |consumers| {
+        let close = move || {
+            drop(consumers);
+            give_back_freed_memory();
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(close)),
+            // Outside a runtime there is nothing to wait for it: closed now.
+            Err(_) => close(),
+        }
+    })
 }
 
-/// Reads `topics` (see [`read_to_end`]); returns the result and the consumers to close.
+/// Reads `topics` (see [`read_to_end`]), handing each topic's consumers to `close` once it is
+/// read (or failed).
 fn read_topics(
     client: KafkaClient,
     topics: &[String],
     mut each: impl FnMut(Record),
-) -> (Result<(), String>, Vec<ReaderConsumer>) {
+    mut close: impl FnMut(Vec<ReaderConsumer>),
+) -> Result<(), String> {
     // One topic at a time: the end of a partition (`PartitionEOF`) names no topic, and with
     // transactions it is how a read ends (the commit markers after the last record leave its
     // next offset below the high watermark).
-    let mut consumers = Vec::new();
-    let read = topics
-        .iter()
-        .try_for_each(|topic| read_topic_to_end(&client, topic, &mut each, &mut consumers));
-    (read, consumers)
+    topics.iter().try_for_each(|topic| {
+        let mut consumers = Vec::new();
+        let read = read_topic_to_end(&client, topic, &mut each, &mut consumers);
+        close(consumers);
+        read
+    })
 }
 
 /// Returns what the C allocator holds free to the system: the fetch buffers of a reader's
