@@ -20,7 +20,8 @@
 //!
 //! Phases:
 //! 1. Per round and tool, at BENCH_OBJECTS ConfigMaps (about 1 KB, 5 namespaces):
-//!    **initial sync** (first and last message; client-go: `HasSynced`); **idle**: CPU per
+//!    **initial sync** (first and last message, read by a consumer started a second before the
+//!    tool; client-go: `HasSynced`); **idle**: CPU per
 //!    second over BENCH_IDLE_SECS with nothing changing; **steady changes** at
 //!    BENCH_RATE per second and as fast as 16 writers go (80% updates, 10% deletes, 10%
 //!    creates) for BENCH_STEADY_SECS each: lag from the write's acknowledgement to the
@@ -55,7 +56,8 @@
 //! BENCH_STEADY_SECS=30, BENCH_IDLE_SECS=10, BENCH_BURST=10000, BENCH_RESTART_CHANGES=100,
 //! BENCH_TOOLS=bridge,collector,client-go, BENCH_PHASES=main,failover,large (and outage),
 //! BENCH_SYNC_PATIENCE_SECS=600 (a sync not done by then is reported as not done),
-//! BENCH_TIMELINE=1 (also prints how many messages had arrived by each half second of a sync);
+//! BENCH_TIMELINE=1 (also prints how many messages had arrived by each half second of a sync,
+//! when the tool was started, and when its first record was made (CreateTime) and received);
 //! BENCH_KEEP_LOGS=DIR copies each round's tool logs there (`{phase}-{tool}-r{round}-{file}`);
 //! BENCH_BRIDGE_KUBERNETES='{"page_size": 100000}' sets the bridge's `kubernetes` section,
 //! BENCH_BRIDGE_SINK='{"kafka": {"linger": "20ms"}}' is merged into its sink, a null removing
