@@ -656,10 +656,42 @@ async fn the_sdks_read_both_content_modes_and_every_example_ends_with_the_server
     let mut live = BTreeMap::new();
     for round in ["live", "restart"] {
         if round == "restart" {
-            // SIGKILLed just after a burst (its exactly_once transaction open), changed while
-            // down, started again without resyncs: its resume sends what changed
-            // (`k8sresumed`, and deletes found by the list, `k8sfinalstateunknown`).
-            update(&api, 30..40, "burst").await;
+            // SIGKILLed with its exactly_once transaction open (a burst's records written
+            // and not committed yet: it commits every 2 s, so a burst committed first is
+            // followed by another), changed while down, started again without resyncs: its
+            // resume sends what changed (`k8sresumed`, and deletes found by the list,
+            // `k8sfinalstateunknown`).
+            for attempt in 1.. {
+                let value = format!("burst {attempt}");
+                update(&api, 30..40, &value).await;
+                let holds = |records: &[Record]| {
+                    records.iter().any(|r| {
+                        r.value
+                            .as_deref()
+                            .is_some_and(|v| v.windows(value.len()).any(|w| w == value.as_bytes()))
+                    })
+                };
+                let read = |committed: bool| {
+                    let (brokers, topic) = (brokers.clone(), topics.structured.clone());
+                    tokio::task::spawn_blocking(move || read_topic(&brokers, &topic, committed))
+                };
+                let mut written = false;
+                for _ in 0..100 {
+                    if holds(&read(false).await.unwrap()) {
+                        written = true;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                assert!(written, "the burst was never written");
+                if !holds(&read(true).await.unwrap()) {
+                    break;
+                }
+                assert!(
+                    attempt < 10,
+                    "every burst was committed before it could be seen open"
+                );
+            }
             replica.signal("KILL");
             delete(&api, 0..3).await;
             update(&api, 5..8, "while down").await;
