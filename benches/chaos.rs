@@ -445,14 +445,6 @@ impl Drop for Service {
     }
 }
 
-/// Sum of a metric's samples (every label set).
-fn metric_sum(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 /// The upper bound of the bucket holding the 99th percentile of a histogram (all labels).
 fn histogram_p99(text: &str, name: &str) -> Option<f64> {
     let bucket = format!("{name}_bucket");
@@ -1009,7 +1001,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
         let mut held = 0.0;
         for s in std::iter::once(&service).chain(&standby).chain(&churn) {
             if let Some(m) = s.metrics().await {
-                held += metric_sum(&m, "keb_listener_buffered_notifications");
+                held += support::metric_in(&m, "keb_listener_buffered_notifications");
             }
         }
         peak_held = peak_held.max(held);
@@ -1181,7 +1173,7 @@ async fn run(scenario: &str, opts: &Options) -> String {
     let (p99, acked, suppressed) = match service.metrics().await {
         Some(m) => (
             histogram_p99(&m, "keb_end_to_end_latency_seconds"),
-            metric_sum(&m, "keb_sink_published_total") as u64,
+            support::metric_in(&m, "keb_sink_published_total") as u64,
             m.lines()
                 .filter(|l| {
                     l.starts_with("keb_filtered_total{") && l.contains("reason=\"suppressed\"")
@@ -1307,10 +1299,10 @@ async fn catch_up(
         for service in services {
             match service.metrics().await {
                 Some(m) => {
-                    held += metric_sum(&m, "keb_listener_buffered_notifications");
-                    owned += metric_sum(&m, "keb_shard_owned");
-                    unresumed += metric_sum(&m, "keb_route_resuming")
-                        + metric_sum(&m, "keb_checkpoint_waiting");
+                    held += support::metric_in(&m, "keb_listener_buffered_notifications");
+                    owned += support::metric_in(&m, "keb_shard_owned");
+                    unresumed += support::metric_in(&m, "keb_route_resuming")
+                        + support::metric_in(&m, "keb_checkpoint_waiting");
                 }
                 None => held = f64::NAN,
             };

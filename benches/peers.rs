@@ -17,6 +17,9 @@
 //! - **CPU seconds and peak RSS** of the tool's process, of the API server's and of etcd's,
 //!   from /proc (RSS sampled every 100 ms), and **the API server's requests by verb** (its
 //!   `apiserver_request_total`).
+//! - The bridge's own **peaks during a sync** of the notifications it held (pending or being
+//!   published, `keb_listener_buffered_notifications`) and of the publishes awaiting Kafka's
+//!   acknowledgement (`keb_sink_in_flight`), from its /metrics every 100 ms.
 //!
 //! Phases:
 //! 1. Per round and tool, at BENCH_OBJECTS ConfigMaps (about 1 KB, 5 namespaces):
@@ -47,9 +50,9 @@
 //! pre-encoded CloudEvents.
 //!
 //! The table (markdown, medians over rounds with the spread) goes to stdout, and a summary to
-//! `target/peers/summary.json`: per tool `sync_s` and `peak_rss_mib` at `objects`,
-//! `sync_large_s` and `peak_rss_large_mib` at `objects_large`, the steady figures, the
-//! failover's, and the floor (`floor_s` at `floor_objects`).
+//! `target/peers/summary.json`: per tool `sync_s`, `peak_rss_mib` (and the bridge's `peak_held`)
+//! at `objects`, `sync_large_s`, `peak_rss_large_mib` (`peak_held_large`) at `objects_large`,
+//! the steady figures, the failover's, and the floor (`floor_s` at `floor_objects`).
 //!
 //! `cargo bench --bench peers` (after scripts/build-realk8s and scripts/build-peers; defaults
 //! BENCH_OBJECTS=50000, BENCH_OBJECTS_LARGE=200000, BENCH_ROUNDS=3, BENCH_RATE=500,
@@ -527,6 +530,47 @@ fn merge(into: &mut Value, changes: Value) {
     }
 }
 
+/// The bridge's peaks of notifications held (`keb_listener_buffered_notifications`: pending or
+/// being published) and of publishes awaiting Kafka's acknowledgement (`keb_sink_in_flight`),
+/// read from its /metrics every 100 ms once its log gives the admin address.
+struct HeldPeaks {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<[f64; 2]>,
+}
+
+impl HeldPeaks {
+    fn sample(log: PathBuf) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn({
+            let stop = stop.clone();
+            async move {
+                let mut peaks = [0.0f64; 2];
+                let mut admin = None;
+                while !stop.load(Ordering::Relaxed) {
+                    if admin.is_none() {
+                        let log = std::fs::read_to_string(&log).unwrap_or_default();
+                        admin = support::replica::admin_in(&log);
+                    }
+                    if let Some(addr) = admin {
+                        let (_, m) = support::http_get(addr, "/metrics").await;
+                        let held = support::metric_in(&m, "keb_listener_buffered_notifications");
+                        peaks[0] = peaks[0].max(held);
+                        peaks[1] = peaks[1].max(support::metric_in(&m, "keb_sink_in_flight"));
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                peaks
+            }
+        });
+        Self { stop, task }
+    }
+
+    async fn end(self) -> [f64; 2] {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap_or_default()
+    }
+}
+
 /// Starts `tool` as `name`; `elect`: the bridge with leader election (the collector always
 /// runs its elector, as configured for production).
 fn start(tool: Tool, s: &Setup, name: &str, elect: bool) -> Process {
@@ -991,6 +1035,9 @@ struct Sync {
     cpu: f64,
     rss: f64,
     read_mib: f64,
+    /// The bridge's peaks of notifications held (pending or being published) and of
+    /// publishes awaiting Kafka's acknowledgement, from its /metrics every 100 ms.
+    held: Option<[f64; 2]>,
     /// The API server's CPU s and peak RSS MiB, etcd's, and the Kafka node's CPU s (it
     /// serves the bench's consumer too, the same for every tool).
     server: [f64; 5],
@@ -1094,6 +1141,10 @@ impl Bench {
         let bytes0 = self.proxy.bytes();
         let (began, spawned) = (Instant::now(), jiff::Timestamp::now());
         let process = start(tool, setup, tool.key(), false);
+        let held = match &process {
+            Process::Bridge(r) => Some(HeldPeaks::sample(r.log_path().to_owned())),
+            _ => None,
+        };
         let synced_line = setup.dir.join("client-go-configmaps.jsonl");
         let patience = Duration::from_secs(from_env("BENCH_SYNC_PATIENCE_SECS", 600));
         let last = until(patience, || match tool {
@@ -1103,6 +1154,10 @@ impl Bench {
         })
         .await;
         let server = load.end();
+        let held = match held {
+            Some(h) => Some(h.end().await),
+            None => None,
+        };
         let after = requests(&self.client).await;
         if std::env::var_os("BENCH_TIMELINE").is_some() {
             println!(
@@ -1118,16 +1173,20 @@ impl Bench {
             cpu: support::procfs::cpu_seconds(process.pid()),
             rss: support::peak_rss_mib(process.pid()),
             read_mib: (self.proxy.bytes() - bytes0) as f64 / 1048576.0,
+            held,
             server,
             requests: requests_between(&before, &after),
         };
         println!(
-            "  [{}] initial sync of {n}: first {:?} s, last {:?} s, CPU {:.1} s, peak RSS {:.0} MiB, read {:.1} MiB; kube-apiserver {:.1} s CPU, {:.0} MiB; etcd {:.1} s CPU, {:.0} MiB; Kafka {:.1} s CPU; requests {}",
+            "  [{}] initial sync of {n}: first {:?} s, last {:?} s, CPU {:.1} s, peak RSS {:.0} MiB, peak held {}, read {:.1} MiB; kube-apiserver {:.1} s CPU, {:.0} MiB; etcd {:.1} s CPU, {:.0} MiB; Kafka {:.1} s CPU; requests {}",
             tool.label(),
             sync.first,
             sync.last,
             sync.cpu,
             sync.rss,
+            sync.held.map_or("–".into(), |[h, f]| format!(
+                "{h:.0} notifications, {f:.0} awaiting Kafka"
+            )),
             sync.read_mib,
             server[0],
             server[1],
@@ -1636,11 +1695,13 @@ fn spread(v: Vec<f64>, digits: usize) -> String {
 fn sync_rows(label: &str, objects: u64, syncs: &[Sync]) -> String {
     let of = |f: &dyn Fn(&Sync) -> Option<f64>, d| spread(syncs.iter().filter_map(f).collect(), d);
     format!(
-        "| {label} | {objects} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",
+        "| {label} | {objects} | {} | {} | {} | {} | {} / {} | {} | {} / {} | {} / {} | {} | {} |",
         of(&|s| s.first, 1),
         of(&|s| s.last, 1),
         of(&|s| Some(s.cpu), 1),
         of(&|s| Some(s.rss), 0),
+        of(&|s| s.held.map(|h| h[0]), 0),
+        of(&|s| s.held.map(|h| h[1]), 0),
         of(&|s| Some(s.read_mib), 0),
         of(&|s| Some(s.server[0]), 1),
         of(&|s| Some(s.server[1]), 0),
@@ -1825,9 +1886,9 @@ async fn run() {
         list_s + produce_s
     );
     println!(
-        "| initial sync | objects | first message s | last message s | CPU s | peak RSS MiB | MiB read | kube-apiserver CPU s / peak MiB | etcd CPU s / peak MiB | Kafka CPU s | API requests (last round) |"
+        "| initial sync | objects | first message s | last message s | CPU s | peak RSS MiB | peak held / awaiting Kafka | MiB read | kube-apiserver CPU s / peak MiB | etcd CPU s / peak MiB | Kafka CPU s | API requests (last round) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (key, rs) in &runs {
         let syncs: Vec<Sync> = rs.iter().map(|r| r.sync.clone()).collect();
         println!("{}", sync_rows(label(key), n, &syncs));
@@ -1978,6 +2039,14 @@ async fn run() {
                 "peak_rss_mib",
                 median(rs.iter().map(|r| r.sync.rss.max(r.peak_rss)).collect()),
             );
+            put(
+                "peak_held",
+                median(
+                    rs.iter()
+                        .filter_map(|r| r.sync.held.map(|h| h[0]))
+                        .collect(),
+                ),
+            );
             let steady = |k: usize, f: &dyn Fn(&Steady) -> f64| {
                 median(
                     rs.iter()
@@ -2014,6 +2083,10 @@ async fn run() {
             put(
                 "peak_rss_large_mib",
                 median(ss.iter().map(|s| s.rss).collect()),
+            );
+            put(
+                "peak_held_large",
+                median(ss.iter().filter_map(|s| s.held.map(|h| h[0])).collect()),
             );
         }
         // The bridge's failover figures are those with `exactly_once: true`.

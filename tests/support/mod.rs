@@ -188,9 +188,13 @@ pub async fn take(l: &Arc<Collector>, n: usize) -> Vec<String> {
 /// The sum of every series of metric `name` at `admin`'s `/metrics`.
 pub async fn metric_sum(admin: std::net::SocketAddr, name: &str) -> f64 {
     let (_, body) = http_get(admin, "/metrics").await;
-    let prefix = format!("{name}{{");
-    body.lines()
-        .filter(|l| l.starts_with(&prefix) || l.split_whitespace().next() == Some(name))
+    metric_in(&body, name)
+}
+
+/// The sum of metric `name` over all its labels in `text`, a /metrics page.
+pub fn metric_in(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }

@@ -64,12 +64,12 @@ impl Replica {
 
     /// Its admin address, from the "Started" log line.
     pub fn admin(&self) -> Option<SocketAddr> {
-        let log = self.log();
-        let line = log.lines().find(|l| l.contains(" Started "))?;
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix("admin="))?
-            .parse()
-            .ok()
+        admin_in(&self.log())
+    }
+
+    /// Its log file.
+    pub fn log_path(&self) -> &Path {
+        &self.log
     }
 
     /// The messages its sinks acknowledged (`keb_sink_published_total`, summed).
@@ -79,6 +79,15 @@ impl Replica {
         };
         super::metric_sum(addr, "keb_sink_published_total").await as u64
     }
+}
+
+/// The admin address a replica's log gives in its "Started" line.
+pub fn admin_in(log: &str) -> Option<SocketAddr> {
+    let line = log.lines().find(|l| l.contains(" Started "))?;
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix("admin="))?
+        .parse()
+        .ok()
 }
 
 /// Whether the shards' holders (one per shard, `None` for a free one) spread over exactly

@@ -150,10 +150,7 @@ pub fn read_to_end(
     topics: &[String],
     each: impl FnMut(Record),
 ) -> Result<(), String> {
-    read_topics(client.into(), topics, each, |consumers| {
-        drop(consumers);
-        give_back_freed_memory();
-    })
+    read_topics(client.into(), topics, each, close)
 }
 
 /// [`read_to_end`] for the service: each topic's consumers are closed on a blocking thread of
@@ -166,16 +163,19 @@ pub fn read_to_end_closing_later(
     each: impl FnMut(Record),
 ) -> Result<(), String> {
     read_topics(client.into(), topics, each, |consumers| {
-        let close = move || {
-            drop(consumers);
-            give_back_freed_memory();
-        };
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn_blocking(close)),
+            Ok(runtime) => drop(runtime.spawn_blocking(move || close(consumers))),
             // Outside a runtime there is nothing to wait for it: closed now.
-            Err(_) => close(),
+            Err(_) => close(consumers),
         }
     })
+}
+
+/// Closes a read's consumers (waiting for their threads), then gives back what their fetch
+/// buffers held.
+fn close(consumers: Vec<ReaderConsumer>) {
+    drop(consumers);
+    give_back_freed_memory();
 }
 
 /// Reads `topics` (see [`read_to_end`]), handing each topic's consumers to `close` once it is
