@@ -535,7 +535,7 @@ fn merge(into: &mut Value, changes: Value) {
 /// read from its /metrics every 100 ms once its log gives the admin address.
 struct HeldPeaks {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<[f64; 2]>,
+    task: tokio::task::JoinHandle<Option<[f64; 2]>>,
 }
 
 impl HeldPeaks {
@@ -544,7 +544,7 @@ impl HeldPeaks {
         let task = tokio::spawn({
             let stop = stop.clone();
             async move {
-                let mut peaks = [0.0f64; 2];
+                let mut peaks = None::<[f64; 2]>;
                 let mut admin = None;
                 while !stop.load(Ordering::Relaxed) {
                     if admin.is_none() {
@@ -554,8 +554,9 @@ impl HeldPeaks {
                     if let Some(addr) = admin {
                         let (_, m) = support::http_get(addr, "/metrics").await;
                         let held = support::metric_in(&m, "keb_listener_buffered_notifications");
-                        peaks[0] = peaks[0].max(held);
-                        peaks[1] = peaks[1].max(support::metric_in(&m, "keb_sink_in_flight"));
+                        let awaiting = support::metric_in(&m, "keb_sink_in_flight");
+                        let [h, a] = peaks.unwrap_or_default();
+                        peaks = Some([h.max(held), a.max(awaiting)]);
                     }
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
@@ -565,9 +566,11 @@ impl HeldPeaks {
         Self { stop, task }
     }
 
-    async fn end(self) -> [f64; 2] {
+    /// The peaks; `None` if the bridge was never read (no admin address logged, or its
+    /// /metrics not answering: the sampler failed), not a peak of 0.
+    async fn end(self) -> Option<[f64; 2]> {
         self.stop.store(true, Ordering::Relaxed);
-        self.task.await.unwrap_or_default()
+        self.task.await.ok().flatten()
     }
 }
 
@@ -1155,7 +1158,7 @@ impl Bench {
         .await;
         let server = load.end();
         let held = match held {
-            Some(h) => Some(h.end().await),
+            Some(h) => h.end().await,
             None => None,
         };
         let after = requests(&self.client).await;

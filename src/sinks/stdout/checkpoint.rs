@@ -88,18 +88,19 @@ impl FileCheckpointStore {
 
     /// The checkpoint of `route` in `doc`: an error names a record that cannot be read.
     fn decode(&self, route: &str, records: &HashMap<String, Record>) -> Result<Checkpoint> {
+        let corrupt = |key: &str, e: serde_json::Error| {
+            self.error(format!(
+                "route {route}: the record of {key} is corrupt ({e}), so the checkpoint is \
+                 incomplete; remove that record to go on (its object is then published as added)"
+            ))
+        };
         records
             .iter()
-            .map(
-                |(key, record)| match serde_json::from_str::<Entry>(record.get()) {
-                    Ok(entry) => Ok((key.clone(), entry)),
-                    Err(e) => Err(self.error(format!(
-                        "route {route}: the record of {key} is corrupt ({e}), so the checkpoint is \
-                     incomplete; remove that record to go on (its object is then published as \
-                     added)"
-                    ))),
-                },
-            )
+            .map(|(key, record)| {
+                let entry =
+                    serde_json::from_str::<Entry>(record.get()).map_err(|e| corrupt(key, e))?;
+                Ok((key.clone(), entry))
+            })
             .collect()
     }
 }
