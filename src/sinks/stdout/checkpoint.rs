@@ -1,26 +1,35 @@
-//! The checkpoint store of a file sink: a JSON document beside the output file.
+//! The checkpoint store of a file sink: a log of JSON lines beside the output file.
 
 use std::{
     collections::HashMap,
+    io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
 };
 
 use futures::{FutureExt, future::BoxFuture};
+use serde::{Deserialize, Serialize};
 
 use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error, Result};
 
-/// The checkpoint store of a file sink: one JSON document beside the output file
-/// (`<path>.checkpoint`), `{"route": {"namespace/name": {"uid", "resourceVersion"}}}`,
-/// replaced atomically (written to a temporary file, synced, renamed) at each write. A write
-/// holds an exclusive lock on `<path>.checkpoint.lock` while it reads the document again,
-/// changes its own route's records and replaces it, so that processes sharing the file
-/// (sharded replicas on one volume, each writing its shards' routes) never undo each other's
-/// writes. A file or a record that cannot be read makes the load of the routes it concerns
-/// an error (the checkpoint would be incomplete); a rewrite keeps such records as they are.
+/// The checkpoint store of a file sink: a log beside the output file (`<path>.checkpoint`),
+/// [`HEADER`] and then one JSON line per write, `{"route": "…", "records": {"namespace/name":
+/// {"uid", "resourceVersion"} or null}}` (null: the key removed), the later line winning. A
+/// write appends its line and syncs it; when the log has grown past twice what it holds (and
+/// past [`COMPACT_AT_LEAST`]), the write also replaces it atomically (written to a temporary
+/// file, synced, renamed) with one line per route. Each write holds an exclusive lock on
+/// `<path>.checkpoint.lock`, so that processes sharing the file (sharded replicas on one
+/// volume, each writing its shards' routes) never undo each other's writes.
+///
+/// A last line without its newline is a write a crash cut short, never acknowledged: a load
+/// skips it and the next write cuts it off. A line or record that cannot be read makes the
+/// load of the routes it may concern an error (the checkpoint would be incomplete); a
+/// compaction keeps such records as they are, and leaves a log with a line it cannot read as
+/// it is. A file written before the log (one JSON document, `{"route": {"namespace/name":
+/// …}}`) is read as it is and replaced by the log at the first write.
 pub struct FileCheckpointStore {
     path: PathBuf,
     /// The output file: synced to disk before each checkpoint write, so that a checkpoint
@@ -28,16 +37,41 @@ pub struct FileCheckpointStore {
     output: PathBuf,
     // One write at a time in this process (the file lock serialises processes).
     writing: tokio::sync::Mutex<()>,
+    /// The size of the log when it last held one line per route (this process's compaction
+    /// or load): the log is compacted when it grows past twice that.
+    compacted: Arc<AtomicU64>,
+    /// [`COMPACT_AT_LEAST`], smaller in tests.
+    compact_at_least: u64,
 }
 
-/// Each route's records, kept as the file's text: a write re-reads and rewrites the whole
-/// document (other routes' records included), so it parses none of them into a tree (with
-/// 30,000 records and twelve routes in one file, building and dropping `Value`s made a
-/// sharded replica's first sync a fifth slower).
+/// The log's first line.
+const HEADER: &[u8] = b"{\"kube-event-bridge checkpoint log\":1}\n";
+
+/// A log smaller than this is never compacted (a compaction reads and rewrites all of it).
+const COMPACT_AT_LEAST: u64 = 1 << 20;
+
+/// Each route's records, kept as the file's text: a compaction rewrites every route's records
+/// (other processes' included), so it parses none of them into a tree (with 30,000 records
+/// and twelve routes in one file, building and dropping `Value`s made a sharded replica's
+/// first sync a fifth slower).
 type Document = HashMap<String, HashMap<String, Record>>;
 
 /// One record, as written.
 type Record = Box<serde_json::value::RawValue>;
+
+/// One line of the log: a write's changes to one route, or (compacted) all its records.
+#[derive(Serialize, Deserialize)]
+struct Line<R> {
+    route: String,
+    records: HashMap<String, Option<R>>,
+}
+
+/// A route's records as a compacted line writes them.
+#[derive(Serialize)]
+struct Snapshot<'a> {
+    route: &'a str,
+    records: &'a HashMap<String, Record>,
+}
 
 impl FileCheckpointStore {
     /// The store beside the output file `output`.
@@ -48,6 +82,8 @@ impl FileCheckpointStore {
             path: PathBuf::from(name),
             output: output.to_owned(),
             writing: tokio::sync::Mutex::new(()),
+            compacted: Arc::default(),
+            compact_at_least: COMPACT_AT_LEAST,
         }
     }
 
@@ -70,20 +106,88 @@ impl FileCheckpointStore {
         }
     }
 
-    /// Reads the file (none: an empty document); blocking.
+    /// Reads the file (none: an empty document), a log or a document written before it;
+    /// blocking.
     fn read(path: &Path) -> std::result::Result<Document, String> {
         let text = match std::fs::read(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
             Err(e) => return Err(e.to_string()),
         };
-        serde_json::from_slice(&text).map_err(|e| {
-            format!(
-                "the file is not a checkpoint document ({e}), so every checkpoint in it is \
-                 unknown; remove it to start over without checkpoints (every object is then \
-                 published as added, and deletes made while down are not)"
-            )
-        })
+        if text.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let Some(log) = text.strip_prefix(HEADER) else {
+            return serde_json::from_slice(&text).map_err(|e| {
+                format!(
+                    "the file is not a checkpoint document ({e}), so every checkpoint in it is \
+                     unknown; remove it to start over without checkpoints (every object is then \
+                     published as added, and deletes made while down are not)"
+                )
+            });
+        };
+        let mut doc = Document::new();
+        // The last piece, without its newline, is a write cut short: never acknowledged.
+        let mut lines = log.split_inclusive(|b| *b == b'\n');
+        for (n, line) in (2..).zip(lines.by_ref()) {
+            if line.last() != Some(&b'\n') {
+                break;
+            }
+            let line: Line<Record> = serde_json::from_slice(line).map_err(|e| {
+                format!(
+                    "line {n} of the log is not a checkpoint record ({e}), so every checkpoint \
+                     in it is unknown; remove the file to start over without checkpoints (every \
+                     object is then published as added, and deletes made while down are not)"
+                )
+            })?;
+            let records = doc.entry(line.route).or_default();
+            if records.is_empty() {
+                // A compacted line, mostly: taken as it is.
+                *records = line
+                    .records
+                    .into_iter()
+                    .filter_map(|(k, r)| Some((k, r?)))
+                    .collect();
+                continue;
+            }
+            for (key, record) in line.records {
+                match record {
+                    Some(r) => records.insert(key, r),
+                    None => records.remove(&key),
+                };
+            }
+        }
+        Ok(doc)
+    }
+
+    /// About the size of `doc` as a compacted log.
+    fn size(doc: &Document) -> u64 {
+        let records = |r: &HashMap<String, Record>| {
+            r.iter()
+                .map(|(k, v)| k.len() + v.get().len() + 4)
+                .sum::<usize>()
+        };
+        let lines: usize = doc
+            .iter()
+            .map(|(route, r)| route.len() + 24 + records(r))
+            .sum();
+        (HEADER.len() + lines) as u64
+    }
+
+    /// Replaces the file at `path` with `doc` as a compacted log, through `tmp`; blocking.
+    /// Returns the log's size.
+    fn replace(path: &Path, tmp: &Path, doc: &Document) -> std::result::Result<u64, String> {
+        let mut bytes = HEADER.to_vec();
+        for (route, records) in doc.iter().filter(|(_, r)| !r.is_empty()) {
+            serde_json::to_writer(&mut bytes, &Snapshot { route, records })
+                .map_err(|e| e.to_string())?;
+            bytes.push(b'\n');
+        }
+        let mut f = std::fs::File::create(tmp).map_err(|e| e.to_string())?;
+        f.write_all(&bytes).map_err(|e| e.to_string())?;
+        f.sync_all().map_err(|e| e.to_string())?;
+        std::fs::rename(tmp, path).map_err(|e| e.to_string())?;
+        Ok(bytes.len() as u64)
     }
 
     /// The checkpoint of `route` in `doc`: an error names a record that cannot be read.
@@ -105,6 +209,100 @@ impl FileCheckpointStore {
     }
 }
 
+/// Where one write puts its line, holding the file lock; blocking.
+struct Append<'a> {
+    path: &'a Path,
+    tmp: &'a Path,
+    route: String,
+    /// The write's line, newline included.
+    line: Vec<u8>,
+    records: HashMap<String, Option<Record>>,
+    /// Set when the write was given up: nothing is written after it is seen.
+    abandoned: &'a AtomicBool,
+    compacted: &'a AtomicU64,
+    compact_at_least: u64,
+}
+
+impl Append<'_> {
+    fn given_up(&self) -> std::result::Result<(), String> {
+        if self.abandoned.load(Ordering::SeqCst) {
+            return Err("given up before it was written".into());
+        }
+        Ok(())
+    }
+
+    fn run(self) -> std::result::Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let opened = std::fs::OpenOptions::new()
+            .read(true)
+            .append(true)
+            .open(self.path);
+        let mut file = match opened {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.rewrite(),
+            Err(e) => return Err(e.to_string()),
+        };
+        let mut len = file.metadata().map_err(|e| e.to_string())?.len();
+        let mut head = [0; HEADER.len()];
+        if len < HEADER.len() as u64
+            || file.read_exact_at(&mut head, 0).is_err()
+            || head[..] != *HEADER
+        {
+            // A document written before the log (or an empty file): replaced by the log.
+            return self.rewrite();
+        }
+        let mut last = [0];
+        file.read_exact_at(&mut last, len - 1)
+            .map_err(|e| e.to_string())?;
+        if last[0] != b'\n' {
+            // A write a crash cut short, never acknowledged: cut off.
+            let mut text = Vec::new();
+            file.seek(SeekFrom::Start(0))
+                .and_then(|_| file.read_to_end(&mut text))
+                .map_err(|e| e.to_string())?;
+            len = text.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1) as u64;
+            file.set_len(len).map_err(|e| e.to_string())?;
+        }
+        self.given_up()?;
+        file.write_all(&self.line)
+            .and_then(|_| file.sync_data())
+            .map_err(|e| e.to_string())?;
+        len += self.line.len() as u64;
+        if len > self.compact_at_least && len > 2 * self.compacted.load(Ordering::Relaxed) {
+            // What the log holds does not change: a failure here fails no write.
+            match FileCheckpointStore::read(self.path)
+                .and_then(|doc| FileCheckpointStore::replace(self.path, self.tmp, &doc))
+            {
+                Ok(size) => self.compacted.store(size, Ordering::Relaxed),
+                Err(e) => {
+                    tracing::warn!(
+                        file = %self.path.display(),
+                        "Cannot compact the checkpoint log (it grows until it can): {e}"
+                    );
+                    self.compacted.store(len, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the file anew as a compacted log, with this write's changes.
+    fn rewrite(mut self) -> std::result::Result<(), String> {
+        let mut doc = FileCheckpointStore::read(self.path)?;
+        let records = doc.entry(std::mem::take(&mut self.route)).or_default();
+        for (key, record) in std::mem::take(&mut self.records) {
+            match record {
+                Some(r) => records.insert(key, r),
+                None => records.remove(&key),
+            };
+        }
+        self.given_up()?;
+        let size = FileCheckpointStore::replace(self.path, self.tmp, &doc)?;
+        self.compacted.store(size, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 impl CheckpointStore for FileCheckpointStore {
     fn describe(&self) -> String {
         format!("file {}", self.path.display())
@@ -123,6 +321,7 @@ impl CheckpointStore for FileCheckpointStore {
                 .await
                 .map_err(|e| self.error(e))?
                 .map_err(|e| self.error(e))?;
+            self.compacted.store(Self::size(&all), Ordering::Relaxed);
             all.iter()
                 .filter(|(r, _)| wanted(r))
                 .map(|(r, c)| Ok((r.clone(), self.decode(r, c)?)))
@@ -145,7 +344,8 @@ impl CheckpointStore for FileCheckpointStore {
                     return Err(self.error(format!("cannot open {}: {e}", self.output.display())));
                 }
             }
-            let changes: Vec<(String, Option<Record>)> = changes
+            // In order: a key's later change wins.
+            let records: HashMap<String, Option<Record>> = changes
                 .into_iter()
                 .map(|(key, entry)| {
                     let record = entry
@@ -153,14 +353,21 @@ impl CheckpointStore for FileCheckpointStore {
                     (key, record)
                 })
                 .collect();
+            let changes = Line {
+                route: route.to_owned(),
+                records,
+            };
+            let mut line = serde_json::to_vec(&changes).expect("a line is JSON");
+            line.push(b'\n');
             let (path, lock, tmp) = (
                 self.path.clone(),
                 self.beside_it(".lock"),
                 self.beside_it(".tmp"),
             );
-            let route = route.to_owned();
+            let compacted = self.compacted.clone();
+            let compact_at_least = self.compact_at_least;
             // Set when this write is given up (its future dropped: the lease's deadline passed
-            // while it waited for the lock): the blocking work then replaces nothing.
+            // while it waited for the lock): the blocking work then writes nothing.
             struct GivenUp(Arc<AtomicBool>);
             impl Drop for GivenUp {
                 fn drop(&mut self) {
@@ -170,7 +377,6 @@ impl CheckpointStore for FileCheckpointStore {
             let given_up = GivenUp(Arc::default());
             let abandoned = given_up.0.clone();
             let done = tokio::task::spawn_blocking(move || -> std::result::Result<(), String> {
-                use std::io::Write;
                 let lock = std::fs::OpenOptions::new()
                     .create(true)
                     .truncate(false)
@@ -180,22 +386,17 @@ impl CheckpointStore for FileCheckpointStore {
                 // Released when `lock` is dropped (closed).
                 lock.lock()
                     .map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
-                let mut all = Self::read(&path)?;
-                let entries = all.entry(route).or_default();
-                for (key, entry) in changes {
-                    match entry {
-                        Some(e) => entries.insert(key, e),
-                        None => entries.remove(&key),
-                    };
+                Append {
+                    path: &path,
+                    tmp: &tmp,
+                    route: changes.route,
+                    line,
+                    records: changes.records,
+                    abandoned: &abandoned,
+                    compacted: &compacted,
+                    compact_at_least,
                 }
-                let bytes = serde_json::to_vec(&all).map_err(|e| e.to_string())?;
-                let mut f = std::fs::File::create(&tmp).map_err(|e| e.to_string())?;
-                f.write_all(&bytes).map_err(|e| e.to_string())?;
-                f.sync_all().map_err(|e| e.to_string())?;
-                if abandoned.load(Ordering::SeqCst) {
-                    return Err("given up before it was written".into());
-                }
-                std::fs::rename(&tmp, &path).map_err(|e| e.to_string())
+                .run()
             })
             .await;
             drop(given_up);
@@ -239,6 +440,125 @@ mod tests {
         assert_eq!(loaded["secret/out"]["ns/s"].resource_version, "2");
     }
 
+    fn entry(rv: usize) -> Option<Entry> {
+        Some(Entry {
+            uid: "u".into(),
+            resource_version: rv.to_string(),
+            pending: false,
+            kind: None,
+        })
+    }
+
+    /// The file's lines.
+    fn lines(store: &FileCheckpointStore) -> Vec<String> {
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        text.lines().map(String::from).collect()
+    }
+
+    #[tokio::test]
+    async fn the_log_is_compacted_when_it_grows_past_twice_what_it_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let mut store = FileCheckpointStore::beside(&out);
+        store.compact_at_least = 2048;
+        for i in 0..300 {
+            let mut changes = vec![(format!("ns/k{}", i % 20), entry(i))];
+            if i == 290 {
+                changes.push(("ns/k3".into(), None));
+            }
+            store.write("r", changes).await.unwrap();
+        }
+        let lines = lines(&store);
+        assert_eq!(lines[0].as_bytes(), HEADER.trim_ascii_end());
+        assert!(
+            (2..60).contains(&lines.len()),
+            "compacted now and then: {} lines",
+            lines.len()
+        );
+        let size = std::fs::metadata(store.path()).unwrap().len();
+        assert!(size < 2 * 2048 + 200, "{size} bytes");
+        let loaded = FileCheckpointStore::beside(&out).load("r").await.unwrap();
+        let loaded = loaded.unwrap();
+        assert_eq!(loaded.len(), 19, "ns/k3 removed");
+        assert!(!loaded.contains_key("ns/k3"));
+        // Each key's last write wins, across compactions.
+        for k in (0..20).filter(|k| *k != 3) {
+            let last = (0..300).rev().find(|i| i % 20 == k).unwrap();
+            assert_eq!(
+                loaded[&format!("ns/k{k}")].resource_version,
+                last.to_string()
+            );
+        }
+    }
+
+    /// A store whose log has route `r`'s `ns/a`, then `bytes` appended as they are.
+    async fn with_a_line_then(bytes: &[u8]) -> (tempfile::TempDir, FileCheckpointStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
+        store
+            .write("r", vec![("ns/a".into(), entry(1))])
+            .await
+            .unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(store.path())
+            .unwrap();
+        f.write_all(bytes).unwrap();
+        (dir, store)
+    }
+
+    #[tokio::test]
+    async fn a_write_a_crash_cut_short_is_skipped_then_cut_off() {
+        let (dir, store) = with_a_line_then(br#"{"route":"r","records":{"ns/x":{"uid""#).await;
+        let out = dir.path().join("out.jsonl");
+        let loaded = FileCheckpointStore::beside(&out).load("r").await.unwrap();
+        assert_eq!(loaded.unwrap().len(), 1, "the cut line is not read");
+        store
+            .write("r", vec![("ns/b".into(), entry(2))])
+            .await
+            .unwrap();
+        let text = std::fs::read_to_string(store.path()).unwrap();
+        assert!(!text.contains("ns/x") && text.ends_with('\n'), "{text}");
+        let loaded = FileCheckpointStore::beside(&out).load("r").await.unwrap();
+        let loaded = loaded.unwrap();
+        assert_eq!(loaded.len(), 2);
+        assert_eq!(loaded["ns/b"].resource_version, "2");
+    }
+
+    #[tokio::test]
+    async fn a_document_from_before_the_log_is_read_then_replaced_at_the_first_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("out.jsonl");
+        let store = FileCheckpointStore::beside(&out);
+        std::fs::write(
+            store.path(),
+            r#"{"r": {"ns/a": {"uid": "u", "resourceVersion": "1"}},
+                "other": {"ns/c": {"uid": "u", "resourceVersion": "2"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(store.load("r").await.unwrap().unwrap().len(), 1);
+        store
+            .write("r", vec![("ns/b".into(), entry(3))])
+            .await
+            .unwrap();
+        assert_eq!(lines(&store)[0].as_bytes(), HEADER.trim_ascii_end());
+        let reread = FileCheckpointStore::beside(&out);
+        assert_eq!(reread.load("r").await.unwrap().unwrap().len(), 2);
+        let other = reread.load("other").await.unwrap().unwrap();
+        assert_eq!(other["ns/c"].resource_version, "2");
+    }
+
+    #[tokio::test]
+    async fn a_line_that_cannot_be_read_is_an_error_naming_it() {
+        let (_dir, store) = with_a_line_then(b"{\"route\": 7}\n").await;
+        store
+            .write("r", vec![("ns/b".into(), entry(2))])
+            .await
+            .unwrap();
+        let err = store.load("r").await.unwrap_err().to_string();
+        assert!(err.contains("line 3 of the log"), "{err}");
+    }
+
     /// Two stores on one file (two processes: sharded replicas on a shared volume), writing
     /// their own routes at once: neither undoes the other's writes.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -254,7 +574,9 @@ mod tests {
             })
         };
         let writer = |route: &'static str| {
-            let store = FileCheckpointStore::beside(&out);
+            // Compacting often: a compaction keeps the other process's lines too.
+            let mut store = FileCheckpointStore::beside(&out);
+            store.compact_at_least = 512;
             tokio::spawn(async move {
                 for i in 0..50 {
                     let key = format!("ns/{route}-{i}");
