@@ -2,7 +2,7 @@
 
 use std::{
     collections::HashMap,
-    io::{Read, Seek, SeekFrom, Write},
+    io::Write,
     path::{Path, PathBuf},
     sync::{
         Arc,
@@ -17,19 +17,23 @@ use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error
 
 /// The checkpoint store of a file sink: a log beside the output file (`<path>.checkpoint`),
 /// [`HEADER`] and then one JSON line per write, `{"route": "…", "records": {"namespace/name":
-/// {"uid", "resourceVersion"} or null}}` (null: the key removed), the later line winning. A
-/// write appends its line and syncs it; when the log has grown past twice what it holds (and
-/// past [`COMPACT_AT_LEAST`]), the write also replaces it atomically (written to a temporary
-/// file, synced, renamed) with one line per route. Each write holds an exclusive lock on
-/// `<path>.checkpoint.lock`, so that processes sharing the file (sharded replicas on one
-/// volume, each writing its shards' routes) never undo each other's writes.
+/// {"uid", "resourceVersion", …}}, "removed": ["namespace/name"]}`, a key's later line
+/// winning. A write appends its line and syncs it; when the log has grown past twice the
+/// bytes it held when this process last compacted or loaded it (and past
+/// [`COMPACT_AT_LEAST`]), the write also replaces it atomically (written to
+/// `<path>.checkpoint.tmp`, synced, renamed, the directory synced) with one line per route.
+/// Each write holds an exclusive lock on `<path>.checkpoint.lock`, so that processes sharing
+/// the file (sharded replicas on one volume, each writing its shards' routes) never undo each
+/// other's writes; a load takes no lock.
 ///
-/// A last line without its newline is a write a crash cut short, never acknowledged: a load
-/// skips it and the next write cuts it off. A line or record that cannot be read makes the
-/// load of the routes it may concern an error (the checkpoint would be incomplete); a
-/// compaction keeps such records as they are, and leaves a log with a line it cannot read as
-/// it is. A file written before the log (one JSON document, `{"route": {"namespace/name":
-/// …}}`) is read as it is and replaced by the log at the first write.
+/// A write a crash cut short was never acknowledged: a load skips a last line without its
+/// newline, and a line with zeros (pages of it lost); the next write replaces the log
+/// without the former (a new file, so that a load reading meanwhile sees one or the other).
+/// A line that cannot be read makes every load an error (it may hold any route's changes),
+/// a record that cannot be read the load of its route; a compaction keeps such records as
+/// they are and leaves a log with a line it cannot read as it is. A file written before the
+/// log (one JSON document, `{"route": {"namespace/name": …}}`) is read and replaced by the
+/// log at the first write.
 pub struct FileCheckpointStore {
     path: PathBuf,
     /// The output file: synced to disk before each checkpoint write, so that a checkpoint
@@ -59,11 +63,32 @@ type Document = HashMap<String, HashMap<String, Record>>;
 /// One record, as written.
 type Record = Box<serde_json::value::RawValue>;
 
-/// One line of the log: a write's changes to one route, or (compacted) all its records.
+/// One line of the log: a write's changes to one route (each key once), or (compacted) all
+/// its records.
 #[derive(Serialize, Deserialize)]
-struct Line<R> {
+struct Line {
     route: String,
-    records: HashMap<String, Option<R>>,
+    /// Records written (replacing the key's).
+    #[serde(default)]
+    records: HashMap<String, Record>,
+    /// Keys removed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    removed: Vec<String>,
+}
+
+impl Line {
+    /// `records` with this line's changes.
+    fn apply_to(self, records: &mut HashMap<String, Record>) {
+        if records.is_empty() {
+            // A compacted line, mostly: taken as it is (its keys are each there once).
+            *records = self.records;
+            return;
+        }
+        for key in &self.removed {
+            records.remove(key);
+        }
+        records.extend(self.records);
+    }
 }
 
 /// A route's records as a compacted line writes them.
@@ -118,44 +143,43 @@ impl FileCheckpointStore {
             return Ok(HashMap::new());
         }
         let Some(log) = text.strip_prefix(HEADER) else {
-            return serde_json::from_slice(&text).map_err(|e| {
+            let mut doc: Document = serde_json::from_slice(&text).map_err(|e| {
                 format!(
                     "the file is not a checkpoint document ({e}), so every checkpoint in it is \
                      unknown; remove it to start over without checkpoints (every object is then \
                      published as added, and deletes made while down are not)"
                 )
-            });
+            })?;
+            // Its records as one line each, for the log (a document edited by hand may be
+            // spread over lines).
+            for record in doc.values_mut().flat_map(|r| r.values_mut()) {
+                if record.get().contains('\n') {
+                    *record = serde_json::value::RawValue::from_string(minified(record.get()))
+                        .expect("JSON without its whitespace is JSON");
+                }
+            }
+            return Ok(doc);
         };
         let mut doc = Document::new();
-        // The last piece, without its newline, is a write cut short: never acknowledged.
-        let mut lines = log.split_inclusive(|b| *b == b'\n');
-        for (n, line) in (2..).zip(lines.by_ref()) {
+        for (n, line) in (2..).zip(log.split_inclusive(|b| *b == b'\n')) {
+            // A write a crash cut short, never acknowledged: the last piece without its
+            // newline, or (pages of it lost) a line with zeros, which JSON never holds.
             if line.last() != Some(&b'\n') {
                 break;
             }
-            let line: Line<Record> = serde_json::from_slice(line).map_err(|e| {
-                format!(
-                    "line {n} of the log is not a checkpoint record ({e}), so every checkpoint \
-                     in it is unknown; remove the file to start over without checkpoints (every \
-                     object is then published as added, and deletes made while down are not)"
-                )
-            })?;
-            let records = doc.entry(line.route).or_default();
-            if records.is_empty() {
-                // A compacted line, mostly: taken as it is.
-                *records = line
-                    .records
-                    .into_iter()
-                    .filter_map(|(k, r)| Some((k, r?)))
-                    .collect();
+            if line.contains(&0) {
                 continue;
             }
-            for (key, record) in line.records {
-                match record {
-                    Some(r) => records.insert(key, r),
-                    None => records.remove(&key),
-                };
-            }
+            let line: Line = serde_json::from_slice(line).map_err(|e| {
+                format!(
+                    "line {n} of the log is not a checkpoint record ({e}), so every checkpoint \
+                     in the file is unknown; remove that line to go on (the changes it held are \
+                     then forgotten: their objects are published again, deletes among them are \
+                     not), or the file to start over without checkpoints"
+                )
+            })?;
+            let records = doc.entry(line.route.clone()).or_default();
+            line.apply_to(records);
         }
         Ok(doc)
     }
@@ -174,11 +198,16 @@ impl FileCheckpointStore {
         (HEADER.len() + lines) as u64
     }
 
-    /// Replaces the file at `path` with `doc` as a compacted log, through `tmp`; blocking.
-    /// Returns the log's size.
-    fn replace(path: &Path, tmp: &Path, doc: &Document) -> std::result::Result<u64, String> {
+    /// Replaces the file at `path` with `doc` as a compacted log, through `tmp`, once `ready`
+    /// agrees (with the new log on disk); blocking. Returns the log's size.
+    fn replace(
+        path: &Path,
+        tmp: &Path,
+        doc: &Document,
+        ready: impl FnOnce() -> std::result::Result<(), String>,
+    ) -> std::result::Result<u64, String> {
         let mut bytes = HEADER.to_vec();
-        for (route, records) in doc.iter().filter(|(_, r)| !r.is_empty()) {
+        for (route, records) in doc {
             serde_json::to_writer(&mut bytes, &Snapshot { route, records })
                 .map_err(|e| e.to_string())?;
             bytes.push(b'\n');
@@ -186,7 +215,13 @@ impl FileCheckpointStore {
         let mut f = std::fs::File::create(tmp).map_err(|e| e.to_string())?;
         f.write_all(&bytes).map_err(|e| e.to_string())?;
         f.sync_all().map_err(|e| e.to_string())?;
+        ready()?;
         std::fs::rename(tmp, path).map_err(|e| e.to_string())?;
+        // The rename itself durable: the directory synced.
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        std::fs::File::open(dir.unwrap_or(Path::new(".")))
+            .and_then(|d| d.sync_all())
+            .map_err(|e| format!("cannot sync the directory of {}: {e}", path.display()))?;
         Ok(bytes.len() as u64)
     }
 
@@ -209,14 +244,29 @@ impl FileCheckpointStore {
     }
 }
 
+/// The JSON text `json` without whitespace outside its strings.
+fn minified(json: &str) -> String {
+    let (mut out, mut in_string, mut escaped) = (String::with_capacity(json.len()), false, false);
+    for c in json.chars() {
+        if in_string {
+            (in_string, escaped) = (escaped || c != '"', !escaped && c == '\\');
+        } else if c.is_ascii_whitespace() {
+            continue;
+        } else {
+            in_string = c == '"';
+        }
+        out.push(c);
+    }
+    out
+}
+
 /// Where one write puts its line, holding the file lock; blocking.
 struct Append<'a> {
     path: &'a Path,
     tmp: &'a Path,
-    route: String,
-    /// The write's line, newline included.
+    /// The write's changes, and as the log's line (newline included).
+    changes: Line,
     line: Vec<u8>,
-    records: HashMap<String, Option<Record>>,
     /// Set when the write was given up: nothing is written after it is seen.
     abandoned: &'a AtomicBool,
     compacted: &'a AtomicU64,
@@ -243,25 +293,18 @@ impl Append<'_> {
             Err(e) => return Err(e.to_string()),
         };
         let mut len = file.metadata().map_err(|e| e.to_string())?.len();
-        let mut head = [0; HEADER.len()];
+        let (mut head, mut last) = ([0; HEADER.len()], [0]);
         if len < HEADER.len() as u64
             || file.read_exact_at(&mut head, 0).is_err()
             || head[..] != *HEADER
+            || file.read_exact_at(&mut last, len - 1).is_err()
+            || last[0] != b'\n'
         {
-            // A document written before the log (or an empty file): replaced by the log.
+            // A document written before the log, an empty file, or a last write a crash cut
+            // short (never acknowledged): replaced by the log without it. Not cut off in
+            // place: a load reading meanwhile (without the lock) could join the cut line's
+            // start to this write's end.
             return self.rewrite();
-        }
-        let mut last = [0];
-        file.read_exact_at(&mut last, len - 1)
-            .map_err(|e| e.to_string())?;
-        if last[0] != b'\n' {
-            // A write a crash cut short, never acknowledged: cut off.
-            let mut text = Vec::new();
-            file.seek(SeekFrom::Start(0))
-                .and_then(|_| file.read_to_end(&mut text))
-                .map_err(|e| e.to_string())?;
-            len = text.iter().rposition(|b| *b == b'\n').map_or(0, |p| p + 1) as u64;
-            file.set_len(len).map_err(|e| e.to_string())?;
         }
         self.given_up()?;
         file.write_all(&self.line)
@@ -270,9 +313,9 @@ impl Append<'_> {
         len += self.line.len() as u64;
         if len > self.compact_at_least && len > 2 * self.compacted.load(Ordering::Relaxed) {
             // What the log holds does not change: a failure here fails no write.
-            match FileCheckpointStore::read(self.path)
-                .and_then(|doc| FileCheckpointStore::replace(self.path, self.tmp, &doc))
-            {
+            let compacted = FileCheckpointStore::read(self.path)
+                .and_then(|doc| FileCheckpointStore::replace(self.path, self.tmp, &doc, || Ok(())));
+            match compacted {
                 Ok(size) => self.compacted.store(size, Ordering::Relaxed),
                 Err(e) => {
                     tracing::warn!(
@@ -287,17 +330,17 @@ impl Append<'_> {
     }
 
     /// Writes the file anew as a compacted log, with this write's changes.
-    fn rewrite(mut self) -> std::result::Result<(), String> {
+    fn rewrite(self) -> std::result::Result<(), String> {
         let mut doc = FileCheckpointStore::read(self.path)?;
-        let records = doc.entry(std::mem::take(&mut self.route)).or_default();
-        for (key, record) in std::mem::take(&mut self.records) {
-            match record {
-                Some(r) => records.insert(key, r),
-                None => records.remove(&key),
-            };
-        }
-        self.given_up()?;
-        let size = FileCheckpointStore::replace(self.path, self.tmp, &doc)?;
+        let records = doc.entry(self.changes.route.clone()).or_default();
+        self.changes.apply_to(records);
+        let ready = || {
+            if self.abandoned.load(Ordering::SeqCst) {
+                return Err("given up before it was written".into());
+            }
+            Ok(())
+        };
+        let size = FileCheckpointStore::replace(self.path, self.tmp, &doc, ready)?;
         self.compacted.store(size, Ordering::Relaxed);
         Ok(())
     }
@@ -345,18 +388,21 @@ impl CheckpointStore for FileCheckpointStore {
                 }
             }
             // In order: a key's later change wins.
-            let records: HashMap<String, Option<Record>> = changes
-                .into_iter()
-                .map(|(key, entry)| {
-                    let record = entry
-                        .map(|e| serde_json::value::to_raw_value(&e).expect("an entry is JSON"));
-                    (key, record)
-                })
-                .collect();
-            let changes = Line {
+            let latest: HashMap<String, Option<Entry>> = changes.into_iter().collect();
+            let mut changes = Line {
                 route: route.to_owned(),
-                records,
+                records: HashMap::new(),
+                removed: Vec::new(),
             };
+            for (key, entry) in latest {
+                match entry {
+                    Some(e) => {
+                        let record = serde_json::value::to_raw_value(&e).expect("an entry is JSON");
+                        changes.records.insert(key, record);
+                    }
+                    None => changes.removed.push(key),
+                }
+            }
             let mut line = serde_json::to_vec(&changes).expect("a line is JSON");
             line.push(b'\n');
             let (path, lock, tmp) = (
@@ -389,9 +435,8 @@ impl CheckpointStore for FileCheckpointStore {
                 Append {
                     path: &path,
                     tmp: &tmp,
-                    route: changes.route,
+                    changes,
                     line,
-                    records: changes.records,
                     abandoned: &abandoned,
                     compacted: &compacted,
                     compact_at_least,
@@ -530,10 +575,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("out.jsonl");
         let store = FileCheckpointStore::beside(&out);
+        // Edited by hand: a record spread over lines, a route emptied, a record made null.
         std::fs::write(
             store.path(),
-            r#"{"r": {"ns/a": {"uid": "u", "resourceVersion": "1"}},
-                "other": {"ns/c": {"uid": "u", "resourceVersion": "2"}}}"#,
+            r#"{"r": {"ns/a": {"uid": "u",
+                               "resourceVersion": "1"}},
+                "other": {"ns/c": {"uid": "u", "resourceVersion": "2"}},
+                "emptied": {},
+                "nulled": {"ns/n": null}}"#,
         )
         .unwrap();
         assert_eq!(store.load("r").await.unwrap().unwrap().len(), 1);
@@ -546,6 +595,30 @@ mod tests {
         assert_eq!(reread.load("r").await.unwrap().unwrap().len(), 2);
         let other = reread.load("other").await.unwrap().unwrap();
         assert_eq!(other["ns/c"].resource_version, "2");
+        assert_eq!(
+            reread.load("emptied").await.unwrap(),
+            Some(Checkpoint::default())
+        );
+        let err = reread.load("nulled").await.unwrap_err().to_string();
+        assert!(err.contains("ns/n") && err.contains("corrupt"), "{err}");
+    }
+
+    #[test]
+    fn json_is_minified_outside_its_strings() {
+        let json = "{ \"a b\" :\n \"x \\\" y\\\\\" , \"c\": [1, 2]}";
+        assert_eq!(minified(json), "{\"a b\":\"x \\\" y\\\\\",\"c\":[1,2]}");
+    }
+
+    #[tokio::test]
+    async fn a_line_of_zeros_a_crash_left_is_skipped() {
+        let (dir, store) = with_a_line_then(b"\0\0\0\0ns/x\"}}\n").await;
+        store
+            .write("r", vec![("ns/b".into(), entry(2))])
+            .await
+            .unwrap();
+        let reread = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
+        let loaded = reread.load("r").await.unwrap().unwrap();
+        assert_eq!(loaded.len(), 2, "{loaded:?}");
     }
 
     #[tokio::test]
