@@ -1368,14 +1368,39 @@ fn write_or_get(
     }
 }
 
-fn list_item(def: &ResourceDef, obj: &Value) -> Value {
-    let mut item = obj.clone();
-    if !def.custom {
-        let m = item.as_object_mut().unwrap();
-        m.remove("kind");
-        m.remove("apiVersion");
+/// An object as a list's item: a built-in kind's without its `kind` and `apiVersion` (as
+/// kube-apiserver writes them). Written from the stored object, not a copy of it: a list
+/// of tens of thousands would otherwise clone and drop every object's tree.
+struct ListItem<'a> {
+    obj: &'a Value,
+    custom: bool,
+}
+
+impl serde::Serialize for ListItem<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let Some(fields) = self.obj.as_object().filter(|_| !self.custom) else {
+            return self.obj.serialize(serializer);
+        };
+        let kept = fields
+            .iter()
+            .filter(|(k, _)| !matches!(k.as_str(), "kind" | "apiVersion"));
+        let mut map = serializer.serialize_map(None)?;
+        for (k, v) in kept {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
     }
-    item
+}
+
+/// A list's response, its items written as [`ListItem`]s.
+#[derive(serde::Serialize)]
+struct ListBody<'a> {
+    kind: String,
+    #[serde(rename = "apiVersion")]
+    api_version: String,
+    metadata: Value,
+    items: Vec<ListItem<'a>>,
 }
 
 async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) -> Response<Body> {
@@ -1491,9 +1516,12 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
         (rv, Arc::new(items), 0)
     };
     let end = limit.map_or(items.len(), |l| (offset + l).min(items.len()));
-    let page: Vec<Value> = items[offset.min(items.len())..end]
+    let page: Vec<ListItem> = items[offset.min(items.len())..end]
         .iter()
-        .map(|obj| list_item(&def, obj))
+        .map(|obj| ListItem {
+            obj,
+            custom: def.custom,
+        })
         .collect();
     let mut metadata = json!({"resourceVersion": snapshot_rv.to_string()});
     // As kube-apiserver v1.36.3: the selector is applied to every kind, but only built-in
@@ -1523,10 +1551,17 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
             metadata["remainingItemCount"] = json!(items.len() - end);
         }
     }
-    json_response(
-        StatusCode::OK,
-        &json!({"kind": format!("{}List", def.kind), "apiVersion": def.group_version(), "metadata": metadata, "items": page}),
-    )
+    let body = ListBody {
+        kind: format!("{}List", def.kind),
+        api_version: def.group_version(),
+        metadata,
+        items: page,
+    };
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", "application/json")
+        .body(Body::from(serde_json::to_vec(&body).unwrap()))
+        .unwrap()
 }
 
 fn line(ty: &str, obj: &Value) -> Bytes {
