@@ -163,11 +163,12 @@ impl FileCheckpointStore {
         let mut doc = Document::new();
         for (n, line) in (2..).zip(log.split_inclusive(|b| *b == b'\n')) {
             // A write a crash cut short, never acknowledged: the last piece without its
-            // newline, or (pages of it lost) a line with zeros, which JSON never holds.
+            // newline, or (pages of it lost) a line with zeros, which JSON never holds. (And
+            // a blank line, from an edit by hand.)
             if line.last() != Some(&b'\n') {
                 break;
             }
-            if line.contains(&0) {
+            if line.contains(&0) || line.trim_ascii().is_empty() {
                 continue;
             }
             let line: Line = serde_json::from_slice(line).map_err(|e| {
@@ -212,16 +213,25 @@ impl FileCheckpointStore {
                 .map_err(|e| e.to_string())?;
             bytes.push(b'\n');
         }
-        let mut f = std::fs::File::create(tmp).map_err(|e| e.to_string())?;
-        f.write_all(&bytes).map_err(|e| e.to_string())?;
-        f.sync_all().map_err(|e| e.to_string())?;
-        ready()?;
-        std::fs::rename(tmp, path).map_err(|e| e.to_string())?;
-        // The rename itself durable: the directory synced.
+        let written = std::fs::File::create(tmp)
+            .and_then(|mut f| f.write_all(&bytes).and_then(|_| f.sync_all()))
+            .map_err(|e| e.to_string())
+            .and_then(|_| ready())
+            .and_then(|_| std::fs::rename(tmp, path).map_err(|e| e.to_string()));
+        if let Err(e) = written {
+            // Not left beside it: a whole copy of the log.
+            let _ = std::fs::remove_file(tmp);
+            return Err(e);
+        }
+        // The rename itself durable: the directory synced. The new log is in place either
+        // way (a failure here is no failed write: a filesystem may refuse to sync a
+        // directory, and ext4 and XFS commit the rename with the next sync of the file).
         let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-        std::fs::File::open(dir.unwrap_or(Path::new(".")))
-            .and_then(|d| d.sync_all())
-            .map_err(|e| format!("cannot sync the directory of {}: {e}", path.display()))?;
+        if let Err(e) =
+            std::fs::File::open(dir.unwrap_or(Path::new("."))).and_then(|d| d.sync_all())
+        {
+            tracing::warn!(file = %path.display(), "Cannot sync the checkpoint's directory: {e}");
+        }
         Ok(bytes.len() as u64)
     }
 
@@ -610,7 +620,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_line_of_zeros_a_crash_left_is_skipped() {
+    async fn a_line_of_zeros_a_crash_left_or_a_blank_line_is_skipped() {
         let (dir, store) = with_a_line_then(b"\0\0\0\0ns/x\"}}\n").await;
         store
             .write("r", vec![("ns/b".into(), entry(2))])
@@ -619,6 +629,9 @@ mod tests {
         let reread = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
         let loaded = reread.load("r").await.unwrap().unwrap();
         assert_eq!(loaded.len(), 2, "{loaded:?}");
+        // Blank lines (an edit by hand) too.
+        let (_dir, store) = with_a_line_then(b"\n  \n").await;
+        assert_eq!(store.load("r").await.unwrap().unwrap().len(), 1);
     }
 
     #[tokio::test]
