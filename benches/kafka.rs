@@ -42,6 +42,9 @@ use support::{
 
 const TOPIC: &str = "bench";
 
+/// Events of each size sent before that size's runs, not counted.
+const WARM_UP: usize = 100_000;
+
 /// The sides' names, as the runs line and `BENCH_SIDES` spell them.
 const SIDES: [&str; 4] = ["off", "on", "raw", "eos"];
 
@@ -234,9 +237,11 @@ fn main() {
         // first runs up to half as fast as the later ones. This shortens that, it does not
         // end it: the rotating order and the medians do the rest.
         for (events, size) in [(events_1k, 1_000), (events_10k, 10_000)] {
-            // Each size warmed up apart: the broker's JIT compiles another path for larger
-            // batches, which it did through the first 10 KB rounds when only 1 KB was warmed.
-            let warm_up = runtime.block_on(raw(&brokers, events.min(50_000), size));
+            // Each size warmed up apart, with WARM_UP events whatever the runs' count: the
+            // broker's JIT compiles another path for larger batches, which it did through the
+            // first 10 KB rounds when only 1 KB was warmed (and through the first two or
+            // three after 20,000 events of 10 KB).
+            let warm_up = runtime.block_on(raw(&brokers, WARM_UP, size));
             println!(
                 "  warm-up (not counted): raw, {} events of ~{} KB, {:.0} events/s",
                 warm_up.events,
