@@ -552,7 +552,12 @@ impl HeldPeaks {
                         admin = support::replica::admin_in(&log);
                     }
                     if let Some(addr) = admin {
-                        let (_, m) = support::http_get(addr, "/metrics").await;
+                        let (code, m) = support::http_get(addr, "/metrics").await;
+                        if code != 200 {
+                            // Not read: no peak from this sample.
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
                         let held = support::metric_in(&m, "keb_listener_buffered_notifications");
                         let awaiting = support::metric_in(&m, "keb_sink_in_flight");
                         let [h, a] = peaks.unwrap_or_default();

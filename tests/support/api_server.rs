@@ -212,11 +212,11 @@ fn status(code: u16, reason: &str, message: &str) -> Value {
            "message": message, "reason": reason, "code": code})
 }
 
-fn json_response(code: StatusCode, body: &Value) -> Response<Body> {
+fn json_response(code: StatusCode, body: &impl serde::Serialize) -> Response<Body> {
     Response::builder()
         .status(code)
         .header("content-type", "application/json")
-        .body(Body::from(body.to_string()))
+        .body(Body::from(serde_json::to_vec(body).unwrap()))
         .unwrap()
 }
 
@@ -1557,11 +1557,7 @@ async fn list(shared: Arc<Shared>, filter: Filter, q: &HashMap<String, String>) 
         metadata,
         items: page,
     };
-    Response::builder()
-        .status(StatusCode::OK)
-        .header("content-type", "application/json")
-        .body(Body::from(serde_json::to_vec(&body).unwrap()))
-        .unwrap()
+    json_response(StatusCode::OK, &body)
 }
 
 fn line(ty: &str, obj: &Value) -> Bytes {

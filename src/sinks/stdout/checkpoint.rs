@@ -27,8 +27,11 @@ use crate::sinks::checkpoint::{Change, Checkpoint, CheckpointStore, Entry, Error
 /// other's writes; a load takes no lock.
 ///
 /// A write a crash cut short was never acknowledged: a load skips a last line without its
-/// newline, and a line with zeros (pages of it lost); the next write replaces the log
-/// without the former (a new file, so that a load reading meanwhile sees one or the other).
+/// newline (unless it is whole), and a line with zeros (pages of it lost), with a warning;
+/// the next write replaces the log without the former (a new file, so that a load reading
+/// meanwhile sees one or the other). A write that fails after its line went in (its sync
+/// failed, or it was given up meanwhile) may still be read: it holds what the sink had
+/// acknowledged, which the retry writes again.
 /// A line that cannot be read makes every load an error (it may hold any route's changes),
 /// a record that cannot be read the load of its route; a compaction keeps such records as
 /// they are and leaves a log with a line it cannot read as it is. A file written before the
@@ -66,6 +69,7 @@ type Record = Box<serde_json::value::RawValue>;
 /// One line of the log: a write's changes to one route (each key once), or (compacted) all
 /// its records.
 #[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Line {
     route: String,
     /// Records written (replacing the key's).
@@ -137,7 +141,7 @@ impl FileCheckpointStore {
         let text = match std::fs::read(path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(format!("cannot read it: {e}")),
         };
         if text.is_empty() {
             return Ok(HashMap::new());
@@ -152,10 +156,11 @@ impl FileCheckpointStore {
             })?;
             // Its records as one line each, for the log (a document edited by hand may be
             // spread over lines).
-            for record in doc.values_mut().flat_map(|r| r.values_mut()) {
-                if record.get().contains('\n') {
-                    *record = serde_json::value::RawValue::from_string(minified(record.get()))
-                        .expect("JSON without its whitespace is JSON");
+            for (route, records) in &mut doc {
+                for (key, record) in records.iter_mut().filter(|(_, r)| r.get().contains('\n')) {
+                    *record = serde_json::from_str::<serde_json::Value>(record.get())
+                        .and_then(|v| serde_json::value::to_raw_value(&v))
+                        .map_err(|e| format!("route {route}: the record of {key}: {e}"))?;
                 }
             }
             return Ok(doc);
@@ -163,12 +168,25 @@ impl FileCheckpointStore {
         let mut doc = Document::new();
         for (n, line) in (2..).zip(log.split_inclusive(|b| *b == b'\n')) {
             // A write a crash cut short, never acknowledged: the last piece without its
-            // newline, or (pages of it lost) a line with zeros, which JSON never holds. (And
-            // a blank line, from an edit by hand.)
+            // newline (unless it is whole: a line whose newline an edit by hand took away),
+            // or (pages of it lost) a line with zeros, which JSON never holds. (And a blank
+            // line, from an edit by hand.)
             if line.last() != Some(&b'\n') {
+                if let Ok(line) = serde_json::from_slice::<Line>(line) {
+                    let records = doc.entry(line.route.clone()).or_default();
+                    line.apply_to(records);
+                }
                 break;
             }
-            if line.contains(&0) || line.trim_ascii().is_empty() {
+            if line.trim_ascii().is_empty() {
+                continue;
+            }
+            if line.contains(&0) {
+                tracing::warn!(
+                    file = %path.display(),
+                    "Line {n} of the checkpoint log holds zeros (a write a crash cut short, or \
+                     pages the disk lost); it is skipped"
+                );
                 continue;
             }
             let line: Line = serde_json::from_slice(line).map_err(|e| {
@@ -215,9 +233,12 @@ impl FileCheckpointStore {
         }
         let written = std::fs::File::create(tmp)
             .and_then(|mut f| f.write_all(&bytes).and_then(|_| f.sync_all()))
-            .map_err(|e| e.to_string())
+            .map_err(|e| format!("cannot write {}: {e}", tmp.display()))
             .and_then(|_| ready())
-            .and_then(|_| std::fs::rename(tmp, path).map_err(|e| e.to_string()));
+            .and_then(|_| {
+                std::fs::rename(tmp, path)
+                    .map_err(|e| format!("cannot rename {} over it: {e}", tmp.display()))
+            });
         if let Err(e) = written {
             // Not left beside it: a whole copy of the log.
             let _ = std::fs::remove_file(tmp);
@@ -254,22 +275,6 @@ impl FileCheckpointStore {
     }
 }
 
-/// The JSON text `json` without whitespace outside its strings.
-fn minified(json: &str) -> String {
-    let (mut out, mut in_string, mut escaped) = (String::with_capacity(json.len()), false, false);
-    for c in json.chars() {
-        if in_string {
-            (in_string, escaped) = (escaped || c != '"', !escaped && c == '\\');
-        } else if c.is_ascii_whitespace() {
-            continue;
-        } else {
-            in_string = c == '"';
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// Where one write puts its line, holding the file lock; blocking.
 struct Append<'a> {
     path: &'a Path,
@@ -283,14 +288,15 @@ struct Append<'a> {
     compact_at_least: u64,
 }
 
-impl Append<'_> {
-    fn given_up(&self) -> std::result::Result<(), String> {
-        if self.abandoned.load(Ordering::SeqCst) {
-            return Err("given up before it was written".into());
-        }
-        Ok(())
+/// An error once the write is given up (see [`Append::abandoned`]).
+fn given_up(abandoned: &AtomicBool) -> std::result::Result<(), String> {
+    if abandoned.load(Ordering::SeqCst) {
+        return Err("given up before it was written".into());
     }
+    Ok(())
+}
 
+impl Append<'_> {
     fn run(self) -> std::result::Result<(), String> {
         use std::os::unix::fs::FileExt;
         let opened = std::fs::OpenOptions::new()
@@ -300,9 +306,12 @@ impl Append<'_> {
         let mut file = match opened {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return self.rewrite(),
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(format!("cannot open it: {e}")),
         };
-        let mut len = file.metadata().map_err(|e| e.to_string())?.len();
+        let mut len = file
+            .metadata()
+            .map_err(|e| format!("cannot read its size: {e}"))?
+            .len();
         let (mut head, mut last) = ([0; HEADER.len()], [0]);
         if len < HEADER.len() as u64
             || file.read_exact_at(&mut head, 0).is_err()
@@ -316,10 +325,10 @@ impl Append<'_> {
             // start to this write's end.
             return self.rewrite();
         }
-        self.given_up()?;
+        given_up(self.abandoned)?;
         file.write_all(&self.line)
             .and_then(|_| file.sync_data())
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| format!("cannot append to it: {e}"))?;
         len += self.line.len() as u64;
         if len > self.compact_at_least && len > 2 * self.compacted.load(Ordering::Relaxed) {
             // What the log holds does not change: a failure here fails no write.
@@ -344,13 +353,8 @@ impl Append<'_> {
         let mut doc = FileCheckpointStore::read(self.path)?;
         let records = doc.entry(self.changes.route.clone()).or_default();
         self.changes.apply_to(records);
-        let ready = || {
-            if self.abandoned.load(Ordering::SeqCst) {
-                return Err("given up before it was written".into());
-            }
-            Ok(())
-        };
-        let size = FileCheckpointStore::replace(self.path, self.tmp, &doc, ready)?;
+        let abandoned = self.abandoned;
+        let size = FileCheckpointStore::replace(self.path, self.tmp, &doc, || given_up(abandoned))?;
         self.compacted.store(size, Ordering::Relaxed);
         Ok(())
     }
@@ -613,10 +617,22 @@ mod tests {
         assert!(err.contains("ns/n") && err.contains("corrupt"), "{err}");
     }
 
-    #[test]
-    fn json_is_minified_outside_its_strings() {
-        let json = "{ \"a b\" :\n \"x \\\" y\\\\\" , \"c\": [1, 2]}";
-        assert_eq!(minified(json), "{\"a b\":\"x \\\" y\\\\\",\"c\":[1,2]}");
+    /// A record of an old document spread over lines, with escapes, is one line of the log
+    /// and reads back the same.
+    #[tokio::test]
+    async fn a_record_spread_over_lines_is_written_on_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
+        let record = "{ \"uid\" :\n \"x \\\" y\\\\\" , \"resourceVersion\": \"1\"}";
+        std::fs::write(store.path(), format!("{{\"r\": {{\"ns/a\": {record}}}}}")).unwrap();
+        store
+            .write("o", vec![("ns/b".into(), entry(2))])
+            .await
+            .unwrap();
+        let lines = lines(&store);
+        assert_eq!(lines.len(), 3, "the header and a line per route: {lines:?}");
+        let loaded = store.load("r").await.unwrap().unwrap();
+        assert_eq!(loaded["ns/a"].uid, "x \" y\\");
     }
 
     #[tokio::test]
@@ -634,6 +650,22 @@ mod tests {
         assert_eq!(store.load("r").await.unwrap().unwrap().len(), 1);
     }
 
+    /// A last line whose newline an edit took away is whole: read, and kept by the next write.
+    #[tokio::test]
+    async fn a_whole_last_line_without_its_newline_is_kept() {
+        let (dir, store) = with_a_line_then(
+            br#"{"route":"r","records":{"ns/c":{"uid":"u","resourceVersion":"3"}}}"#,
+        )
+        .await;
+        assert_eq!(store.load("r").await.unwrap().unwrap().len(), 2);
+        store
+            .write("r", vec![("ns/b".into(), entry(2))])
+            .await
+            .unwrap();
+        let reread = FileCheckpointStore::beside(&dir.path().join("out.jsonl"));
+        assert_eq!(reread.load("r").await.unwrap().unwrap().len(), 3);
+    }
+
     #[tokio::test]
     async fn a_line_that_cannot_be_read_is_an_error_naming_it() {
         let (_dir, store) = with_a_line_then(b"{\"route\": 7}\n").await;
@@ -643,6 +675,13 @@ mod tests {
             .unwrap();
         let err = store.load("r").await.unwrap_err().to_string();
         assert!(err.contains("line 3 of the log"), "{err}");
+        // A field misspelt by hand is no line that changes nothing.
+        let (_dir, store) = with_a_line_then(b"{\"route\": \"r\", \"record\": {}}\n").await;
+        let err = store.load("r").await.unwrap_err().to_string();
+        assert!(
+            err.contains("line 3 of the log") && err.contains("record"),
+            "{err}"
+        );
     }
 
     /// Two stores on one file (two processes: sharded replicas on a shared volume), writing
